@@ -1,0 +1,155 @@
+"""The one record type every source yields, and the accounting of records a source skips.
+
+A record is one image (or, for text-only sources, one report) with its report, labels,
+RDF-style triples and optional boxes. Sources never raise on bad input: they call
+``SkipLog.skip(id, reason)`` and move on, so a build can say exactly what it left out.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Union
+
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+# CheXpert-14 label names, in the order used everywhere a label vector is needed.
+CHEXPERT14: tuple[str, ...] = (
+    "No Finding",
+    "Enlarged Cardiomediastinum",
+    "Cardiomegaly",
+    "Lung Opacity",
+    "Lung Lesion",
+    "Edema",
+    "Consolidation",
+    "Pneumonia",
+    "Atelectasis",
+    "Pneumothorax",
+    "Pleural Effusion",
+    "Pleural Other",
+    "Fracture",
+    "Support Devices",
+)
+
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+
+# A record's image: a file path, encoded bytes, or a picklable zero-argument callable
+# (e.g. functools.partial of a module-level renderer) so DataLoader workers can render it.
+ImageRef = Union[str, Path, bytes, Callable[[], Image.Image], None]
+
+Triple = tuple[str, str, str]
+
+
+@dataclass
+class Record:
+    id: str
+    subject_id: str
+    study_id: str
+    split: str
+    report: str
+    image: ImageRef = None
+    view: str | None = None
+    findings: str = ""
+    impression: str = ""
+    # CheXpert-14 name -> 1 (positive), 0 (negative), -1 (uncertain), None (not mentioned).
+    labels: dict[str, int | None] = field(default_factory=dict)
+    triples: list[Triple] = field(default_factory=list)
+    # Boxes in pixel coordinates of the record's image: {"label": str, "box": [x0, y0, x1, y1]}.
+    boxes: list[dict] = field(default_factory=list)
+    # Anything source-specific worth carrying into shard metadata (licence, MeSH codes, ...).
+    extra: dict = field(default_factory=dict)
+
+    def label_vector(self, uncertain_as: float = 1.0) -> list[float]:
+        """CheXpert-14 as floats: positive 1, negative/missing 0, uncertain -> ``uncertain_as``."""
+        out = []
+        for name in CHEXPERT14:
+            value = self.labels.get(name)
+            out.append(uncertain_as if value == -1 else float(value == 1))
+        return out
+
+
+def load_image(record: Record) -> Image.Image:
+    """Decode a record's image as 8-bit grayscale. Raises on a missing or unreadable image."""
+    ref = record.image
+    if ref is None:
+        raise ValueError(f"record {record.id!r} has no image")
+    if callable(ref):
+        image = ref()
+    elif isinstance(ref, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(ref))
+    else:
+        path = Path(ref)
+        if not path.is_file():
+            raise FileNotFoundError(f"record {record.id!r}: image file not found: {path}")
+        image = Image.open(path)
+    image.load()  # force decoding now so truncated files fail here, not later
+    if image.mode in ("I;16", "I;16B", "I", "F"):
+        # 16-bit/float sources: min-max to 8 bit, as the shared data's preparation did.
+        import numpy as np
+
+        arr = np.asarray(image, dtype=np.float32)
+        lo, hi = float(arr.min()), float(arr.max())
+        arr = (arr - lo) / max(hi - lo, 1e-6) * 255.0
+        image = Image.fromarray(arr.astype("uint8"))
+    if image.mode in ("RGBA", "LA"):
+        background = Image.new("RGBA", image.size, (0, 0, 0, 255))
+        image = Image.alpha_composite(background, image.convert("RGBA"))
+    return image.convert("L")
+
+
+_KEY_BAD_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def safe_key(record_id: str) -> str:
+    """A WebDataset-safe sample key: no dots (they separate key and extension) or slashes."""
+    key = _KEY_BAD_CHARS.sub("_", record_id).strip("_")
+    return key or "sample"
+
+
+@dataclass
+class SkipLog:
+    """Records a source or a build left out, by id and reason. Nothing is dropped silently."""
+
+    entries: list[tuple[str, str]] = field(default_factory=list)
+
+    def skip(self, record_id: str, reason: str) -> None:
+        self.entries.append((str(record_id), reason))
+        log.warning("skipped %s: %s", record_id, reason)
+
+    def extend(self, other: "SkipLog") -> None:
+        self.entries.extend(other.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def by_reason(self) -> dict[str, int]:
+        """Counts per reason category (the text before the first ':')."""
+        return dict(Counter(reason.split(":", 1)[0] for _, reason in self.entries))
+
+    def summary(self, limit: int = 20) -> str:
+        if not self.entries:
+            return "skipped 0 records"
+        lines = [f"skipped {len(self.entries)} records ({self.by_reason()}):"]
+        lines += [f"  {rid}: {reason}" for rid, reason in self.entries[:limit]]
+        if len(self.entries) > limit:
+            lines.append(f"  ... and {len(self.entries) - limit} more")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"count": len(self.entries), "by_reason": self.by_reason(),
+                "records": [{"id": rid, "reason": reason} for rid, reason in self.entries]}
+
+
+def iter_splits(records: list[Record]) -> Iterator[tuple[str, list[Record]]]:
+    """Records grouped by split in the canonical order train, val, test (others last)."""
+    order = {name: i for i, name in enumerate(SPLITS)}
+    groups: dict[str, list[Record]] = {}
+    for rec in records:
+        groups.setdefault(rec.split, []).append(rec)
+    for name in sorted(groups, key=lambda s: (order.get(s, len(order)), s)):
+        yield name, groups[name]

@@ -1,0 +1,86 @@
+"""What every teacher provides, whatever model sits behind it."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Teacher:
+    """A frozen model that embeds images and/or texts into one L2-normalised space.
+
+    Subclasses implement ``_encode_images`` (float (B, 3, S, S), already normalised) and
+    ``_encode_texts``; this base handles grayscale->RGB, normalisation, batching, inference
+    mode, CUDA autocast and L2-normalisation so every teacher behaves the same.
+    """
+
+    name: str  # file-safe key used in shard extensions ('biomedclip', 'minilm', ...)
+    spec: str  # the spec string it was loaded from
+    kind: str  # 'clip' (image + text) or 'text' (text only)
+    embed_dim: int
+    logit_scale: float
+    context_length: int
+    fingerprint: str
+    image_size: int | None = None
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    device: str = "cpu"
+    notes: dict = field(default_factory=dict)  # e.g. {"test_only": True} for random:tiny
+
+    @property
+    def has_images(self) -> bool:
+        return self.kind == "clip"
+
+    def describe(self) -> dict:
+        return {"name": self.name, "spec": self.spec, "kind": self.kind,
+                "embed_dim": self.embed_dim, "logit_scale": self.logit_scale,
+                "context_length": self.context_length, "fingerprint": self.fingerprint,
+                "image_size": self.image_size, "mean": self.mean, "std": self.std,
+                **self.notes}
+
+    def prepare_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 1, S, S) in [0, 1] at ``image_size`` -> normalised (B, 3, S, S) on device."""
+        x = images.to(self.device, non_blocking=True).float()
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
+        return (x - mean) / std
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 1, S, S) in [0, 1] -> (B, D) L2-normalised float32 on CPU."""
+        if not self.has_images:
+            raise TypeError(f"teacher {self.spec!r} is text-only and has no image encoder")
+        with torch.inference_mode(), self._autocast():
+            out = self._encode_images(self.prepare_images(images))
+        return F.normalize(out.float(), dim=-1).cpu()
+
+    def encode_texts(self, texts: list[str]) -> torch.Tensor:
+        """list of B strings -> (B, D) L2-normalised float32 on CPU."""
+        with torch.inference_mode(), self._autocast():
+            out = self._encode_texts(list(texts))
+        return F.normalize(out.float(), dim=-1).cpu()
+
+    def _autocast(self):
+        enabled = str(self.device).startswith("cuda")
+        return torch.autocast(device_type="cuda", dtype=torch.float16, enabled=enabled) if enabled \
+            else torch.autocast(device_type="cpu", enabled=False)
+
+    def _encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _encode_texts(self, texts: list[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def weights_fingerprint(module: torch.nn.Module) -> str:
+    """sha1 over parameter names, shapes and bytes: identifies the exact weights a teacher used."""
+    digest = hashlib.sha1()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).to(torch.float32).numpy().tobytes())
+    return digest.hexdigest()[:16]

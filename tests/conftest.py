@@ -1,0 +1,21 @@
+"""Shared test fixtures: small, generated data; the real shared data only where present."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("CXRDR_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """../shared/data (real CXR data); tests using it skip when it is absent, as outside users lack it."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not present at {SHARED_DATA}")
+    return SHARED_DATA
