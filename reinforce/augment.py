@@ -123,6 +123,8 @@ def to_float_image(image) -> torch.Tensor:
     if isinstance(image, Image.Image):
         image = np.asarray(image.convert("L"))
     if isinstance(image, np.ndarray):
+        if not image.flags.writeable:
+            image = np.array(image)  # PIL's asarray is read-only; torch warns on those
         tensor = torch.from_numpy(np.ascontiguousarray(image))
     else:
         tensor = image

@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+class TeacherError(ValueError):
+    """A teacher spec that cannot be loaded (bad spec, missing weights); message is one line."""
+
+
+def file_safe_name(text: str) -> str:
+    """Lower-case [a-z0-9_-] form of ``text`` for teacher names (they become shard extensions)."""
+    name = re.sub(r"[^a-z0-9_-]+", "-", text.lower()).strip("-_")
+    return name or "teacher"
 
 
 @dataclass

@@ -1,0 +1,674 @@
+"""`reinforce build`: records -> replayable augmentations + captions + teacher embeddings -> shards.
+
+Pipeline (one rank):
+1. The main process enumerates the source's records (text level only; the source skips bad
+   ones into its SkipLog), orders them train, val, test (source order inside a split) and cuts
+   shards of ``--shard-size`` records that never mix splits. Boundaries are fixed before any
+   image work, so every rank and every ``--resume`` agree on them (``stats/plan.json``).
+2. DataLoader workers decode each image, resize it to short side ``--store-size``, ENCODE it
+   (JPEG/PNG) and DECODE it again, so the teacher sees exactly the pixels stage 2 will decode;
+   then sample K augmentation parameter sets, replay each at every distinct teacher input size,
+   and make S captions. An unreadable image is skipped into the build's SkipLog, never fatal.
+3. The main process batches teacher forwards (K*B crops per image forward; reports + captions
+   per text forward).
+4. A background thread writes the tar (bounded queue), as ``shard-NNNNNN.tar.tmp`` renamed
+   with its ``stats/shard-NNNNNN.json`` when complete.
+5. Rank 0 waits for every shard of the plan, then merges manifest.parquet, sizes.json and
+   dataset.json (``reinforce.manifest.merge``).
+
+Shard ``i`` belongs to rank ``i % world_size`` (from ``--rank/--world-size`` or torchrun's
+RANK/WORLD_SIZE). The format is described in shards/FORMAT.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from reinforce.clierrors import UserError
+
+DEFAULT_OUT = Path("shards")
+
+
+def read_dataset_info(shards_dir) -> dict:
+    """Load ``dataset.json`` of a shard folder (what stage 2 reads before streaming)."""
+    from reinforce.shardformat import DATASET_JSON, SCHEMA_VERSION
+
+    path = Path(shards_dir) / DATASET_JSON
+    if not path.is_file():
+        hint = (" (the build has not been merged yet: run `reinforce merge " f"{shards_dir}`)"
+                if (Path(shards_dir) / "stats" / "plan.json").is_file() else
+                " (run `reinforce build --out " f"{shards_dir}` first)")
+        raise MissingDatasetError(f"no {DATASET_JSON} in shard folder {shards_dir}{hint}")
+    try:
+        info = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc}") from exc
+    if info.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path} has schema_version {info.get('schema_version')!r}; "
+                        f"this code reads version {SCHEMA_VERSION}")
+    return info
+
+
+class MissingDatasetError(UserError, FileNotFoundError):
+    """dataset.json is missing (both a UserError for the CLI and a FileNotFoundError for callers)."""
+
+
+# --------------------------------------------------------------------------- options & plan
+
+
+@dataclass
+class BuildOptions:
+    source: str = "phantom"
+    teachers: str = "random:tiny"
+    out: Path = DEFAULT_OUT
+    n_aug: int = 10
+    n_captions: int = 5
+    store_size: int = 256
+    image_format: str = "jpg"
+    jpeg_quality: int = 95
+    emb_dtype: str = "float16"
+    shard_size: int = 1000
+    seed: int = 0
+    workers: int = 2
+    batch_size: int = 32
+    device: str = "auto"
+    model_cache: Optional[str] = None
+    resume: bool = False
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    limit: Optional[int] = None
+    aug: object = None  # AugConfig; None -> defaults
+    source_options: dict = field(default_factory=dict)
+    merge_timeout: float = 3600.0
+    progress: bool = True
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    split: str
+    items: list  # [(key, Record)]
+
+    @property
+    def name(self) -> str:
+        from reinforce.shardformat import shard_name
+
+        return shard_name(self.index)
+
+    def describe(self) -> dict:
+        ids = hashlib.sha1("\n".join(r.id for _, r in self.items).encode()).hexdigest()[:16]
+        return {"index": self.index, "name": self.name, "split": self.split,
+                "records": len(self.items), "ids_sha1": ids}
+
+
+def assign_keys(records) -> list[tuple[str, object]]:
+    """Unique WebDataset keys: safe_key(id), plus a short id hash when two ids sanitise alike."""
+    from reinforce.records import safe_key
+
+    seen, out = set(), []
+    for rec in records:
+        key = safe_key(rec.id)
+        if key in seen:
+            key = f"{key}-{hashlib.sha1(rec.id.encode()).hexdigest()[:8]}"
+        seen.add(key)
+        out.append((key, rec))
+    return out
+
+
+def cut_shards(keyed_records, shard_size: int) -> list[ShardPlan]:
+    """Order by split (train, val, test), keep source order inside a split, never mix splits."""
+    from reinforce.records import iter_splits
+
+    keys = {id(rec): key for key, rec in keyed_records}
+    shards: list[ShardPlan] = []
+    for split, recs in iter_splits([rec for _, rec in keyed_records]):
+        for start in range(0, len(recs), shard_size):
+            chunk = recs[start:start + shard_size]
+            shards.append(ShardPlan(len(shards), split, [(keys[id(r)], r) for r in chunk]))
+    return shards
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """--rank/--world-size, else torchrun's RANK/WORLD_SIZE, else (0, 1)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if rank is None:
+        rank = int(os.environ.get("RANK", 0))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UserError(f"invalid rank {rank} for world size {world_size} (need 0 <= rank < world size)")
+    return rank, world_size
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        return "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+@dataclass
+class PrepareSpec:
+    """Everything a DataLoader worker needs to prepare one record (picklable)."""
+
+    images: bool
+    store_size: int
+    image_format: str
+    jpeg_quality: int
+    n_aug: int
+    n_captions: int
+    aug: object
+    seed: int
+    sizes: tuple  # distinct teacher input sizes
+
+
+def encode_image(image, image_format: str, jpeg_quality: int) -> bytes:
+    buf = io.BytesIO()
+    if image_format == "png":
+        image.save(buf, format="PNG")
+    else:
+        image.save(buf, format="JPEG", quality=jpeg_quality)
+    return buf.getvalue()
+
+
+def decode_stored_image(data: bytes):
+    """Stored image bytes -> PIL 'L', exactly as stage 2 decodes them (PIL)."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image.convert("L")
+
+
+def _scale_boxes(boxes, orig_size, stored_size) -> list[dict]:
+    sx, sy = stored_size[0] / orig_size[0], stored_size[1] / orig_size[1]
+    out = []
+    for b in boxes or []:
+        x0, y0, x1, y1 = b["box"]
+        out.append({**b, "box": [round(x0 * sx, 2), round(y0 * sy, 2), round(x1 * sx, 2), round(y1 * sy, 2)]})
+    return out
+
+
+def _json_safe(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(value, default=str))
+
+
+def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
+    """Decode/encode/decode, sample + replay augmentations, make captions. Never raises."""
+    import numpy as np
+    import torch
+
+    from reinforce.augment import replay, resize_short_side, sample_param_sets, to_float_image
+    from reinforce.captions import make_captions
+    from reinforce.records import CHEXPERT14, load_image
+
+    start = time.perf_counter()
+    out = {"shard": shard, "key": key, "id": record.id}
+    image_bytes, params, crops, size, boxes = None, [], {}, None, []
+    if spec.images:
+        try:
+            image = load_image(record)
+        except FileNotFoundError as exc:
+            return {**out, "skip": f"missing image: {exc}", "prep_seconds": time.perf_counter() - start}
+        except Exception as exc:  # noqa: BLE001 - any decoder error means "unreadable", not a crash
+            return {**out, "skip": f"unreadable image: {type(exc).__name__}: {exc}",
+                    "prep_seconds": time.perf_counter() - start}
+        orig_size = image.size
+        image = resize_short_side(image, spec.store_size)
+        image_bytes = encode_image(image, spec.image_format, spec.jpeg_quality)
+        stored = decode_stored_image(image_bytes)
+        size = list(stored.size)
+        params = sample_param_sets(key, size[0], size[1], spec.n_aug, spec.aug, spec.seed)
+        pixels = to_float_image(np.asarray(stored))
+        crops = {s: torch.stack([replay(pixels, p, s) for p in params]) for s in spec.sizes}
+        boxes = _scale_boxes(record.boxes, orig_size, size)
+    try:
+        captions = [c.to_json() for c in make_captions(record, n=spec.n_captions, seed=spec.seed)]
+    except Exception as exc:  # noqa: BLE001
+        return {**out, "skip": f"captions failed: {type(exc).__name__}: {exc}",
+                "prep_seconds": time.perf_counter() - start}
+    if len(captions) != spec.n_captions:
+        return {**out, "skip": f"captions failed: got {len(captions)} captions, expected {spec.n_captions}",
+                "prep_seconds": time.perf_counter() - start}
+    labels = {name: record.labels.get(name) for name in CHEXPERT14}
+    meta = {"id": record.id, "key": key, "subject_id": str(record.subject_id),
+            "study_id": str(record.study_id), "split": record.split, "view": record.view,
+            "findings": record.findings, "impression": record.impression, "labels": labels,
+            "label_vector": record.label_vector(), "triples": [list(t) for t in record.triples],
+            "captions": captions, "aug": params, "boxes": boxes, "image_size": size}
+    if record.extra:
+        meta["extra"] = _json_safe(record.extra)
+    row = {"key": key, "id": record.id, "split": record.split, "subject_id": str(record.subject_id),
+           "study_id": str(record.study_id), "view": record.view, **labels,
+           "n_aug": len(params), "n_captions": len(captions)}
+    return {**out, "image": image_bytes, "report": record.report, "meta": meta, "row": row,
+            "crops": crops, "texts": [record.report] + [c["text"] for c in captions],
+            "prep_seconds": time.perf_counter() - start}
+
+
+class _PrepareDataset:
+    """Map-style dataset over (shard, key, record) for torch's DataLoader."""
+
+    def __init__(self, items, spec: PrepareSpec):
+        self.items, self.spec = items, spec
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        shard, key, record = self.items[i]
+        return prepare_record(shard, key, record, self.spec)
+
+
+def _as_list(batch):
+    return batch
+
+
+# --------------------------------------------------------------------------- main-process side
+
+
+def _forward(fn, inputs, chunk: int = 512):
+    import torch
+
+    outs = [fn(inputs[i:i + chunk]) for i in range(0, len(inputs), chunk)]
+    return torch.cat(outs).numpy() if outs else None
+
+
+def embed_batch(teachers, samples: list[dict], images: bool) -> list[dict]:
+    """Teacher forwards for a batch: per sample {teacher: {'img': (K,D), 'syn': (S,D), 'txt': (D,)}}."""
+    import torch
+
+    out = [{} for _ in samples]
+    if not samples:
+        return out
+    n_syn = len(samples[0]["texts"]) - 1
+    texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
+    for teacher in teachers:
+        if images and teacher.has_images:
+            x = torch.cat([s["crops"][teacher.image_size] for s in samples])
+            img = _forward(teacher.encode_images, x)
+            k = samples[0]["crops"][teacher.image_size].shape[0]
+            img = img.reshape(len(samples), k, -1)
+        txt_all = _forward(teacher.encode_texts, texts)
+        txt, syn = txt_all[:len(samples)], txt_all[len(samples):].reshape(len(samples), n_syn, -1)
+        for i in range(len(samples)):
+            parts = {"syn": syn[i], "txt": txt[i]}
+            if images and teacher.has_images:
+                parts["img"] = img[i]
+            out[i][teacher.name] = parts
+    return out
+
+
+def assemble_sample(prepared: dict, embeddings: dict, image_format: str, emb_dtype: str,
+                    errors: dict) -> dict:
+    """The tar members of one sample; updates ``errors`` with int8 max abs errors."""
+    import numpy as np
+
+    from reinforce.shardformat import decode_embedding, emb_ext, encode_embedding, npy_bytes, scale_ext
+
+    sample = {"__key__": prepared["key"], "txt": prepared["report"].encode("utf-8"),
+              "json": json.dumps(prepared["meta"], ensure_ascii=False).encode("utf-8")}
+    if prepared["image"] is not None:
+        sample[image_format] = prepared["image"]
+    for teacher, parts in embeddings.items():
+        for part, emb in parts.items():
+            data, scale = encode_embedding(emb, emb_dtype)
+            sample[emb_ext(teacher, part)] = npy_bytes(data)
+            if scale is not None:
+                sample[scale_ext(teacher, part)] = npy_bytes(scale)
+                err = float(np.abs(decode_embedding(data, scale) - emb).max())
+                cur = errors.setdefault(teacher, {})
+                cur[part] = max(cur.get(part, 0.0), err)
+    return sample
+
+
+def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path,
+                skiplog, fail_after_shards: int | None, rank: int) -> dict:
+    """Prepare (workers) -> embed (main) -> write (thread) for this rank's pending shards."""
+    import torch
+    from tqdm import tqdm
+
+    from reinforce.writer import BackgroundWriter
+
+    items = [(s.index, key, rec) for s in todo for key, rec in s.items]
+    remaining = {s.index: len(s.items) for s in todo}
+    splits = {s.index: s.split for s in todo}
+    timing = {"decode_augment": 0.0, "teacher": 0.0, "write": 0.0, "loader_wait": 0.0}
+    built = 0
+    if not items:
+        return {"samples_built": 0, "time_split_seconds": timing}
+
+    done_count = [0]
+
+    def on_shard_done(stats):
+        done_count[0] += 1
+        if fail_after_shards is not None and done_count[0] >= fail_after_shards:
+            raise SimulatedKill(f"simulated kill after {done_count[0]} shard(s)")
+
+    loader = torch.utils.data.DataLoader(
+        _PrepareDataset(items, spec), batch_size=opts.batch_size, shuffle=False,
+        num_workers=opts.workers, collate_fn=_as_list,
+        prefetch_factor=4 if opts.workers > 0 else None, persistent_workers=False)
+    writer = BackgroundWriter(out_dir, maxsize=max(64, 4 * opts.batch_size), on_shard_done=on_shard_done)
+    errors: dict[int, dict] = {}
+    position: dict[int, int] = {}
+    current = None
+    bar = tqdm(total=len(items), unit="rec", desc=f"build[{rank}]", disable=not opts.progress)
+    try:
+        t_wait = time.perf_counter()
+        for batch in loader:
+            timing["loader_wait"] += time.perf_counter() - t_wait
+            ok = [b for b in batch if "skip" not in b]
+            t0 = time.perf_counter()
+            embs = embed_batch(teachers, ok, spec.images)
+            timing["teacher"] += time.perf_counter() - t0
+            emb_of = {b["key"]: e for b, e in zip(ok, embs)}
+            for b in batch:
+                timing["decode_augment"] += b["prep_seconds"]
+                if b["shard"] != current:
+                    writer.begin(b["shard"], splits[b["shard"]], remaining[b["shard"]])
+                    current = b["shard"]
+                if "skip" in b:
+                    skiplog.skip(b["id"], b["skip"])
+                    writer.skip(b["id"], b["skip"])
+                else:
+                    shard_errors = errors.setdefault(b["shard"], {})
+                    sample = assemble_sample(b, emb_of[b["key"]], spec.image_format, opts.emb_dtype,
+                                             shard_errors)
+                    writer.add(sample, {**b["row"], "shard": _shard_name(b["shard"]),
+                                        "index_in_shard": position.get(b["shard"], 0)})
+                    position[b["shard"]] = position.get(b["shard"], 0) + 1
+                    built += 1
+                remaining[b["shard"]] -= 1
+                if remaining[b["shard"]] == 0:
+                    writer.end({"teachers": [t.name for t in teachers],
+                                "int8_max_abs_error": errors.pop(b["shard"], {}) or None})
+                    current = None
+            bar.update(len(batch))
+            t_wait = time.perf_counter()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    timing["write"] = writer.write_seconds
+    return {"samples_built": built, "time_split_seconds": {k: round(v, 3) for k, v in timing.items()}}
+
+
+def _shard_name(index: int) -> str:
+    from reinforce.shardformat import shard_name
+
+    return shard_name(index)
+
+
+class SimulatedKill(RuntimeError):
+    """Raised by the test hook ``fail_after_shards`` to mimic a build killed partway."""
+
+
+def _open_source(opts: BuildOptions):
+    from reinforce.sources import open_source
+
+    options = {k: v for k, v in opts.source_options.items() if v is not None}
+    try:
+        return open_source(opts.source, **options)
+    except UserError as exc:
+        raise UserError(f"--source {opts.source}: {exc}") from exc
+    except (ValueError, FileNotFoundError, KeyError, OSError, TypeError) as exc:
+        raise UserError(f"--source {opts.source}: {exc}") from exc
+
+
+def _load_teachers(opts: BuildOptions, device: str):
+    from reinforce.shardformat import TEACHER_NAME_RE
+    from reinforce.teachers import load_teachers
+
+    if not opts.teachers or not opts.teachers.strip(","):
+        raise UserError("--teachers is empty; give at least one teacher spec (e.g. random:tiny)")
+    try:
+        teachers = load_teachers(opts.teachers, device=device, model_cache=opts.model_cache)
+    except UserError as exc:
+        raise UserError(f"--teachers {opts.teachers}: {exc}") from exc
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+        raise UserError(f"--teachers {opts.teachers}: {exc}") from exc
+    names = [t.name for t in teachers]
+    if len(set(names)) != len(names):
+        raise UserError(f"--teachers {opts.teachers}: two teachers share a name ({names})")
+    for name in names:
+        if not TEACHER_NAME_RE.match(name):
+            raise UserError(f"teacher name {name!r} is not file-safe (lowercase letters, digits, '-', '_')")
+    return teachers
+
+
+def validate_options(opts: BuildOptions) -> None:
+    from reinforce.shardformat import EMB_DTYPES
+
+    checks = [
+        (opts.n_aug >= 1, f"--n-aug must be >= 1 (got {opts.n_aug})"),
+        (opts.n_captions >= 1, f"--n-captions must be >= 1 (got {opts.n_captions})"),
+        (opts.store_size >= 16, f"--store-size must be >= 16 (got {opts.store_size})"),
+        (opts.image_format in ("jpg", "png"), f"--image-format must be jpg or png (got {opts.image_format!r})"),
+        (1 <= opts.jpeg_quality <= 100, f"--jpeg-quality must be in 1..100 (got {opts.jpeg_quality})"),
+        (opts.emb_dtype in EMB_DTYPES, f"--emb-dtype must be one of {', '.join(EMB_DTYPES)} "
+                                       f"(got {opts.emb_dtype!r})"),
+        (opts.shard_size >= 1, f"--shard-size must be >= 1 (got {opts.shard_size})"),
+        (opts.workers >= 0, f"--workers must be >= 0 (got {opts.workers})"),
+        (opts.batch_size >= 1, f"--batch-size must be >= 1 (got {opts.batch_size})"),
+        (opts.limit is None or opts.limit >= 1, f"--limit must be >= 1 (got {opts.limit})"),
+        (opts.device == "auto" or opts.device == "cpu" or opts.device.startswith("cuda"),
+         f"--device must be auto, cpu or cuda[:N] (got {opts.device!r})"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: list | None = None) -> dict:
+    """Run one rank of a build; rank 0 also merges. Returns dataset.json (rank 0) or the rank's stats.
+
+    ``teachers``: already loaded teachers (tests reuse them across builds); default: load
+    ``opts.teachers``. ``fail_after_shards``: test hook mimicking a kill after N completed shards.
+    """
+    from reinforce import manifest
+    from reinforce.augment import AugConfig
+    from reinforce.records import SkipLog
+    from reinforce.shardformat import SCHEMA_VERSION
+    from reinforce.writer import is_shard_complete, write_json_atomic
+
+    started = time.perf_counter()
+    validate_options(opts)
+    aug = opts.aug or AugConfig()
+    rank, world = resolve_rank(opts.rank, opts.world_size)
+    out_dir = Path(opts.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} exists and is not a folder")
+    device = resolve_device(opts.device)
+
+    source = _open_source(opts)
+    records = list(itertools.islice(iter(source), opts.limit))
+    images = bool(getattr(source, "requires_images", True))
+    shards = cut_shards(assign_keys(records), opts.shard_size)
+    if not shards:
+        raise UserError(f"--source {opts.source} yielded no usable records "
+                        f"({getattr(source, 'skipped', SkipLog()).summary()})")
+    teachers = teachers if teachers is not None else _load_teachers(opts, device)
+
+    plan = {
+        "schema_version": SCHEMA_VERSION,
+        "source": _json_safe(source.describe()),
+        "images": images,
+        "teachers": [_json_safe(t.describe()) for t in teachers],
+        "aug": aug.to_json() if images else None,
+        "captions": {"n": opts.n_captions, "seed": opts.seed, "generator": "reinforce.captions.make_captions"},
+        "n_aug": opts.n_aug if images else 0,
+        "n_captions": opts.n_captions,
+        "store_size": opts.store_size if images else None,
+        "image_format": opts.image_format if images else None,
+        "jpeg_quality": opts.jpeg_quality if images and opts.image_format == "jpg" else None,
+        "emb_dtype": opts.emb_dtype,
+        "seed": opts.seed,
+        "shard_size": opts.shard_size,
+        "limit": opts.limit,
+        "records": len(records),
+        "shards": [s.describe() for s in shards],
+        "source_skipped": getattr(source, "skipped", SkipLog()).to_json(),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest.write_plan(out_dir, plan, opts.resume)
+
+    mine = [s for s in shards if s.index % world == rank]
+    complete = [s for s in mine if is_shard_complete(out_dir, s.index)]
+    if complete and not opts.resume:
+        raise UserError(f"{out_dir} already holds {len(complete)} completed shard(s) of this build "
+                        f"(e.g. {complete[0].name}); pass --resume to continue it or use another --out")
+    todo = [s for s in mine if not is_shard_complete(out_dir, s.index)]
+    spec = PrepareSpec(images=images, store_size=opts.store_size, image_format=opts.image_format,
+                       jpeg_quality=opts.jpeg_quality, n_aug=opts.n_aug, n_captions=opts.n_captions,
+                       aug=aug, seed=opts.seed,
+                       sizes=tuple(sorted({t.image_size for t in teachers if t.has_images})) if images else ())
+    skiplog = SkipLog()
+    if opts.progress:
+        typer.echo(f"rank {rank}/{world}: {len(mine)} of {len(shards)} shards are mine, "
+                   f"{len(mine) - len(todo)} already complete; {sum(len(s.items) for s in todo)} records "
+                   f"to build on {device} with {[t.name for t in teachers]}", err=True)
+    result = _run_shards(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, rank)
+    wall = time.perf_counter() - started
+    rank_info = {"rank": rank, "world_size": world, "device": device, "workers": opts.workers,
+                 "batch_size": opts.batch_size, "wall_seconds": round(wall, 3),
+                 "shards_built": len(todo), "shards_skipped_as_complete": len(mine) - len(todo),
+                 **result, "skipped": skiplog.to_json()}
+    write_json_atomic(manifest.rank_path(out_dir, rank), rank_info)
+    if rank != 0:
+        return rank_info
+    dataset = manifest.merge(out_dir, wait_timeout=opts.merge_timeout if world > 1 else 0.0)
+    return dataset
+
+
+def summary_text(dataset: dict) -> str:
+    b = dataset.get("build") or {}
+    split = b.get("time_split_seconds", {})
+    lines = [f"{dataset['total_samples']} samples in {len(dataset['shards'])} shards {dataset['counts']}",
+             f"throughput {b.get('samples_per_second')} samples/s over {b.get('wall_seconds')} s; time split (s): "
+             + ", ".join(f"{k} {v}" for k, v in split.items()),
+             "bytes/sample: " + ", ".join(f"{k} {v:.0f}" for k, v in dataset["bytes_per_sample"].items())]
+    if dataset.get("int8_max_abs_error"):
+        lines.append(f"int8 max abs error: {dataset['int8_max_abs_error']}")
+    src = dataset["skipped"]["source"]
+    bld = dataset["skipped"]["build"]
+    lines.append(f"skipped by source: {src.get('count', 0)} {src.get('by_reason', {})}; "
+                 f"skipped by build: {bld['count']} {bld['by_reason']}")
+    lines += [f"  {e['id']}: {e['reason']}" for e in (src.get("records", []) + bld["records"])[:20]]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _pair(text: str, flag: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"{flag} expects MIN,MAX (e.g. 0.6,1.0), got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise UserError(f"{flag} expects 0 < MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def cli_build(
+    source: Annotated[str, typer.Option(help="Source spec: phantom[:N], mimic:PATH.jsonl, iu-xray:DIR, "
+                                             "jsonl:PATH, csv:PATH.")] = "phantom",
+    teachers: Annotated[str, typer.Option(help="Comma-separated teacher specs, e.g. "
+                                               "biomedclip,text:minilm (random:tiny is for tests).")] = "biomedclip",
+    out: Annotated[Path, typer.Option(help="Output shard folder.")] = DEFAULT_OUT,
+    n_aug: Annotated[int, typer.Option(help="K augmentation parameter sets per image.")] = 10,
+    n_captions: Annotated[int, typer.Option(help="S synthetic captions per sample.")] = 5,
+    store_size: Annotated[int, typer.Option(help="Short side of the stored image in pixels.")] = 256,
+    image_format: Annotated[str, typer.Option(help="Stored image format: jpg or png.")] = "jpg",
+    jpeg_quality: Annotated[int, typer.Option(help="JPEG quality of stored images.")] = 95,
+    emb_dtype: Annotated[str, typer.Option(help="Embedding storage: float16, int8 (per-row scale) "
+                                                "or float32.")] = "float16",
+    shard_size: Annotated[int, typer.Option(help="Samples (records) per shard.")] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of augmentation and caption sampling.")] = 0,
+    workers: Annotated[int, typer.Option(help="DataLoader workers decoding and augmenting.")] = 2,
+    batch_size: Annotated[int, typer.Option(help="Records per teacher batch (K*B crops per image "
+                                                 "forward).")] = 32,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N] for the teachers.")] = "auto",
+    model_cache: Annotated[Optional[str], typer.Option(help="Folder with local teacher weights.")] = None,
+    resume: Annotated[bool, typer.Option(help="Skip shards already complete in --out.")] = False,
+    rank: Annotated[Optional[int], typer.Option(help="This process's rank (default: $RANK or 0).")] = None,
+    world_size: Annotated[Optional[int], typer.Option(help="Number of ranks (default: $WORLD_SIZE or 1); "
+                                                           "shard i is built by rank i % world.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Use only the first N records of the source.")] = None,
+    merge_timeout: Annotated[float, typer.Option(help="Seconds rank 0 waits for other ranks before "
+                                                      "merging.")] = 3600.0,
+    crop_scale: Annotated[str, typer.Option(help="RandomResizedCrop area fraction MIN,MAX.")] = "0.6,1.0",
+    crop_ratio: Annotated[str, typer.Option(help="RandomResizedCrop aspect ratio MIN,MAX.")] = "0.75,1.3333",
+    max_angle: Annotated[float, typer.Option(help="Max rotation in degrees.")] = 7.0,
+    randaugment: Annotated[int, typer.Option(help="RandAugment-style photometric ops per set (0 = off).")] = 0,
+    randaugment_magnitude: Annotated[float, typer.Option(help="RandAugment magnitude 0..10.")] = 5.0,
+    image_root: Annotated[Optional[str], typer.Option(help="Source: folder image paths are relative to.")] = None,
+    col_id: Annotated[Optional[str], typer.Option(help="Source column: record id.")] = None,
+    col_image: Annotated[Optional[str], typer.Option(help="Source column: image path.")] = None,
+    col_report: Annotated[Optional[str], typer.Option(help="Source column: report text.")] = None,
+    col_findings: Annotated[Optional[str], typer.Option(help="Source column: findings.")] = None,
+    col_impression: Annotated[Optional[str], typer.Option(help="Source column: impression.")] = None,
+    col_labels: Annotated[Optional[str], typer.Option(help="Source column: labels.")] = None,
+    col_split: Annotated[Optional[str], typer.Option(help="Source column: split.")] = None,
+    col_subject: Annotated[Optional[str], typer.Option(help="Source column: subject id.")] = None,
+    col_study: Annotated[Optional[str], typer.Option(help="Source column: study id.")] = None,
+    col_view: Annotated[Optional[str], typer.Option(help="Source column: view position.")] = None,
+    labels_format: Annotated[Optional[str], typer.Option(help="Source: how the labels column is "
+                                                              "encoded.")] = None,
+    scene_graphs: Annotated[Optional[str], typer.Option(help="Source (mimic): Chest ImaGenome scene "
+                                                             "graphs.")] = None,
+    frontal_only: Annotated[Optional[bool], typer.Option("--frontal-only/--all-views",
+                                                         help="Source: keep frontal views only.")] = None,
+    min_report_chars: Annotated[Optional[int], typer.Option(help="Source: shortest usable report.")] = None,
+    phantom_size: Annotated[Optional[int], typer.Option(help="Source (phantom): rendered image size.")] = None,
+    source_seed: Annotated[Optional[int], typer.Option(help="Source (phantom): generator seed.")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Build reinforced WebDataset shards: stored images, captions, aug params, teacher embeddings."""
+    from reinforce.augment import AugConfig
+
+    aug = AugConfig(scale=_pair(crop_scale, "--crop-scale"), ratio=_pair(crop_ratio, "--crop-ratio"),
+                    max_angle=max_angle, randaugment_n=randaugment,
+                    randaugment_magnitude=randaugment_magnitude)
+    source_options = dict(image_root=image_root, col_id=col_id, col_image=col_image, col_report=col_report,
+                          col_findings=col_findings, col_impression=col_impression, col_labels=col_labels,
+                          col_split=col_split, col_subject=col_subject, col_study=col_study,
+                          col_view=col_view, labels_format=labels_format, scene_graphs=scene_graphs,
+                          frontal_only=frontal_only, min_report_chars=min_report_chars,
+                          size=phantom_size, seed=source_seed)
+    opts = BuildOptions(source=source, teachers=teachers, out=out, n_aug=n_aug, n_captions=n_captions,
+                        store_size=store_size, image_format=image_format.lower().replace("jpeg", "jpg"),
+                        jpeg_quality=jpeg_quality, emb_dtype=emb_dtype, shard_size=shard_size, seed=seed,
+                        workers=workers, batch_size=batch_size, device=device, model_cache=model_cache,
+                        resume=resume, rank=rank, world_size=world_size, limit=limit, aug=aug,
+                        source_options=source_options, merge_timeout=merge_timeout, progress=not quiet)
+    result = build(opts)
+    if "total_samples" in result:
+        typer.echo(summary_text(result))
+        typer.echo(f"wrote {out}")
+    else:
+        typer.echo(f"rank {result['rank']}: built {result['samples_built']} samples in "
+                   f"{result['shards_built']} shards; rank 0 merges")

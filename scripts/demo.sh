@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The offline end-to-end demo (`make demo`): phantom data -> reinforced shards with real offline
+# teachers (MiniLM text teacher + a CLIP teacher trained here by `train run`) -> Patch-IB student
+# distilled from the stored embeddings -> evaluation table and plots.
+# Real use swaps the teachers for `--teachers biomedclip` on a GPU host (see README).
+set -euo pipefail
+OUT="${1:-demo}"
+N="${DEMO_N:-600}"
+mkdir -p "$OUT"
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+start=$(date +%s)
+
+step "1/6 phantom CXR data: $N images -> $OUT/phantom"
+reinforce phantom --n "$N" --out "$OUT/phantom" --seed 0 --size 256
+
+step "2/6 reinforce build: augmentations, captions, MiniLM text-teacher embeddings -> $OUT/shards"
+reinforce build --source "jsonl:$OUT/phantom/records.jsonl" --teachers text:minilm \
+  --out "$OUT/shards" --n-aug 4 --n-captions 4 --store-size 128 --shard-size 200 --workers 2 --resume
+
+step "3/6 train a CLIP teacher on the shards (train run, model tiny-A, teacher-free)"
+train run --shards "$OUT/shards" --model teacher-A --mode plain --steps "${DEMO_TEACHER_STEPS:-400}" \
+  --batch-size 32 --eval-every 200 --out "$OUT/teacher" --workers 2 ${DEMO_RESUME:+--resume}
+
+step "4/6 reinforce add-teacher: embed every stored augmentation and caption with that teacher"
+reinforce add-teacher "$OUT/shards" --teachers "ckpt:$OUT/teacher/best.pt"
+
+step "5/6 train the Patch-IB student (model tiny-D) distilled from the stored teacher embeddings"
+train run --shards "$OUT/shards" --model tiny-D --steps "${DEMO_STUDENT_STEPS:-400}" --batch-size 32 \
+  --eval-every 200 --out "$OUT/student" --workers 2 ${DEMO_RESUME:+--resume}
+
+step "6/6 evaluate the student on the phantom test split"
+train eval --ckpt "$OUT/student/best.pt" --shards "$OUT/shards" --split test --out "$OUT/eval"
+
+echo
+echo "demo finished in $(( $(date +%s) - start )) s; plots and tables are in $OUT/eval/"
+ls "$OUT/eval"

@@ -1,0 +1,331 @@
+"""`reinforce build` and the shard tooling (merge, resume, ranks, add-teacher, inspect, verify).
+
+Small real builds: phantom:16 records, K=2 augmentations, S=2 captions, 64 px stored images,
+teachers random:tiny + text:minilm (loaded once per session and handed to ``build``).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from reinforce.augment import replay
+from reinforce.build import BuildOptions, build, read_dataset_info, summary_text
+from reinforce.clierrors import UserError
+from reinforce.records import CHEXPERT14
+from reinforce.shardformat import npy_load, sample_embedding
+from reinforce.verify import iter_tar_samples, verify
+from reinforce.writer import is_shard_complete
+
+N = 16
+SPEC = "random:tiny,text:minilm"
+
+
+def options(out, **overrides) -> BuildOptions:
+    base = dict(source=f"phantom:{N}", teachers=SPEC, out=Path(out), n_aug=2, n_captions=2, store_size=64,
+                shard_size=4, workers=1, batch_size=4, device="cpu", progress=False, merge_timeout=120)
+    base.update(overrides)
+    return BuildOptions(**base)
+
+
+def read_samples(shards_dir) -> dict[str, dict]:
+    info = read_dataset_info(shards_dir)
+    out = {}
+    for shard in info["shards"]:
+        for key, sample in iter_tar_samples(Path(shards_dir) / shard["name"]):
+            out[key] = sample
+    return out
+
+
+def manifest_rows(shards_dir) -> list[dict]:
+    return pq.read_table(Path(shards_dir) / "manifest.parquet").to_pylist()
+
+
+def assert_same_samples(a: dict, b: dict, atol: float = 2e-3) -> None:
+    """Same keys and members; images/json/txt byte-identical, embeddings equal within atol."""
+    assert list(a) == list(b)
+    for key in a:
+        assert sorted(a[key]) == sorted(b[key]), key
+        for ext in a[key]:
+            if ext.endswith(".npy"):
+                np.testing.assert_allclose(npy_load(a[key][ext]).astype(np.float32),
+                                           npy_load(b[key][ext]).astype(np.float32), atol=atol, err_msg=key)
+            else:
+                assert a[key][ext] == b[key][ext], (key, ext)
+
+
+def app():
+    import typer
+
+    from reinforce.add_teacher import cli_add_teacher
+    from reinforce.build import cli_build
+    from reinforce.inspect import cli_inspect
+    from reinforce.manifest import cli_merge
+    from reinforce.verify import cli_verify
+
+    a = typer.Typer()
+    for name, fn in [("build", cli_build), ("merge", cli_merge), ("inspect", cli_inspect),
+                     ("verify", cli_verify), ("add-teacher", cli_add_teacher)]:
+        a.command(name)(fn)
+    return a
+
+
+@pytest.fixture(scope="session")
+def teachers():
+    from reinforce.teachers import load_teachers
+
+    return load_teachers(SPEC, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def fresh(tmp_path_factory, teachers) -> Path:
+    out = tmp_path_factory.mktemp("fresh")
+    build(options(out, workers=2), teachers=teachers)
+    return out
+
+
+def test_fresh_build_follows_the_contract(fresh):
+    problems, totals = verify(fresh)
+    assert problems == []
+    info = read_dataset_info(fresh)
+    assert [t["name"] for t in info["teachers"]] == ["random-tiny", "minilm"]
+    assert info["teachers"][0].get("test_only") is True
+    assert info["total_samples"] == N == sum(info["counts"].values()) == totals["samples"]
+    assert (info["n_aug"], info["n_captions"], info["store_size"], info["emb_dtype"]) == (2, 2, 64, "float16")
+    assert set(info["bytes_per_sample"]) >= {"image", "text", "json", "random-tiny", "minilm", "total"}
+    assert set(info["build"]["time_split_seconds"]) == {"decode_augment", "teacher", "write", "loader_wait"}
+    assert info["build"]["samples_per_second"] > 0
+    sizes = json.loads((fresh / "sizes.json").read_text())
+    assert sizes == {s["name"]: s["samples"] for s in info["shards"]}
+
+    rows = manifest_rows(fresh)
+    assert len(rows) == N and len({r["key"] for r in rows}) == N
+    assert set(CHEXPERT14) <= set(rows[0]) and rows[0]["n_aug"] == 2 and rows[0]["n_captions"] == 2
+    # Shards never mix splits, and splits come in the order train, val, test.
+    split_of = {}
+    for r in rows:
+        assert split_of.setdefault(r["shard"], r["split"]) == r["split"]
+    order = [split_of[s["name"]] for s in info["shards"]]
+    assert order == sorted(order, key=["train", "val", "test"].index)
+
+    key, sample = next(iter(read_samples(fresh).items()))
+    assert sample_embedding(sample, "random-tiny", "img").shape == (2, 64)
+    assert sample_embedding(sample, "random-tiny", "syn").shape == (2, 64)
+    assert sample_embedding(sample, "random-tiny", "txt").shape == (64,)
+    assert sample_embedding(sample, "minilm", "syn").shape[0] == 2
+    assert sample_embedding(sample, "minilm", "img") is None  # text-only teacher
+    assert npy_load(sample["random-tiny.img.npy"]).dtype == np.float16
+    meta = json.loads(sample["json"])
+    assert meta["key"] == key and len(meta["captions"]) == 2 and len(meta["aug"]) == 2
+    assert min(meta["image_size"]) == 64 and len(meta["label_vector"]) == 14
+    for box in meta["boxes"]:
+        x0, y0, x1, y1 = box["box"]
+        assert 0 <= x0 <= x1 <= meta["image_size"][0] + 1 and 0 <= y0 <= y1 <= meta["image_size"][1] + 1
+
+
+def test_stored_embeddings_are_those_of_the_replayed_stored_pixels(fresh, teachers):
+    """Stage 2 decodes the stored image, replays aug[k]: the teacher saw exactly that tensor."""
+    tiny, minilm = teachers
+    for key, sample in list(read_samples(fresh).items())[:3]:
+        meta = json.loads(sample["json"])
+        image = Image.open(io.BytesIO(sample["jpg"])).convert("L")
+        crops = torch.stack([replay(image, p, tiny.image_size) for p in meta["aug"]])
+        expected = tiny.encode_images(crops).numpy()
+        np.testing.assert_allclose(sample_embedding(sample, "random-tiny", "img"), expected, atol=2e-3)
+        texts = [sample["txt"].decode()] + [c["text"] for c in meta["captions"]]
+        expected = minilm.encode_texts(texts).numpy()
+        np.testing.assert_allclose(sample_embedding(sample, "minilm", "txt"), expected[0], atol=2e-3)
+        np.testing.assert_allclose(sample_embedding(sample, "minilm", "syn"), expected[1:], atol=2e-3)
+
+
+def test_inspect_and_verify_commands(fresh):
+    runner = CliRunner()
+    result = runner.invoke(app(), ["inspect", str(fresh)])
+    assert result.exit_code == 0, result.output
+    for text in ("random-tiny", "minilm", "bytes/sample", "captions:", "aug params", "TEST ONLY"):
+        assert text in result.output
+    result = runner.invoke(app(), ["verify", str(fresh)])
+    assert result.exit_code == 0, result.output
+    assert "OK" in result.output
+
+
+def _last_member_end(path: Path) -> int:
+    with tarfile.open(path) as tf:
+        last = tf.getmembers()[-1]
+    return last.offset_data + (last.size + 511) // 512 * 512
+
+
+@pytest.mark.parametrize("cut", ["half", "member-boundary"])
+def test_verify_names_a_truncated_shard(fresh, tmp_path, cut):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(fresh, damaged)
+    tar = damaged / "shard-000001.tar"
+    size = tar.stat().st_size // 2 if cut == "half" else _last_member_end(tar)
+    with open(tar, "r+b") as f:
+        f.truncate(size)
+    result = CliRunner().invoke(app(), ["verify", str(damaged)])
+    assert result.exit_code == 1, result.output
+    assert "shard-000001.tar" in result.output
+    assert "shard-000000.tar" not in result.output
+
+
+def test_verify_names_a_bad_sample(fresh, tmp_path):
+    """A NaN embedding (rewritten tar, consistent size) is reported with its shard and key."""
+    import webdataset as wds
+
+    damaged = tmp_path / "nan"
+    shutil.copytree(fresh, damaged)
+    tar = damaged / "shard-000000.tar"
+    samples = list(iter_tar_samples(tar))
+    bad_key = samples[1][0]
+    nan = np.full((2, 64), np.nan, dtype=np.float16)
+    buf = io.BytesIO()
+    np.save(buf, nan)
+    samples[1][1]["random-tiny.img.npy"] = buf.getvalue()
+    with open(tar, "wb") as f:
+        writer = wds.TarWriter(f, encoder=False, mtime=0)
+        for key, sample in samples:
+            writer.write({"__key__": key, **sample})
+        writer.close()
+    problems, _ = verify(damaged)
+    assert any("shard-000000.tar" in p and bad_key in p and "NaN" in p for p in problems), problems
+
+
+def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
+    from reinforce.build import SimulatedKill
+
+    out = tmp_path / "resumed"
+    with pytest.raises(RuntimeError) as excinfo:
+        build(options(out), fail_after_shards=2, teachers=teachers)
+    assert isinstance(excinfo.value.__cause__, SimulatedKill)
+    complete = [i for i in range(8) if is_shard_complete(out, i)]
+    assert complete == [0, 1]
+    assert not (out / "dataset.json").exists()
+    (out / "shard-000003.tar.tmp").write_bytes(b"half a shard left by a kill")
+
+    with pytest.raises(UserError, match="--resume"):
+        build(options(out), teachers=teachers)
+    info = build(options(out, resume=True, workers=0), teachers=teachers)
+    assert info["build"]["ranks"][0]["shards_skipped_as_complete"] == 2
+    assert manifest_rows(out) == manifest_rows(fresh)
+    assert_same_samples(read_samples(out), read_samples(fresh))
+    assert verify(out)[0] == []
+    assert not list(out.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_two_ranks_then_merge_equal_a_single_process_build(fresh, tmp_path):
+    out = tmp_path / "ranks"
+    exe = Path(sys.executable).parent / "reinforce"
+    base = [str(exe), "build", "--source", f"phantom:{N}", "--teachers", SPEC, "--out", str(out),
+            "--n-aug", "2", "--n-captions", "2", "--store-size", "64", "--shard-size", "4", "--workers", "0",
+            "--batch-size", "4", "--device", "cpu", "--quiet", "--world-size", "2", "--merge-timeout", "150"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=env, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=200)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "rank 0 merges" in outputs[1]
+    ranks = json.loads((out / "dataset.json").read_text())["build"]["ranks"]
+    assert sorted(r["shards_built"] for r in ranks) == [4, 4]
+    assert manifest_rows(out) == manifest_rows(fresh)
+    assert_same_samples(read_samples(out), read_samples(fresh))
+    # `reinforce merge` again (e.g. after ranks finished separately) gives the same manifest.
+    (out / "manifest.parquet").unlink()
+    result = CliRunner().invoke(app(), ["merge", str(out)])
+    assert result.exit_code == 0, result.output
+    assert manifest_rows(out) == manifest_rows(fresh)
+    assert verify(out)[0] == []
+
+
+def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
+    from reinforce.add_teacher import add_teachers
+
+    out = tmp_path / "int8"
+    info = build(options(out, teachers="random:tiny", emb_dtype="int8", image_format="png"),
+                 teachers=teachers[:1])
+    assert 0 < info["int8_max_abs_error"]["random-tiny"]["img"] < 0.01
+    assert verify(out)[0] == []
+    before = read_samples(out)
+
+    info = add_teachers(out, "text:minilm", progress=False, teachers=teachers[1:])
+    assert [t["name"] for t in info["teachers"]] == ["random-tiny", "minilm"]
+    assert info["teacher_additions"][0]["teachers"] == ["minilm"]
+    assert "minilm" in info["bytes_per_sample"] and "minilm" in info["int8_max_abs_error"]
+    after = read_samples(out)
+    reference = read_samples(fresh)
+    for key, old in before.items():
+        new = after[key]
+        assert all(new[ext] == data for ext, data in old.items())  # nothing existing touched
+        assert set(new) - set(old) == {"minilm.syn.npy", "minilm.txt.npy", "minilm.syn.scale.npy",
+                                       "minilm.txt.scale.npy"}
+        for part in ("syn", "txt"):
+            np.testing.assert_allclose(sample_embedding(new, "minilm", part),
+                                       sample_embedding(reference[key], "minilm", part), atol=0.01)
+    assert verify(out)[0] == []
+    with pytest.raises(UserError, match="already has teacher"):
+        add_teachers(out, "text:minilm", progress=False, teachers=teachers[1:])
+
+
+def test_add_teacher_with_an_image_teacher(fresh, teachers, tmp_path):
+    """Image embeddings added later equal those of a build that had the teacher from the start."""
+    from reinforce.add_teacher import add_teachers
+
+    out = tmp_path / "text-first"
+    build(options(out, teachers="text:minilm", limit=8), teachers=teachers[1:])
+    add_teachers(out, "random:tiny", progress=False, teachers=teachers[:1])
+    after, reference = read_samples(out), read_samples(fresh)
+    for key, sample in after.items():
+        np.testing.assert_allclose(sample_embedding(sample, "random-tiny", "img"),
+                                   sample_embedding(reference[key], "random-tiny", "img"), atol=2e-3)
+    assert verify(out)[0] == []
+
+
+def test_missing_and_unreadable_images_are_skipped_and_reported(tmp_path, teachers):
+    from reinforce.phantom import write_phantom_dataset
+
+    jsonl = write_phantom_dataset(8, tmp_path / "data", size=96, progress=False)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    missing, broken = rows[1], rows[2]
+    (jsonl.parent / missing["image"]).unlink()
+    (jsonl.parent / broken["image"]).write_bytes(b"\x89PNG not really")
+    info = build(options(tmp_path / "out", source=f"jsonl:{jsonl}"), teachers=teachers)
+    assert info["total_samples"] == 6
+    skipped = {e["id"]: e["reason"] for part in ("source", "build") for e in info["skipped"][part]["records"]}
+    assert set(skipped) == {missing["id"], broken["id"]}
+    assert skipped[missing["id"]].startswith("missing image")
+    assert skipped[broken["id"]].startswith("unreadable image")
+    text = summary_text(info)
+    assert missing["id"] in text and broken["id"] in text
+    assert verify(tmp_path / "out")[0] == []
+
+
+def test_bad_input_is_a_one_line_user_error(tmp_path, teachers):
+    with pytest.raises(UserError, match="--source"):
+        build(options(tmp_path / "a", source="nosuch:thing"))
+    with pytest.raises(UserError, match="--teachers"):
+        build(options(tmp_path / "b", teachers="bogus:model"))
+    with pytest.raises(UserError, match="--emb-dtype"):
+        build(options(tmp_path / "c", emb_dtype="bf8"))
+    with pytest.raises(UserError, match="rank"):
+        build(options(tmp_path / "d", rank=2, world_size=2))
+    result = CliRunner().invoke(app(), ["build", "--crop-scale", "1.0", "--out", str(tmp_path / "e")])
+    assert isinstance(result.exception, UserError) and "--crop-scale" in str(result.exception)
+    with pytest.raises(UserError, match="no dataset.json"):
+        read_dataset_info(tmp_path / "nowhere")
+    # A different build into a folder that holds one is refused, naming what differs.
+    build(options(tmp_path / "f", limit=4), teachers=teachers)
+    with pytest.raises(UserError, match="n_aug"):
+        build(options(tmp_path / "f", limit=4, n_aug=3, resume=True), teachers=teachers)

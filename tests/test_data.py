@@ -1,0 +1,211 @@
+"""train.data: reinforced/plain/eval batches from phantom shards (built once per session)."""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reinforce import augment
+from reinforce import shardformat as sf
+
+PY = sys.executable
+N_AUG, N_CAP = 2, 2
+
+
+@functools.lru_cache(maxsize=None)
+def build_phantom_shards(base: str) -> Path:
+    """`reinforce build --source phantom:40 --teachers random:tiny` into base/shards (once)."""
+    out = Path(base) / "shards"
+    if (out / sf.DATASET_JSON).is_file():
+        return out
+    try:
+        import reinforce.build  # noqa: F401
+        has_build = True
+    except ImportError:
+        has_build = False
+    if has_build:
+        cmd = [PY, "-m", "reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
+               "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--out", str(out)]
+        env = dict(os.environ, CXRDR_DEBUG="1")
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"reinforce build failed:\n{result.stdout}\n{result.stderr}")
+        return out
+    return write_fake_shards(out)
+
+
+def write_fake_shards(out: Path, n: int = 40, dim: int = 16) -> Path:
+    """Shards per CONTRACTS without the build (used only until `reinforce build` exists)."""
+    import webdataset as wds
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    splits = ["train"] * (n - 16) + ["val"] * 8 + ["test"] * 8
+    shards, counts, index = [], {}, 0
+    cfg = augment.AugConfig()
+    for split in ("train", "val", "test"):
+        ids = [i for i, s in enumerate(splits) if s == split]
+        for start in range(0, len(ids), 12):
+            name = sf.shard_name(index)
+            index += 1
+            chunk = ids[start:start + 12]
+            with wds.TarWriter(str(out / name)) as sink:
+                for i in chunk:
+                    side = i % 2
+                    img = np.full((64, 72), 40, np.uint8)
+                    img[10:50, (8 if side else 40):(8 if side else 40) + 24] = 220
+                    buf = io.BytesIO()
+                    Image.fromarray(img).save(buf, format="PNG")
+                    report = f"{'left' if side else 'right'} pleural effusion. case {i}."
+                    labels = [0.0] * 14
+                    labels[10] = 1.0
+                    meta = {"id": f"s{i}", "key": f"s{i}", "subject_id": f"p{i // 2}",
+                            "study_id": f"st{i}", "split": split, "view": "PA",
+                            "label_vector": labels, "labels": {},
+                            "captions": [{"text": f"{'left' if side else 'right'} effusion {j}",
+                                          "source": "rdf"} for j in range(N_CAP)],
+                            "aug": augment.sample_param_sets(f"s{i}", 72, 64, N_AUG, cfg),
+                            "boxes": [], "image_size": [72, 64]}
+                    emb = lambda *shape: (lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True))(
+                        rng.normal(size=shape)).astype(np.float16)
+                    sink.write({"__key__": f"s{i}", "png": buf.getvalue(), "txt": report,
+                                "json": json.dumps(meta).encode(),
+                                "random-tiny.img.npy": sf.npy_bytes(emb(N_AUG, dim)),
+                                "random-tiny.syn.npy": sf.npy_bytes(emb(N_CAP, dim)),
+                                "random-tiny.txt.npy": sf.npy_bytes(emb(dim))})
+            shards.append({"name": name, "split": split, "samples": len(chunk)})
+            counts[split] = counts.get(split, 0) + len(chunk)
+    info = {"schema_version": 1, "teachers": [{"name": "random-tiny", "kind": "clip", "embed_dim": dim,
+                                                "logit_scale": 100.0, "image_size": 32}],
+            "aug": cfg.to_json(), "n_aug": N_AUG, "n_captions": N_CAP, "store_size": 64,
+            "counts": counts, "shards": shards}
+    (out / sf.DATASET_JSON).write_text(json.dumps(info))
+    (out / sf.SIZES_JSON).write_text(json.dumps({s["name"]: s["samples"] for s in shards}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def phantom_shards(tmp_path_factory) -> Path:
+    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
+
+
+def fake_tokenize(texts):
+    ids = torch.tensor([[len(w) % 50 + 1 for w in t.split()][:8] + [0] * (8 - min(8, len(t.split())))
+                        for t in texts])
+    return {"input_ids": ids, "attention_mask": (ids > 0).long()}
+
+
+def _raw_samples(shards: Path, split: str) -> dict:
+    import webdataset as wds
+
+    from train.data import split_shards
+
+    urls, _ = split_shards(shards, split)
+    return {s["__key__"]: s for s in wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples())}
+
+
+def _loader(shards, split="train", **kw):
+    from train.data import make_loader
+
+    kw.setdefault("shuffle_buffer", 8)
+    return make_loader(shards, split, None, kw.pop("batch_size", 4), image_size=32,
+                       tokenize=fake_tokenize, **kw)
+
+
+def test_reinforced_batch_shapes_and_teacher_rows(phantom_shards):
+    from train.data import read_info
+
+    info = read_info(phantom_shards)
+    teacher = info["teachers"][0]["name"]
+    batch = next(iter(_loader(phantom_shards, seed=3)))
+    b = 4
+    assert batch["images"].shape == (b, 1, 32, 32)
+    assert batch["images"].dtype == torch.float32
+    assert batch["labels"].shape == (b, 14)
+    assert batch["report_ids"].shape[0] == b and batch["caption_ids"].shape[0] == b
+    assert len(batch["report_text"]) == b and len(batch["caption_text"]) == b
+    rows = batch["teacher"][teacher]
+    raw = _raw_samples(phantom_shards, "train")
+    for i, key in enumerate(batch["key"]):
+        sample = raw[key]
+        a, c = int(batch["aug_index"][i]), int(batch["caption_index"][i])
+        assert 0 <= a < info["n_aug"] and 0 <= c < info["n_captions"]
+        if rows["img"] is not None:
+            np.testing.assert_allclose(rows["img"][i].numpy(), sf.sample_embedding(sample, teacher, "img")[a])
+        np.testing.assert_allclose(rows["syn"][i].numpy(), sf.sample_embedding(sample, teacher, "syn")[c])
+        np.testing.assert_allclose(rows["txt"][i].numpy(), sf.sample_embedding(sample, teacher, "txt").reshape(-1))
+        meta = json.loads(sample["json"])
+        assert batch["caption_text"][i] == meta["captions"][c]["text"]
+        assert batch["aug_params"][i] == meta["aug"][a]
+        # The replayed crop is exactly augment.replay of the stored image with the stored params.
+        from PIL import Image
+
+        ext = "png" if "png" in sample else "jpg"
+        stored = Image.open(io.BytesIO(sample[ext])).convert("L")
+        assert torch.equal(batch["images"][i], augment.replay(stored, meta["aug"][a], 32))
+
+
+def test_sequential_pick_and_teacher_crop(phantom_shards):
+    batch = next(iter(_loader(phantom_shards, pick="sequential", epoch=3, teacher_image_size=24)))
+    assert set(batch["aug_index"].tolist()) == {3 % N_AUG}
+    assert set(batch["caption_index"].tolist()) == {3 % N_CAP}
+    assert batch["teacher_images"].shape == (4, 1, 24, 24)
+
+
+def test_plain_mode_has_no_teacher_and_fresh_views(phantom_shards):
+    batch = next(iter(_loader(phantom_shards, mode="plain", shuffle=False)))
+    assert batch["teacher"] == {}
+    assert (batch["aug_index"] == -1).all()
+    raw = _raw_samples(phantom_shards, "train")
+    stored = json.loads(raw[batch["key"][0]]["json"])["aug"]
+    assert batch["aug_params"][0] not in stored
+    other = next(iter(_loader(phantom_shards, mode="plain", shuffle=False, epoch=1)))
+    assert other["key"][0] == batch["key"][0] and other["aug_params"][0] != batch["aug_params"][0]
+
+
+def test_split_selection_and_eval_loader(phantom_shards):
+    from train.data import make_eval_loader, read_info
+
+    info = read_info(phantom_shards)
+    for split in ("val", "test"):
+        keys = [k for b in _loader(phantom_shards, split, batch_size=3, drop_last=False) for k in b["key"]]
+        raw = _raw_samples(phantom_shards, split)
+        assert sorted(keys) == sorted(raw)
+        assert all(json.loads(s["json"])["split"] == split for s in raw.values())
+        assert len(keys) == info["counts"][split]
+    loader = make_eval_loader(phantom_shards, "val", None, batch_size=5, image_size=32,
+                              tokenize=fake_tokenize, return_boxes=True)
+    first = [k for b in loader for k in b["key"]]
+    second = [k for b in loader for k in b["key"]]
+    assert first == second and len(first) == info["counts"]["val"]
+    batch = next(iter(loader))
+    assert "boxes" in batch and batch["teacher"] == {}
+    w, h = batch["image_wh"][0]
+    assert batch["aug_params"][0] == augment.full_image_params(w, h)
+
+
+def test_resampled_stream_is_endless_and_errors_are_clear(phantom_shards):
+    loader = _loader(phantom_shards, resampled=True, batch_size=8)
+    it = iter(loader)
+    n_train = _loader(phantom_shards).samples_per_epoch
+    batches = [next(it) for _ in range(n_train // 8 + 3)]
+    assert len(batches) == n_train // 8 + 3
+    with pytest.raises(ValueError, match="not in the shards"):
+        _loader(phantom_shards, teachers="nope")
+    with pytest.raises(FileNotFoundError):
+        _loader(phantom_shards.parent / "missing")
+
+
+def test_multiworker_loader(phantom_shards):
+    keys = [k for b in _loader(phantom_shards, "train", workers=2, batch_size=4, drop_last=False)
+            for k in b["key"]]
+    assert sorted(keys) == sorted(_raw_samples(phantom_shards, "train"))

@@ -1,0 +1,209 @@
+"""Evaluation metrics against hand-computed examples, and `train eval` end to end on tiny phantom shards."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from reinforce.augment import full_image_params
+from reinforce.records import CHEXPERT14
+from train.evaluation import faithfulness as faith
+from train.evaluation import localisation as loc
+from train.evaluation.geometry import distance_ratio
+from train.evaluation.probe import linear_probe
+from train.evaluation.retrieval import retrieval_metrics
+from train.evaluation.zeroshot import load_prompts, select_5x200, zeroshot_auc
+
+
+# --------------------------------------------------------------------------- retrieval
+
+
+def test_retrieval_known_permutation():
+    img = torch.eye(4)
+    txt = img[[1, 0, 2, 3]]  # texts 0 and 1 swapped: images 0, 1 find the other's text first
+    r = retrieval_metrics(img, txt)
+    assert r["i2t_R@1"] == 0.5 and r["t2i_R@1"] == 0.5
+    # image 0's own text (e1) scores 0, as do the two other wrong texts: pessimistic ties -> rank 3
+    assert r["i2t_R@1"] == 0.5 and r["i2t_R@5"] == 1.0
+    assert r["n_candidates"] == 4
+
+
+def test_retrieval_graded_ranks():
+    # text i is the image rotated so that image i's own text ranks exactly i-th (0-based)
+    n = 12
+    img = torch.eye(n)
+    sims = torch.full((n, n), 0.0)
+    for i in range(n):
+        order = [j for j in range(n) if j != i]
+        for r, j in enumerate(order[:i]):
+            sims[i, j] = 1.0 - 0.01 * r  # i wrong texts above the right one
+        sims[i, i] = 0.5
+    # feed the similarity matrix directly as embeddings: img = I, txt = sims.T (cos != dot after
+    # normalisation, so compare with an unnormalised check via ranks instead)
+    from train.evaluation.retrieval import correct_ranks
+
+    ranks = correct_ranks(sims)
+    assert ranks.tolist() == list(range(n))
+    assert np.mean(ranks < 1) == pytest.approx(1 / 12) and np.mean(ranks < 5) == pytest.approx(5 / 12)
+    assert np.mean(ranks < 10) == pytest.approx(10 / 12)
+
+
+def test_retrieval_identical_text_variant():
+    img = torch.eye(4)
+    txt = img[[1, 0, 2, 3]]
+    texts = ["No acute process.", "no  acute process.", "Effusion.", "Nodule."]  # 0, 1 identical
+    r = retrieval_metrics(img, txt, texts=texts)
+    assert r["i2t_R@1"] == 0.5 and r["i2t_R@1_sametext"] == 1.0 and r["t2i_R@1_sametext"] == 1.0
+    assert r["n_unique_texts"] == 3
+    # with distinct texts the variant equals the strict metric
+    r2 = retrieval_metrics(img, txt, texts=["a", "b", "c", "d"])
+    assert r2["i2t_R@1_sametext"] == r2["i2t_R@1"]
+
+
+def test_retrieval_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="pair row by row"):
+        retrieval_metrics(torch.eye(3), torch.eye(4))
+
+
+# --------------------------------------------------------------------------- probe / zero-shot
+
+
+def _labels(n, positives: dict[str, list[int]]):
+    y = np.zeros((n, len(CHEXPERT14)))
+    for name, rows in positives.items():
+        y[rows, CHEXPERT14.index(name)] = 1
+    return y
+
+
+def test_probe_skips_labels_with_few_positives():
+    rng = np.random.default_rng(0)
+    n = 40
+    y_train = _labels(n, {"Cardiomegaly": list(range(0, 20)), "Edema": [0, 1, 2]})
+    y_test = _labels(n, {"Cardiomegaly": list(range(0, 20)), "Edema": [0, 1, 2, 3, 4, 5]})
+    x_train = rng.normal(size=(n, 8)) + y_train[:, [2]] * 3  # Cardiomegaly separable on every dim
+    x_test = rng.normal(size=(n, 8)) + y_test[:, [2]] * 3
+    r = linear_probe(x_train, y_train, x_test, y_test, min_positives=5)
+    assert list(r["per_label"]) == ["Cardiomegaly"]
+    assert r["per_label"]["Cardiomegaly"]["auc"] > 0.95
+    assert "Edema" in r["skipped"] and "3 train positives" in r["skipped"]["Edema"]
+    assert "No Finding" in r["skipped"] and r["n_labels"] == 1
+    assert r["mean_auc"] == r["per_label"]["Cardiomegaly"]["auc"]
+
+
+def test_zeroshot_auc_and_5x200():
+    prompts = load_prompts()
+    assert "Cardiomegaly" in prompts["labels"] and len(prompts["multiclass_5x200"]) == 5
+    d = 4
+    pos, neg = np.eye(d)[0], np.eye(d)[1]
+    y = _labels(10, {"Cardiomegaly": [0, 1, 2, 3, 4]})
+    img = np.stack([pos if i < 5 else neg for i in range(10)]) + 0.01
+    r = zeroshot_auc(img, y, {"Cardiomegaly": (pos, neg)}, min_positives=5)
+    assert r["per_label"]["Cardiomegaly"]["auc"] == 1.0
+    assert r["skipped"]["Edema"] == "no prompts"
+    ids = [f"k{i}" for i in range(10)]
+    y5 = _labels(10, {"Cardiomegaly": [0, 1, 2], "Edema": [2, 3, 4, 5]})  # row 2 has both: excluded
+    subset = select_5x200(y5, ids, per_class=2, seed=0)
+    assert len(subset["Cardiomegaly"]) == 2 and set(subset["Cardiomegaly"]) <= {0, 1}
+    assert len(subset["Edema"]) == 2 and set(subset["Edema"]) <= {3, 4, 5}
+    assert subset == select_5x200(y5, ids, per_class=2, seed=0)  # reproducible
+
+
+# --------------------------------------------------------------------------- localisation
+
+
+def test_pointing_iou_dice_on_synthetic_maps():
+    heat = np.zeros((4, 4))
+    heat[1, 1], heat[1, 2], heat[2, 1] = 3.0, 2.0, 1.0  # top 20% of 16 cells = 4 cells (ceil 3.2)
+    gt = np.zeros((4, 4), bool)
+    gt[1:3, 1:3] = True
+    s = loc.localisation_scores(heat, gt, 0.2)
+    assert s["hit"] is True
+    # top-4: (1,1),(1,2),(2,1) then the first zero cell in row-major order (0,0) -> 3 of 4 in box
+    assert s["iou"] == pytest.approx(3 / 5) and s["dice"] == pytest.approx(6 / 8)
+    heat2 = np.zeros((4, 4))
+    heat2[3, 3] = 1.0
+    assert loc.pointing_hit(heat2, gt) is False
+    agg = loc.aggregate([s, loc.localisation_scores(heat2, gt, 0.2)])
+    assert agg["pointing_game"] == 0.5 and agg["n"] == 2
+
+
+def test_box_mask_through_view_params():
+    params = full_image_params(64, 32)  # non-square stored image, squeezed into a square view
+    mask = loc.box_patch_mask([0, 0, 32, 16], params, (4, 4))  # top-left quarter of the image
+    expected = np.zeros((4, 4), bool)
+    expected[:2, :2] = True
+    assert (mask == expected).all()
+    crop = {"crop": [32.0, 0.0, 32.0, 32.0], "angle": 0.0}  # right half only
+    assert not loc.box_patch_mask([0, 0, 16, 16], crop, (4, 4)).any()  # box out of view
+    assert loc.box_patch_mask([40, 8, 41, 9], crop, (4, 4)).sum() == 1  # tiny box -> one patch
+    grid = loc.scatter_to_grid([5.0, 7.0], [3, 0], (2, 2))
+    assert grid[0, 0] == 7.0 and grid[1, 1] == 5.0 and math.isnan(grid[0, 1])
+
+
+def test_phrase_positions():
+    assert loc.label_phrases("pleural_effusion")[:2] == ["pleural effusion", "effusion"]
+    report = [101, 7, 8, 9, 10, 102]
+    assert loc.phrase_positions(report, [[8, 9], [9]]) == [2, 3]
+    assert loc.phrase_positions(report, [[5, 6], [10]]) == [4]
+    assert loc.phrase_positions(report, [[5]]) == []
+
+
+# --------------------------------------------------------------------------- faithfulness
+
+
+def test_deletion_insertion_auc_on_toy():
+    image = torch.zeros(1, 4, 4)
+    image[0, :2, :2] = 1.0  # all signal in patch 0 of a 2x2 grid
+    def score(images):  # similarity = mean brightness of the top-left patch
+        return images[:, 0, :2, :2].mean(dim=(1, 2))
+    good = faith.deletion_insertion(score, image, [0, 1, 2, 3], (2, 2), steps=4, baseline="zero")
+    assert good["deletion"] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert good["insertion"] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert good["deletion_auc"] == pytest.approx(0.125) and good["insertion_auc"] == pytest.approx(0.875)
+    bad = faith.deletion_insertion(score, image, [3, 2, 1, 0], (2, 2), steps=4, baseline="zero")
+    assert bad["deletion_auc"] == pytest.approx(0.875) and bad["insertion_auc"] == pytest.approx(0.125)
+    assert faith.curve_auc([1, 1], [0, 1]) == 1.0
+
+
+def test_sparsity_and_entropy():
+    assert faith.sparsity([0.9, 0.1, 0.6, 0.2]) == 0.5
+    assert faith.spatial_entropy(np.ones(16)) == pytest.approx(1.0)
+    one_hot = np.zeros(16)
+    one_hot[3] = 1
+    assert faith.spatial_entropy(one_hot) == pytest.approx(0.0)
+
+
+def test_cross_view_jaccard_maps_through_crop_params():
+    full = full_image_params(64, 64)
+    quad = {"crop": [0.0, 0.0, 32.0, 32.0], "angle": 0.0}  # top-left quadrant, 8 px patches
+    a = np.zeros((4, 4))
+    a[0, 0], a[0, 1] = 2.0, 1.0  # full view: cells (0,0) and (0,1) of the 16 px image grid
+    b = np.zeros((4, 4))
+    b[0, 0], b[0, 1] = 2.0, 1.0  # quadrant view: both centres (4,4),(12,4) fall in cell (0,0)
+    assert faith.visible_cells(quad, (64, 64), (4, 4)) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert faith.cross_view_jaccard(a, full, b, quad, (64, 64), k=1) == 1.0
+    assert faith.cross_view_jaccard(a, full, b, quad, (64, 64), k=2) == pytest.approx(0.5)
+    c = np.zeros((4, 4))
+    c[3, 3] = 1.0  # quadrant patch centre (28, 28) -> cell (1, 1)
+    assert faith.cross_view_jaccard(a, full, c, quad, (64, 64), k=1) == 0.0
+    # a selection outside the quadrant (cell (3,3)) is ignored: the quadrant cannot see it
+    d = np.zeros((4, 4))
+    d[3, 3], d[0, 0] = 2.0, 1.0
+    assert faith.cross_view_jaccard(d, full, b, quad, (64, 64), k=2) == 1.0  # {(0,0)} vs {(0,0)}
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+def test_distance_ratio_hand_computed():
+    e = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    r = distance_ratio(e, ["s1", "s1", "s2", "s2"])
+    assert r["intra"] == pytest.approx(0.0) and r["inter"] == pytest.approx(math.sqrt(2))
+    assert r["ratio"] == pytest.approx(0.0) and r["n_intra_pairs"] == 2
+    e2 = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    r2 = distance_ratio(e2, ["s1", "s1", "s2", "s2"])
+    # intra pairs: (0,1),(2,3) at sqrt2; inter: (0,2)=0,(0,3)=sqrt2,(1,2)=sqrt2,(1,3)=0 -> mean sqrt2/2
+    assert r2["ratio"] == pytest.approx(2.0)

@@ -1,0 +1,380 @@
+"""Losses against small hand-computed examples (numpy loops, not the code under test)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.losses import (
+    LossConfig,
+    TextQueue,
+    beta_schedule,
+    clip_loss,
+    compute_losses,
+    consistency_loss,
+    distill_loss,
+    label_soft_targets,
+    local_alignment_loss,
+    loss_balance,
+    parse_fn_masking,
+    positive_mask,
+    sparsity_loss,
+)
+
+
+# ----------------------------------------------------------------------------- reference helpers
+def unit(b, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=1).float()
+
+
+def ref_row_ce(logits_row, target_row, skip=()):
+    """-sum_j t_j log softmax(logits)_j, entries in `skip` removed from the denominator."""
+    keep = [j for j in range(len(logits_row)) if j not in skip]
+    denom = sum(math.exp(logits_row[j]) for j in keep)
+    return -sum(target_row[j] * math.log(math.exp(logits_row[j]) / denom) for j in keep if target_row[j] > 0)
+
+
+def ref_clip(img, txt, scale, w_i2t=0.5, w_t2i=0.5, targets=None, skip=None, extra=None):
+    img, txt = img.double().numpy(), txt.double().numpy()
+    b = img.shape[0]
+    s = np.array([[scale * float(np.dot(img[i], txt[j])) for j in range(b)] for i in range(b)])
+    t = np.eye(b) if targets is None else np.asarray(targets, dtype=float)
+    skip = skip or {}
+    i2t = t2i = 0.0
+    for i in range(b):
+        row = list(s[i])
+        trow = list(t[i])
+        if extra is not None:
+            row += [scale * float(np.dot(img[i], q)) for q in extra.double().numpy()]
+            trow += [0.0] * extra.shape[0]
+        i2t += ref_row_ce(row, trow, skip.get(i, ()))
+        t2i += ref_row_ce(list(s[:, i]), list(t[i]), skip.get(i, ()))
+    return w_i2t * i2t / b + w_t2i * t2i / b
+
+
+def softmax_np(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+# ----------------------------------------------------------------------------- CLIP
+def test_clip_loss_matches_hand_computation():
+    img, txt = unit(4, 6, 0), unit(4, 6, 1)
+    got = clip_loss(img, txt, torch.tensor(7.0), w_i2t=0.3, w_t2i=0.7)
+    assert got.item() == pytest.approx(ref_clip(img, txt, 7.0, 0.3, 0.7), rel=1e-5)
+    # symmetric default equals the usual cross-entropy formulation
+    logits = 7.0 * img @ txt.T
+    labels = torch.arange(4)
+    usual = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels))
+    assert clip_loss(img, txt, 7.0).item() == pytest.approx(usual.item(), rel=1e-6)
+
+
+def test_positive_mask_from_subject_study_text():
+    m = positive_mask(["s1", "s1", "s2", ""], ["a", "b", "c", ""], ["No effusion.", "x", "no  EFFUSION.", "y"])
+    expected = torch.tensor([
+        [1, 1, 1, 0],
+        [1, 1, 0, 0],
+        [1, 0, 1, 0],
+        [0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(m, expected)
+    only_study = positive_mask(["s1", "s1", "s2", ""], ["a", "b", "c", ""], None, criteria=("study",))
+    assert torch.equal(only_study, torch.eye(4, dtype=torch.bool))
+    assert parse_fn_masking("all") == ("subject", "study", "text")
+    assert parse_fn_masking("none") == ()
+    with pytest.raises(ValueError, match="unknown criterion"):
+        parse_fn_masking("subject,patient")
+
+
+def test_false_negative_multi_positive_targets_hand_computed():
+    img, txt = unit(4, 5, 2), unit(4, 5, 3)
+    pos = torch.zeros(4, 4, dtype=torch.bool)
+    pos[0, 2] = pos[2, 0] = True
+    targets = np.eye(4)
+    targets[0] = [0.5, 0, 0.5, 0]
+    targets[2] = [0.5, 0, 0.5, 0]
+    got = clip_loss(img, txt, 5.0, positives=pos, fn_mode="multi")
+    assert got.item() == pytest.approx(ref_clip(img, txt, 5.0, targets=targets), rel=1e-5)
+
+
+def test_false_negative_masking_lowers_loss_for_duplicate_reports():
+    # samples 0 and 1 have near-identical reports: a false-negative pair
+    img = unit(4, 8, 4)
+    txt = unit(4, 8, 5)
+    txt[1] = F.normalize(txt[0] + 0.1 * txt[1], dim=0)
+    img[1] = F.normalize(img[0] + 0.1 * img[1], dim=0)
+    pos = positive_mask(texts=["same", "Same ", "a", "b"])
+    plain = clip_loss(img, txt, 10.0)
+    masked = clip_loss(img, txt, 10.0, positives=pos, fn_mode="mask")
+    multi = clip_loss(img, txt, 10.0, positives=pos, fn_mode="multi")
+    assert masked.item() < plain.item()
+    assert multi.item() < plain.item()
+    # "mask" mode: off-diagonal positives leave the denominator, target stays the diagonal
+    skip = {0: (1,), 1: (0,)}
+    assert masked.item() == pytest.approx(ref_clip(img, txt, 10.0, skip=skip), rel=1e-5)
+
+
+def test_false_negative_gradient_direction():
+    # img = basis vectors, so d loss / d txt[j, i] = scale * d loss / d s_ij
+    img = torch.eye(4)
+    txt0 = unit(4, 4, 25)
+    pos = positive_mask(subject_ids=["p", "p", "q", "r"])
+    grads = {}
+    for mode in ("plain", "mask", "multi"):
+        txt = txt0.clone().requires_grad_(True)
+        kwargs = {} if mode == "plain" else {"positives": pos, "fn_mode": mode}
+        clip_loss(img, txt, 3.0, **kwargs).backward()
+        grads[mode] = txt.grad[1, 0].item()  # d loss / d s_01 (image 0 vs its false negative text 1)
+    assert grads["plain"] > 0  # plain InfoNCE pushes the false negative away
+    assert grads["mask"] == pytest.approx(0.0, abs=1e-8)  # masked: ignored
+    assert grads["multi"] < 0  # multi-positive: pulled together
+
+
+def test_hard_negative_beta_zero_is_plain_and_beta_positive_matches_robinson():
+    img, txt = unit(5, 6, 6), unit(5, 6, 7)
+    plain = clip_loss(img, txt, 4.0)
+    assert clip_loss(img, txt, 4.0, beta=0.0).item() == pytest.approx(plain.item(), abs=1e-7)
+
+    beta, scale = 0.8, 4.0
+    s = (scale * img.double() @ txt.double().T).numpy()
+    b = s.shape[0]
+
+    def robinson(mat):
+        total = 0.0
+        for i in range(b):
+            negs = [j for j in range(b) if j != i]
+            w = np.array([math.exp(beta * mat[i, j]) for j in negs])
+            w = w / w.sum()
+            ng = len(negs) * sum(wk * math.exp(mat[i, j]) for wk, j in zip(w, negs))
+            total += -math.log(math.exp(mat[i, i]) / (math.exp(mat[i, i]) + ng))
+        return total / b
+
+    expected = 0.5 * robinson(s) + 0.5 * robinson(s.T)
+    got = clip_loss(img, txt, scale, beta=beta)
+    assert got.item() == pytest.approx(expected, rel=1e-5)
+    assert got.item() > plain.item()  # harder negatives weigh more
+
+
+def test_beta_schedule():
+    assert beta_schedule(0, 100, 0.1, 1.1) == pytest.approx(0.1)
+    assert beta_schedule(50, 100, 0.1, 1.1) == pytest.approx(0.6)
+    assert beta_schedule(500, 100, 0.1, 1.1) == pytest.approx(1.1)
+
+
+def test_label_soft_targets_hand_computed():
+    labels = torch.tensor([[1.0, 0, 1], [1.0, 0, 0], [0.0, 0, 0], [float("nan"), 0, 0]])
+    got = label_soft_targets(labels, temperature=0.5)
+    # reference: vectors with an extra "no label" dim for all-zero rows (NaN counts as 0)
+    vecs = np.array([[1, 0, 1, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]], dtype=float)
+    vecs = vecs / np.linalg.norm(vecs, axis=1, keepdims=True)
+    expected = np.stack([softmax_np(np.array([vecs[i] @ vecs[j] for j in range(4)]) / 0.5) for i in range(4)])
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5)
+    assert got[2, 3] == pytest.approx(got[2, 2].item())  # two unlabelled studies are alike
+
+    img, txt = unit(4, 5, 8), unit(4, 5, 9)
+    loss = clip_loss(img, txt, 3.0, soft_targets=got)
+    assert loss.item() == pytest.approx(ref_clip(img, txt, 3.0, targets=expected), rel=1e-5)
+
+
+def test_text_queue_adds_i2t_negatives():
+    img, txt = unit(3, 4, 10), unit(3, 4, 11)
+    queue = TextQueue(size=4, dim=4)
+    assert queue.get() is None
+    queue.enqueue(unit(3, 4, 12))
+    queue.enqueue(unit(3, 4, 13))  # wraps around: 4 kept, the oldest two overwritten
+    assert len(queue) == 4
+    extra = queue.get()
+    second, first = unit(3, 4, 13), unit(3, 4, 12)
+    assert torch.equal(extra[3], second[0]) and torch.equal(extra[0], second[1]) and torch.equal(extra[1], second[2])
+    assert torch.equal(extra[2], first[2])
+    got = clip_loss(img, txt, 6.0, extra_txt=extra)
+    assert got.item() == pytest.approx(ref_clip(img, txt, 6.0, extra=extra), rel=1e-5)
+    assert got.item() > clip_loss(img, txt, 6.0).item()
+
+
+# ----------------------------------------------------------------------------- distillation
+def test_distill_kl_is_zero_when_matrices_match_and_ce_is_teacher_entropy():
+    img, txt = unit(4, 6, 14), unit(4, 6, 15)
+    kl = distill_loss(img, txt, 20.0, [img.clone()], [txt.clone()], [20.0], kind="kl")
+    assert abs(kl.item()) < 1e-6
+    ce = distill_loss(img, txt, 20.0, [img.clone()], [txt.clone()], [20.0], kind="ce")
+    s = (20.0 * img.double() @ txt.double().T).numpy()
+    ent = 0.0
+    for mat in (s, s.T):
+        for i in range(4):
+            p = softmax_np(mat[i])
+            ent += 0.5 * -(p * np.log(p)).sum() / 4
+    assert ce.item() == pytest.approx(ent, rel=1e-5)
+
+
+def test_distill_two_teachers_one_text_only_hand_computed():
+    s_img, s_txt = unit(3, 4, 16), unit(3, 4, 17)
+    t1_img, t1_txt = unit(3, 8, 18), unit(3, 8, 19)
+    t2_txt = unit(3, 5, 20)  # text-only teacher
+    got = distill_loss(s_img, s_txt, 10.0, [t1_img, None], [t1_txt, t2_txt], [50.0, 30.0], kind="kl")
+
+    def mat(a, b, scale):
+        return np.array([[scale * float(np.dot(a[i], b[j])) for j in range(3)] for i in range(3)])
+
+    st = mat(s_img.double().numpy(), s_txt.double().numpy(), 10.0)
+    t1 = mat(t1_img.double().numpy(), t1_txt.double().numpy(), 50.0)
+    t2 = mat(t2_txt.double().numpy(), t2_txt.double().numpy(), 30.0)
+    total = 0.0
+    for stu, teach1, teach2 in ((st, t1, t2), (st.T, t1.T, t2.T)):
+        for i in range(3):
+            p = 0.5 * (softmax_np(teach1[i]) + softmax_np(teach2[i]))  # average after the softmax
+            q = softmax_np(stu[i])
+            total += 0.5 * sum(p[j] * math.log(p[j] / q[j]) for j in range(3)) / 3
+    assert got.item() == pytest.approx(total, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- Patch-IB, local
+def test_local_alignment_hand_computed_and_ignores_padding():
+    g = torch.Generator().manual_seed(21)
+    v = torch.randn(2, 3, 4, generator=g)
+    t = torch.randn(2, 3, 4, generator=g)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    got = local_alignment_loss(v, t, mask)
+    vals = []
+    for b in range(2):
+        for k in range(3):
+            if mask[b, k]:
+                a, c = v[b, k].double().numpy(), t[b, k].double().numpy()
+                vals.append(1 - a @ c / (np.linalg.norm(a) * np.linalg.norm(c)))
+    assert got.item() == pytest.approx(float(np.mean(vals)), rel=1e-5)
+    v2, t2 = v.clone(), t.clone()
+    v2[~mask] = torch.randn(int((~mask).sum()), 4, generator=g) * 100
+    t2[~mask] = 7.0
+    assert local_alignment_loss(v2, t2, mask).item() == pytest.approx(got.item(), abs=1e-7)
+
+
+def test_masked_pool_consistency_and_sparsity():
+    full, masked, txt = unit(3, 4, 22), unit(3, 4, 23), unit(3, 4, 24)
+    expected = np.mean([(float(masked[i] @ txt[i]) - float(full[i] @ txt[i])) ** 2 for i in range(3)])
+    full.requires_grad_(True)
+    masked.requires_grad_(True)
+    got = consistency_loss(masked, full, txt)
+    assert got.item() == pytest.approx(expected, rel=1e-5)
+    got.backward()
+    assert full.grad is None  # s_full is the target
+    assert torch.count_nonzero(masked.grad) > 0
+    assert consistency_loss(full.detach(), full.detach(), txt).item() == pytest.approx(0.0, abs=1e-12)
+    z = torch.tensor([[1.0, 0.0, 0.5], [0.25, 0.25, 0.0]])
+    assert sparsity_loss(z).item() == pytest.approx(2.0 / 6)
+
+
+# ----------------------------------------------------------------------------- compute_losses
+@dataclass
+class FakeOutput:
+    """Stand-in for train.models.StudentOutput (only the fields the losses read)."""
+
+    image_emb: torch.Tensor
+    text_emb: torch.Tensor
+    logit_scale: torch.Tensor
+    mask: torch.Tensor | None = None
+    masked_image_emb: torch.Tensor | None = None
+    local_visual: torch.Tensor | None = None
+    local_text: torch.Tensor | None = None
+    text_mask: torch.Tensor | None = None
+
+
+def make_case(b=4, d=6, seed=30):
+    g = torch.Generator().manual_seed(seed)
+
+    def u(*shape):
+        return F.normalize(torch.randn(*shape, generator=g), dim=-1)
+
+    scale = torch.tensor(10.0)
+    real = FakeOutput(u(b, d), u(b, d), scale, mask=torch.rand(b, 9, generator=g), masked_image_emb=u(b, d),
+                      local_visual=torch.randn(b, 5, d, generator=g), local_text=torch.randn(b, 5, d, generator=g),
+                      text_mask=torch.rand(b, 5, generator=g) > 0.3)
+    syn = FakeOutput(real.image_emb, u(b, d), scale)
+    batch = {
+        "teacher": {"clipT": {"img": u(b, 8), "txt": u(b, 8), "syn": u(b, 8)},
+                    "textT": {"img": None, "txt": u(b, 3), "syn": u(b, 3)}},
+        "subject_id": ["p1", "p1", "p2", "p3"][:b], "study_id": ["s1", "s2", "s3", "s4"][:b],
+        "report_text": ["a", "b", "c", "a"][:b], "caption_text": ["n", "n", "x", "y"][:b],
+        "labels": (torch.rand(b, 14, generator=g) > 0.7).float(),
+    }
+    return real, syn, batch
+
+
+def test_compute_losses_terms_and_total():
+    real, syn, batch = make_case()
+    cfg = LossConfig(lambda_distill=0.6, teacher_scales={"textT": 20.0}, lambda_sparse=0.1, mu_consistency=2.0,
+                     w_local=0.5, w_mask_nce=0.3)
+    terms = compute_losses(real, syn, batch, cfg, step=0, total_steps=10)
+    assert set(terms) == {"clip", "distill", "clip_syn", "distill_syn", "mask_nce", "sparsity", "consistency",
+                          "local", "total"}
+    t = batch["teacher"]
+    assert terms["clip"].item() == pytest.approx(0.4 * ref_clip(real.image_emb, real.text_emb, 10.0), rel=1e-5)
+    exp_distill = 0.6 * distill_loss(real.image_emb, real.text_emb, 10.0, [t["clipT"]["img"], None],
+                                     [t["clipT"]["txt"], t["textT"]["txt"]], [100.0, 20.0]).item()
+    assert terms["distill"].item() == pytest.approx(exp_distill, rel=1e-5)
+    exp_syn = 0.6 * distill_loss(syn.image_emb, syn.text_emb, 10.0, [t["clipT"]["img"], None],
+                                 [t["clipT"]["syn"], t["textT"]["syn"]], [100.0, 20.0]).item()
+    assert terms["distill_syn"].item() == pytest.approx(exp_syn, rel=1e-5)
+    assert terms["sparsity"].item() == pytest.approx(0.1 * real.mask.mean().item(), rel=1e-5)
+    assert terms["mask_nce"].item() == pytest.approx(0.3 * ref_clip(real.masked_image_emb, real.text_emb, 10.0),
+                                                     rel=1e-5)
+    parts = sum(v.item() for k, v in terms.items() if k != "total")
+    assert terms["total"].item() == pytest.approx(parts, rel=1e-6)
+
+    # no teacher embeddings (plain mode): lambda -> 0, pure CLIP
+    plain = dict(batch, teacher={})
+    terms = compute_losses(FakeOutput(real.image_emb, real.text_emb, real.logit_scale), None, plain, cfg)
+    assert set(terms) == {"clip", "total"}
+    assert terms["clip"].item() == pytest.approx(ref_clip(real.image_emb, real.text_emb, 10.0), rel=1e-5)
+
+
+def test_compute_losses_pair_selection_options_and_queue():
+    real, syn, batch = make_case()
+    base = compute_losses(real, None, batch, LossConfig(lambda_distill=0.0))["clip"]
+    fn = compute_losses(real, None, batch, LossConfig(lambda_distill=0.0, fn_masking="subject"))["clip"]
+    pos = np.eye(4)
+    pos[0, 1] = pos[1, 0] = 1
+    expected = ref_clip(real.image_emb, real.text_emb, 10.0, targets=pos / pos.sum(1, keepdims=True))
+    assert fn.item() == pytest.approx(expected, rel=1e-5)
+    soft = compute_losses(real, None, batch, LossConfig(lambda_distill=0.0, label_soft_targets=True))["clip"]
+    assert soft.item() != pytest.approx(base.item())
+    queue = TextQueue(8, 6)
+    cfg = LossConfig(lambda_distill=0.0, queue_size=8)
+    first = compute_losses(real, None, batch, cfg, queue=queue)["clip"]
+    assert first.item() == pytest.approx(base.item(), rel=1e-6) and len(queue) == 4
+    second = compute_losses(real, None, batch, cfg, queue=queue, update_queue=False)["clip"]
+    assert second.item() > first.item() and len(queue) == 4
+
+
+def test_loss_balance_gradient_norms():
+    trunk = torch.nn.Linear(3, 3, bias=False)
+    x = torch.randn(2, 3)
+    y = trunk(x)
+    terms = {"a": (y ** 2).sum(), "b": 3 * y.sum(), "c": torch.tensor(1.0), "total": (y ** 2).sum() + 3 * y.sum()}
+    norms = loss_balance(terms, list(trunk.parameters()))
+    ga = torch.autograd.grad((trunk(x) ** 2).sum(), trunk.weight)[0]
+    gb = torch.autograd.grad(3 * trunk(x).sum(), trunk.weight)[0]
+    assert norms["a"] == pytest.approx(ga.norm().item(), rel=1e-5)
+    assert norms["b"] == pytest.approx(gb.norm().item(), rel=1e-5)
+    assert norms["c"] == 0.0 and "total" not in norms
+    terms["total"].backward()  # graph kept
+
+
+def test_loss_config_validation():
+    assert LossConfig.from_dict({"lambda_distill": 0.5}).lambda_distill == 0.5
+    with pytest.raises(ValueError, match="unknown loss option"):
+        LossConfig.from_dict({"lamda": 1})
+    with pytest.raises(ValueError, match="fn_mode"):
+        LossConfig(fn_mode="drop")
+
+
+def test_losses_stay_float32_under_autocast():
+    img, txt = unit(4, 8, 40), unit(4, 8, 41)
+    ref = clip_loss(img, txt, 30.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = clip_loss(img, txt, 30.0)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(ref.item(), rel=1e-6)

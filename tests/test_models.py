@@ -1,0 +1,261 @@
+"""Student ladder A-E: shapes, Top-K, token dropping, local alignment padding, checkpoints, configs."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from train.checkpoint import load_checkpoint, load_training_state, read_checkpoint, save_checkpoint
+from train.models import (LocalAlign, MaskHeadTopK, StudentConfig, TokenDroppingViT, available_configs,
+                          build_student)
+from train.models.config import CONFIG_DIR
+from train.models.image_towers import create_timm_vit
+
+TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("CXRDR_CACHE", str(tmp_path_factory.getbasetemp() / "cxrdr-cache"))
+
+
+@pytest.fixture(scope="module")
+def images():
+    return torch.rand(2, 1, 64, 64, generator=torch.Generator().manual_seed(0))
+
+
+def _forward(model, images, step=None):
+    tok = model.tokenize(TEXTS)
+    return model(images, tok["input_ids"], tok["attention_mask"], step=step)
+
+
+@pytest.mark.parametrize("variant", list("ABCDE"))
+def test_variant_forward_shapes(variant, images):
+    torch.manual_seed(0)
+    model = build_student(f"tiny-{variant}")
+    out = _forward(model, images, step=0)
+    d, n = model.embed_dim, 64  # vit_micro: 64 px / patch 8 -> 8x8 grid
+    assert out.image_emb.shape == out.text_emb.shape == (2, d)
+    for emb in (out.image_emb, out.text_emb):
+        assert torch.allclose(emb.norm(dim=-1), torch.ones(2), atol=1e-5)
+    assert out.logit_scale.ndim == 0 and math.isclose(out.logit_scale.item(), 1 / 0.07, rel_tol=1e-4)
+    assert out.grid_size == (8, 8)
+    assert out.text_tokens.shape[:2] == out.text_mask.shape == (2, model.context_length)
+    assert out.text_mask.dtype == torch.bool
+    k = 32 if variant == "E" else n
+    assert out.patch_tokens.shape == (2, k, 64) and out.patch_index.shape == (2, k)
+    assert out.keep_ratio == (0.5 if variant == "E" else 1.0)
+    if variant == "E":
+        assert (out.patch_index.diff(dim=1) > 0).all() and out.patch_index.max() < n
+    else:
+        assert torch.equal(out.patch_index, torch.arange(n).expand(2, n))
+    if variant in "AB":
+        assert out.mask is None and out.mask_scores is None and out.masked_image_emb is None
+    else:
+        assert out.mask.shape == out.mask_scores.shape == (2, k)
+        assert torch.allclose(out.masked_image_emb.norm(dim=-1), torch.ones(2), atol=1e-5)
+        assert ((out.mask >= -1e-6) & (out.mask <= 1 + 1e-6)).all()
+    if variant in "DE":
+        assert (out.mask.detach().sum(1) == round(0.5 * k)).all()
+    if variant == "A":
+        assert out.local_visual is None and out.local_text is None and out.local_attn is None
+    else:
+        assert out.local_visual.shape == out.local_text.shape == (2, model.context_length, d)
+        assert out.local_attn.shape == (2, model.context_length, k)
+        valid = out.text_mask
+        assert torch.allclose(out.local_attn[valid].sum(-1), torch.ones(int(valid.sum())), atol=1e-5)
+
+
+def test_topk_keeps_exactly_k_and_mask_head_gets_gradient():
+    torch.manual_seed(0)
+    head = MaskHeadTopK(dim=16, k_ratio=0.25)
+    patches = torch.randn(3, 20, 16)
+    z, soft = head(patches)
+    assert torch.equal(z.detach().sum(1), torch.full((3,), 5.0))
+    assert set(z.detach().unique().tolist()) <= {0.0, 1.0}
+    (z * torch.randn(3, 20)).sum().backward()
+    grads = [p.grad for p in head.parameters()]
+    assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
+    annealed = MaskHeadTopK(dim=16, k_ratio=0.25, k_ratio_start=1.0, anneal_steps=100)
+    assert annealed.num_kept(20, step=0) == 20 and annealed.num_kept(20, step=50) == 12
+    assert annealed.num_kept(20, step=1000) == annealed.num_kept(20, step=None) == 5
+
+
+def test_student_mask_head_gets_gradient_through_masked_embedding(images):
+    torch.manual_seed(0)
+    model = build_student("tiny-D")
+    out = _forward(model, images)
+    (out.masked_image_emb @ out.text_emb.T).sum().backward()
+    grad = sum(p.grad.abs().sum() for p in model.mask_head.parameters() if p.grad is not None)
+    assert grad > 0
+
+
+def _dropping_vit(**kwargs):
+    torch.manual_seed(0)
+    vit = create_timm_vit("vit_micro", 64)
+    return TokenDroppingViT(vit, **{"drop_layer": 2, "keep_rate": 0.5, **kwargs}).eval()
+
+
+def test_token_dropping_shapes_and_options():
+    x = torch.randn(2, 3, 64, 64)
+    out = _dropping_vit()(x)
+    assert out.tokens.shape == (2, 33, 64) and out.patch_index.shape == (2, 32) and out.keep_ratio == 0.5
+    fused = _dropping_vit(fuse_dropped=True)(x)
+    assert fused.tokens.shape == (2, 34, 64) and fused.patches.shape == (2, 32, 64)
+    cls_attn = _dropping_vit(patch_score="cls_attn")
+    assert not hasattr(cls_attn, "score_head")
+    assert cls_attn(x).tokens.shape == (2, 33, 64)
+
+
+def test_keep_rate_warmup():
+    vit = _dropping_vit(keep_rate=0.25, warmup_steps=10)
+    x = torch.randn(1, 3, 64, 64)
+    assert vit(x, step=0).tokens.shape[1] == 65  # keep everything at the start
+    assert vit.keep_rate_at(5) == pytest.approx(0.625) and vit(x, step=5).tokens.shape[1] == 41
+    assert vit(x, step=10).tokens.shape[1] == vit(x, step=None).tokens.shape[1] == 17
+
+
+def test_changing_a_dropped_patch_does_not_change_the_output():
+    vit = _dropping_vit(drop_layer=0)  # drop right after patch + positional embedding
+    x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = vit(x)
+        scores = torch.sigmoid(vit.score_head(vit.embed(x)[:, 1:]).squeeze(-1))[0]
+        dropped = sorted(set(range(64)) - set(base.patch_index[0].tolist()), key=lambda i: scores[i].item())[0]
+        r, c = divmod(dropped, 8)
+        y = x.clone()
+        y[..., r * 8:(r + 1) * 8, c * 8:(c + 1) * 8] += 0.05 * torch.randn(1, 3, 8, 8)
+        changed = vit(y)
+        assert torch.equal(changed.patch_index, base.patch_index)
+        assert torch.allclose(changed.tokens, base.tokens, atol=1e-6)
+        kept = base.patch_index[0, 0].item()
+        r, c = divmod(kept, 8)
+        z = x.clone()
+        z[..., r * 8:(r + 1) * 8, c * 8:(c + 1) * 8] += 0.05
+        assert not torch.allclose(vit(z).tokens, base.tokens, atol=1e-6)
+
+
+def test_local_align_ignores_padding():
+    torch.manual_seed(0)
+    align = LocalAlign(text_dim=12, patch_dim=20, embed_dim=16, heads=4).eval()
+    text, patches = torch.randn(2, 6, 12), torch.randn(2, 9, 20)
+    tmask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]]).bool()
+    pmask = torch.ones(2, 9, dtype=torch.bool)
+    pmask[0, 7:] = False
+    v, t, attn = align(text, patches, tmask, pmask)
+    text2, patches2 = text.clone(), patches.clone()
+    text2[~tmask] = torch.randn(int((~tmask).sum()), 12) * 10
+    patches2[~pmask] = torch.randn(int((~pmask).sum()), 20) * 10
+    v2, t2, attn2 = align(text2, patches2, tmask, pmask)
+    assert torch.allclose(v[tmask], v2[tmask], atol=1e-6) and torch.allclose(t[tmask], t2[tmask])
+    assert attn[0, :, 7:].abs().max() == 0 and (v[~tmask] == 0).all()
+
+
+def test_student_local_outputs_ignore_padded_token_ids(images):
+    torch.manual_seed(0)
+    model = build_student("tiny-B").eval()
+    tok = model.tokenize(TEXTS)
+    ids2 = tok["input_ids"].clone()
+    ids2[tok["attention_mask"] == 0] = 100  # garbage under mask = 0
+    with torch.no_grad():
+        a = model(images, tok["input_ids"], tok["attention_mask"])
+        b = model(images, ids2, tok["attention_mask"])
+    valid = a.text_mask
+    assert torch.allclose(a.local_visual[valid], b.local_visual[valid], atol=1e-5)
+    assert torch.allclose(a.text_emb, b.text_emb, atol=1e-5)
+
+
+def test_checkpoint_round_trip(tmp_path, images):
+    torch.manual_seed(0)
+    model = build_student("tiny-E")
+    with torch.no_grad():
+        model.logit_scale.fill_(3.0)  # something not at init
+    path = save_checkpoint(tmp_path / "ckpt" / "last.pt", model, step=7, metrics={"loss": 1.0})
+    assert not list(path.parent.glob(".*tmp*"))
+    loaded = load_checkpoint(path)
+    assert not loaded.training and loaded.config.variant == "E"
+    assert torch.equal(model.embed_images(images), loaded.embed_images(images))
+    assert torch.equal(model.embed_texts(TEXTS), loaded.embed_texts(TEXTS))
+    state = load_training_state(path)
+    assert state["step"] == 7 and state["model_config"]["image_mean"] == [0.5, 0.5, 0.5]
+    # init_from a cxrdr checkpoint copies every matching tensor (E -> D: all but the score head)
+    init = build_student(StudentConfig.from_yaml("tiny-D", init_from=str(path)))
+    assert torch.equal(init.image_tower.trunk.pos_embed, model.image_tower.trunk.pos_embed)
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pt"):
+        load_checkpoint(tmp_path / "nope.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="bad.pt"):
+        load_checkpoint(bad)
+    torch.save({"x": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="other.pt.*not a cxrdr"):
+        read_checkpoint(tmp_path / "other.pt")
+
+
+def test_layer_ids_grad_checkpointing_and_trunk(images):
+    torch.manual_seed(0)
+    model = build_student("tiny-E")
+    ids = {name: model.layer_id_for(name) for name, _ in model.named_parameters()}
+    assert set(ids.values()) <= set(range(model.num_layers()))
+    assert ids["image_tower.trunk.patch_embed.proj.weight"] == 0
+    assert ids["image_tower.trunk.blocks.0.attn.qkv.weight"] < ids["image_tower.trunk.blocks.3.attn.qkv.weight"]
+    assert ids["text_tower.model.encoder.layer.1.output.dense.weight"] == ids["image_tower.trunk.blocks.3.mlp.fc1.weight"]
+    assert ids["logit_scale"] == ids["image_proj.proj.weight"] == model.num_layers() - 1
+    assert model.trunk_parameters()
+    model.eval()
+    with torch.no_grad():
+        ref = _forward(model, images).image_emb
+    model.set_grad_checkpointing(True)
+    model.train()
+    out = _forward(model, images)
+    (out.image_emb.sum() + out.text_emb.sum()).backward()
+    assert torch.allclose(model.eval()(images, **model.tokenize(TEXTS)).image_emb, ref, atol=1e-5)
+
+
+def test_fastvit_tower_gives_patch_grid(images):
+    model = build_student(StudentConfig.from_yaml("tiny-C", image_tower="fastvit_mci0"))
+    out = _forward(model, images)
+    assert out.grid_size == (2, 2) and out.patch_tokens.shape == (2, 4, 1024) and out.mask.shape == (2, 4)
+    with pytest.raises(ValueError, match="fastvit_mci0"):
+        StudentConfig.from_yaml("tiny-E", image_tower="fastvit_mci0")
+
+
+def test_configs_resolve_and_validate(tmp_path):
+    names = available_configs()
+    for v in "ABCDE":
+        assert v in names and f"tiny-{v}" in names
+    for name in names:
+        cfg = StudentConfig.from_yaml(name)
+        assert cfg.variant == name[-1] and cfg.name == name
+    assert StudentConfig.from_yaml(CONFIG_DIR / "tiny-A.yaml").image_tower == "vit_micro"
+    assert StudentConfig.coerce({"variant": "b", "text_tower": "tiny"}).variant == "B"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("variant: A\nbogus: 1\n")
+    with pytest.raises(ValueError, match="bad.yaml.*bogus"):
+        StudentConfig.from_yaml(bad)
+    with pytest.raises(ValueError, match="not found"):
+        StudentConfig.from_yaml("Z")
+
+
+def test_tiny_tokenizer_is_offline_and_knows_report_words():
+    model_tok = build_student("tiny-A").tokenizer
+    pieces = model_tok.tokenizer.tokenize("Left pleural effusion; mild cardiomegaly, no pneumothorax.")
+    assert "[UNK]" not in pieces and "effusion" in pieces and "cardiomegaly" in pieces
+    enc = model_tok(TEXTS)
+    assert enc["input_ids"].shape == enc["attention_mask"].shape == (2, 64)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None, reason="MiniLM package not installed")
+def test_minilm_text_tower_builds_offline(monkeypatch):
+    monkeypatch.delenv("CXRDR_CACHE")  # share the teachers' extracted copy instead of unpacking again
+    from train.models.text_towers import build_text_tower, build_tokenizer
+
+    tower = build_text_tower("minilm", 32)
+    tok = build_tokenizer("minilm", 32)(TEXTS)
+    tokens, pooled = tower(tok["input_ids"], tok["attention_mask"])
+    assert tower.pool == "mean" and tokens.shape == (2, 32, 384) and pooled.shape == (2, 384)

@@ -1,0 +1,71 @@
+"""Checkpoints of a student: one torch.save dict, written atomically, rebuilt from its own config.
+
+Layout: {"model_config": StudentConfig dict, "model": state_dict, **state} where state may hold
+"optimizer", "scheduler", "scaler", "step", "rng", "train_config", "metrics", "best_score".
+Text towers from a local path are stored by path (their weights are in the state dict anyway);
+the 'tiny' tower's tokenizer is rebuilt from code.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The student inside DDP / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, **state) -> Path:
+    """Write {"model_config", "model", **state} to ``path`` atomically (temp file + rename)."""
+    model = _unwrap(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"model_config": model.config.to_dict(), "model": model.state_dict(), **state}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
+    """The raw checkpoint dict; a clear one-line error naming the file when missing or unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        data = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # corrupt / truncated / not a torch file
+        raise ValueError(f"checkpoint {path} is corrupt or not a torch checkpoint: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(data, dict) or "model_config" not in data or "model" not in data:
+        raise ValueError(f"checkpoint {path} is not a cxrdr student checkpoint (needs 'model_config' and 'model')")
+    return data
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """Rebuild the student from the checkpoint's config, load its weights strictly, eval mode on ``device``."""
+    from train.models import build_student
+
+    data = read_checkpoint(path)
+    try:
+        model = build_student(dict(data["model_config"]), init_weights=False)
+        model.load_state_dict(data["model"], strict=True)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"checkpoint {path}: cannot rebuild the student: {exc}") from exc
+    return model.to(device).eval()
+
+
+def load_training_state(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
+    """The whole checkpoint dict for resuming: "model" (state_dict), "model_config", and whatever state was
+    saved ("optimizer", "scheduler", "scaler", "step", "rng", ...); tensors mapped to ``map_location``."""
+    return read_checkpoint(path, map_location)

@@ -1,0 +1,107 @@
+"""TrainConfig: every knob of `train run`, from defaults < a YAML file < command-line flags.
+
+The YAML may hold any subset of the fields below (unknown keys are an error naming the file);
+``loss``, ``optim`` and ``model_overrides`` are passed through to the losses helper's
+LossConfig, the optimiser config and StudentConfig respectively. The resolved config is
+written to ``RUN/config.yaml`` and stored in every checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+AMP_CHOICES = ("bf16", "fp16", "none")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    shards: str = "shards"
+    model: str = "tiny-D"  # StudentConfig name ('D', 'tiny-D') or YAML path
+    out: str = "runs/run"
+    steps: int = 1000  # optimiser steps (each = accum_steps micro-batches)
+    batch_size: int = 32  # per rank, per micro-batch
+    lr: float = 5e-4
+    weight_decay: float | None = None  # None: optim helper's default (0.1)
+    lambda_distill: float = 0.7  # MobileCLIP's lambda; forced to 0 in plain mode
+    teachers: str | None = None  # comma-separated subset of the shards' teachers (None: all)
+    mode: str = "reinforced"  # reinforced | plain
+    online_teacher: str | None = None  # teacher spec run inside the loop (replaces stored embeddings)
+    eval_every: int = 0  # steps between validation passes (0: only at the end)
+    eval_split: str = "val"
+    eval_batch_size: int = 64
+    eval_max_samples: int | None = None
+    recall_weight: float = 0.5  # early-stop score = w*mean Recall + (1-w)*mean AUC
+    early_stop_patience: int = 0  # evaluations without improvement before stopping (0: off)
+    resume: bool = False
+    amp: str = "bf16"  # used on CUDA only
+    accum_steps: int = 1
+    clip_grad: float = 1.0  # max grad norm (0: off)
+    grad_checkpointing: bool = False
+    workers: int = 2
+    seed: int = 0
+    device: str = "auto"
+    freeze_steps: int = 0  # staged training: towers frozen, heads at head_lr_mult x lr
+    freeze_epochs: float = 0.0  # the same in epochs of the train split (converted to steps)
+    head_lr_mult: float = 10.0
+    warmup_steps: int | None = None  # linear LR warm-up (None: 5% of steps, at most 100)
+    llrd: float | None = None  # layer-wise LR decay (None: optim default 0.85; 1.0: off)
+    pick: str = "random"  # random | sequential (stored aug/caption = epoch % K)
+    shuffle_buffer: int = 256
+    log_every: int = 10
+    save_every: int = 0  # steps between last.pt writes (0: at each evaluation and at the end)
+    progress: bool = True
+    loss: dict = field(default_factory=dict)  # LossConfig overrides
+    optim: dict = field(default_factory=dict)  # OptimConfig overrides
+    model_overrides: dict = field(default_factory=dict)  # StudentConfig overrides
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("reinforced", "plain"):
+            raise ValueError(f"mode must be 'reinforced' or 'plain', got {self.mode!r}")
+        if self.amp not in AMP_CHOICES:
+            raise ValueError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.pick not in ("random", "sequential"):
+            raise ValueError(f"pick must be 'random' or 'sequential', got {self.pick!r}")
+        for name in ("steps", "batch_size", "accum_steps", "log_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.lambda_distill <= 1.0:
+            raise ValueError(f"lambda_distill must be in [0, 1], got {self.lambda_distill}")
+        if self.online_teacher and self.mode == "plain":
+            raise ValueError("--online-teacher distils from a teacher: use it with --mode reinforced")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> "TrainConfig":
+        """Defaults < YAML file (when given) < overrides whose value is not None."""
+        data: dict = {}
+        if path is not None:
+            import yaml
+
+            path = Path(path)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: training config not found")
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected a mapping of training config fields")
+            data = data.get("train", data)  # an experiment recipe may nest it under 'train'
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown training config field(s) {unknown}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def save_yaml(self, path: str | Path) -> None:
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

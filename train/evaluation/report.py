@@ -1,0 +1,295 @@
+"""Outputs of an evaluation or experiment: printed table, JSON, Markdown, PNG plots (Agg).
+
+JSON never holds NaN (written as null) so any reader can load it; Markdown tables print
+recalls, AUCs and similar fractions with three decimals, costs with one.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+# column -> header used in every table; the summary keys of runner.summary_row
+HEADERS = {
+    "i2t_R@1": "i2t R@1", "i2t_R@5": "i2t R@5", "i2t_R@10": "i2t R@10",
+    "t2i_R@1": "t2i R@1", "t2i_R@5": "t2i R@5", "t2i_R@10": "t2i R@10",
+    "mean_recall": "mean R", "mean_recall_sametext": "mean R (same text)", "n_candidates": "N cand",
+    "probe_auc": "probe AUC", "probe_ap": "probe AP", "zeroshot_auc": "0-shot AUC",
+    "zeroshot_5x200_acc": "5x200 acc", "pointing_z": "PG z", "iou_z": "IoU z", "dice_z": "Dice z",
+    "pointing_attn": "PG attn", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
+    "insertion_auc": "ins AUC", "sparsity": "z>0.5", "cross_view_jaccard": "xview J",
+    "distance_ratio": "intra/inter", "inference_img_per_s": "infer img/s",
+    "train_step_ms": "step ms", "latency_ms": "latency ms", "peak_memory_mb": "peak MB",
+    "gflops_per_img": "GFLOPs/img", "patch_usage_pct": "patch use %",
+    "train_img_per_s": "train img/s", "wall_s": "wall s", "samples_seen": "samples",
+}
+QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
+                   "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
+                   "pointing_z", "iou_z", "pointing_attn", "iou_attn", "distance_ratio"]
+COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "latency_ms", "peak_memory_mb",
+                "gflops_per_img", "patch_usage_pct"]
+
+
+def jsonable(obj):
+    """Recursively: NaN/inf -> None, numpy -> Python, tuples -> lists, unknown -> str."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist())
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return None if not math.isfinite(float(obj)) else float(obj)
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    return str(obj)
+
+
+def write_json(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(obj), indent=2) + "\n")
+
+
+def fmt(value, column: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        costly = column in COST_COLUMNS or column in ("train_img_per_s", "wall_s", "step_ms")
+        if costly and 0 < abs(v) < 1:
+            return f"{v:.3g}"  # e.g. GFLOPs of tiny models
+        return f"{v:.1f}" if costly or abs(v) >= 10 else f"{v:.3f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict], columns: list[str], first: str | None = None) -> str:
+    """Rows as a Markdown table; ``first`` names the row-label key (printed as the first column)."""
+    cols = ([first] if first else []) + [c for c in columns if c != first]
+    lines = ["| " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",
+             "|" + "|".join("---" for _ in cols) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(c), c) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- eval outputs
+
+
+def eval_markdown(results: dict) -> str:
+    meta = results["meta"]
+    s = results["summary"]
+    out = [f"# Evaluation of `{meta['model']}`", "",
+           f"- shards: `{meta['shards']}`, split **{meta['split']}**, {meta['n_samples']} images",
+           f"- retrieval text: **{meta['text_section']}** (findings+impression when 'both'; "
+           f"{meta['text_section_fallbacks_to_report']} studies fell back to the stored report)",
+           f"- images: {meta['image_view']} ({meta['image_size']} px)",
+           "- exact ids of every evaluation set: `eval_ids.json`", ""]
+    r = results.get("retrieval", {})
+    out += ["## Retrieval", "",
+            f"{r.get('n_candidates')} candidates ({r.get('candidates')}); "
+            f"{r.get('n_unique_texts')} distinct texts. 'same text' counts identical reports as correct.", "",
+            "| direction | R@1 | R@5 | R@10 | median rank | R@1 same text | R@5 same text | R@10 same text |",
+            "|---|---|---|---|---|---|---|---|"]
+    for d in ("i2t", "t2i"):
+        out.append(f"| {d} | " + " | ".join(fmt(r.get(k)) for k in (
+            f"{d}_R@1", f"{d}_R@5", f"{d}_R@10", f"{d}_median_rank", f"{d}_R@1_sametext",
+            f"{d}_R@5_sametext", f"{d}_R@10_sametext")) + " |")
+    out.append("")
+    for key, title in (("probe", "Linear probe (train -> test)"), ("zeroshot", "Zero-shot prompts")):
+        p = results.get(key)
+        if not p:
+            continue
+        out += [f"## {title}", ""]
+        if isinstance(p.get("skipped"), str):
+            out += [f"skipped: {p['skipped']}", ""]
+            continue
+        out += [f"mean AUC **{fmt(p.get('mean_auc'))}**, mean AP **{fmt(p.get('mean_ap'))}** over "
+                f"{p.get('n_labels')} labels", "", "| label | AUC | AP | positives |", "|---|---|---|---|"]
+        for name, v in p.get("per_label", {}).items():
+            out.append(f"| {name} | {fmt(v['auc'])} | {fmt(v['ap'])} | {v['n_pos']}/{v['n']} |")
+        if p.get("skipped"):
+            out += ["", "Skipped (fewer than %s positives or no negatives): " % p.get("min_positives", 5)
+                    + "; ".join(f"{k} ({v})" for k, v in p["skipped"].items())]
+        out.append("")
+    z5 = results.get("zeroshot_5x200")
+    if z5:
+        out += ["## Zero-shot 5x200-style", "",
+                f"accuracy {fmt(z5.get('accuracy'))} on {z5.get('n')} images "
+                f"({z5.get('per_class_n')}; seeded subset, ids in eval_ids.json)", ""]
+    lo = results.get("localisation")
+    if lo:
+        out += ["## Localisation", "",
+                f"{lo['n_images']} images with boxes; heatmap top {int(lo['top_fraction'] * 100)}% for IoU/Dice.", "",
+                "| heatmap | pointing game | IoU | Dice | boxes |", "|---|---|---|---|---|"]
+        for k in ("mask", "attention"):
+            a = lo[k]
+            out.append(f"| {k} | {fmt(a['pointing_game'])} | {fmt(a['iou'])} | {fmt(a['dice'])} | {a['n']} |")
+        if lo.get("per_label"):
+            out += ["", "| label | PG z | IoU z | PG attn | IoU attn |", "|---|---|---|---|---|"]
+            for lab, d in lo["per_label"].items():
+                m, a = d.get("mask", {}), d.get("attention", {})
+                out.append(f"| {lab} | {fmt(m.get('pointing_game'))} | {fmt(m.get('iou'))} | "
+                           f"{fmt(a.get('pointing_game'))} | {fmt(a.get('iou'))} |")
+        if lo.get("boxes_without_finding_tokens"):
+            out.append(f"\n{len(lo['boxes_without_finding_tokens'])} boxes had no matching words in the "
+                       "report (no attention heatmap).")
+        out.append("")
+    fa = results.get("faithfulness")
+    if fa:
+        out += ["## Mask faithfulness", "",
+                f"{fa['n_images']} images, order from {', '.join(fa['order_source']) or '–'}; "
+                f"baseline {fa['baseline']}.", "",
+                "| deletion AUC (lower better) | insertion AUC (higher better) | random deletion | "
+                "random insertion | sparsity z>0.5 | spatial entropy | cross-view Jaccard |",
+                "|---|---|---|---|---|---|---|",
+                "| " + " | ".join(fmt(fa.get(k)) for k in (
+                    "deletion_auc", "insertion_auc", "random_deletion_auc", "random_insertion_auc",
+                    "sparsity", "spatial_entropy", "cross_view_jaccard")) + " |", ""]
+    g = results.get("geometry")
+    if g:
+        out += ["## Embedding geometry", "",
+                f"intra-subject {fmt(g['intra'])} / inter-subject {fmt(g['inter'])} = ratio "
+                f"**{fmt(g['ratio'])}** ({g['n_subjects']} subjects, {g['n_intra_pairs']} intra pairs)", ""]
+    e = results.get("efficiency")
+    if e:
+        out += ["## Efficiency", "", "| " + " | ".join(k for k in e) + " |",
+                "|" + "|".join("---" for _ in e) + "|",
+                "| " + " | ".join(fmt(v, k) for k, v in e.items()) + " |", ""]
+    out += ["## Figures", "", "![heatmaps](heatmaps.png)", "", "![deletion/insertion](deletion_insertion.png)", "",
+            "## Summary", "", markdown_table([s], list(s)), ""]
+    return "\n".join(out)
+
+
+def print_summary(results: dict) -> None:
+    s = results["summary"]
+    cols = [c for c in QUALITY_COLUMNS + COST_COLUMNS if s.get(c) is not None]
+    width = max(len(HEADERS.get(c, c)) for c in cols)
+    print(f"evaluation of {results['meta']['model']} on {results['meta']['split']} "
+          f"({results['meta']['n_samples']} images, text: {results['meta']['text_section']})")
+    for c in cols:
+        print(f"  {HEADERS.get(c, c):<{width}}  {fmt(s[c], c)}")
+
+
+def write_eval_outputs(results: dict, ids: dict, plots: dict, out_dir: Path, quiet: bool = False) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"eval_json": "eval.json", "eval_md": "eval.md", "eval_ids": "eval_ids.json"}
+    curves = (results.get("faithfulness") or {}).get("curves")
+    if curves:
+        plot_deletion_insertion(curves, out_dir / "deletion_insertion.png")
+        files["deletion_insertion_png"] = "deletion_insertion.png"
+    if plots.get("heatmaps"):
+        plot_heatmap_grid(plots["heatmaps"], out_dir / "heatmaps.png")
+        files["heatmaps_png"] = "heatmaps.png"
+    results["files"] = files
+    write_json(results, out_dir / "eval.json")
+    write_json(ids, out_dir / "eval_ids.json")
+    (out_dir / "eval.md").write_text(eval_markdown(results))
+    if not quiet:
+        print_summary(results)
+        print(f"wrote {out_dir}/eval.json, eval.md, eval_ids.json and {len(files) - 3} PNG(s)")
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_boxes(ax, boxes, colour="lime"):
+    from matplotlib.patches import Rectangle
+
+    for _, (x0, y0, x1, y1) in boxes:
+        ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor=colour, linewidth=1.2))
+
+
+def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
+    """One row per image: image + GT boxes, mask z, attention of each finding's words."""
+    plt = _plt()
+    ncols = 2 + max(1, min(max_attn, max((len(it["attn"]) for it in items), default=0)))
+    fig, axes = plt.subplots(len(items), ncols, figsize=(2.2 * ncols, 2.2 * len(items)), squeeze=False)
+    for r, it in enumerate(items):
+        img = it["image"]
+        size = img.shape[-1]
+        extent = (0, size, size, 0)
+        panels = [("image", None), ("mask z", it.get("z"))] + [
+            (f"attn: {lab}", heat) for lab, heat in it["attn"][:max_attn]]
+        for c in range(ncols):
+            ax = axes[r][c]
+            ax.axis("off")
+            if c >= len(panels):
+                continue
+            title, heat = panels[c]
+            ax.imshow(img, cmap="gray", extent=extent, vmin=0, vmax=1)
+            if heat is not None:
+                ax.imshow(np.nan_to_num(heat, nan=0.0), cmap="jet", alpha=0.45, extent=extent,
+                          interpolation="nearest")
+            elif c == 1:
+                title = "mask z: none"
+            _draw_boxes(ax, it["boxes"])
+            ax.set_title(title if c else f"{it['key'][:18]}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_deletion_insertion(curves: dict, path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    f = curves["fractions"]
+    for ax, kind in zip(axes, ("deletion", "insertion")):
+        ax.plot(f, curves[kind], "-o", ms=3, label="mask order")
+        ax.plot(f, curves[f"random_{kind}"], "--", color="grey", label="random order")
+        ax.set_xlabel(f"fraction of patches {'removed' if kind == 'deletion' else 'inserted'}")
+        ax.set_ylabel("cos(image, own report)")
+        ax.set_title(kind)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_series(series: dict, xlabel: str, ylabel: str, title: str, path: Path) -> None:
+    """Lines: {name: (xs, ys)}."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for name, (xs, ys) in series.items():
+        ys = [np.nan if y is None else y for y in ys]
+        ax.plot(xs, ys, "-o", ms=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(3.5, 1.1 * len(values)), 3.2))
+    names = list(values)
+    heights = [np.nan if values[n] is None else values[n] for n in names]
+    bars = ax.bar(names, heights, color="tab:blue")
+    for b, h in zip(bars, heights):
+        if np.isfinite(h):
+            ax.annotate(f"{h:.1f}", (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

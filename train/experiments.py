@@ -1,0 +1,419 @@
+"""`train experiment efficiency|ablation --config FILE`: the 12M-style studies at any scale.
+
+efficiency (MobileCLIP DataCompDR-12M style): one student, the same samples seen, three runs:
+  plain      CLIP loss only, fresh augmentations, no teacher;
+  reinforced stored teacher embeddings of the stored views (lambda from the config);
+  online     the teacher run inside the loop on the same crops (what reinforcement saves).
+  Each run is validated every M samples (the loop's quick evaluation: retrieval R@K and a
+  half-subject probe AUC on ``curve_split``), then its last checkpoint gets the full
+  ``train eval`` suite on the test split. Outputs: results.json, table.md (final metrics,
+  wall time, step ms, samples/s), metric_vs_samples.png, step_time.png.
+ablation: students A-E trained alike and evaluated alike (quality table: retrieval, AUC,
+  localisation; cost table: throughput, step ms, latency, peak memory, GFLOPs, patch usage),
+  plus a k_ratio sweep (1.0, 0.75, 0.5, 0.25) with k_ratio vs R@1 / step time / memory plots.
+
+The recipe YAML names the shards (reused when ``dataset.json`` exists, built otherwise through
+``reinforce.build.build``), the shared training config (``train.config.TrainConfig`` fields),
+per-run overrides and the evaluation options; see configs/experiments/cpu-demo.yaml for every
+key, documented. Finished runs (RUN/summary.json + RUN/last.pt with the same config) are reused,
+so an interrupted experiment continues where it stopped.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+EXPERIMENTS = ("efficiency", "ablation")
+TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
+            "reuse_runs", "isolated_efficiency"}
+DEFAULT_EFFICIENCY_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
+DEFAULT_VARIANTS = {"A": "tiny-A", "B": "tiny-B", "C": "tiny-C", "D": "tiny-D", "E": "tiny-E"}
+CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
+
+
+# --------------------------------------------------------------------------- recipe
+
+
+def load_recipe(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"experiment config not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping (name, shards, train, eval, efficiency, ablation)")
+    unknown = sorted(set(data) - TOP_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown experiment key(s) {unknown}; known: {sorted(TOP_KEYS)}")
+    if "shards" not in data or not isinstance(data["shards"], dict) or "dir" not in data["shards"]:
+        raise ValueError(f"{path}: 'shards: {{dir: ...}}' is required (folder to reuse or build)")
+    data.setdefault("name", path.stem)
+    data["_path"] = str(path)
+    return data
+
+
+def ensure_shards(spec: dict, progress: bool = True) -> Path:
+    """The recipe's shard folder: reused when complete, else built (or resumed) with its options."""
+    from reinforce.build import BuildOptions, build
+
+    out = Path(spec["dir"])
+    if (out / "dataset.json").is_file() and not spec.get("rebuild", False):
+        return out
+    options = dict(spec.get("build") or {})
+    if not options:
+        raise ValueError(f"shards {out} do not exist and the recipe gives no 'shards.build' options")
+    if "aug" in options and isinstance(options["aug"], dict):
+        from reinforce.augment import AugConfig
+
+        options["aug"] = AugConfig.from_json(options["aug"])
+    known = set(BuildOptions.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"shards.build: unknown build option(s) {unknown}; known: {sorted(known)}")
+    resume = (out / "stats").is_dir()
+    if spec.get("rebuild") and out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+        resume = False
+    typer.echo(f"building shards in {out} ({options.get('source', 'phantom')}, "
+               f"teachers {options.get('teachers', 'random:tiny')})", err=True)
+    build(BuildOptions(out=out, resume=resume, progress=progress, **options))
+    return out
+
+
+def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict):
+    """TrainConfig = recipe['train'] < per-run overrides; shards and out forced."""
+    from train.config import TrainConfig
+
+    data = copy.deepcopy(recipe.get("train") or {})
+    for key, value in (overrides or {}).items():
+        if key == "model_overrides":
+            data.setdefault("model_overrides", {}).update(value)
+        else:
+            data[key] = value
+    data.update(shards=str(shards), out=str(run_dir))
+    if recipe.get("device"):
+        data.setdefault("device", recipe["device"])
+    return TrainConfig.load(None, **data)
+
+
+def run_training(cfg, reuse: bool = True) -> dict:
+    """Train (or reuse a finished identical run); returns the loop summary plus wall seconds."""
+    import yaml
+
+    from train.loop import train
+
+    run_dir = Path(cfg.out)
+    summary_path = run_dir / "summary.json"
+    if reuse and summary_path.is_file() and (run_dir / "last.pt").is_file() \
+            and (run_dir / "config.yaml").is_file():
+        previous = yaml.safe_load((run_dir / "config.yaml").read_text())
+        if previous == yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+            summary = json.loads(summary_path.read_text())
+            summary.setdefault("wall_s", None)
+            summary["reused"] = True
+            return summary
+    if run_dir.exists():  # a different or unfinished run: start it afresh
+        import shutil
+
+        shutil.rmtree(run_dir)
+    started = time.perf_counter()
+    summary = train(cfg)
+    summary["wall_s"] = round(time.perf_counter() - started, 2)
+    summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
+    """The loop's validation records as points of metric vs samples seen."""
+    path = Path(run_dir) / "metrics.jsonl"
+    points = []
+    if not path.is_file():
+        return points
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("kind") == "eval":
+            points.append({"step": rec["step"], "samples_seen": rec["step"] * samples_per_step,
+                           **{k: rec.get(k) for k in CURVE_METRICS}})
+    return points
+
+
+def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool) -> dict:
+    """Full evaluation of RUN/last.pt on the test split (cost measured in a fresh process on CPU)."""
+    import torch
+
+    from train.evaluation.efficiency import measure_in_subprocess
+    from train.evaluation.runner import evaluate, summary_row
+
+    opts = dict(recipe.get("eval") or {})
+    split = opts.pop("split", "test")
+    eff_batch = int(opts.pop("efficiency_batch", 32))
+    ckpt = run_dir / "last.pt"
+    use_subprocess = isolated and not torch.cuda.is_available()
+    results = evaluate(str(ckpt), shards, split, run_dir / f"eval-{split}", progress=False, quiet=True,
+                       efficiency=not use_subprocess, efficiency_batch=eff_batch, **opts)
+    if use_subprocess:
+        results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
+        results["summary"] = summary_row(results)
+        from train.evaluation.report import write_json
+
+        write_json(results, run_dir / f"eval-{split}" / "eval.json")
+    return results
+
+
+def _row(name: str, summary: dict, results: dict, batch: int) -> dict:
+    row = {"run": name, **results["summary"]}
+    row.update({"samples_seen": summary.get("samples_seen"), "wall_s": summary.get("wall_s"),
+                "step_ms": summary.get("mean_step_ms"),
+                "train_img_per_s": (1000.0 * batch / summary["mean_step_ms"]
+                                    if summary.get("mean_step_ms") else None)})
+    return row
+
+
+def _set_threads(recipe: dict) -> None:
+    if recipe.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(recipe["threads"]))
+
+
+# --------------------------------------------------------------------------- efficiency
+
+
+def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
+    from train.evaluation.report import markdown_table, plot_bars, plot_series, write_json
+
+    _set_threads(recipe)
+    shards = ensure_shards(recipe["shards"], progress)
+    spec = recipe.get("efficiency") or {}
+    runs = spec.get("runs") or DEFAULT_EFFICIENCY_RUNS
+    every = spec.get("eval_every_samples")
+    curve_split = spec.get("curve_split", "test")
+    reuse = recipe.get("reuse_runs", True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, per_run = [], {}
+    for name, overrides in runs.items():
+        overrides = dict(overrides or {})
+        base = train_config(recipe, shards, out_dir / "runs" / name, overrides)
+        per_step = base.batch_size * base.accum_steps
+        eval_every = max(1, round(every / per_step)) if every else 0
+        cfg = train_config(recipe, shards, out_dir / "runs" / name,
+                           {"eval_every": eval_every, "eval_split": curve_split, **overrides})
+        typer.echo(f"[efficiency] {name}: {cfg.steps} steps x {per_step} samples "
+                   f"(mode {cfg.mode}, online teacher {cfg.online_teacher})", err=True)
+        summary = run_training(cfg, reuse)
+        results = evaluate_run(recipe, Path(cfg.out), shards, recipe.get("isolated_efficiency", False))
+        rows.append(_row(name, summary, results, per_step))
+        per_run[name] = {"train_config": cfg.to_dict(), "train_summary": summary,
+                         "curve": eval_curve(Path(cfg.out), per_step), "final": results["summary"],
+                         "eval_dir": str(Path(cfg.out) / "eval-test")}
+    comparisons = _efficiency_comparisons(rows)
+    result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards),
+              "curve_split": curve_split, "runs": per_run, "table": rows, "comparisons": comparisons}
+    write_json(result, out_dir / "results.json")
+
+    series = {m: {n: ([p["samples_seen"] for p in r["curve"]], [p.get(m) for p in r["curve"]])
+                  for n, r in per_run.items()} for m in ("mean_recall", "probe_mean_auc")}
+    plot_series(series["mean_recall"], "samples seen", f"mean recall ({curve_split})",
+                "retrieval vs samples seen", out_dir / "metric_vs_samples.png")
+    plot_series(series["probe_mean_auc"], "samples seen", f"probe AUC ({curve_split}, half-subject)",
+                "probe AUC vs samples seen", out_dir / "auc_vs_samples.png")
+    plot_bars({r["run"]: r["step_ms"] for r in rows}, "ms / step", "training step time",
+              out_dir / "step_time.png")
+    cols = ["i2t_R@1", "t2i_R@1", "mean_recall", "mean_recall_sametext", "probe_auc", "zeroshot_auc",
+            "samples_seen", "wall_s", "step_ms", "train_img_per_s"]
+    md = [f"# Efficiency experiment `{recipe['name']}`", "",
+          f"shards `{shards}`; every run sees the same samples; final metrics on the test split "
+          f"(last checkpoint, `train eval` suite); curves: the loop's validation on `{curve_split}`.", "",
+          markdown_table(rows, cols, first="run"), "", "## Comparisons", ""]
+    md += [f"- {line}" for line in comparisons.get("lines", [])]
+    md += ["", "![metric vs samples](metric_vs_samples.png)", "", "![auc vs samples](auc_vs_samples.png)",
+           "", "![step time](step_time.png)", ""]
+    (out_dir / "table.md").write_text("\n".join(md))
+    typer.echo("\n".join(md[:6 + len(rows)]))
+    return result
+
+
+def _efficiency_comparisons(rows: list[dict]) -> dict:
+    by = {r["run"]: r for r in rows}
+    out: dict = {"lines": []}
+
+    def ratio(a, b, key):
+        va, vb = by.get(a, {}).get(key), by.get(b, {}).get(key)
+        return va / vb if va is not None and vb else None
+
+    for metric in ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_auc", "zeroshot_auc"):
+        a, b = by.get("reinforced", {}).get(metric), by.get("plain", {}).get(metric)
+        if a is not None and b is not None:
+            out[f"reinforced_minus_plain_{metric}"] = a - b
+            out["lines"].append(f"reinforced - plain {metric}: {a - b:+.3f} ({a:.3f} vs {b:.3f})")
+    for a, b in (("reinforced", "plain"), ("reinforced", "online"), ("online", "plain")):
+        r = ratio(a, b, "step_ms")
+        if r is not None:
+            out[f"step_ms_{a}_over_{b}"] = r
+            out["lines"].append(f"step time {a} / {b}: {r:.2f}x")
+    return out
+
+
+# --------------------------------------------------------------------------- ablation
+
+
+def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
+    from train.evaluation.report import COST_COLUMNS, markdown_table, plot_bars, write_json
+
+    _set_threads(recipe)
+    shards = ensure_shards(recipe["shards"], progress)
+    spec = recipe.get("ablation") or {}
+    variants = spec.get("variants") or DEFAULT_VARIANTS
+    if isinstance(variants, list):
+        variants = {str(v).split("-")[-1]: v for v in variants}
+    reuse = recipe.get("reuse_runs", True)
+    isolated = recipe.get("isolated_efficiency", True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, per_run = [], {}
+    for label, model in variants.items():
+        cfg = train_config(recipe, shards, out_dir / "runs" / f"variant-{label}", {"model": model})
+        typer.echo(f"[ablation] {label}: {model}, {cfg.steps} steps", err=True)
+        summary = run_training(cfg, reuse)
+        results = evaluate_run(recipe, Path(cfg.out), shards, isolated)
+        rows.append(_row(label, summary, results, cfg.batch_size * cfg.accum_steps))
+        per_run[label] = {"model": model, "train_summary": summary, "final": results["summary"]}
+
+    sweep = spec.get("k_ratio_sweep") or {}
+    sweep_rows = []
+    if sweep:
+        values = sweep.get("values", [1.0, 0.75, 0.5, 0.25])
+        model = sweep.get("model", "tiny-E")
+        for k in values:
+            mo = {"k_ratio": float(k)}
+            if sweep.get("tie_keep_rate", True):
+                mo["keep_rate"] = float(k)
+            cfg = train_config(recipe, shards, out_dir / "runs" / f"k_ratio-{k}",
+                               {"model": model, "model_overrides": mo})
+            typer.echo(f"[ablation] k_ratio {k} ({model}, overrides {mo})", err=True)
+            summary = run_training(cfg, reuse)
+            results = evaluate_run(recipe, Path(cfg.out), shards, isolated)
+            row = _row(f"k={k}", summary, results, cfg.batch_size * cfg.accum_steps)
+            row["k_ratio"] = float(k)
+            sweep_rows.append(row)
+            per_run[f"k_ratio-{k}"] = {"model": model, "overrides": mo, "train_summary": summary,
+                                       "final": results["summary"]}
+    relative = _relative_to(rows, "A")
+    result = {"experiment": "ablation", "recipe": recipe, "shards": str(shards), "table": rows,
+              "k_ratio_sweep": sweep_rows, "relative_to_A": relative, "runs": per_run}
+    write_json(result, out_dir / "results.json")
+
+    quality = ["i2t_R@1", "t2i_R@1", "mean_recall", "probe_auc", "zeroshot_auc", "pointing_z", "iou_z",
+               "pointing_attn", "iou_attn", "deletion_auc", "insertion_auc", "sparsity"]
+    cost = COST_COLUMNS + ["step_ms", "train_img_per_s", "wall_s"]
+    md = [f"# Ablation `{recipe['name']}`", "",
+          f"shards `{shards}`; every variant trained with the same recipe and samples; test split.", "",
+          "## Quality", "", markdown_table(rows, quality, first="run"), "",
+          "## Cost", "",
+          "infer img/s, latency, GFLOPs, peak MB: synthetic inputs at the model size "
+          "(peak MB: CUDA max allocated, or peak RSS of a fresh process on CPU); step ms / train img/s: "
+          "the training loop's mean step (data + forward + backward + update).", "",
+          markdown_table(rows, cost, first="run"), ""]
+    if relative:
+        md += ["Relative to A: " + "; ".join(f"{k} {v:.2f}x" for k, v in relative.get("E", {}).items()
+                                            if v is not None) + " (E)", ""]
+    if sweep_rows:
+        md += [f"## k_ratio sweep ({sweep.get('model', 'tiny-E')}, keep_rate tied: "
+               f"{sweep.get('tie_keep_rate', True)})", "",
+               markdown_table(sweep_rows, ["k_ratio", "i2t_R@1", "t2i_R@1", "mean_recall", "probe_auc",
+                                           "step_ms", "peak_memory_mb", "gflops_per_img",
+                                           "inference_img_per_s"], first="run"), "",
+               "![k_ratio sweep](k_ratio_sweep.png)", ""]
+        _plot_sweep(sweep_rows, out_dir / "k_ratio_sweep.png")
+    plot_bars({r["run"]: r.get("inference_img_per_s") for r in rows}, "images / s",
+              "inference throughput", out_dir / "throughput.png")
+    plot_bars({r["run"]: r.get("step_ms") for r in rows}, "ms / step", "training step time",
+              out_dir / "step_time.png")
+    md += ["![throughput](throughput.png)", "", "![step time](step_time.png)", ""]
+    (out_dir / "table.md").write_text("\n".join(md))
+    typer.echo("\n".join(md))
+    return result
+
+
+def _relative_to(rows: list[dict], base: str) -> dict:
+    by = {r["run"]: r for r in rows}
+    if base not in by:
+        return {}
+    keys = ("inference_img_per_s", "train_img_per_s", "step_ms", "latency_ms", "peak_memory_mb",
+            "gflops_per_img")
+    out = {}
+    for name, row in by.items():
+        out[name] = {k: (row[k] / by[base][k] if row.get(k) is not None and by[base].get(k) else None)
+                     for k in keys}
+    return out
+
+
+def _plot_sweep(rows: list[dict], path: Path) -> None:
+    from train.evaluation.report import _plt
+
+    plt = _plt()
+    ks = [r["k_ratio"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, (key, label) in zip(axes, (("i2t_R@1", "i2t R@1 (test)"), ("step_ms", "train step ms"),
+                                       ("peak_memory_mb", "peak memory MB"))):
+        ax.plot(ks, [np_nan(r.get(key)) for r in rows], "-o")
+        if key == "i2t_R@1":
+            ax.plot(ks, [np_nan(r.get("t2i_R@1")) for r in rows], "-s", label="t2i R@1")
+            ax.legend(fontsize=7)
+        ax.set_xlabel("k_ratio")
+        ax.set_ylabel(label)
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def np_nan(v):
+    return float("nan") if v is None else v
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def cli_experiment(
+    name: Annotated[str, typer.Argument(help="efficiency (plain vs reinforced vs online teacher, same "
+                                             "samples seen) or ablation (students A-E + k_ratio sweep).")],
+    config: Annotated[Path, typer.Option(help="Experiment recipe YAML, e.g. "
+                                              "configs/experiments/cpu-demo.yaml.")],
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: the recipe's 'out' / NAME).")] = None,
+    fresh: Annotated[bool, typer.Option(help="Retrain every run even when a finished identical run "
+                                             "exists.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Run an experiment recipe: build shards if missing, train every run, evaluate, write tables and plots."""
+    from reinforce.clierrors import UserError
+
+    if name not in EXPERIMENTS:
+        raise UserError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    try:
+        recipe = load_recipe(config)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    if fresh:
+        recipe["reuse_runs"] = False
+    if quiet:
+        recipe.setdefault("train", {})["progress"] = False
+    out_dir = out or Path(recipe.get("out", f"runs/experiments/{recipe['name']}")) / name
+    started = time.perf_counter()
+    run = efficiency_experiment if name == "efficiency" else ablation_experiment
+    run(recipe, Path(out_dir), progress=not quiet)
+    typer.echo(f"{name} finished in {time.perf_counter() - started:.0f} s; wrote {out_dir}/results.json, "
+               f"table.md and plots")

@@ -1,0 +1,105 @@
+"""Heads on top of the towers: projection to the shared space, Patch-IB mask heads, local alignment."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+class Projection(nn.Module):
+    """Linear map (no bias) from a tower width to the shared embedding space (not normalised here)."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, out_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=in_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class MaskHead(nn.Module):
+    """Patch-IB mask: an MLP score per patch token, z = sigmoid(score) in [0, 1] (variant C).
+
+    ``forward(patches (B, N, d), step=None) -> (z (B, N), soft (B, N))``; for this head z == soft.
+    """
+
+    def __init__(self, dim: int, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or max(16, dim // 2)
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, 1))
+
+    def logits(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.mlp(patches).squeeze(-1)
+
+    def forward(self, patches: torch.Tensor, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        soft = torch.sigmoid(self.logits(patches))
+        return soft, soft
+
+
+class MaskHeadTopK(MaskHead):
+    """Hard Top-K mask with a straight-through soft gradient (variants D, E).
+
+    Forward value: exactly K = round(k_ratio * N) ones (the K highest scores), zeros elsewhere;
+    gradient: that of the sigmoid scores (z = z_hard - z_soft.detach() + z_soft).
+    Optional annealing: k_ratio goes linearly from ``k_ratio_start`` to ``k_ratio`` over
+    ``anneal_steps`` training steps (step=None, i.e. evaluation, uses the final k_ratio).
+    """
+
+    def __init__(self, dim: int, k_ratio: float, hidden: int | None = None,
+                 k_ratio_start: float | None = None, anneal_steps: int = 0):
+        super().__init__(dim, hidden)
+        self.k_ratio = float(k_ratio)
+        self.k_ratio_start = None if k_ratio_start is None else float(k_ratio_start)
+        self.anneal_steps = int(anneal_steps)
+
+    def k_ratio_at(self, step: int | None) -> float:
+        if step is None or self.k_ratio_start is None or self.anneal_steps <= 0:
+            return self.k_ratio
+        t = min(1.0, max(0, step) / self.anneal_steps)
+        return self.k_ratio_start + (self.k_ratio - self.k_ratio_start) * t
+
+    def num_kept(self, n: int, step: int | None = None) -> int:
+        return max(1, min(n, round(self.k_ratio_at(step) * n)))
+
+    def forward(self, patches: torch.Tensor, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(patches)
+        soft = torch.sigmoid(logits)
+        k = self.num_kept(logits.shape[1], step)
+        hard = torch.zeros_like(soft).scatter(1, logits.detach().topk(k, dim=1).indices, 1.0)
+        return hard - soft.detach() + soft, soft
+
+
+class LocalAlign(nn.Module):
+    """Token-to-patch alignment: text tokens query the patches with multi-head cross-attention.
+
+    ``forward(text_tokens (B, L, dt), patches (B, N, dv), text_mask (B, L) bool/0-1 valid,
+    patch_mask (B, N) bool valid or None) -> (v_tilde (B, L, D), t (B, L, D), attn (B, L, N))``:
+    t_k is the projected text token, v_tilde_k the attention-pooled projected patches it looks at,
+    attn the head-averaged attention. Padded queries are independent of the valid ones (each query
+    attends on its own) and their outputs are zeroed; padded patches (patch_mask False) get no
+    attention. Outputs are not normalised (the loss uses cosine similarity).
+    """
+
+    def __init__(self, text_dim: int, patch_dim: int, embed_dim: int, heads: int):
+        super().__init__()
+        self.text_proj = nn.Linear(text_dim, embed_dim)
+        self.patch_proj = nn.Linear(patch_dim, embed_dim)
+        self.attn = nn.MultiheadAttention(embed_dim, heads, batch_first=True)
+
+    def forward(self, text_tokens: torch.Tensor, patches: torch.Tensor, text_mask: torch.Tensor | None = None,
+                patch_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = self.text_proj(text_tokens)
+        p = self.patch_proj(patches)
+        key_padding = None if patch_mask is None else ~patch_mask.bool()
+        v, attn = self.attn(t, p, p, key_padding_mask=key_padding, need_weights=True, average_attn_weights=True)
+        if text_mask is not None:
+            keep = text_mask.bool().unsqueeze(-1)
+            v, t, attn = v * keep, t * keep, attn * keep
+        return v, t, attn
+
+
+def init_logit_scale(init: float) -> nn.Parameter:
+    """Learnable log temperature, initialised at log(init) (CLIP: 1/0.07)."""
+    return nn.Parameter(torch.tensor(math.log(init), dtype=torch.float32))

@@ -1,0 +1,174 @@
+"""Image towers: timm ViTs (any input size) and timm ``fastvit_mci0`` (final-stage grid as patch tokens).
+
+Every tower maps normalised (B, 3, H, W) images to a ``TowerOutput``: a global token, the patch tokens
+(B, N, d) and their indices into the full patch grid (arange unless tokens were dropped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
+                  "vit_base_patch16": "vit_base_patch16_224"}
+# A tiny ViT for tests and the CPU demo: 64 px -> 8x8 patches, 4 blocks of width 64.
+VIT_MICRO = dict(patch_size=8, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0)
+
+
+@dataclass
+class TowerOutput:
+    tokens: torch.Tensor  # (B, T, d) all output tokens after the final norm ([CLS] + patches (+ fused))
+    pooled: torch.Tensor  # (B, d) global image token before projection
+    patches: torch.Tensor  # (B, N, d) patch tokens (kept ones only after token dropping)
+    patch_index: torch.Tensor  # (B, N) long indices into the full grid
+    keep_ratio: float = 1.0
+
+
+def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs) -> nn.Module:
+    """A timm VisionTransformer without classifier at ``image_size`` (no pretrained download)."""
+    from timm.models.vision_transformer import VisionTransformer
+    import timm
+
+    if name == "vit_micro":
+        args = {**VIT_MICRO, **kwargs}
+        patch = args["patch_size"]
+        model = VisionTransformer(img_size=image_size, num_classes=0, drop_path_rate=drop_path_rate, **args)
+    elif name in TIMM_VIT_NAMES:
+        patch = kwargs.get("patch_size", 16)
+        model = timm.create_model(TIMM_VIT_NAMES[name], pretrained=False, num_classes=0, img_size=image_size,
+                                  drop_path_rate=drop_path_rate, **kwargs)
+    else:
+        raise ValueError(f"unknown ViT image tower {name!r}; expected vit_micro or one of {sorted(TIMM_VIT_NAMES)}")
+    if image_size % patch:
+        raise ValueError(f"image_size {image_size} is not a multiple of the patch size {patch} of {name}")
+    if model.num_prefix_tokens != 1:
+        raise ValueError(f"{name}: expected exactly one prefix ([CLS]) token, got {model.num_prefix_tokens}")
+    return model
+
+
+class ImageTower(nn.Module):
+    """Common bits: normalisation constants, grid size, layer ids for layer-wise LR decay."""
+
+    trunk: nn.Module
+    grid_size: tuple[int, int]
+    width: int
+    depth: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.trunk.set_grad_checkpointing(enable)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_size[0] * self.grid_size[1]
+
+
+class ViTTower(ImageTower):
+    """A timm ViT run as is: [CLS] (or mean of patches) as the global token, all patches kept."""
+
+    def __init__(self, vit: nn.Module, global_pool: str = "token"):
+        super().__init__()
+        self.trunk = vit
+        self.global_pool = global_pool
+        self.grid_size = tuple(vit.patch_embed.grid_size)
+        self.width = int(vit.embed_dim)
+        self.depth = len(vit.blocks)
+        cfg = getattr(vit, "pretrained_cfg", None) or {}
+        self.mean = tuple(cfg.get("mean", (0.5, 0.5, 0.5)))
+        self.std = tuple(cfg.get("std", (0.5, 0.5, 0.5)))
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch embedding + [CLS] + positional embedding (timm's _pos_embed): (B, 1+N, d)."""
+        v = self.trunk
+        return v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.trunk, "grad_checkpointing", False) and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def finish(self, x: torch.Tensor, patch_index: torch.Tensor, n_patches: int, keep_ratio: float) -> TowerOutput:
+        x = self.trunk.norm(x)
+        patches = x[:, 1:1 + n_patches]
+        pooled = x[:, 0] if self.global_pool == "token" else patches.mean(1)
+        return TowerOutput(x, pooled, patches, patch_index, keep_ratio)
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        x = self.embed(x)
+        for block in self.trunk.blocks:
+            x = self.run_block(block, x)
+        n = x.shape[1] - 1
+        index = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        return self.finish(x, index, n, 1.0)
+
+    def layer_id(self, name: str) -> int:
+        """0: embeddings; i+1: block i; depth+1: final norm and anything after (score head)."""
+        parts = name.split(".")
+        if "blocks" in parts:
+            i = parts.index("blocks")
+            return int(parts[i + 1]) + 1
+        if any(p in ("patch_embed", "cls_token", "pos_embed", "reg_token", "norm_pre") for p in parts):
+            return 0
+        return self.depth + 1
+
+    def last_block(self) -> nn.Module:
+        return self.trunk.blocks[-1]
+
+
+class FastViTTower(ImageTower):
+    """timm ``fastvit_mci0`` (MobileCLIP's image encoder): the final-stage grid (after final_conv)
+    is the patch token set, its mean is the global token. Token dropping is not possible here."""
+
+    def __init__(self, name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs):
+        super().__init__()
+        import timm
+
+        if image_size % 32:
+            raise ValueError(f"{name}: image_size must be a multiple of 32 (its stride), got {image_size}")
+        self.trunk = timm.create_model(name, pretrained=False, num_classes=0, drop_path_rate=drop_path_rate, **kwargs)
+        self.grid_size = (image_size // 32, image_size // 32)
+        self.width = int(self.trunk.num_features)
+        self.depth = len(self.trunk.stages)
+        cfg = getattr(self.trunk, "pretrained_cfg", None) or {}
+        self.mean = tuple(cfg.get("mean", (0.0, 0.0, 0.0)))
+        self.std = tuple(cfg.get("std", (1.0, 1.0, 1.0)))
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        fmap = self.trunk.forward_features(x)  # (B, C, h, w)
+        patches = fmap.flatten(2).transpose(1, 2)
+        n = patches.shape[1]
+        index = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        return TowerOutput(patches, patches.mean(1), patches, index, 1.0)
+
+    def layer_id(self, name: str) -> int:
+        """0: stem; s+1: stage s; depth+1: final_conv/head."""
+        parts = name.split(".")
+        if "stem" in parts:
+            return 0
+        if "stages" in parts:
+            return int(parts[parts.index("stages") + 1]) + 1
+        return self.depth + 1
+
+    def last_block(self) -> nn.Module:
+        stage = self.trunk.stages[-1]
+        return stage.blocks[-1] if hasattr(stage, "blocks") else stage
+
+
+def build_image_tower(config) -> ImageTower:
+    """The image tower of a StudentConfig (E wraps the ViT in a TokenDroppingViT)."""
+    kwargs = dict(config.image_kwargs or {})
+    if config.image_tower == "fastvit_mci0":
+        if config.use_token_dropping:
+            raise ValueError("variant E (token dropping) is not available with fastvit_mci0; use a ViT tower")
+        return FastViTTower("fastvit_mci0", config.image_size, config.drop_path_rate, **kwargs)
+    vit = create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **kwargs)
+    if config.use_token_dropping:
+        from train.models.token_dropping import TokenDroppingViT
+
+        return TokenDroppingViT(vit, drop_layer=config.drop_layer, keep_rate=config.keep_rate,
+                                warmup_steps=config.keep_rate_warmup_steps, patch_score=config.patch_score,
+                                fuse_dropped=config.fuse_dropped, global_pool=config.global_pool)
+    return ViTTower(vit, config.global_pool)
