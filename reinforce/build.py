@@ -620,11 +620,15 @@ def cli_build(
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N records of the source.")] = None,
     merge_timeout: Annotated[float, typer.Option(help="Seconds rank 0 waits for other ranks before "
                                                       "merging.")] = 3600.0,
-    crop_scale: Annotated[str, typer.Option(help="RandomResizedCrop area fraction MIN,MAX.")] = "0.6,1.0",
-    crop_ratio: Annotated[str, typer.Option(help="RandomResizedCrop aspect ratio MIN,MAX.")] = "0.75,1.3333",
-    max_angle: Annotated[float, typer.Option(help="Max rotation in degrees.")] = 7.0,
-    randaugment: Annotated[int, typer.Option(help="RandAugment-style photometric ops per set (0 = off).")] = 0,
-    randaugment_magnitude: Annotated[float, typer.Option(help="RandAugment magnitude 0..10.")] = 5.0,
+    crop_scale: Annotated[Optional[str], typer.Option(help="RandomResizedCrop area fraction MIN,MAX "
+                                                           "[default: 0.6,1.0].")] = None,
+    crop_ratio: Annotated[Optional[str], typer.Option(help="RandomResizedCrop aspect ratio w/h MIN,MAX "
+                                                           "[default: 3/4,4/3].")] = None,
+    max_angle: Annotated[Optional[float], typer.Option(help="Max rotation in degrees [default: 7].")] = None,
+    randaugment: Annotated[Optional[int], typer.Option(help="RandAugment-style photometric ops per set "
+                                                            "[default: 0 = off].")] = None,
+    randaugment_magnitude: Annotated[Optional[float], typer.Option(help="RandAugment magnitude 0..10 "
+                                                                        "[default: 5].")] = None,
     image_root: Annotated[Optional[str], typer.Option(help="Source: folder image paths are relative to.")] = None,
     col_id: Annotated[Optional[str], typer.Option(help="Source column: record id.")] = None,
     col_image: Annotated[Optional[str], typer.Option(help="Source column: image path.")] = None,
@@ -650,9 +654,14 @@ def cli_build(
     """Build reinforced WebDataset shards: stored images, captions, aug params, teacher embeddings."""
     from reinforce.augment import AugConfig
 
-    aug = AugConfig(scale=_pair(crop_scale, "--crop-scale"), ratio=_pair(crop_ratio, "--crop-ratio"),
-                    max_angle=max_angle, randaugment_n=randaugment,
-                    randaugment_magnitude=randaugment_magnitude)
+    # Only flags given override AugConfig's defaults (so a CLI build equals a default-config build).
+    given = {"scale": _pair(crop_scale, "--crop-scale") if crop_scale else None,
+             "ratio": _pair(crop_ratio, "--crop-ratio") if crop_ratio else None,
+             "max_angle": max_angle, "randaugment_n": randaugment,
+             "randaugment_magnitude": randaugment_magnitude}
+    aug = AugConfig(**{k: v for k, v in given.items() if v is not None})
+    if aug.max_angle < 0 or aug.randaugment_n < 0 or not 0 <= aug.randaugment_magnitude <= 10:
+        raise UserError("--max-angle and --randaugment must be >= 0 and --randaugment-magnitude in 0..10")
     source_options = dict(image_root=image_root, col_id=col_id, col_image=col_image, col_report=col_report,
                           col_findings=col_findings, col_impression=col_impression, col_labels=col_labels,
                           col_split=col_split, col_subject=col_subject, col_study=col_study,

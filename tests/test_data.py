@@ -33,7 +33,7 @@ def build_phantom_shards(base: str) -> Path:
         has_build = False
     if has_build:
         cmd = [PY, "-m", "reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
-               "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--out", str(out)]
+               "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--shard-size", "12", "--workers", "0", "--out", str(out)]
         env = dict(os.environ, CXRDR_DEBUG="1")
         result = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if result.returncode != 0:

@@ -207,3 +207,64 @@ def test_distance_ratio_hand_computed():
     r2 = distance_ratio(e2, ["s1", "s1", "s2", "s2"])
     # intra pairs: (0,1),(2,3) at sqrt2; inter: (0,2)=0,(0,3)=sqrt2,(1,2)=sqrt2,(1,3)=0 -> mean sqrt2/2
     assert r2["ratio"] == pytest.approx(2.0)
+
+
+# --------------------------------------------------------------------------- end to end: train run -> train eval
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """Tiny phantom shards and a 2-step `train run` of tiny-D on them (trained through the CLI)."""
+    from typer.testing import CliRunner
+
+    from reinforce.build import BuildOptions, build
+    from train.cli import app
+
+    root = tmp_path_factory.mktemp("eval-e2e")
+    shards = root / "shards"
+    build(BuildOptions(source="phantom:48", teachers="random:tiny", out=shards, n_aug=2, n_captions=2,
+                       store_size=64, image_format="png", shard_size=100, workers=0, batch_size=16,
+                       device="cpu", progress=False, source_options={"size": 64}))
+    run = root / "run"
+    result = CliRunner().invoke(app, ["run", "--shards", str(shards), "--model", "tiny-D", "--steps", "2",
+                                      "--batch-size", "8", "--workers", "0", "--device", "cpu",
+                                      "--out", str(run), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert (run / "best.pt").is_file()
+    return shards, run
+
+
+def test_train_eval_cli_writes_outputs(tiny_run):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    shards, run = tiny_run
+    result = CliRunner().invoke(app, ["eval", "--ckpt", str(run / "best.pt"), "--shards", str(shards),
+                                      "--min-positives", "2", "--n-faithfulness", "2", "--faith-steps", "4",
+                                      "--probe-max-train", "24", "--quiet"])
+    assert result.exit_code == 0, result.output
+    out = run / "eval-test"  # default: beside the checkpoint
+    for name in ("eval.json", "eval.md", "eval_ids.json", "heatmaps.png", "deletion_insertion.png"):
+        assert (out / name).is_file(), name
+    assert "i2t R@1" in result.output
+    data = json.loads((out / "eval.json").read_text())
+    assert data["retrieval"]["n_candidates"] >= 2 and "i2t_R@1_sametext" in data["retrieval"]
+    assert data["meta"]["text_section"] == "both"
+    assert data["localisation"]["mask"]["n"] > 0  # phantom always has boxes
+    assert 0.0 <= data["faithfulness"]["sparsity"] <= 1.0
+    assert data["efficiency"]["gflops_per_img"] > 0 and data["efficiency"]["patch_usage_pct"] == 100.0
+    ids = json.loads((out / "eval_ids.json").read_text())
+    assert ids["retrieval"] and set(ids["retrieval"]) <= set(ids["all"]) and "zeroshot_5x200" in ids
+    md = (out / "eval.md").read_text()
+    assert "## Retrieval" in md and "## Linear probe" in md and "## Localisation" in md
+
+
+def test_eval_rejects_bad_input(tiny_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    shards, run = tiny_run
+    result = CliRunner().invoke(app, ["eval", "--ckpt", str(tmp_path / "missing.pt"), "--shards", str(shards)])
+    assert result.exit_code != 0 and "checkpoint not found" in str(result.exception or result.output)

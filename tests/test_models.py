@@ -259,3 +259,47 @@ def test_minilm_text_tower_builds_offline(monkeypatch):
     tok = build_tokenizer("minilm", 32)(TEXTS)
     tokens, pooled = tower(tok["input_ids"], tok["attention_mask"])
     assert tower.pool == "mean" and tokens.shape == (2, 32, 384) and pooled.shape == (2, 384)
+
+
+def test_every_parameter_gets_a_gradient_for_ddp(images):
+    """DDP without find_unused_parameters needs every parameter used, also during keep-rate warm-up."""
+    torch.manual_seed(0)
+    model = build_student(StudentConfig.from_yaml("tiny-E", keep_rate_warmup_steps=10))
+    out = _forward(model, images, step=0)
+    assert out.keep_ratio == 1.0
+    loss = (out.image_emb @ out.text_emb.T).sum() + out.masked_image_emb.sum() + out.logit_scale \
+        + (out.local_visual * out.local_text).sum()
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+
+
+def test_init_from_open_clip_maps_trunk_and_text(monkeypatch):
+    import train.models.init as init
+
+    torch.manual_seed(0)
+    donor = build_student("tiny-A")
+    fake = {"visual.trunk." + k[len("image_tower.trunk."):]: v + 1 for k, v in donor.state_dict().items()
+            if k.startswith("image_tower.trunk.")}
+    fake.update({"text.transformer." + k[len("text_tower.model."):]: v for k, v in donor.state_dict().items()
+                 if k.startswith("text_tower.model.")})
+    fake["visual.head.proj.weight"] = donor.image_proj.proj.weight + 2
+
+    class FakeClip:
+        def state_dict(self):
+            return fake
+
+    monkeypatch.setattr(init, "create_open_clip", lambda spec: (FakeClip(), None))
+    student = build_student("tiny-B")
+    info = init.initialise_student(student, "local-dir:/models/fake")
+    assert info["copied"] == len(fake)
+    assert torch.equal(student.image_tower.trunk.pos_embed, donor.image_tower.trunk.pos_embed + 1)
+    assert torch.equal(student.image_proj.proj.weight, donor.image_proj.proj.weight + 2)
+
+
+def test_init_from_checkpoint_resamples_pos_embed_to_new_image_size(tmp_path):
+    torch.manual_seed(0)
+    path = save_checkpoint(tmp_path / "a.pt", build_student("tiny-A"))
+    bigger = build_student(StudentConfig.from_yaml("tiny-A", image_size=96, init_from=str(path)))
+    assert bigger.image_tower.trunk.pos_embed.shape == (1, 1 + 12 * 12, 64)
+    assert torch.equal(bigger.image_tower.trunk.pos_embed[:, 0], load_checkpoint(path).image_tower.trunk.pos_embed[:, 0])

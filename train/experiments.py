@@ -160,10 +160,11 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool) -> d
     opts = dict(recipe.get("eval") or {})
     split = opts.pop("split", "test")
     eff_batch = int(opts.pop("efficiency_batch", 32))
+    measure = bool(opts.pop("efficiency", True))
     ckpt = run_dir / "last.pt"
-    use_subprocess = isolated and not torch.cuda.is_available()
+    use_subprocess = measure and isolated and not torch.cuda.is_available()
     results = evaluate(str(ckpt), shards, split, run_dir / f"eval-{split}", progress=False, quiet=True,
-                       efficiency=not use_subprocess, efficiency_batch=eff_batch, **opts)
+                       efficiency=measure and not use_subprocess, efficiency_batch=eff_batch, **opts)
     if use_subprocess:
         results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
         results["summary"] = summary_row(results)

@@ -27,7 +27,7 @@ from reinforce.augment import stable_seed
 
 BLOCK = 16
 STUDY_COUNT_P = (0.35, 0.30, 0.20, 0.15)  # P(1..4 studies per subject)
-NORMAL_P = 0.30  # P(no pathology); support devices may still be present
+NORMAL_P = 0.32  # P(no pathology); support devices may still be present
 N_PATHOLOGY_P = (0.50, 0.33, 0.17)  # P(1, 2, 3 pathologies | abnormal)
 DEVICE_P = 0.22
 MAX_FINDINGS = 3  # pathologies + devices

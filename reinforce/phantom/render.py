@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from reinforce.augment import stable_seed
-from reinforce.phantom.cases import DEVICE, LESION_MM, SEVERITIES, THORAX_MM, Case, Finding, Geometry
+from reinforce.phantom.cases import DEVICE, SEVERITIES, THORAX_MM, Case, Finding, Geometry
 
 ZONES = {"apex": (0.0, 0.15), "upper": (0.1, 0.38), "mid": (0.35, 0.62), "lower": (0.6, 0.85),
          "base": (0.8, 1.0)}
@@ -75,11 +75,12 @@ def lung_lateral(g: Geometry, side: str, y):
     return g.tw * (0.52 + 0.48 * np.sqrt(np.clip((y - g.apex_y) / (0.55 * h), 0.0, 1.0)))
 
 
-def lung_mask(g: Geometry, side: str, X, Y, s):
+def lung_mask(g: Geometry, side: str, X, Y, s, lateral_inset=0.0, top_inset=0.0):
+    """Soft mask of one lung field; the insets pull the lateral wall and apex in (pneumothorax)."""
     d = _sgn(side) * (X - g.cx)
-    top = g.apex_y + 0.35 * ((d - 0.45 * g.tw) / g.tw) ** 2
+    top = g.apex_y + top_inset + 0.35 * ((d - 0.45 * g.tw) / g.tw) ** 2
     bottom = _dome(g, side) + 0.45 * ((d - 0.5 * g.tw) / g.tw) ** 2
-    return (_ramp(lung_lateral(g, side, Y) - d, s) * _ramp(d - g.mw, s)
+    return (_ramp(lung_lateral(g, side, Y) - lateral_inset - d, s) * _ramp(d - g.mw, s)
             * _ramp(Y - top, s) * _ramp(bottom - Y, s))
 
 
@@ -128,11 +129,17 @@ def effusion_mask(g: Geometry, f: Finding, X, Y, s):
     return out
 
 
+def _pneumothorax_insets(g: Geometry, f: Finding, Y):
+    """(lateral inset at each height, apical inset): the air gap between chest wall and lung."""
+    shrink, h = f.params["shrink"], _dome(g, f.side) - g.apex_y
+    reach = (0.45 + shrink) * h  # how far down the lateral gap runs
+    taper = np.clip((g.apex_y + reach - Y) / reach, 0.0, 1.0)
+    return 0.5 * shrink * g.tw * taper, shrink * h
+
+
 def _collapsed_lung(g: Geometry, f: Finding, X, Y, s):
-    sgn = _sgn(f.side)
-    ax, ay = g.cx + sgn * (g.mw + 0.15 * g.tw), _dome(g, f.side)
-    k = 1.0 - f.params["shrink"]
-    return lung_mask(g, f.side, ax + (X - ax) / k, ay + (Y - ay) / k, s * 0.8)
+    lateral, top = _pneumothorax_insets(g, f, Y)
+    return lung_mask(g, f.side, X, Y, s * 0.8, lateral_inset=lateral, top_inset=top)
 
 
 def pneumothorax_mask(g: Geometry, f: Finding, X, Y, s):
@@ -258,8 +265,10 @@ def finding_boxes(case: Case, size: int) -> list[dict]:
     for f in case.findings:
         if f.kind == DEVICE:
             paths, pads = device_paths(g, f)
-            pts = np.array([p for path in paths for p in path] + [(x + dx * r, y + dy * r) for x, y, r in pads
-                                                               for dx, dy in ((-1, -1), (1, 1))])
+            if pads:  # ECG leads: the electrodes, not the wires running off the image
+                pts = np.array([(x + dx * r, y + dy * r) for x, y, r in pads for dx, dy in ((-1, -1), (1, 1))])
+            else:
+                pts = np.array([p for path in paths for p in path])
             pad = 0.01
             box = [pts[:, 0].min() - pad, pts[:, 1].min() - pad, pts[:, 0].max() + pad, pts[:, 1].max() + pad]
         elif f.kind in ("nodule", "mass"):
@@ -313,7 +322,11 @@ def render_case(case: Case, size: int = 256) -> Image.Image:
             collapsed = _collapsed_lung(g, f, X, Y, s)
             lung_side = lung_r if f.side == "right" else lung_l
             lung_val = _lerp(lung_val, 0.05, lung_side * (1.0 - collapsed))
-            lung_val = lung_val + 0.02 * collapsed + 0.3 * lung_side * 4.0 * collapsed * (1.0 - collapsed)
+            # The visceral pleural line: the collapsed lung's edge, where it has left the wall.
+            lateral, _ = _pneumothorax_insets(g, f, Y)
+            detached = np.minimum(lateral / (2 * s), 1.0) * _ramp(_sgn(f.side) * (X - g.cx) - g.mw - 3 * s, s)
+            detached = np.maximum(detached, _ramp(Y - g.apex_y - 2 * s, s) * (Y < g.apex_y + 0.1))
+            lung_val = lung_val + 0.02 * collapsed + 0.3 * lung_side * detached * 4.0 * collapsed * (1.0 - collapsed)
     img = _lerp(img, lung_val, np.minimum(lung_r + lung_l, 1.0) * 0.95)
 
     # Mediastinum, trachea, aortic knob, heart.

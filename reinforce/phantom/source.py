@@ -116,11 +116,11 @@ def cli_phantom(
 ) -> None:
     """Generate phantom chest X-rays with reports, triples, labels and boxes (the embedded default data).
 
-    Each study shows 0-3 findings (about 30% are normal) of known kind, side, zone and severity:
-    cardiomegaly, pleural effusion, pneumothorax, nodule, mass, consolidation, lung opacity,
-    atelectasis, edema, plus optional support devices. Subjects have 1-4 studies, split 80/10/10
-    by subject. Read the result back with `--source jsonl:OUT/records.jsonl`, or use
-    `--source phantom:N` directly without writing files.
+    Each study shows 0-3 findings of known kind, side, zone and severity; about 30% are normal.
+    Kinds: cardiomegaly, pleural effusion, pneumothorax, nodule, mass, consolidation, lung opacity,
+    atelectasis, edema, and support devices (tube, line, ECG leads).
+    Subjects have 1-4 studies; the split is 80/10/10 by subject (patient-disjoint).
+    Read the files back with --source jsonl:OUT/records.jsonl, or skip the files with --source phantom:N.
     """
     jsonl = write_phantom_dataset(n, out, seed=seed, size=size)
     typer.echo(f"wrote {n} phantom studies ({size}px, seed {seed}) to {jsonl.parent} (records: {jsonl})")

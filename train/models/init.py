@@ -6,10 +6,11 @@ Spec forms for ``init_from``:
 - ``DIR`` / ``local-dir:DIR``: an open_clip snapshot directory (open_clip_config.json + weights);
 - ``openclip:ARCH:PATH``: an open_clip architecture with a local pretrained weight file.
 open_clip tensors are mapped ``visual.trunk.* -> image tower``, ``text.transformer.* -> text tower``,
-``visual.head.proj.weight -> image_proj`` and copied where shapes match.
+``visual.head.proj.weight -> image_proj.proj.weight`` and copied where shapes match.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -19,7 +20,20 @@ log = logging.getLogger(__name__)
 
 
 def create_open_clip(spec: str):
-    """(open_clip model, tokenizer) from a local spec; never touches the network."""
+    """(open_clip model, tokenizer) from a local spec; never touches the network.
+
+    Cached (one entry): building one student asks for it up to three times (text tower, tokenizer,
+    weights); ``build_student`` calls ``release_open_clip_cache()`` afterwards.
+    """
+    return _cached_open_clip(str(spec))
+
+
+def release_open_clip_cache() -> None:
+    _cached_open_clip.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_open_clip(spec: str):
     import open_clip
 
     spec = str(spec)
@@ -37,6 +51,20 @@ def create_open_clip(spec: str):
     return open_clip.create_model(name), open_clip.get_tokenizer(name)
 
 
+def _resample_pos_embed(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A ViT positional embedding (1, 1 + g*g, d) resized to another square grid (other image_size)."""
+    import math
+
+    from timm.layers import resample_abs_pos_embed
+
+    if source.ndim != 3 or source.shape[-1] != target.shape[-1]:
+        return source
+    side = math.isqrt(target.shape[1] - 1)
+    if side * side != target.shape[1] - 1:
+        return source
+    return resample_abs_pos_embed(source, new_size=(side, side), num_prefix_tokens=1)
+
+
 def _copy_matching(target: torch.nn.Module, source: dict[str, torch.Tensor], prefix_map: dict[str, str]) -> int:
     """Copy tensors from ``source`` (renamed by prefix_map) into ``target`` where name and shape match."""
     own = target.state_dict()
@@ -45,6 +73,8 @@ def _copy_matching(target: torch.nn.Module, source: dict[str, torch.Tensor], pre
         for src, dst in prefix_map.items():
             if name.startswith(src):
                 new = dst + name[len(src):]
+                if new.endswith("trunk.pos_embed") and new in own and own[new].shape != tensor.shape:
+                    tensor = _resample_pos_embed(tensor, own[new])
                 if new in own and own[new].shape == tensor.shape:
                     update[new] = tensor
                 break
@@ -66,7 +96,7 @@ def initialise_student(student: torch.nn.Module, spec: str) -> dict:
         model, _ = create_open_clip(spec)
         copied = _copy_matching(student, model.state_dict(), {
             "visual.trunk.": "image_tower.trunk.",
-            "visual.head.proj.": "image_proj.",
+            "visual.head.proj.": "image_proj.proj.",
             "text.transformer.": "text_tower.model.",
         })
     if copied == 0:

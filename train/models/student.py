@@ -220,10 +220,13 @@ def build_student(config: StudentConfig | dict | str | os.PathLike, init_weights
     ``init_weights``: apply ``config.init_from`` (local open_clip model or cxrdr checkpoint); loading a
     checkpoint passes False because its own weights replace everything anyway.
     """
-    config = StudentConfig.coerce(config).replace()  # a copy: the model writes resolved fields into it
-    model = PatchIBStudent(config)
-    if init_weights and config.init_from:
-        from train.models.init import initialise_student
+    from train.models.init import initialise_student, release_open_clip_cache
 
-        initialise_student(model, config.init_from)
+    config = StudentConfig.coerce(config).replace()  # a copy: the model writes resolved fields into it
+    try:
+        model = PatchIBStudent(config)
+        if init_weights and config.init_from:
+            initialise_student(model, config.init_from)
+    finally:
+        release_open_clip_cache()  # do not keep a whole open_clip model alive
     return model

@@ -69,12 +69,12 @@ class TokenDroppingViT(ViTTower):
             x = self.run_block(block, x)
 
         k = self.num_kept(n, step)
+        patches = x[:, 1:]
+        if self.patch_score == "head":
+            scores = torch.sigmoid(self.score_head(patches).squeeze(-1))  # (B, N)
+        else:
+            scores = cls_scores
         if k < n:
-            patches = x[:, 1:]
-            if self.patch_score == "head":
-                scores = torch.sigmoid(self.score_head(patches).squeeze(-1))  # (B, N)
-            else:
-                scores = cls_scores
             index = scores.detach().topk(k, dim=1).indices.sort(dim=1).values  # (B, K) in grid order
             kept = patches.gather(1, index.unsqueeze(-1).expand(-1, -1, d))
             if self.patch_score == "head":
@@ -87,8 +87,10 @@ class TokenDroppingViT(ViTTower):
                 fused = (w.unsqueeze(-1) * patches).sum(1) / w.sum(1, keepdim=True).clamp_min(1e-6)
                 parts.append(fused.unsqueeze(1))
             x = torch.cat(parts, dim=1)
-        else:
+        else:  # nothing dropped (keep-rate warm-up): still gate, so the score head always takes part (DDP)
             index = torch.arange(n, device=x.device).expand(b, n)
+            if self.patch_score == "head":
+                x = torch.cat([x[:, :1], patches * (1.0 + scores - scores.detach()).unsqueeze(-1)], dim=1)
         for block in blocks[self.drop_layer:]:
             x = self.run_block(block, x)
         return self.finish(x, index, k, k / n)

@@ -1,0 +1,108 @@
+"""Throughput of `reinforce build` versus the teacher's pure forward throughput.
+
+Builds N phantom samples (default 200, teacher random:tiny, 2 DataLoader workers), then times
+the teacher alone on the very same inputs: the stored images are decoded and their stored aug
+params replayed (the crops the teacher saw during the build), batched like the build
+(``--batch-size`` records -> K*B crops per image forward, B*(1+S) texts per text forward).
+
+    ratio = build samples/s / teacher-forward samples/s
+
+A ratio near 1 means decoding, augmenting and writing are hidden behind the teacher.
+Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:tiny] [--workers 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats: int = 1) -> tuple[float, int]:
+    """Seconds the teachers alone need for the build's inputs (best of ``repeats``), and the sample count."""
+    import numpy as np
+    import torch
+
+    from reinforce.augment import replay, to_float_image
+    from reinforce.build import decode_stored_image, read_dataset_info
+    from reinforce.verify import iter_tar_samples
+
+    info = read_dataset_info(shards_dir)
+    samples = [s for shard in info["shards"] for _, s in iter_tar_samples(shards_dir / shard["name"])]
+    sizes = sorted({t.image_size for t in teachers if t.has_images})
+    batches = []
+    for start in range(0, len(samples), batch_size):
+        crops = {size: [] for size in sizes}
+        texts = []
+        chunk = samples[start:start + batch_size]
+        for s in chunk:
+            meta = json.loads(s["json"])
+            pixels = to_float_image(np.asarray(decode_stored_image(s[info["image_format"]])))
+            for size in sizes:
+                crops[size] += [replay(pixels, p, size) for p in meta["aug"]]
+            texts.append(s["txt"].decode())
+        for s in chunk:
+            texts += [c["text"] for c in json.loads(s["json"])["captions"]]
+        batches.append(({k: torch.stack(v) for k, v in crops.items()}, texts))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for crops, texts in batches:
+            for t in teachers:
+                if t.has_images:
+                    t.encode_images(crops[t.image_size])
+                t.encode_texts(texts)
+        best = min(best, time.perf_counter() - start)
+    return best, len(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--teachers", default="random:tiny")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--n-aug", type=int, default=10)
+    parser.add_argument("--n-captions", type=int, default=5)
+    parser.add_argument("--store-size", type=int, default=256)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=None, help="shard folder (default: a temp folder)")
+    args = parser.parse_args()
+
+    import torch
+
+    from reinforce.build import BuildOptions, build, resolve_device
+    from reinforce.teachers import load_teachers
+
+    device = resolve_device(args.device)
+    teachers = load_teachers(args.teachers, device=device)
+    out = Path(args.out or tempfile.mkdtemp(prefix="reinforce-bench-"))
+    # Warm the teachers up (first-call allocations) so neither side pays for it.
+    for t in teachers:
+        if t.has_images:
+            t.encode_images(torch.rand(4, 1, t.image_size, t.image_size))
+        t.encode_texts(["warm up"])
+    opts = BuildOptions(source=f"phantom:{args.n}", teachers=args.teachers, out=out, n_aug=args.n_aug,
+                        n_captions=args.n_captions, store_size=args.store_size, shard_size=max(1, args.n // 4),
+                        workers=args.workers, batch_size=args.batch_size, device=device, progress=False)
+    start = time.perf_counter()
+    info = build(opts, teachers=teachers)
+    build_wall = time.perf_counter() - start
+    build_rate = info["total_samples"] / build_wall
+    forward_s, n = teacher_forward_seconds(out, teachers, args.batch_size)
+    teacher_rate = n / forward_s
+    split = info["build"]["time_split_seconds"]
+    print(f"device {device}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
+          f"teachers {args.teachers}, workers {args.workers}, batch {args.batch_size}, K={args.n_aug}, "
+          f"S={args.n_captions}, store {args.store_size}")
+    print(f"build: {info['total_samples']} samples in {build_wall:.2f} s = {build_rate:.1f} samples/s "
+          f"(time split s: {split})")
+    print(f"teacher forward only, same batches: {forward_s:.2f} s = {teacher_rate:.1f} samples/s")
+    print(f"ratio build/teacher throughput: {build_rate / teacher_rate:.3f}")
+    print(f"shards in {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""`train experiment efficiency` end to end with a micro recipe (few steps, tiny phantom shards)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+
+@pytest.fixture()
+def micro_recipe(tmp_path):
+    recipe = {
+        "name": "micro",
+        "out": str(tmp_path / "out"),
+        "device": "cpu",
+        "shards": {"dir": str(tmp_path / "shards"),
+                   "build": {"source": "phantom:40", "teachers": "random:tiny", "n_aug": 2, "n_captions": 2,
+                             "store_size": 64, "image_format": "png", "shard_size": 100, "workers": 0,
+                             "batch_size": 16, "device": "cpu", "source_options": {"size": 64}}},
+        "train": {"model": "tiny-D", "steps": 2, "batch_size": 8, "workers": 0, "progress": False,
+                  "log_every": 1},
+        "eval": {"min_positives": 2, "n_faithfulness": 1, "faith_steps": 2, "n_localisation": 4,
+                 "probe_max_train": 16, "efficiency_batch": 4, "n_plots": 2},
+        "isolated_efficiency": False,
+        "efficiency": {"eval_every_samples": 8,
+                       "runs": {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"},
+                                "online": {"mode": "reinforced", "online_teacher": "random:tiny"}}},
+    }
+    path = tmp_path / "micro.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path, tmp_path
+
+
+def test_efficiency_experiment_writes_tables_and_plots(micro_recipe):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    path, root = micro_recipe
+    result = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    out = root / "out" / "efficiency"
+    for name in ("results.json", "table.md", "metric_vs_samples.png", "auc_vs_samples.png", "step_time.png"):
+        assert (out / name).is_file(), name
+    data = json.loads((out / "results.json").read_text())
+    assert [r["run"] for r in data["table"]] == ["plain", "reinforced", "online"]
+    samples = {r["run"]: r["samples_seen"] for r in data["table"]}
+    assert len(set(samples.values())) == 1  # same samples seen
+    assert len(data["runs"]["plain"]["curve"]) >= 2  # evaluated every M samples (and at the end)
+    assert "step_ms_reinforced_over_online" in data["comparisons"]
+    table = (out / "table.md").read_text()
+    assert "| run |" in table and "step ms" in table
+    assert (root / "shards" / "dataset.json").is_file()  # built because it was missing
+
+
+def test_recipe_errors_are_one_line(tmp_path):
+    from train.experiments import load_recipe
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("shards: {dir: x}\nbogus: 1\n")
+    with pytest.raises(ValueError, match="unknown experiment key"):
+        load_recipe(bad)
+    with pytest.raises(FileNotFoundError):
+        load_recipe(tmp_path / "missing.yaml")
