@@ -68,6 +68,10 @@ def main() -> None:
     parser.add_argument("--n-captions", type=int, default=5)
     parser.add_argument("--store-size", type=int, default=256)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the main process")
+    parser.add_argument("--files", action="store_true",
+                        help="write the phantom studies as PNG files first (untimed) and build from "
+                             "jsonl:, as with real data (decode instead of render)")
     parser.add_argument("--out", default=None, help="shard folder (default: a temp folder)")
     args = parser.parse_args()
 
@@ -76,30 +80,55 @@ def main() -> None:
     from reinforce.build import BuildOptions, build, resolve_device
     from reinforce.teachers import load_teachers
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     teachers = load_teachers(args.teachers, device=device)
-    out = Path(args.out or tempfile.mkdtemp(prefix="reinforce-bench-"))
+    root = Path(args.out or tempfile.mkdtemp(prefix="reinforce-bench-"))
+    out = root / "shards"
     # Warm the teachers up (first-call allocations) so neither side pays for it.
     for t in teachers:
         if t.has_images:
             t.encode_images(torch.rand(4, 1, t.image_size, t.image_size))
         t.encode_texts(["warm up"])
-    opts = BuildOptions(source=f"phantom:{args.n}", teachers=args.teachers, out=out, n_aug=args.n_aug,
+    source = f"phantom:{args.n}"
+    if args.files:
+        from reinforce.phantom import write_phantom_dataset
+
+        source = f"jsonl:{write_phantom_dataset(args.n, root / 'data', progress=False)}"
+    opts = BuildOptions(source=source, teachers=args.teachers, out=out, n_aug=args.n_aug,
                         n_captions=args.n_captions, store_size=args.store_size, shard_size=max(1, args.n // 4),
                         workers=args.workers, batch_size=args.batch_size, device=device, progress=False)
+    threads_before = torch.get_num_threads()
     start = time.perf_counter()
     info = build(opts, teachers=teachers)
     build_wall = time.perf_counter() - start
     build_rate = info["total_samples"] / build_wall
-    forward_s, n = teacher_forward_seconds(out, teachers, args.batch_size)
-    teacher_rate = n / forward_s
+    torch.set_num_threads(threads_before)
+    # The teacher alone gets its best of: all default threads, or one thread (on a shared, busy
+    # CPU one thread is often faster); the ratio is therefore conservative.
+    rates = {}
+    for threads in sorted({threads_before, 1}):
+        torch.set_num_threads(threads)
+        forward_s, n = teacher_forward_seconds(out, teachers, args.batch_size, repeats=2)
+        rates[threads] = n / forward_s
+    torch.set_num_threads(threads_before)
+    best_threads = max(rates, key=rates.get)
+    teacher_rate = rates[best_threads]
+    forward_s = n / teacher_rate
     split = info["build"]["time_split_seconds"]
-    print(f"device {device}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
+    print(f"source {source}, device {device}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"teachers {args.teachers}, workers {args.workers}, batch {args.batch_size}, K={args.n_aug}, "
           f"S={args.n_captions}, store {args.store_size}")
     print(f"build: {info['total_samples']} samples in {build_wall:.2f} s = {build_rate:.1f} samples/s "
           f"(time split s: {split})")
-    print(f"teacher forward only, same batches: {forward_s:.2f} s = {teacher_rate:.1f} samples/s")
+    print(f"teacher forward only, same batches: {forward_s:.2f} s = {teacher_rate:.1f} samples/s "
+          f"(torch threads {best_threads}; by threads: "
+          + ", ".join(f"{t}: {r:.1f}/s" for t, r in rates.items()) + ")")
+    n_built = max(1, info["total_samples"])
+    print(f"per sample: decode+augment {1000 * split['decode_augment'] / n_built:.1f} ms CPU (workers), "
+          f"teacher {1000 * split['teacher'] / n_built:.1f} ms in the build vs {1000 / teacher_rate:.1f} ms alone; "
+          f"teacher busy {split['teacher'] / build_wall:.0%} of the build's wall time")
     print(f"ratio build/teacher throughput: {build_rate / teacher_rate:.3f}")
     print(f"shards in {out}")
 

@@ -332,3 +332,35 @@ def test_bad_input_is_a_one_line_user_error(tmp_path, teachers):
     build(options(tmp_path / "f", limit=4), teachers=teachers)
     with pytest.raises(UserError, match="n_aug"):
         build(options(tmp_path / "f", limit=4, n_aug=3, resume=True), teachers=teachers)
+
+
+def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monkeypatch):
+    """A source with requires_images False (e.g. iu-xray without images): txt/json/syn/txt only."""
+    import dataclasses
+
+    import reinforce.sources
+    from reinforce.phantom import PhantomSource
+
+    class TextOnly:
+        requires_images = False
+        name = "text-only-phantom"
+
+        def __init__(self):
+            self.inner = PhantomSource(4, seed=SOURCE_SEED)
+            self.skipped = self.inner.skipped
+
+        def __iter__(self):
+            return (dataclasses.replace(r, image=None) for r in self.inner)
+
+        def describe(self):
+            return {"name": self.name, "requires_images": False}
+
+    monkeypatch.setattr(reinforce.sources, "open_source", lambda spec, **options: TextOnly())
+    info = build(options(tmp_path / "text"), teachers=teachers)
+    assert info["images"] is False and info["n_aug"] == 0 and info["total_samples"] == 4
+    assert "image" not in info["bytes_per_sample"]
+    for sample in read_samples(tmp_path / "text").values():
+        assert set(sample) == {"txt", "json", "random-tiny.syn.npy", "random-tiny.txt.npy",
+                               "minilm.syn.npy", "minilm.txt.npy"}
+        assert json.loads(sample["json"])["aug"] == []
+    assert verify(tmp_path / "text")[0] == []

@@ -91,12 +91,14 @@ def ensure_shards(spec: dict, progress: bool = True) -> Path:
     return out
 
 
-def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict):
-    """TrainConfig = recipe['train'] < per-run overrides; shards and out forced."""
+def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict, experiment: str | None = None):
+    """TrainConfig = recipe['train'] < recipe[experiment]['train'] < per-run overrides; shards/out forced."""
     from train.config import TrainConfig
 
     data = copy.deepcopy(recipe.get("train") or {})
-    for key, value in (overrides or {}).items():
+    layered = dict((recipe.get(experiment) or {}).get("train") or {}) if experiment else {}
+    layered.update(overrides or {})
+    for key, value in layered.items():
         if key == "model_overrides":
             data.setdefault("model_overrides", {}).update(value)
         else:
@@ -207,11 +209,11 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     rows, per_run = [], {}
     for name, overrides in runs.items():
         overrides = dict(overrides or {})
-        base = train_config(recipe, shards, out_dir / "runs" / name, overrides)
+        base = train_config(recipe, shards, out_dir / "runs" / name, overrides, "efficiency")
         per_step = base.batch_size * base.accum_steps
         eval_every = max(1, round(every / per_step)) if every else 0
         cfg = train_config(recipe, shards, out_dir / "runs" / name,
-                           {"eval_every": eval_every, "eval_split": curve_split, **overrides})
+                           {"eval_every": eval_every, "eval_split": curve_split, **overrides}, "efficiency")
         typer.echo(f"[efficiency] {name}: {cfg.steps} steps x {per_step} samples "
                    f"(mode {cfg.mode}, online teacher {cfg.online_teacher})", err=True)
         summary = run_training(cfg, reuse)
@@ -285,7 +287,7 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, per_run = [], {}
     for label, model in variants.items():
-        cfg = train_config(recipe, shards, out_dir / "runs" / f"variant-{label}", {"model": model})
+        cfg = train_config(recipe, shards, out_dir / "runs" / f"variant-{label}", {"model": model}, "ablation")
         typer.echo(f"[ablation] {label}: {model}, {cfg.steps} steps", err=True)
         summary = run_training(cfg, reuse)
         results = evaluate_run(recipe, Path(cfg.out), shards, isolated)
@@ -302,7 +304,7 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
             if sweep.get("tie_keep_rate", True):
                 mo["keep_rate"] = float(k)
             cfg = train_config(recipe, shards, out_dir / "runs" / f"k_ratio-{k}",
-                               {"model": model, "model_overrides": mo})
+                               {"model": model, "model_overrides": mo}, "ablation")
             typer.echo(f"[ablation] k_ratio {k} ({model}, overrides {mo})", err=True)
             summary = run_training(cfg, reuse)
             results = evaluate_run(recipe, Path(cfg.out), shards, isolated)

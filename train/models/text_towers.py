@@ -238,8 +238,9 @@ def _quiet_from_pretrained(cls, path: Path) -> nn.Module:
     load report about the dropped pooler weights."""
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         try:
             return cls.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
@@ -247,6 +248,8 @@ def _quiet_from_pretrained(cls, path: Path) -> nn.Module:
             return cls.from_pretrained(str(path), local_files_only=True)
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def build_text_tower(text_tower: str, context_length: int, pool: str | None = None,

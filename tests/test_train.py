@@ -1,0 +1,174 @@
+"""train run: the loop on phantom shards (CLI, checkpoints, resume, variants, modes, learning)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_data import build_phantom_shards
+
+
+@pytest.fixture(scope="session")
+def phantom_shards(tmp_path_factory) -> Path:
+    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test machine's 2 cores are shared: one thread is faster than two contending."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cli_app():
+    """`train` itself when all its commands import; otherwise an app with just `run`."""
+    try:
+        from train.cli import app
+        return app
+    except ImportError:
+        import typer
+
+        from train.loop import cli_run
+
+        app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+        app.command("run")(cli_run)
+        app.command("noop")(lambda: None)  # keeps `run` a subcommand
+        return app
+
+
+def _invoke(*args: str):
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(_cli_app(), ["run", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+FAST = ["--batch-size", "4", "--workers", "0", "--no-progress", "--device", "cpu"]
+
+
+def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_path):
+    run = tmp_path / "run"
+    _invoke("--shards", str(phantom_shards), "--model", "tiny-D", "--steps", "50", "--out", str(run),
+            "--eval-every", "25", "--log-every", "10", *FAST)
+    for name in ("metrics.jsonl", "last.pt", "best.pt", "config.yaml", "summary.json"):
+        assert (run / name).is_file(), name
+    records = _metrics(run)
+    train_recs = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [25, 50]
+    first = train_recs[0]
+    for key in ("loss", "loss/clip", "loss/distill", "loss/distill_syn", "loss/mask_nce", "loss/local",
+                "grad_norm/distill", "lr", "logit_scale", "step_time_ms", "samples_per_s"):
+        assert key in first, key
+    assert "i2t_R@1" in evals[-1] and "score" in evals[-1]
+
+    from train.checkpoint import load_training_state
+    state = load_training_state(run / "last.pt")
+    assert state["step"] == 50 and {"optimizer", "scheduler", "rng", "train_config"} <= set(state)
+    model = __import__("train").load_checkpoint(run / "best.pt")
+    assert model.embed_texts(["no effusion"]).shape == (1, model.embed_dim)
+
+    # --resume continues from last.pt up to the new target step.
+    _invoke("--shards", str(phantom_shards), "--model", "tiny-D", "--steps", "60", "--out", str(run),
+            "--resume", "--log-every", "5", *FAST)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["start_step"] == 50 and summary["steps"] == 60
+    assert load_training_state(run / "last.pt")["step"] == 60
+    steps = [r["step"] for r in _metrics(run) if r["kind"] == "train"]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)) and steps[-1] == 60
+
+
+def test_resume_after_interruption_reaches_same_final_step(phantom_shards, tmp_path):
+    """A run 'killed' after a checkpoint at step 6 and resumed ends at the same step, same schedule."""
+    from train.config import TrainConfig
+    from train.loop import Trainer, train
+
+    common = dict(shards=str(phantom_shards), model="tiny-A", steps=10, batch_size=4, workers=0,
+                  progress=False, device="cpu", log_every=1)
+    full = train(TrainConfig(out=str(tmp_path / "full"), **common))
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "cut"), **common))
+    batches = trainer._batches()
+    for _ in range(6):
+        trainer.train_step(batches, log_balance=False)
+    trainer.save("last.pt")
+    del trainer
+    resumed = train(TrainConfig(out=str(tmp_path / "cut"), resume=True, **common))
+    assert resumed["start_step"] == 6 and resumed["steps"] == full["steps"] == 10
+    lr_full = [r["lr"] for r in _metrics(tmp_path / "full") if r["kind"] == "train"]
+    lr_cut = [r["lr"] for r in _metrics(tmp_path / "cut") if r["kind"] == "train"]
+    assert lr_cut[-4:] == pytest.approx(lr_full[-4:])
+
+
+def test_tiny_e_runs_with_staged_training_and_accumulation(phantom_shards, tmp_path):
+    run = tmp_path / "e"
+    _invoke("--shards", str(phantom_shards), "--model", "tiny-E", "--steps", "6", "--out", str(run),
+            "--freeze-steps", "3", "--accum-steps", "2", "--log-every", "1", "--grad-checkpointing", *FAST)
+    recs = [r for r in _metrics(run) if r["kind"] == "train"]
+    assert [r["stage"] for r in recs][:3] == ["frozen"] * 3 and recs[-1]["stage"] == "full"
+    assert recs[0]["keep_ratio"] < 1.0
+    assert recs[0]["samples_seen"] == 8
+
+
+def test_plain_and_online_teacher_modes(phantom_shards, tmp_path):
+    from train.loop import train
+
+    common = dict(shards=str(phantom_shards), model="tiny-A", steps=3, batch_size=4, workers=0,
+                  progress=False, device="cpu", log_every=1)
+    plain = train(dict(out=str(tmp_path / "plain"), mode="plain", **common))
+    keys = set().union(*[r.keys() for r in _metrics(tmp_path / "plain") if r["kind"] == "train"])
+    assert "loss/clip" in keys and not any(k.startswith("loss/distill") for k in keys)
+    assert plain["teachers"] == []
+    online = train(dict(out=str(tmp_path / "online"), online_teacher="random:tiny", **common))
+    keys = set().union(*[r.keys() for r in _metrics(tmp_path / "online") if r["kind"] == "train"])
+    assert "loss/distill" in keys and "loss/distill_syn" in keys
+    assert online["teachers"] == ["random-tiny"]
+
+
+def test_bad_inputs_are_one_line_errors(phantom_shards, tmp_path):
+    from typer.testing import CliRunner
+
+    from reinforce.clierrors import UserError
+    from train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="mode"):
+        TrainConfig(mode="nope")
+    with pytest.raises(ValueError, match="not in the shards"):
+        from train.loop import train
+        train(dict(shards=str(phantom_shards), out=str(tmp_path / "x"), model="tiny-A", steps=1,
+                   teachers="biomedclip", workers=0, progress=False))
+    result = CliRunner().invoke(_cli_app(), ["run", "--shards", str(tmp_path / "none"), "--out",
+                                             str(tmp_path / "y")])
+    assert result.exit_code != 0 and isinstance(result.exception, (UserError, SystemExit))
+
+
+@pytest.mark.slow
+def test_tiny_student_learns_on_phantom(tmp_path_factory):
+    """~200 CPU steps lower the loss and beat chance retrieval on the phantom validation split."""
+    import subprocess
+    import sys
+
+    shards = tmp_path_factory.mktemp("phantom200") / "shards"
+    subprocess.run([sys.executable, "-m", "reinforce.cli", "build", "--source", "phantom:200",
+                    "--teachers", "random:tiny", "--n-aug", "2", "--n-captions", "2", "--store-size", "64",
+                    "--workers", "0", "--out", str(shards)], check=True, capture_output=True)
+    from train.loop import train
+
+    run = tmp_path_factory.mktemp("learn")
+    summary = train(dict(shards=str(shards), model="tiny-A", out=str(run), steps=200, batch_size=32,
+                         lr=3e-3, lambda_distill=0.0, llrd=1.0, workers=0, progress=False, log_every=10))
+    losses = [r["loss"] for r in _metrics(run) if r["kind"] == "train"]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.1
+    final = summary["final_eval"]
+    n = final["n_candidates"]
+    chance_median = (n + 1) / 2
+    assert final["i2t_median_rank"] < chance_median and final["t2i_median_rank"] < chance_median, final
