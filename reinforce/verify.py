@@ -221,7 +221,7 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
     if manifest_rows is not None:
         unknown = sorted(set(by_shard) - listed)
         problems += [f"{MANIFEST}: rows for unknown shard {n}" for n in unknown]
-    if counts != {k: v for k, v in info.get("counts", {}).items() if v}:
+    if {k: v for k, v in counts.items() if v} != {k: v for k, v in info.get("counts", {}).items() if v}:
         problems.append(f"{DATASET_JSON}: counts {info.get('counts')} but the tars hold {counts}")
     return problems, {"shards": len(info["shards"]), "samples": total, "counts": counts}
 

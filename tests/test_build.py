@@ -364,3 +364,26 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
                                "minilm.syn.npy", "minilm.txt.npy"}
         assert json.loads(sample["json"])["aug"] == []
     assert verify(tmp_path / "text")[0] == []
+
+
+def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, monkeypatch):
+    from reinforce.build import resolve_rank
+    from reinforce.manifest import merge
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_rank(None, None) == (1, 2)
+    assert resolve_rank(0, 1) == (0, 1)  # flags win over the environment
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+
+    out = tmp_path / "late"
+    small = dict(teachers="random:tiny", limit=4, shard_size=2, workers=0, world_size=2, merge_timeout=0.5)
+    with pytest.raises(UserError, match="reinforce merge"):
+        build(options(out, rank=0, **small), teachers=teachers[:1])  # rank 1 has not run yet
+    assert not (out / "dataset.json").exists()
+    info = build(options(out, rank=1, **small), teachers=teachers[:1])
+    assert info["rank"] == 1 and info["shards_built"] == 1
+    dataset = merge(out)
+    assert dataset["total_samples"] == 4 and len(dataset["build"]["ranks"]) == 2
+    assert verify(out)[0] == []

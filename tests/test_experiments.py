@@ -20,7 +20,7 @@ def micro_recipe(tmp_path):
         "train": {"model": "tiny-D", "steps": 2, "batch_size": 8, "workers": 0, "progress": False,
                   "log_every": 1},
         "eval": {"min_positives": 2, "n_faithfulness": 1, "faith_steps": 2, "n_localisation": 4,
-                 "probe_max_train": 16, "efficiency_batch": 4, "n_plots": 2},
+                 "probe_max_train": 16, "efficiency": False, "n_plots": 2},
         "isolated_efficiency": False,
         "efficiency": {"eval_every_samples": 8,
                        "runs": {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"},
@@ -49,7 +49,7 @@ def test_efficiency_experiment_writes_tables_and_plots(micro_recipe):
     assert len(data["runs"]["plain"]["curve"]) >= 2  # evaluated every M samples (and at the end)
     assert "step_ms_reinforced_over_online" in data["comparisons"]
     table = (out / "table.md").read_text()
-    assert "| run |" in table and "step ms" in table
+    assert "| run |" in table and "loop step ms" in table
     assert (root / "shards" / "dataset.json").is_file()  # built because it was missing
 
 

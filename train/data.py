@@ -246,9 +246,11 @@ def _teacher_rows(sample: dict, key, name: str, aug_index: int, caption_index: i
     txt = sf.sample_embedding(sample, name, "txt")
     if txt is None or syn is None:
         raise ValueError(f"sample {key!r}: teacher {name!r} embeddings missing (.txt/.syn.npy)")
+    # No stored captions: the "caption" is the report itself, so is its embedding.
+    syn_row = syn[caption_index] if caption_index >= 0 else txt.reshape(-1)
     return {
         "img": None if img is None else torch.from_numpy(np.ascontiguousarray(img[aug_index])),
-        "syn": torch.from_numpy(np.ascontiguousarray(syn[caption_index])),
+        "syn": torch.from_numpy(np.ascontiguousarray(syn_row)),
         "txt": torch.from_numpy(np.ascontiguousarray(txt.reshape(-1))),
     }
 
@@ -294,7 +296,7 @@ class Collate:
 # --------------------------------------------------------------------------- loaders
 
 
-def _seed_from_env_shards(urls: list[str], seed: int, epoch: int) -> list[str]:
+def _shuffled_shards(urls: list[str], seed: int, epoch: int) -> list[str]:
     urls = list(urls)
     random.Random(augment.stable_seed("shards", seed, epoch)).shuffle(urls)
     return urls
@@ -312,7 +314,7 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
         stages = [wds.ResampledShards(urls, seed=augment.stable_seed("resample", seed, epoch) % (2**31),
                                       deterministic=True)]
     else:
-        ordered = _seed_from_env_shards(urls, seed, epoch) if shuffle else list(urls)
+        ordered = _shuffled_shards(urls, seed, epoch) if shuffle else list(urls)
         stages = [wds.SimpleShardList(ordered)]
         if node_split:
             stages.append(wds.split_by_node)

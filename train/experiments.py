@@ -336,7 +336,8 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
         md += [f"## k_ratio sweep ({sweep.get('model', 'tiny-E')}, keep_rate tied: "
                f"{sweep.get('tie_keep_rate', True)})", "",
                markdown_table(sweep_rows, ["k_ratio", "i2t_R@1", "t2i_R@1", "mean_recall", "probe_auc",
-                                           "step_ms", "peak_memory_mb", "gflops_per_img",
+                                           "step_ms", "peak_memory_mb", "step_memory_delta_mb",
+                                           "gflops_per_img",
                                            "inference_img_per_s"], first="run"), "",
                "![k_ratio sweep](k_ratio_sweep.png)", ""]
         _plot_sweep(sweep_rows, out_dir / "k_ratio_sweep.png")
@@ -369,8 +370,12 @@ def _plot_sweep(rows: list[dict], path: Path) -> None:
     plt = _plt()
     ks = [r["k_ratio"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, (key, label) in zip(axes, (("i2t_R@1", "i2t R@1 (test)"), ("step_ms", "train step ms"),
-                                       ("peak_memory_mb", "peak memory MB"))):
+    import torch
+
+    cuda = torch.cuda.is_available()
+    memory = ("peak_memory_mb", "peak CUDA memory MB") if cuda else \
+        ("step_memory_delta_mb", "train-step memory MB (RSS above start)")
+    for ax, (key, label) in zip(axes, (("i2t_R@1", "i2t R@1 (test)"), ("step_ms", "train step ms"), memory)):
         ax.plot(ks, [np_nan(r.get(key)) for r in rows], "-o")
         if key == "i2t_R@1":
             ax.plot(ks, [np_nan(r.get("t2i_R@1")) for r in rows], "-s", label="t2i R@1")

@@ -49,8 +49,9 @@ class PeakMemory(contextlib.AbstractContextManager):
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_mb = torch.cuda.memory_allocated(self.device) / 2**20
         else:
-            self.peak_mb = _rss_mb()
+            self.peak_mb = self.start_mb = _rss_mb()
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
@@ -181,6 +182,7 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
         t_step = _time(train_step, iters, warmup, device)
     out.update({"train_step_ms": t_step * 1000, "train_img_per_s": train_bs / t_step,
                 "train_batch_size": train_bs, "peak_memory_mb": peak.peak_mb,
+                "step_memory_delta_mb": peak.peak_mb - peak.start_mb,  # above the state before the step
                 "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_rss",
                 "device": str(device), "threads": torch.get_num_threads()})
     del trainee, opt
@@ -225,7 +227,7 @@ def _main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from train import load_checkpoint
+    from train.checkpoint import load_checkpoint
 
     baseline = _rss_mb()
     model = load_checkpoint(args.ckpt, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -21,15 +21,16 @@ HEADERS = {
     "pointing_attn": "PG attn", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
     "insertion_auc": "ins AUC", "sparsity": "z>0.5", "cross_view_jaccard": "xview J",
     "distance_ratio": "intra/inter", "inference_img_per_s": "infer img/s",
-    "train_step_ms": "step ms", "latency_ms": "latency ms", "peak_memory_mb": "peak MB",
+    "train_step_ms": "synth step ms", "latency_ms": "latency ms", "peak_memory_mb": "peak MB",
     "gflops_per_img": "GFLOPs/img", "patch_usage_pct": "patch use %",
-    "train_img_per_s": "train img/s", "wall_s": "wall s", "samples_seen": "samples",
+    "train_img_per_s": "train img/s", "wall_s": "wall s", "samples_seen": "samples", "step_ms": "loop step ms",
+    "k_ratio": "k_ratio", "step_memory_delta_mb": "step +MB",
 }
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
                    "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
                    "pointing_z", "iou_z", "pointing_attn", "iou_attn", "distance_ratio"]
 COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "latency_ms", "peak_memory_mb",
-                "gflops_per_img", "patch_usage_pct"]
+                "step_memory_delta_mb", "gflops_per_img", "patch_usage_pct"]
 
 
 def jsonable(obj):

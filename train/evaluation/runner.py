@@ -93,7 +93,7 @@ def as_eval_model(model, device: str | None = None) -> EvalModel:
         spec = str(model)
         path = spec[5:] if spec.startswith("ckpt:") else spec
         if spec.startswith("ckpt:") or Path(path).suffix in (".pt", ".pth") or Path(path).is_file():
-            from train import load_checkpoint
+            from train.checkpoint import load_checkpoint  # (not `train.load_checkpoint`: see report)
 
             if not Path(path).is_file():
                 raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -538,6 +538,7 @@ def summary_row(results: dict) -> dict:
         "train_step_ms": _get(results, "efficiency", "train_step_ms"),
         "latency_ms": _get(results, "efficiency", "latency_ms_per_img"),
         "peak_memory_mb": _get(results, "efficiency", "peak_memory_mb"),
+        "step_memory_delta_mb": _get(results, "efficiency", "step_memory_delta_mb"),
         "gflops_per_img": _get(results, "efficiency", "gflops_per_img"),
         "patch_usage_pct": _get(results, "efficiency", "patch_usage_pct"),
     }
