@@ -25,7 +25,7 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
     import numpy as np
     import torch
 
-    from reinforce.augment import replay, to_float_image
+    from reinforce.augment import replay_many
     from reinforce.build import decode_stored_image, read_dataset_info
     from reinforce.verify import iter_tar_samples
 
@@ -39,13 +39,13 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
         chunk = samples[start:start + batch_size]
         for s in chunk:
             meta = json.loads(s["json"])
-            pixels = to_float_image(np.asarray(decode_stored_image(s[info["image_format"]])))
-            for size in sizes:
-                crops[size] += [replay(pixels, p, size) for p in meta["aug"]]
+            pixels = np.asarray(decode_stored_image(s[info["image_format"]]))
+            for size in sizes:  # replay_many == stacked replay() calls, bit for bit
+                crops[size].append(replay_many(pixels, meta["aug"], size))
             texts.append(s["txt"].decode())
         for s in chunk:
             texts += [c["text"] for c in json.loads(s["json"])["captions"]]
-        batches.append(({k: torch.stack(v) for k, v in crops.items()}, texts))
+        batches.append(({k: torch.cat(v) for k, v in crops.items()}, texts))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -126,9 +126,33 @@ def main() -> None:
           f"(torch threads {best_threads}; by threads: "
           + ", ".join(f"{t}: {r:.1f}/s" for t, r in rates.items()) + ")")
     n_built = max(1, info["total_samples"])
-    print(f"per sample: decode+augment {1000 * split['decode_augment'] / n_built:.1f} ms CPU (workers), "
-          f"teacher {1000 * split['teacher'] / n_built:.1f} ms in the build vs {1000 / teacher_rate:.1f} ms alone; "
-          f"teacher busy {split['teacher'] / build_wall:.0%} of the build's wall time")
+    ms = lambda seconds: 1000 * seconds / n_built  # noqa: E731
+    prep, main_cpu = {}, {}
+    assemble_s = sum(r.get("assemble_seconds", 0.0) for r in info["build"].get("ranks", []))
+    for r in info["build"].get("ranks", []):
+        for k, v in (r.get("prepare_cpu_seconds") or {}).items():
+            prep[k] = prep.get(k, 0.0) + v
+        for k, v in (r.get("main_cpu_seconds") or {}).items():
+            main_cpu[k] = main_cpu.get(k, 0.0) + v
+    prep_cpu = sum(prep.values())
+    print(f"wall per sample (ms): prepare {ms(split['decode_augment']):.1f} (summed over workers), "
+          f"teacher {ms(split['teacher']):.1f} (alone {1000 / teacher_rate:.1f}), "
+          f"assemble+queue {ms(assemble_s):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
+          f"writer thread {ms(split['write']):.1f}; teacher busy {split['teacher'] / build_wall:.0%} of wall")
+    print(f"CPU per sample (ms): prepare {ms(prep_cpu):.1f} ["
+          + ", ".join(f"{k} {ms(v):.2f}" for k, v in prep.items())
+          + f"]; main thread: teacher {ms(main_cpu.get('teacher', 0.0)):.1f}, "
+          f"assemble+queue {ms(main_cpu.get('assemble', 0.0)):.2f}")
+    # Workers, main process and writer share the same cores: whatever the pipeline does, the
+    # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(split["write"])
+    cpu_ms = ms(prep_cpu) + 1000 / teacher_rate + other_ms
+    bound = cores * 1000 / cpu_ms
+    budget = cores * 1000 / (0.8 * teacher_rate) - 1000 / teacher_rate - other_ms
+    print(f"CPU bound: {cpu_ms:.1f} ms CPU per sample on {cores} cores -> at most {bound:.1f} samples/s on idle "
+          f"cores, ratio at most {bound / teacher_rate:.3f}; ratio 0.8 needs prepare <= {budget:.1f} ms CPU/sample. "
+          f"Load average {os.getloadavg()[0]:.1f} (other processes share these cores)")
     print(f"ratio build/teacher throughput: {build_rate / teacher_rate:.3f}")
     print(f"shards in {out}")
 

@@ -33,33 +33,48 @@ def build_phantom(out: Path, n: int, store_size: int) -> Path:
     return out
 
 
-def time_config(name: str, base: dict, steps: int, warmup: int, **overrides) -> dict:
-    """Mean ms per optimiser step after `warmup` untimed steps (first steps pay start-up costs)."""
-    import torch
-
+def make_trainer(base: dict, **overrides):
     from train.config import TrainConfig
     from train.loop import Trainer
 
-    cfg = TrainConfig(**{**base, **overrides})
-    trainer = Trainer(cfg)
-    batches = trainer._batches()
-    for _ in range(warmup):
-        trainer.train_step(batches, log_balance=False)
-    sync = (lambda: torch.cuda.synchronize()) if trainer.device.type == "cuda" else (lambda: None)
-    sync()
-    times, data = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        result = trainer.train_step(batches, log_balance=False)
-        sync()
-        times.append(time.perf_counter() - t0)
-        data.append(result["data_time"])
-    times.sort()
-    trimmed = times[: max(1, int(len(times) * 0.9))]  # drop the slowest 10% (other processes' noise)
-    return {"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
-            "step_ms": 1000 * sum(trimmed) / len(trimmed), "median_ms": 1000 * times[len(times) // 2],
-            "data_ms": 1000 * sum(data) / len(data), "batch_size": cfg.batch_size,
-            "device": str(trainer.device)}
+    trainer = Trainer(TrainConfig(**{**base, **overrides}))
+    return trainer, trainer._batches()
+
+
+def time_round_robin(trainers: dict, steps: int, warmup: int) -> list[dict]:
+    """Mean ms per optimiser step of each configuration, steps interleaved round-robin.
+
+    Interleaving makes every configuration see the same background load (shared machines), so
+    the ratios stay meaningful even when absolute times drift. The first `warmup` steps of each
+    are untimed (start-up costs: worker start, allocator, autotuning); the slowest 10% dropped.
+    """
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = {name: [] for name in trainers}
+    data = {name: [] for name in trainers}
+    teacher = {name: [] for name in trainers}
+    for round_ in range(warmup + steps):
+        for name, (trainer, batches) in trainers.items():
+            sync()
+            t0 = time.perf_counter()
+            result = trainer.train_step(batches, log_balance=False)
+            sync()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - t0)
+                data[name].append(result["data_time"])
+                teacher[name].append(result["teacher_time"])
+    out = []
+    for name, (trainer, _) in trainers.items():
+        t = sorted(times[name])
+        trimmed = t[: max(1, int(len(t) * 0.9))]
+        cfg = trainer.cfg
+        out.append({"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
+                    "step_ms": 1000 * sum(trimmed) / len(trimmed), "median_ms": 1000 * t[len(t) // 2],
+                    "data_ms": 1000 * sum(data[name]) / len(data[name]),
+                    "teacher_ms": 1000 * sum(teacher[name]) / len(teacher[name]), "batch_size": cfg.batch_size,
+                    "device": str(trainer.device)})
+    return out
 
 
 def main(argv=None) -> int:
@@ -75,13 +90,14 @@ def main(argv=None) -> int:
     parser.add_argument("--amp", default="bf16")
     parser.add_argument("--teachers", default="random:tiny",
                         help="online teacher specs to time (comma list); ones that fail to load are skipped")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
     parser.add_argument("--json-out", help="also write the results here")
     args = parser.parse_args(argv)
 
     import torch
 
     if args.device in ("auto", "cpu") and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="cxrdr-bench-")
     shards = Path(args.shards) if args.shards else build_phantom(Path(tmp.name) / "shards", 96, 128)
     prefix = "tiny-" if args.size == "tiny" else ""
@@ -89,29 +105,28 @@ def main(argv=None) -> int:
                 amp=args.amp, steps=10_000, progress=False, out=str(Path(tmp.name) / "run"),
                 eval_every=0, warmup_steps=1)
 
-    results = []
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),
             ("D stored", dict(model=f"{prefix}D")),
             ("D plain (no teacher)", dict(model=f"{prefix}D", mode="plain"))]
     for spec in [s.strip() for s in args.teachers.split(",") if s.strip()]:
         plan.append((f"D online {spec}", dict(model=f"{prefix}D", online_teacher=spec)))
+    trainers = {}
     for name, overrides in plan:
         try:
-            results.append(time_config(name, base, args.steps, args.warmup, **overrides))
-        except Exception as exc:  # a teacher without local weights: say so and go on
+            trainers[name] = make_trainer({**base, "out": str(Path(tmp.name) / f"run{len(trainers)}")},
+                                          **overrides)
+        except Exception as exc:  # e.g. a teacher without local weights: say so and go on
             print(f"skipped {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            continue
-        r = results[-1]
-        print(f"  {name:<28} {r['step_ms']:9.1f} ms/step", file=sys.stderr)
+    results = time_round_robin(trainers, args.steps, args.warmup)
 
     ref = next((r["step_ms"] for r in results if r["name"] == "D stored"), None)
     print(f"\ntrain step time ({results[0]['device'] if results else '?'}, batch {args.batch_size}, "
-          f"{args.size} students, mean of {args.steps} steps after {args.warmup} warm-up, slowest 10% dropped)")
-    print(f"{'configuration':<30} {'ms/step':>9} {'data ms':>8} {'x D stored':>10}")
+          f"{args.size} students, mean of {args.steps} interleaved steps after {args.warmup} warm-up, slowest 10% dropped)")
+    print(f"{'configuration':<30} {'ms/step':>9} {'data ms':>8} {'teacher ms':>10} {'x D stored':>10}")
     for r in results:
         ratio = f"{r['step_ms'] / ref:10.2f}" if ref else "         -"
-        print(f"{r['name']:<30} {r['step_ms']:9.1f} {r['data_ms']:8.1f} {ratio}")
+        print(f"{r['name']:<30} {r['step_ms']:9.1f} {r['data_ms']:8.1f} {r['teacher_ms']:10.1f} {ratio}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     tmp.cleanup()

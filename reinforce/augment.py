@@ -195,16 +195,94 @@ def replay(image, params: dict, size: int) -> torch.Tensor:
     return _photometric(out, params).clamp_(0.0, 1.0)
 
 
-def _photometric(x: torch.Tensor, params: dict) -> torch.Tensor:
+def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
+    """Replay several parameter sets on one image: (K, 1, size, size), equal (``torch.equal``) to
+    ``torch.stack([replay(image, p, size) for p in params_list])``.
+
+    Cheaper because the work shared by the K views is done once: the image is converted and
+    box-filtered once per pooling factor, all K sampling grids are computed in one numpy pass
+    and resampled by one batched ``grid_sample``. Every step is the same elementwise arithmetic
+    as :func:`replay` (same operation order, float64 grids, ``math`` trigonometry), so the bits
+    agree; only the per-view photometric ops (whose ``mean`` is a reduction) run one view at a time.
+    """
+    if not params_list:
+        return torch.empty(0, 1, size, size)
+    src = to_float_image(image)
+    uv = _output_uv(size)
+    out = torch.empty(len(params_list), 1, size, size)
+    groups: dict[int, list[int]] = {}
+    for i, params in enumerate(params_list):
+        _, _, w, h = params["crop"]
+        k = int(min(w, h) / size / 1.5) if size > 0 else 1
+        groups.setdefault(k if k >= 2 else 1, []).append(i)
+    for k, members in groups.items():
+        pooled = F.avg_pool2d(src.unsqueeze(0), kernel_size=k, stride=k).squeeze(0) if k >= 2 else src
+        _, ph, pw = pooled.shape
+        grid = _grids([params_list[i] for i in members], uv, k, pw, ph, size)
+        batch = pooled.unsqueeze(0).expand(len(members), -1, -1, -1)
+        sampled = F.grid_sample(batch, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        for j, i in enumerate(members):
+            out[i] = _photometric(sampled[j], params_list[i], inplace=True).clamp_(0.0, 1.0)
+    return out
+
+
+_UV_CACHE: dict[int, np.ndarray] = {}
+
+
+def _output_uv(size: int) -> np.ndarray:
+    """Output pixel centres in view coordinates, (size*size, 2) float64, as :func:`replay` makes them."""
+    uv = _UV_CACHE.get(size)
+    if uv is None:
+        steps = (torch.arange(size, dtype=torch.float64) + 0.5) / size * 2 - 1
+        vv, uu = torch.meshgrid(steps, steps, indexing="ij")
+        uv = torch.stack([uu.reshape(-1), vv.reshape(-1)], dim=1).numpy()
+        uv.setflags(write=False)
+        _UV_CACHE[size] = uv
+    return uv
+
+
+def _grids(params_list: list[dict], uv: np.ndarray, k: int, pw: int, ph: int, size: int) -> torch.Tensor:
+    """grid_sample grids (n, size, size, 2) of several views: :func:`view_to_image` vectorised over views.
+
+    The output grid is separable (u depends on the column only, v on the row only), so every
+    product is taken on (n, size) vectors and only the final sums and the pixel -> grid scaling
+    touch (n, size, size); each value is still the same float64 expression as in :func:`replay`.
+    """
+    n = len(params_list)
+    crop = np.array([p["crop"] for p in params_list], dtype=np.float64)
+    w, h = crop[:, 2:3], crop[:, 3:4]
+    cx, cy = crop[:, 0:1] + w / 2, crop[:, 1:2] + h / 2
+    radians = [math.radians(p.get("angle", 0.0)) for p in params_list]
+    cos = np.array([math.cos(a) for a in radians])[:, None]  # math, not np: the same libm values as replay
+    sin = np.array([math.sin(a) for a in radians])[:, None]
+    u = np.broadcast_to(uv[:size, 0], (n, size)).copy()  # uv rows 0..size-1: v fixed, u = every column
+    v = uv[::size, 1][None, :]  # every size-th row: u fixed, v = every row
+    flip = np.array([bool(p.get("hflip")) for p in params_list])
+    u[flip] = -u[flip]
+    dx, dy = u * w / 2, v * h / 2  # (n, size): dx per column, dy per row
+    grid = np.empty((n, size, size, 2), dtype=np.float64)
+    for axis, col_term, row_term, scale in ((0, cx + dx * cos, dy * sin, pw), (1, cy - dx * sin, dy * cos, ph)):
+        xy = col_term[:, None, :] + row_term[:, :, None]  # (n, row, col), as c + dx*. + dy*. in replay
+        xy /= k
+        xy *= 2
+        xy /= scale
+        xy -= 1
+        grid[..., axis] = xy
+    return torch.from_numpy(grid).float()
+
+
+def _photometric(x: torch.Tensor, params: dict, inplace: bool = False) -> torch.Tensor:
+    """Brightness, contrast, gamma, then the RandAugment-style ops. ``inplace`` does the same
+    arithmetic on the brightness product in place (replay_many's per-view loop: fewer allocations)."""
     x = x * params.get("brightness", 1.0)
     contrast = params.get("contrast", 1.0)
     if contrast != 1.0:
         mean = x.mean()
-        x = (x - mean) * contrast + mean
-    x = x.clamp(0.0, 1.0)
+        x = x.sub_(mean).mul_(contrast).add_(mean) if inplace else (x - mean) * contrast + mean
+    x = x.clamp_(0.0, 1.0) if inplace else x.clamp(0.0, 1.0)
     gamma = params.get("gamma", 1.0)
     if gamma != 1.0:
-        x = x.pow(gamma)
+        x = x.pow_(gamma) if inplace else x.pow(gamma)
     for name, magnitude in params.get("ops", []):
         x = _apply_op(x, name, float(magnitude), params.get("noise_seed", 0))
     return x

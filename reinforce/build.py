@@ -21,6 +21,7 @@ RANK/WORLD_SIZE). The format is described in shards/FORMAT.md.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import itertools
@@ -216,15 +217,17 @@ def _json_safe(value):
 def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     """Decode/encode/decode, sample + replay augmentations, make captions. Never raises."""
     import numpy as np
-    import torch
 
-    from reinforce.augment import replay, resize_short_side, sample_param_sets, to_float_image
+    from reinforce.augment import replay_many, resize_short_side, sample_param_sets
     from reinforce.captions import make_captions
     from reinforce.records import CHEXPERT14, load_image
 
     start = time.perf_counter()
     out = {"shard": shard, "key": key, "id": record.id}
     image_bytes, params, crops, size, boxes = None, [], {}, None, []
+    # CPU seconds per step (process time: on a busy machine wall time would count other processes).
+    stages: dict[str, float] = {}
+    cpu = time.process_time()
     if spec.images:
         try:
             image = load_image(record)
@@ -235,13 +238,20 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
                     "prep_seconds": time.perf_counter() - start}
         orig_size = image.size
         image = resize_short_side(image, spec.store_size)
+        t = time.process_time()
+        stages["load_resize"] = t - cpu
         image_bytes = encode_image(image, spec.image_format, spec.jpeg_quality)
         stored = decode_stored_image(image_bytes)
+        stages["encode_decode"] = time.process_time() - t
+        t = time.process_time()
         size = list(stored.size)
         params = sample_param_sets(key, size[0], size[1], spec.n_aug, spec.aug, spec.seed)
-        pixels = to_float_image(np.asarray(stored))
-        crops = {s: torch.stack([replay(pixels, p, s) for p in params]) for s in spec.sizes}
+        # replay_many == stacking replay() calls bit for bit (tests/test_augment.py), ~4x cheaper.
+        pixels = np.asarray(stored)
+        crops = {s: replay_many(pixels, params, s) for s in spec.sizes}
         boxes = _scale_boxes(record.boxes, orig_size, size)
+        stages["params_replay"] = time.process_time() - t
+    t = time.process_time()
     try:
         captions = [c.to_json() for c in make_captions(record, n=spec.n_captions, seed=spec.seed)]
     except Exception as exc:  # noqa: BLE001
@@ -250,6 +260,7 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     if len(captions) != spec.n_captions:
         return {**out, "skip": f"captions failed: got {len(captions)} captions, expected {spec.n_captions}",
                 "prep_seconds": time.perf_counter() - start}
+    stages["captions"] = time.process_time() - t
     labels = {name: record.labels.get(name) for name in CHEXPERT14}
     meta = {"id": record.id, "key": key, "subject_id": str(record.subject_id),
             "study_id": str(record.study_id), "split": record.split, "view": record.view,
@@ -263,7 +274,8 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
            "n_aug": len(params), "n_captions": len(captions)}
     return {**out, "image": image_bytes, "report": record.report, "meta": meta, "row": row,
             "crops": crops, "texts": [record.report] + [c["text"] for c in captions],
-            "prep_seconds": time.perf_counter() - start}
+            "prep_seconds": time.perf_counter() - start,
+            "stage_seconds": {**stages, "rest": time.process_time() - cpu - sum(stages.values())}}
 
 
 class _PrepareDataset:
@@ -284,6 +296,21 @@ def _as_list(batch):
     return batch
 
 
+def collate_prepared(batch: list[dict]) -> dict:
+    """Worker-side collate: one (sum K, 1, S, S) crop tensor per teacher size for the batch's
+    usable samples, so the main process gets one shared-memory tensor per size (not one per
+    sample) and does not have to concatenate them before the forward."""
+    import torch
+
+    ok = [b for b in batch if "skip" not in b]
+    crops = {}
+    if ok and ok[0].get("crops"):
+        crops = {size: torch.cat([b["crops"][size] for b in ok]) for size in ok[0]["crops"]}
+    for b in ok:
+        b["n_crops"] = {size: int(c.shape[0]) for size, c in b.pop("crops", {}).items()}
+    return {"samples": batch, "crops": crops}
+
+
 # --------------------------------------------------------------------------- main-process side
 
 
@@ -294,8 +321,12 @@ def _forward(fn, inputs, chunk: int = 512):
     return torch.cat(outs).numpy() if outs else None
 
 
-def embed_batch(teachers, samples: list[dict], images: bool) -> list[dict]:
-    """Teacher forwards for a batch: per sample {teacher: {'img': (K,D), 'syn': (S,D), 'txt': (D,)}}."""
+def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None = None) -> list[dict]:
+    """Teacher forwards for a batch: per sample {teacher: {'img': (K,D), 'syn': (S,D), 'txt': (D,)}}.
+
+    ``crops``: the samples' crops already concatenated per teacher size ({size: (B*K, 1, S, S)},
+    from :func:`collate_prepared`); default: each sample's own ``sample["crops"][size]`` (K, 1, S, S).
+    """
     import torch
 
     out = [{} for _ in samples]
@@ -305,10 +336,12 @@ def embed_batch(teachers, samples: list[dict], images: bool) -> list[dict]:
     texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
     for teacher in teachers:
         if images and teacher.has_images:
-            x = torch.cat([s["crops"][teacher.image_size] for s in samples])
+            if crops is not None:
+                x = crops[teacher.image_size]
+            else:
+                x = torch.cat([s["crops"][teacher.image_size] for s in samples])
             img = _forward(teacher.encode_images, x)
-            k = samples[0]["crops"][teacher.image_size].shape[0]
-            img = img.reshape(len(samples), k, -1)
+            img = img.reshape(len(samples), x.shape[0] // len(samples), -1)
         txt_all = _forward(teacher.encode_texts, texts)
         txt, syn = txt_all[:len(samples)], txt_all[len(samples):].reshape(len(samples), n_syn, -1)
         for i in range(len(samples)):
@@ -354,6 +387,9 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
     remaining = {s.index: len(s.items) for s in todo}
     splits = {s.index: s.split for s in todo}
     timing = {"decode_augment": 0.0, "teacher": 0.0, "write": 0.0, "loader_wait": 0.0}
+    assemble_seconds = 0.0  # main process: packing samples and queueing them to the writer
+    stage_seconds: dict[str, float] = {}  # worker CPU seconds per preparation step
+    main_cpu = {"teacher": 0.0, "assemble": 0.0}  # main-thread CPU seconds (wall lies on a busy machine)
     built = 0
     if not items:
         return {"samples_built": 0, "pipeline_seconds": 0.0, "time_split_seconds": timing}
@@ -366,10 +402,20 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
         if fail_after_shards is not None and done_count[0] >= fail_after_shards:
             raise SimulatedKill(f"simulated kill after {done_count[0]} shard(s)")
 
+    # Workers prepare chunks smaller than a teacher batch, so all of them work on the first batch
+    # (a whole batch per worker would leave the teacher idle for a full batch's preparation at
+    # the start). The main process regroups the chunks into the same --batch-size batches.
+    chunk = _chunk_size(opts.batch_size, opts.workers)
+    if opts.workers > 0:
+        # Forked workers inherit every record; a garbage collection there would touch all of
+        # them and copy their pages (copy-on-write), measured at ~3 ms CPU per sample. Frozen
+        # objects are never scanned (unfrozen again when the build ends).
+        gc.freeze()
     loader = torch.utils.data.DataLoader(
-        _PrepareDataset(items, spec), batch_size=opts.batch_size, shuffle=False,
-        num_workers=opts.workers, collate_fn=_as_list,
-        prefetch_factor=2 if opts.workers > 0 else None, persistent_workers=False)
+        _PrepareDataset(items, spec), batch_size=chunk, shuffle=False,
+        num_workers=opts.workers, collate_fn=collate_prepared,
+        prefetch_factor=max(2, -(-opts.batch_size // chunk)) if opts.workers > 0 else None,
+        persistent_workers=False)
     writer = BackgroundWriter(out_dir, maxsize=max(64, 4 * opts.batch_size), on_shard_done=on_shard_done)
     errors: dict[int, dict] = {}
     position: dict[int, int] = {}
@@ -382,15 +428,20 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
         torch.set_num_threads(max(1, min(threads, (os.cpu_count() or 1) - opts.workers)))
     try:
         t_wait = time.perf_counter()
-        for batch in loader:
+        for collated in _regroup(loader, opts.batch_size):
             timing["loader_wait"] += time.perf_counter() - t_wait
+            batch = collated["samples"]
             ok = [b for b in batch if "skip" not in b]
-            t0 = time.perf_counter()
-            embs = embed_batch(teachers, ok, spec.images)
-            timing["teacher"] += time.perf_counter() - t0
+            t0, c0 = time.perf_counter(), time.thread_time()
+            embs = embed_batch(teachers, ok, spec.images, crops=collated["crops"])
+            t1, c1 = time.perf_counter(), time.thread_time()
+            main_cpu["teacher"] += c1 - c0
+            timing["teacher"] += t1 - t0
             emb_of = {b["key"]: e for b, e in zip(ok, embs)}
             for b in batch:
                 timing["decode_augment"] += b["prep_seconds"]
+                for stage, seconds in b.get("stage_seconds", {}).items():
+                    stage_seconds[stage] = stage_seconds.get(stage, 0.0) + seconds
                 if b["shard"] != current:
                     writer.begin(b["shard"], splits[b["shard"]], remaining[b["shard"]])
                     current = b["shard"]
@@ -410,6 +461,8 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
                     writer.end({"teachers": [t.name for t in teachers],
                                 "int8_max_abs_error": errors.pop(b["shard"], {}) or None})
                     current = None
+            assemble_seconds += time.perf_counter() - t1
+            main_cpu["assemble"] += time.thread_time() - c1
             bar.update(len(batch))
             t_wait = time.perf_counter()
         writer.close()
@@ -419,9 +472,47 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
     finally:
         bar.close()
         torch.set_num_threads(threads)
+        if opts.workers > 0:
+            gc.unfreeze()
     timing["write"] = writer.write_seconds
     return {"samples_built": built, "pipeline_seconds": round(time.perf_counter() - started, 3),
-            "time_split_seconds": {k: round(v, 3) for k, v in timing.items()}}
+            "time_split_seconds": {k: round(v, 3) for k, v in timing.items()},
+            "assemble_seconds": round(assemble_seconds, 3),
+            "prepare_cpu_seconds": {k: round(v, 3) for k, v in stage_seconds.items()},
+            "main_cpu_seconds": {k: round(v, 3) for k, v in main_cpu.items()}}
+
+
+def _chunk_size(batch_size: int, workers: int) -> int:
+    """Records per worker chunk: about batch_size / (2 * workers), a divisor of batch_size so the
+    regrouped batches are exactly the --batch-size batches."""
+    if workers <= 0:
+        return batch_size
+    target = max(1, -(-batch_size // (2 * workers)))
+    return max(d for d in range(1, target + 1) if batch_size % d == 0)
+
+
+def _regroup(chunks, batch_size: int):
+    """Concatenate collated chunks into batches of ``batch_size`` records (the last may be short):
+    the teacher sees the same batches as with a loader batch size of ``batch_size``."""
+    import torch
+
+    pending: list[dict] = []
+
+    def merged() -> dict:
+        sizes = {size for c in pending for size in c["crops"]}
+        return {"samples": [b for c in pending for b in c["samples"]],
+                "crops": {size: torch.cat([c["crops"][size] for c in pending if size in c["crops"]])
+                          for size in sizes}}
+
+    count = 0
+    for chunk in chunks:
+        pending.append(chunk)
+        count += len(chunk["samples"])
+        if count >= batch_size:
+            yield merged()
+            pending, count = [], 0
+    if pending:
+        yield merged()
 
 
 def _shard_name(index: int) -> str:

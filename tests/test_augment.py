@@ -118,3 +118,23 @@ def test_resize_short_side_keeps_aspect():
     resized = resize_short_side(image, 100)
     assert resized.size == (150, 100)
     assert resize_short_side(image, 200) is image
+
+
+@pytest.mark.parametrize("size", [64, 37, 224])
+def test_replay_many_equals_stacked_replay_calls(size):
+    """The build's batched replay gives the very bits of one replay() call per parameter set."""
+    from reinforce.augment import replay_many
+
+    image = structured_image(300, 256)
+    params = sample_param_sets("many", *image.size, 8, RICH, seed=2)  # crops pooled by different factors
+    params += sample_param_sets("many-flip", *image.size, 4, AugConfig(hflip=True, scale=(0.08, 1.0),
+                                                                       randaugment_n=2), seed=5)
+    params.append(full_image_params(*image.size))
+    params[1] = {**params[1], "hflip": True}
+    expected = torch.stack([replay(image, p, size) for p in params])
+    for pixels in (image, np.asarray(image), torch.from_numpy(np.array(image))):
+        got = replay_many(pixels, params, size)
+        assert got.shape == (len(params), 1, size, size) and got.dtype == torch.float32
+        assert torch.equal(got, expected)
+    assert torch.equal(replay_many(image, params[:1], size), expected[:1])
+    assert replay_many(image, [], size).shape == (0, 1, size, size)

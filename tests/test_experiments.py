@@ -22,7 +22,7 @@ def micro_recipe(tmp_path):
         "eval": {"min_positives": 2, "n_faithfulness": 1, "faith_steps": 2, "n_localisation": 4,
                  "probe_max_train": 16, "efficiency": False, "n_plots": 2},
         "isolated_efficiency": False,
-        "efficiency": {"eval_every_samples": 8,
+        "efficiency": {"eval_every_samples": 8, "step_benchmark": {"steps": 2, "warmup": 1},
                        "runs": {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"},
                                 "online": {"mode": "reinforced", "online_teacher": "random:tiny"}}},
     }
@@ -48,6 +48,7 @@ def test_efficiency_experiment_writes_tables_and_plots(micro_recipe):
     assert len(set(samples.values())) == 1  # same samples seen
     assert len(data["runs"]["plain"]["curve"]) >= 2  # evaluated every M samples (and at the end)
     assert "step_ms_reinforced_over_online" in data["comparisons"]
+    assert "bench_step_ms_reinforced_over_online" in data["comparisons"]
     table = (out / "table.md").read_text()
     assert "| run |" in table and "loop step ms" in table
     assert (root / "shards" / "dataset.json").is_file()  # built because it was missing

@@ -403,14 +403,16 @@ class Trainer:
         use_syn = self.loss_cfg.use_syn
         sums: dict[str, float] = {}
         balance: dict[str, float] = {}
-        data_time = 0.0
+        data_time = teacher_time = 0.0
         keep_ratio = 1.0
         for micro in range(cfg.accum_steps):
             t0 = time.perf_counter()
             batch = next(batches)
-            if self.teacher is not None:
-                batch = self._online_teacher(batch)
             data_time += time.perf_counter() - t0
+            if self.teacher is not None:
+                t0 = time.perf_counter()
+                batch = self._online_teacher(batch)
+                teacher_time += time.perf_counter() - t0
             dev = self.device
             images = batch["images"].to(dev, non_blocking=True)
             args = [images, batch["report_ids"].to(dev), batch["report_mask"].to(dev)]
@@ -452,7 +454,7 @@ class Trainer:
         self.step += 1
         return {"terms": sums, "balance": balance, "grad_norm": _to_float(grad_norm), "lr": max(lrs),
                 "logit_scale": _to_float(self.student.current_logit_scale()), "data_time": data_time,
-                "keep_ratio": keep_ratio, "stage": self._stage}
+                "teacher_time": teacher_time, "keep_ratio": keep_ratio, "stage": self._stage}
 
     # ---- evaluation -----------------------------------------------------------------------------
     def evaluate(self) -> dict | None:
@@ -500,7 +502,9 @@ class Trainer:
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                log_now = (self.step % cfg.log_every == 0) or self.step == cfg.steps - 1
+                # Log the first step, every log_every-th completed step, and the last one.
+                log_now = (self.step == 0 or (self.step + 1) % cfg.log_every == 0
+                           or self.step == cfg.steps - 1)
                 result = self.train_step(batches, log_balance=log_now)
                 if self.device.type == "cuda":
                     self.torch.cuda.synchronize(self.device)
@@ -519,6 +523,7 @@ class Trainer:
                               "logit_scale": result["logit_scale"], "keep_ratio": result["keep_ratio"],
                               "stage": result["stage"], "step_time_ms": round(dt * 1000, 3),
                               "data_time_ms": round(result["data_time"] * 1000, 3),
+                              "teacher_time_ms": round(result["teacher_time"] * 1000, 3),
                               "samples_per_s": round(cfg.batch_size * cfg.accum_steps * self.world / dt, 2)}
                     self.log.write(record)
                 bar.update(1)

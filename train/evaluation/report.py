@@ -23,7 +23,7 @@ HEADERS = {
     "distance_ratio": "intra/inter", "inference_img_per_s": "infer img/s",
     "train_step_ms": "synth step ms", "latency_ms": "latency ms", "peak_memory_mb": "peak MB",
     "gflops_per_img": "GFLOPs/img", "patch_usage_pct": "patch use %",
-    "train_img_per_s": "train img/s", "wall_s": "wall s", "samples_seen": "samples", "step_ms": "loop step ms",
+    "train_img_per_s": "train img/s", "wall_s": "wall s", "samples_seen": "samples", "step_ms": "loop step ms", "bench_step_ms": "bench step ms",
     "k_ratio": "k_ratio", "step_memory_delta_mb": "step +MB",
 }
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
@@ -64,7 +64,7 @@ def fmt(value, column: str = "") -> str:
         return str(int(value))
     if isinstance(value, (float, np.floating)):
         v = float(value)
-        costly = column in COST_COLUMNS or column in ("train_img_per_s", "wall_s", "step_ms")
+        costly = column in COST_COLUMNS or column in ("train_img_per_s", "wall_s", "step_ms", "bench_step_ms")
         if costly and 0 < abs(v) < 1:
             return f"{v:.3g}"  # e.g. GFLOPs of tiny models
         return f"{v:.1f}" if costly or abs(v) >= 10 else f"{v:.3f}"
