@@ -8,6 +8,11 @@ params replayed (the crops the teacher saw during the build), batched like the b
     ratio = build samples/s / teacher-forward samples/s
 
 A ratio near 1 means decoding, augmenting and writing are hidden behind the teacher.
+It also prints wall and CPU milliseconds per sample for each step (worker steps: load/render +
+resize, encode+decode, params+replay, captions; main thread: teacher, assembling) and the
+CPU bound: with workers, teacher and writer sharing the same cores the build cannot exceed
+cores / (CPU ms per sample), whatever the pipeline does; on a machine that other jobs also
+use, the CPU figures are the ones that do not depend on the load.
 Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:tiny] [--workers 2]
 """
 from __future__ import annotations

@@ -205,6 +205,8 @@ def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
     as :func:`replay` (same operation order, float64 grids, ``math`` trigonometry), so the bits
     agree; only the per-view photometric ops (whose ``mean`` is a reduction) run one view at a time.
     """
+    if size < 1:
+        raise ValueError(f"replay size must be >= 1 pixel, got {size}")
     if not params_list:
         return torch.empty(0, 1, size, size)
     src = to_float_image(image)

@@ -7,10 +7,12 @@ Pipeline (one rank):
    image work, so every rank and every ``--resume`` agree on them (``stats/plan.json``).
 2. DataLoader workers decode each image, resize it to short side ``--store-size``, ENCODE it
    (JPEG/PNG) and DECODE it again, so the teacher sees exactly the pixels stage 2 will decode;
-   then sample K augmentation parameter sets, replay each at every distinct teacher input size,
-   and make S captions. An unreadable image is skipped into the build's SkipLog, never fatal.
-3. The main process batches teacher forwards (K*B crops per image forward; reports + captions
-   per text forward).
+   then sample K augmentation parameter sets, replay them (``replay_many``: bit-identical to one
+   ``replay`` per set, shared work done once) at every distinct teacher input size, and make S
+   captions. An unreadable image is skipped into the build's SkipLog, never fatal. Workers hand
+   over chunks of about B/(2*workers) records with their crops in one tensor per size.
+3. The main process regroups the chunks into batches of B = ``--batch-size`` records and runs
+   the teacher forwards (K*B crops per image forward; reports + captions per text forward).
 4. A background thread writes the tar (bounded queue), as ``shard-NNNNNN.tar.tmp`` renamed
    with its ``stats/shard-NNNNNN.json`` when complete.
 5. Rank 0 waits for every shard of the plan, then merges manifest.parquet, sizes.json and
@@ -292,10 +294,6 @@ class _PrepareDataset:
         return prepare_record(shard, key, record, self.spec)
 
 
-def _as_list(batch):
-    return batch
-
-
 def collate_prepared(batch: list[dict]) -> dict:
     """Worker-side collate: one (sum K, 1, S, S) crop tensor per teacher size for the batch's
     usable samples, so the main process gets one shared-memory tensor per size (not one per
@@ -307,7 +305,7 @@ def collate_prepared(batch: list[dict]) -> dict:
     if ok and ok[0].get("crops"):
         crops = {size: torch.cat([b["crops"][size] for b in ok]) for size in ok[0]["crops"]}
     for b in ok:
-        b["n_crops"] = {size: int(c.shape[0]) for size, c in b.pop("crops", {}).items()}
+        b.pop("crops", None)
     return {"samples": batch, "crops": crops}
 
 
@@ -406,11 +404,6 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
     # (a whole batch per worker would leave the teacher idle for a full batch's preparation at
     # the start). The main process regroups the chunks into the same --batch-size batches.
     chunk = _chunk_size(opts.batch_size, opts.workers)
-    if opts.workers > 0:
-        # Forked workers inherit every record; a garbage collection there would touch all of
-        # them and copy their pages (copy-on-write), measured at ~3 ms CPU per sample. Frozen
-        # objects are never scanned (unfrozen again when the build ends).
-        gc.freeze()
     loader = torch.utils.data.DataLoader(
         _PrepareDataset(items, spec), batch_size=chunk, shuffle=False,
         num_workers=opts.workers, collate_fn=collate_prepared,
@@ -426,6 +419,11 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
         # CPU teachers share the cores with the workers: oversubscribed intra-op threads spin and
         # halve the build's throughput (measured on 2 cores: 11 -> 28 samples/s with 1 thread).
         torch.set_num_threads(max(1, min(threads, (os.cpu_count() or 1) - opts.workers)))
+    if opts.workers > 0:
+        # Workers fork when the loop starts and inherit every record; a garbage collection in a
+        # worker would touch them all and copy their pages (copy-on-write): measured ~3 ms CPU
+        # per sample on phantom:200. Frozen objects are never scanned; unfrozen when the build ends.
+        gc.freeze()
     try:
         t_wait = time.perf_counter()
         for collated in _regroup(loader, opts.batch_size):

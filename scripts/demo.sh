@@ -17,8 +17,8 @@ step "2/6 reinforce build: augmentations, captions, MiniLM text-teacher embeddin
 reinforce build --source "jsonl:$OUT/phantom/records.jsonl" --teachers text:minilm \
   --out "$OUT/shards" --n-aug 4 --n-captions 4 --store-size 128 --shard-size 200 --workers 2 --resume
 
-step "3/6 train a CLIP teacher on the shards (train run, model tiny-A, teacher-free)"
-train run --shards "$OUT/shards" --model teacher-A --mode plain --steps "${DEMO_TEACHER_STEPS:-400}" \
+step "3/6 train a CLIP teacher on the shards (train run, model tiny-A, no teacher)"
+train run --shards "$OUT/shards" --model tiny-A --mode plain --steps "${DEMO_TEACHER_STEPS:-400}" \
   --batch-size 32 --eval-every 200 --out "$OUT/teacher" --workers 2 ${DEMO_RESUME:+--resume}
 
 step "4/6 reinforce add-teacher: embed every stored augmentation and caption with that teacher"

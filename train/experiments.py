@@ -415,7 +415,7 @@ def _plot_sweep(rows: list[dict], path: Path) -> None:
     memory = ("peak_memory_mb", "peak CUDA memory MB") if cuda else \
         ("step_memory_delta_mb", "train-step memory MB (RSS above start)")
     for ax, (key, label) in zip(axes, (("i2t_R@1", "i2t R@1 (test)"), ("step_ms", "train step ms"), memory)):
-        ax.plot(ks, [np_nan(r.get(key)) for r in rows], "-o")
+        ax.plot(ks, [np_nan(r.get(key)) for r in rows], "-o", label=key.replace("_", " "))
         if key == "i2t_R@1":
             ax.plot(ks, [np_nan(r.get("t2i_R@1")) for r in rows], "-s", label="t2i R@1")
             ax.legend(fontsize=7)

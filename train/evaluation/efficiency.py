@@ -205,7 +205,8 @@ def measure_in_subprocess(ckpt: str, batch_size: int = 32, iters: int = 5, timeo
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "eff.json")
         cmd = [sys.executable, "-m", "train.evaluation.efficiency", str(ckpt), "--batch-size",
-               str(batch_size), "--iters", str(iters), "--json", out]
+               str(batch_size), "--iters", str(iters), "--json", out,
+               "--threads", str(torch.get_num_threads())]  # the same threads as the caller
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"efficiency measurement of {ckpt} failed: {proc.stderr.strip()[-500:]}")

@@ -164,8 +164,13 @@ def eval_markdown(results: dict) -> str:
         out += ["## Efficiency", "", "| " + " | ".join(k for k in e) + " |",
                 "|" + "|".join("---" for _ in e) + "|",
                 "| " + " | ".join(fmt(v, k) for k, v in e.items()) + " |", ""]
-    out += ["## Figures", "", "![heatmaps](heatmaps.png)", "", "![deletion/insertion](deletion_insertion.png)", "",
-            "## Summary", "", markdown_table([s], list(s)), ""]
+    files = results.get("files", {})
+    figures = [f"![{name}]({files[key]})" for key, name in (("heatmaps_png", "heatmaps"),
+                                                          ("deletion_insertion_png", "deletion/insertion"))
+               if key in files]
+    if figures:
+        out += ["## Figures", "", *figures, ""]
+    out += ["## Summary", "", markdown_table([s], list(s)), ""]
     return "\n".join(out)
 
 
@@ -282,7 +287,7 @@ def plot_series(series: dict, xlabel: str, ylabel: str, title: str, path: Path) 
 
 def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(3.5, 1.1 * len(values)), 3.2))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(values)), 3.2))
     names = list(values)
     heights = [np.nan if values[n] is None else values[n] for n in names]
     bars = ax.bar(names, heights, color="tab:blue")
@@ -290,7 +295,7 @@ def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
         if np.isfinite(h):
             ax.annotate(f"{h:.1f}", (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom", fontsize=7)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

