@@ -323,7 +323,7 @@ def test_efficientnet_lite0_mapping_uses_every_tensor_once():
     assert len(source) == len(target) == len(mapped) == 296 and set(mapped) == set(target)
     assert len({id(v) for v in mapped.values()}) == len(source)  # each source tensor used exactly once
     assert all(mapped[k].shape == target[k].shape for k in target)
-    tower = EfficientNetTower(64)
+    tower = EfficientNetTower(64, stride=32)
     trunk = tower.trunk.state_dict()
     assert torch.equal(trunk["bn1.running_mean"], source["_bn0.running_mean"])  # BN running stats loaded
     assert torch.equal(trunk["blocks.6.0.bn3.running_var"], source["_blocks.15._bn2.running_var"])
@@ -367,8 +367,8 @@ def test_efficientnet_lite0_tower_forward_shapes(variant, stride, images):
 def test_efficientnet_lite0_errors(monkeypatch):
     with pytest.raises(ValueError, match="efficientnet_lite0"):
         StudentConfig.from_yaml("tiny-E", image_tower="efficientnet_lite0")
-    with pytest.raises(ValueError, match="multiple of its stride 32"):
-        build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0", image_size=80))
+    with pytest.raises(ValueError, match="multiple of its stride 16"):
+        build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0", image_size=72))
     import train.models.image_towers as towers
 
     real_find_spec = importlib.util.find_spec
@@ -376,7 +376,7 @@ def test_efficientnet_lite0_errors(monkeypatch):
                         lambda name, *a: None if name == towers.EFFNET_LITE0_PACKAGE else real_find_spec(name, *a))
     with pytest.raises(ValueError, match=r"cxrdr\[offline\]"):
         towers.EfficientNetTower(64)
-    assert towers.EfficientNetTower(64, pretrained=False).grid_size == (2, 2)  # random init needs no package
+    assert towers.EfficientNetTower(64, pretrained=False).grid_size == (4, 4)  # random init needs no package
 
 
 @needs_effnet_weights
@@ -392,3 +392,35 @@ def test_efficientnet_lite0_checkpoint_loads_without_weights_package(tmp_path, i
     loaded = load_checkpoint(path)
     assert loaded.config.image_mean == [0.485, 0.456, 0.406]
     assert torch.equal(model.embed_images(images), loaded.embed_images(images))
+
+
+def test_efficientnet_lite0_freeze_stages():
+    from train.models.image_towers import EfficientNetTower
+
+    full = EfficientNetTower(64, pretrained=False, stride=16)
+    tower = EfficientNetTower(64, pretrained=False, stride=16, freeze_stages=2).train()
+    trainable = {n for n, _ in tower.trunk.named_parameters()}
+    assert trainable and not any(n.startswith(("conv_stem", "bn1", "blocks.0.", "blocks.1.")) for n in trainable)
+    assert all(p.requires_grad for p in tower.trunk.blocks[2:].parameters())
+    assert tower.trunk.state_dict().keys() == full.trunk.state_dict().keys()  # checkpoints stay compatible
+    # frozen weights are buffers: a tower unfreeze stage (optim.freeze_towers) cannot revive them
+    assert "conv_stem.weight" in dict(tower.trunk.named_buffers())
+    assert not tower.trunk.bn1.training and tower.trunk.blocks[2].training  # frozen BN statistics stay fixed
+    with pytest.raises(ValueError, match="freeze_stages"):
+        EfficientNetTower(64, pretrained=False, freeze_stages=7)
+
+
+@needs_effnet_weights
+def test_tiny_cnn_configs_build_pretrained_students():
+    names = [n for n in available_configs() if n.startswith("tiny-cnn-")]
+    assert names == ["tiny-cnn-A", "tiny-cnn-B", "tiny-cnn-C", "tiny-cnn-D"]
+    torch.manual_seed(0)
+    model = build_student("tiny-cnn-D")
+    images = torch.rand(2, 1, 96, 96, generator=torch.Generator().manual_seed(0))
+    out = _forward(model, images)
+    assert out.grid_size == (6, 6) and out.patch_tokens.shape == (2, 36, 112) and out.mask.shape == (2, 36)
+    assert "image_tower.trunk.conv_stem.weight" not in dict(model.named_parameters())  # frozen stem
+    from train.optim import freeze_towers
+
+    freeze_towers(model, False)  # an unfreeze stage leaves the frozen stages frozen
+    assert not model.image_tower.trunk.blocks[3][0].conv_pw.weight.requires_grad
