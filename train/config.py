@@ -82,17 +82,9 @@ class TrainConfig:
         """Defaults < YAML file (when given) < overrides whose value is not None."""
         data: dict = {}
         if path is not None:
-            import yaml
+            from reinforce.yamlio import read_yaml_mapping
 
-            path = Path(path)
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: training config not found")
-            try:
-                data = yaml.safe_load(path.read_text()) or {}
-            except yaml.YAMLError as exc:
-                raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-            if not isinstance(data, dict):
-                raise ValueError(f"{path}: expected a mapping of training config fields")
+            data = read_yaml_mapping(path, "training config fields")
             data = data.get("train", data)  # an experiment recipe may nest it under 'train'
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)

@@ -40,17 +40,10 @@ CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
 
 
 def load_recipe(path: str | Path) -> dict:
-    import yaml
+    from reinforce.yamlio import read_yaml_mapping
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"experiment config not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping (name, shards, train, eval, efficiency, ablation)")
+    data = read_yaml_mapping(path, "experiment keys (name, shards, train, eval, efficiency, ablation)")
     unknown = sorted(set(data) - TOP_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown experiment key(s) {unknown}; known: {sorted(TOP_KEYS)}")

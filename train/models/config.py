@@ -124,16 +124,10 @@ class StudentConfig:
     @classmethod
     def from_yaml(cls, path_or_name: str | os.PathLike, **overrides: Any) -> "StudentConfig":
         """Load ``configs/models/<name>.yaml`` ('D', 'tiny-D') or a YAML path; keyword overrides win."""
-        import yaml
+        from reinforce.yamlio import read_yaml_mapping
 
         path = resolve_config_path(path_or_name)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of student config fields")
-        data = {**data, **overrides}
+        data = {**read_yaml_mapping(path, "student config fields"), **overrides}
         data.setdefault("name", Path(path).stem if Path(path).parent == CONFIG_DIR else str(path))
         return cls.from_dict(data, source=str(path))
 

@@ -122,6 +122,14 @@ class ViTTower(ImageTower):
         return self.trunk.blocks[-1]
 
 
+
+def grid_tokens(fmap: torch.Tensor) -> TowerOutput:
+    """A CNN feature map (B, C, h, w) as patch tokens; the global token is their mean. No dropping."""
+    patches = fmap.flatten(2).transpose(1, 2)
+    n = patches.shape[1]
+    index = torch.arange(n, device=fmap.device).expand(fmap.shape[0], n)
+    return TowerOutput(patches, patches.mean(1), patches, index, 1.0)
+
 class FastViTTower(ImageTower):
     """timm ``fastvit_mci0`` (MobileCLIP's image encoder): the final-stage grid (after final_conv)
     is the patch token set, its mean is the global token. Token dropping is not possible here."""
@@ -141,11 +149,7 @@ class FastViTTower(ImageTower):
         self.std = tuple(cfg.get("std", (1.0, 1.0, 1.0)))
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        fmap = self.trunk.forward_features(x)  # (B, C, h, w)
-        patches = fmap.flatten(2).transpose(1, 2)
-        n = patches.shape[1]
-        index = torch.arange(n, device=x.device).expand(x.shape[0], n)
-        return TowerOutput(patches, patches.mean(1), patches, index, 1.0)
+        return grid_tokens(self.trunk.forward_features(x))
 
     def layer_id(self, name: str) -> int:
         """0: stem; s+1: stage s; depth+1: final_conv/head."""
@@ -266,11 +270,7 @@ class EfficientNetTower(ImageTower):
         return self
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        fmap = self.trunk.forward_features(x)  # (B, C, h, w)
-        patches = fmap.flatten(2).transpose(1, 2)
-        n = patches.shape[1]
-        index = torch.arange(n, device=x.device).expand(x.shape[0], n)
-        return TowerOutput(patches, patches.mean(1), patches, index, 1.0)
+        return grid_tokens(self.trunk.forward_features(x))
 
     def layer_id(self, name: str) -> int:
         """0: stem; s+1: stage s; depth+1: conv_head/bn2."""

@@ -1,0 +1,20 @@
+"""Reading YAML config files with errors that name the file (both stages' configs use this)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def read_yaml_mapping(path: str | Path, what: str) -> dict:
+    """Parse ``path`` as a YAML mapping; ``what`` names its contents in error messages."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {what} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of {what}")
+    return data
