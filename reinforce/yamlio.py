@@ -1,4 +1,4 @@
-"""Reading YAML config files with errors that name the file (both stages' configs use this)."""
+"""Reading config files (YAML mappings into dataclasses) with errors that name the file and key."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,3 +18,14 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of {what}")
     return data
+
+
+def check_known_fields(cls, data: dict, what: str, where: str = "") -> None:
+    """Raise naming the keys of ``data`` that are not fields of dataclass ``cls`` (typos in configs)."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        prefix = f"{where}: " if where else ""
+        raise ValueError(f"{prefix}unknown {what}(s) {unknown}; known: {sorted(known)}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from train import distributed as dist_utils
+from tests.fakes import FakeOutput
 from train.losses import LossConfig, TextQueue, compute_losses
 
 WORLD = 2
@@ -21,16 +21,6 @@ D = 6
 FIELDS = ("image_emb", "text_emb", "masked_image_emb", "mask", "local_visual", "local_text", "syn_text_emb")
 
 
-@dataclass
-class FakeOutput:
-    image_emb: torch.Tensor
-    text_emb: torch.Tensor
-    logit_scale: torch.Tensor
-    mask: torch.Tensor | None = None
-    masked_image_emb: torch.Tensor | None = None
-    local_visual: torch.Tensor | None = None
-    local_text: torch.Tensor | None = None
-    text_mask: torch.Tensor | None = None
 
 
 def global_case():

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.fakes import FakeOutput
 from train.losses import (
     LossConfig,
     TextQueue,
@@ -269,18 +269,6 @@ def test_masked_pool_consistency_and_sparsity():
 
 
 # ----------------------------------------------------------------------------- compute_losses
-@dataclass
-class FakeOutput:
-    """Stand-in for train.models.StudentOutput (only the fields the losses read)."""
-
-    image_emb: torch.Tensor
-    text_emb: torch.Tensor
-    logit_scale: torch.Tensor
-    mask: torch.Tensor | None = None
-    masked_image_emb: torch.Tensor | None = None
-    local_visual: torch.Tensor | None = None
-    local_text: torch.Tensor | None = None
-    text_mask: torch.Tensor | None = None
 
 
 def make_case(b=4, d=6, seed=30):

@@ -86,10 +86,9 @@ class TrainConfig:
 
             data = read_yaml_mapping(path, "training config fields")
             data = data.get("train", data)  # an experiment recipe may nest it under 'train'
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown training config field(s) {unknown}")
+        from reinforce.yamlio import check_known_fields
+
+        check_known_fields(cls, data, "training config field", where=str(path))
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 

@@ -39,7 +39,6 @@ Conventions
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -116,11 +115,10 @@ class LossConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "LossConfig":
+        from reinforce.yamlio import check_known_fields
+
         data = dict(data or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown loss option(s) {unknown}; known: {sorted(known)}")
+        check_known_fields(cls, data, "loss option")
         return cls(**data)
 
     def teacher_scale(self, name: str) -> float:

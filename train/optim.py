@@ -22,7 +22,6 @@ DDP only synchronises parameters that required grad when it was built.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -69,11 +68,10 @@ class OptimConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "OptimConfig":
+        from reinforce.yamlio import check_known_fields
+
         data = dict(data or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown optim option(s) {unknown}; known: {sorted(known)}")
+        check_known_fields(cls, data, "optim option")
         return cls(**data)
 
 

@@ -115,10 +115,9 @@ class StudentConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "dict") -> "StudentConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown student config field(s) {unknown}; known: {sorted(known)}")
+        from reinforce.yamlio import check_known_fields
+
+        check_known_fields(cls, data, "student config field", where=source)
         return cls(**data)
 
     @classmethod
