@@ -18,3 +18,5 @@ class FakeOutput:
     local_visual: torch.Tensor | None = None
     local_text: torch.Tensor | None = None
     text_mask: torch.Tensor | None = None
+    local_pair_similarity: torch.Tensor | None = None
+    local_pair_mask: torch.Tensor | None = None

@@ -130,6 +130,33 @@ def test_pointing_iou_dice_on_synthetic_maps():
     assert agg["pointing_game"] == 0.5 and agg["n"] == 2
 
 
+def test_chance_baseline_matches_random_heatmaps():
+    gt = np.zeros((6, 6), bool)
+    gt[1:3, 2:5] = True  # 6 of 36 cells
+    exact = loc.chance_scores(gt, 0.2)
+    assert exact["hit"] == pytest.approx(6 / 36)
+    rng = np.random.default_rng(0)
+    draws = [loc.localisation_scores(rng.random((6, 6)), gt, 0.2) for _ in range(4000)]
+    for key in ("hit", "iou", "dice"):
+        assert np.mean([d[key] for d in draws]) == pytest.approx(exact[key], abs=0.015), key
+    s = loc.localisation_scores(np.where(gt, 1.0, 0.0), gt, 0.2)
+    assert s["hit"] and s["chance_hit"] == exact["hit"] and s["chance_iou"] == exact["iou"]
+    agg = loc.aggregate([{**s, "n_boxes": 2}, draws[0]])
+    assert agg["chance_pointing_game"] == pytest.approx(6 / 36) and agg["n"] == 2 and agg["n_boxes"] == 3
+    full = np.ones((6, 6), bool)
+    assert loc.chance_scores(full, 0.2) == {"hit": 1.0, "iou": pytest.approx(8 / 36), "dice": pytest.approx(16 / 44)}
+
+
+def test_collapse_diagnostics():
+    same = [np.arange(16.0).reshape(4, 4)] * 3
+    assert loc.map_similarity(same) == pytest.approx(1.0)
+    one_hot = [np.eye(16)[i].reshape(4, 4) for i in range(3)]
+    assert loc.map_similarity(one_hot) == pytest.approx(0.0)
+    assert np.isnan(loc.map_similarity(same[:1]))
+    assert loc.normalised_entropy(np.ones((4, 4))) == pytest.approx(1.0)
+    assert loc.normalised_entropy(one_hot[0]) == pytest.approx(0.0)
+
+
 def test_box_mask_through_view_params():
     params = full_image_params(64, 32)  # non-square stored image, squeezed into a square view
     mask = loc.box_patch_mask([0, 0, 32, 16], params, (4, 4))  # top-left quarter of the image
@@ -251,13 +278,21 @@ def test_train_eval_cli_writes_outputs(tiny_run):
     data = json.loads((out / "eval.json").read_text())
     assert data["retrieval"]["n_candidates"] >= 2 and "i2t_R@1_sametext" in data["retrieval"]
     assert data["meta"]["text_section"] == "both"
-    assert data["localisation"]["mask"]["n"] > 0  # phantom always has boxes
+    lo = data["localisation"]
+    assert lo["mask"]["n"] > 0  # phantom always has boxes
+    for heat in ("mask", "attention"):  # every pointing game has its random-heatmap chance level beside it
+        assert 0.0 < lo[heat]["chance_pointing_game"] < 1.0 and lo[heat]["n_boxes"] >= lo[heat]["n"]
+        assert "image_similarity" in lo[heat] and "entropy" in lo[heat]
+    assert all("chance_pointing_game" in d["mask"] for d in lo["per_label"].values())
     assert 0.0 <= data["faithfulness"]["sparsity"] <= 1.0
     assert data["efficiency"]["gflops_per_img"] > 0 and data["efficiency"]["patch_usage_pct"] == 100.0
     ids = json.loads((out / "eval_ids.json").read_text())
     assert ids["retrieval"] and set(ids["retrieval"]) <= set(ids["all"]) and "zeroshot_5x200" in ids
     md = (out / "eval.md").read_text()
     assert "## Retrieval" in md and "## Linear probe" in md and "## Localisation" in md
+    assert "| chance | x chance |" in md and "Collapse checks" in md
+    assert data["retrieval"]["chance_mean_recall"] == pytest.approx(
+        np.mean([min(k, data["retrieval"]["n_candidates"]) / data["retrieval"]["n_candidates"] for k in (1, 5, 10)]))
 
 
 def test_eval_rejects_bad_input(tiny_run, tmp_path):

@@ -19,6 +19,7 @@ from train.losses import (
     distill_loss,
     label_soft_targets,
     local_alignment_loss,
+    local_contrastive_loss,
     loss_balance,
     parse_fn_masking,
     positive_mask,
@@ -253,6 +254,46 @@ def test_local_alignment_hand_computed_and_ignores_padding():
     assert local_alignment_loss(v2, t2, mask).item() == pytest.approx(got.item(), abs=1e-7)
 
 
+def test_local_contrastive_hand_computed_ignores_padding_and_rewards_grounding():
+    g = torch.Generator().manual_seed(25)
+    sim = torch.rand(3, 3, 4, generator=g) * 2 - 1  # (text i, image j, token k)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False], [True, False, False, False]])
+    vals = []
+    for i in range(3):
+        for k in range(4):
+            if mask[i, k]:
+                logits = sim[i, :, k].double().numpy() / 0.2
+                vals.append(-(logits[i] - np.log(np.exp(logits).sum())))
+    assert local_contrastive_loss(sim, mask, 0.2).item() == pytest.approx(float(np.mean(vals)), rel=1e-5)
+    padded = sim.clone()
+    padded[..., 3] = 5.0  # padding tokens do not count
+    assert local_contrastive_loss(padded, mask, 0.2).item() == pytest.approx(
+        local_contrastive_loss(sim, mask, 0.2).item(), rel=1e-6)
+    # a word whose own-image region matches best scores lower than one matching every image alike,
+    # which is the collapsed map that the seeds' 1 - cos form cannot tell from grounding
+    grounded = torch.eye(3).unsqueeze(-1).expand(3, 3, 4)
+    collapsed = torch.ones(3, 3, 4)
+    assert local_contrastive_loss(grounded, mask, 0.1) < 0.01 < local_contrastive_loss(collapsed, mask, 0.1)
+    assert local_contrastive_loss(collapsed, mask, 0.1).item() == pytest.approx(math.log(3), rel=1e-5)
+    with pytest.raises(ValueError, match="B, B, L"):
+        local_contrastive_loss(torch.zeros(2, 3, 4))
+
+
+def test_local_align_pair_similarity_diagonal_is_forward():
+    from train.models.heads import LocalAlign
+
+    torch.manual_seed(3)
+    head = LocalAlign(text_dim=12, patch_dim=20, embed_dim=16, heads=4)
+    text, patches = torch.randn(3, 5, 12), torch.randn(3, 7, 20)
+    v, t, _ = head(text, patches)
+    pairs = head.pair_similarity(text, patches)
+    assert pairs.shape == (3, 3, 5)
+    own = F.cosine_similarity(v, t, dim=-1)
+    assert torch.allclose(pairs.diagonal(0, 0, 1).T, own, atol=1e-5)
+    # image j's answer to text i does not depend on the other images in the batch
+    assert torch.allclose(head.pair_similarity(text[:1], patches[1:2])[0, 0], pairs[0, 1], atol=1e-5)
+
+
 def test_masked_pool_consistency_and_sparsity():
     full, masked, txt = unit(3, 4, 22), unit(3, 4, 23), unit(3, 4, 24)
     expected = np.mean([(float(masked[i] @ txt[i]) - float(full[i] @ txt[i])) ** 2 for i in range(3)])
@@ -280,7 +321,9 @@ def make_case(b=4, d=6, seed=30):
     scale = torch.tensor(10.0)
     real = FakeOutput(u(b, d), u(b, d), scale, mask=torch.rand(b, 9, generator=g), masked_image_emb=u(b, d),
                       local_visual=torch.randn(b, 5, d, generator=g), local_text=torch.randn(b, 5, d, generator=g),
-                      text_mask=torch.rand(b, 5, generator=g) > 0.3)
+                      text_mask=torch.rand(b, 5, generator=g) > 0.3,
+                      local_pair_similarity=torch.rand(b, b, 3, generator=g) * 2 - 1,
+                      local_pair_mask=torch.tensor([[True, True, False]] * b))
     syn = FakeOutput(real.image_emb, u(b, d), scale)
     batch = {
         "teacher": {"clipT": {"img": u(b, 8), "txt": u(b, 8), "syn": u(b, 8)},
@@ -310,8 +353,20 @@ def test_compute_losses_terms_and_total():
     assert terms["sparsity"].item() == pytest.approx(0.1 * real.mask.mean().item(), rel=1e-5)
     assert terms["mask_nce"].item() == pytest.approx(0.3 * ref_clip(real.masked_image_emb, real.text_emb, 10.0),
                                                      rel=1e-5)
+    assert terms["local"].item() == pytest.approx(
+        0.5 * local_contrastive_loss(real.local_pair_similarity, real.local_pair_mask, 0.1).item(), rel=1e-6)
     parts = sum(v.item() for k, v in terms.items() if k != "total")
     assert terms["total"].item() == pytest.approx(parts, rel=1e-6)
+    # the seeds' cosine form and both together
+    cos = local_alignment_loss(real.local_visual, real.local_text, real.text_mask).item()
+    contrastive = local_contrastive_loss(real.local_pair_similarity, real.local_pair_mask, 0.1).item()
+    for mode, expected in (("cosine", cos), ("both", cos + contrastive)):
+        got = compute_losses(real, syn, batch, LossConfig(w_local=0.5, local_loss=mode))["local"].item()
+        assert got == pytest.approx(0.5 * expected, rel=1e-6)
+    without_pairs = FakeOutput(real.image_emb, real.text_emb, real.logit_scale, local_visual=real.local_visual,
+                               local_text=real.local_text, text_mask=real.text_mask)
+    with pytest.raises(ValueError, match="local_pairs=True"):
+        compute_losses(without_pairs, None, batch, LossConfig(local_loss="contrastive"))
 
     # no teacher embeddings (plain mode): lambda -> 0, pure CLIP
     plain = dict(batch, teacher={})

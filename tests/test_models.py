@@ -424,3 +424,97 @@ def test_tiny_cnn_configs_build_pretrained_students():
 
     freeze_towers(model, False)  # an unfreeze stage leaves the frozen stages frozen
     assert not model.image_tower.trunk.blocks[3][0].conv_pw.weight.requires_grad
+
+
+# --------------------------------------------------------------------------- hybrid Lite0-stem ViT (CPU ladder)
+def _hybrid(variant: str, **overrides):
+    """cpu-<variant> made small: 64 px, a 3-block width-32 transformer, no packaged weights."""
+    overrides.setdefault("image_kwargs", {"stem_stride": 8, "width": 32, "depth": 3, "num_heads": 2,
+                                          "pretrained": False})
+    return StudentConfig.from_yaml(f"cpu-{variant}", **{"image_size": 64, **overrides})
+
+
+@pytest.mark.parametrize("variant", list("ABCDE"))
+def test_hybrid_tower_runs_every_variant(variant, images):
+    torch.manual_seed(0)
+    model = build_student(_hybrid(variant, drop_layer=1, keep_rate=0.25))
+    out = _forward(model, images)
+    assert out.grid_size == (8, 8)  # 64 px / stem stride 8
+    n = 16 if variant == "E" else 64  # E keeps 25% of the 64 tokens after transformer block 1
+    assert out.patch_tokens.shape == (2, n, 32) and out.patch_index.shape == (2, n)
+    assert out.keep_ratio == pytest.approx(n / 64)
+    assert (out.mask is None) == (variant in "AB") and (out.local_attn is None) == (variant == "A")
+    if variant == "E":
+        assert isinstance(model.image_tower, TokenDroppingViT)
+        assert len(set(out.patch_index[0].tolist())) == n and out.patch_index.max() < 64
+
+
+def test_hybrid_stem_is_frozen_and_transformer_learns(images):
+    model = build_student(_hybrid("D"))
+    out = _forward(model, images)
+    (out.image_emb.sum() + out.masked_image_emb.sum()).backward()
+    names = dict(model.named_parameters())
+    assert not any("patch_embed.backbone" in n for n in names)  # stem weights are buffers: no optimiser sees them
+    assert names["image_tower.trunk.patch_embed.proj.weight"].grad is not None
+    assert names["image_tower.trunk.blocks.0.attn.qkv.weight"].grad is not None
+    assert not model.image_tower.trunk.patch_embed.backbone.training  # ImageNet BN statistics stay fixed
+    assert model.layer_id_for("image_tower.trunk.patch_embed.proj.weight") < \
+        model.layer_id_for("image_tower.trunk.blocks.2.mlp.fc1.weight")
+    unfrozen = build_student(_hybrid("A", image_kwargs={"stem_stride": 16, "width": 32, "depth": 2,
+                                                        "num_heads": 2, "pretrained": False, "freeze_stem": False}))
+    assert unfrozen.grid_size == (4, 4)
+    assert any("patch_embed.backbone" in n for n, _ in unfrozen.named_parameters())
+
+
+def test_hybrid_checkpoint_round_trip_and_errors(tmp_path, images):
+    model = build_student(_hybrid("E", drop_layer=1, keep_rate=0.5)).eval()
+    save_checkpoint(tmp_path / "h.pt", model, step=3)
+    loaded = load_checkpoint(tmp_path / "h.pt").eval()
+    with torch.no_grad():
+        a, b = _forward(model, images), _forward(loaded, images)
+    assert torch.allclose(a.image_emb, b.image_emb, atol=1e-6)
+    assert torch.equal(a.patch_index, b.patch_index)
+    with pytest.raises(ValueError, match="stem_stride"):
+        build_student(_hybrid("A", image_kwargs={"stem_stride": 4, "pretrained": False}))
+    with pytest.raises(ValueError, match="multiple of stem_stride"):
+        build_student(_hybrid("A", image_size=60))
+
+
+@needs_effnet_weights
+def test_hybrid_stem_carries_the_packaged_imagenet_weights():
+    from train.models.hybrid_tower import lite0_stem
+    from train.models.image_towers import EfficientNetTower
+
+    stem = lite0_stem(8, pretrained=True, frozen=True)
+    cnn = EfficientNetTower(64, pretrained=True, stride=16).trunk
+    assert torch.equal(stem.stem[0].weight, cnn.conv_stem.weight)
+    assert torch.equal(stem.stem[4][0].conv_pwl.weight, cnn.blocks[2][0].conv_pwl.weight)
+
+
+def test_local_pairs_sample_tokens_and_match_own_image(images):
+    from train.models.heads import sample_token_positions
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]).bool()
+    torch.manual_seed(0)
+    pos = sample_token_positions(mask, 3)
+    assert pos.shape == (2, 3) and set(pos[0].tolist()) == {0, 1, 2}  # all of a short row's real tokens
+    assert torch.all(pos[1][1:] > pos[1][:-1])  # in order, no repeats
+    assert sample_token_positions(mask, 9).shape == (2, 5)
+    model = build_student(_hybrid("B")).eval()
+    tok = model.tokenize(TEXTS)
+    with torch.no_grad():
+        out = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=4)
+    assert out.local_pair_similarity.shape == (2, 2, 4) and out.local_pair_mask.shape == (2, 4)
+    assert bool(out.local_pair_mask.all())  # both reports have at least 4 tokens
+    assert out.local_pair_similarity.abs().max() <= 1.0 + 1e-5
+    assert _forward(model, images).local_pair_similarity is None  # only on request
+
+
+def test_cpu_ladder_configs():
+    assert [n for n in available_configs() if n.startswith("cpu-")] == [f"cpu-{v}" for v in "ABCDE"]
+    for v in "ABCDE":
+        cfg = StudentConfig.from_yaml(f"cpu-{v}")
+        assert cfg.variant == v and cfg.image_tower == "hybrid_lite0_vit" and cfg.warmup_steps_to_target == 0
+    assert StudentConfig.from_yaml("E").warmup_steps_to_target == 2000  # ViT-S E: keep-rate 1000, Top-K 2000
+    with pytest.raises(ValueError, match="token dropping"):
+        StudentConfig.from_yaml("tiny-cnn-D", variant="E")

@@ -97,11 +97,19 @@ def test_records_well_formed(records):
         assert set(rec.labels) == set(CHEXPERT14)
         assert rec.report == f"{rec.findings} {rec.impression}".strip()
         text = rec.report.lower()
-        # Boxes: one per finding, inside the image, labelled with the finding name.
-        assert [b["label"] for b in rec.boxes] == kinds
+        # Boxes: one per finding (one per lung when bilateral), inside the image, labelled with the finding.
+        findings = rec.extra["phantom"]["findings"]
+        expected = [f["kind"] for f in findings for _ in range(2 if f["side"] == "bilateral" else 1)]
+        assert [b["label"] for b in rec.boxes] == expected
         for b in rec.boxes:
             x0, y0, x1, y1 = b["box"]
             assert 0 <= x0 < x1 <= 128 and 0 <= y0 < y1 <= 128, (rec.id, b)
+            assert b.get("side", "") in ("right", "left", "")
+        for f in findings:
+            if f["side"] == "bilateral":  # split at the midline: the patient's right lung is on the image left
+                right, left = [b for b in rec.boxes if b["label"] == f["kind"]]
+                assert (right["side"], left["side"]) == ("right", "left")
+                assert right["box"][2] <= left["box"][0] + 1.0, (rec.id, right, left)
         # Labels <-> findings <-> triples <-> report.
         positives = {name for name, v in rec.labels.items() if v == 1 and name != "No Finding"}
         assert positives == {KIND_LABEL[k] for k in kinds}, rec.id

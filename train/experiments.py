@@ -32,7 +32,7 @@ EXPERIMENTS = ("efficiency", "ablation")
 TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
             "reuse_runs", "isolated_efficiency"}
 DEFAULT_EFFICIENCY_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
-DEFAULT_VARIANTS = {"A": "tiny-A", "B": "tiny-B", "C": "tiny-C", "D": "tiny-D", "E": "tiny-E"}
+DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
 CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
 
 
@@ -145,8 +145,9 @@ def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
     return points
 
 
-def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool) -> dict:
-    """Full evaluation of RUN/last.pt on the test split (cost measured in a fresh process on CPU)."""
+def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> dict:
+    """Full evaluation of RUN/last.pt on the test split (cost measured in a fresh process on CPU,
+    and only when ``efficiency`` and the recipe's eval options allow it)."""
     import torch
 
     from train.evaluation.efficiency import measure_in_subprocess
@@ -155,7 +156,7 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool) -> d
     opts = dict(recipe.get("eval") or {})
     split = opts.pop("split", "test")
     eff_batch = int(opts.pop("efficiency_batch", 32))
-    measure = bool(opts.pop("efficiency", True))
+    measure = bool(opts.pop("efficiency", True)) and efficiency
     ckpt = run_dir / "last.pt"
     use_subprocess = measure and isolated and not torch.cuda.is_available()
     results = evaluate(str(ckpt), shards, split, run_dir / f"eval-{split}", progress=False, quiet=True,
@@ -305,8 +306,34 @@ def _efficiency_comparisons(rows: list[dict]) -> dict:
 # --------------------------------------------------------------------------- ablation
 
 
+ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc",
+                    "pointing_z", "chance_pointing_z", "iou_z", "pointing_attn", "chance_pointing_attn", "iou_attn",
+                    "deletion_auc", "insertion_auc", "sparsity", "train_img_per_s", "step_ms"]
+
+
+def _train_and_evaluate_seeds(recipe: dict, shards: Path, run_root: Path, model: str, model_overrides: dict,
+                              seeds: list[int], label: str) -> tuple[list[dict], list[dict]]:
+    """One model trained and evaluated once per seed; cost (efficiency) measured on the first seed only,
+    since it is a property of the architecture. Returns (per-seed rows, per-seed run records)."""
+    reuse = recipe.get("reuse_runs", True)
+    isolated = recipe.get("isolated_efficiency", True)
+    rows, runs = [], []
+    for seed in seeds:
+        overrides = {"model": model, "seed": int(seed)}
+        if model_overrides:
+            overrides["model_overrides"] = model_overrides
+        cfg = train_config(recipe, shards, run_root / f"seed-{seed}", overrides, "ablation")
+        typer.echo(f"[ablation] {label}: {model} seed {seed}, {cfg.steps} steps", err=True)
+        summary = run_training(cfg, reuse)
+        results = evaluate_run(recipe, Path(cfg.out), shards, isolated, efficiency=seed == seeds[0])
+        rows.append(_row(label, summary, results, cfg.batch_size * cfg.accum_steps))
+        runs.append({"seed": int(seed), "train_summary": summary, "final": results["summary"]})
+    return rows, runs
+
+
 def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
-    from train.evaluation.report import COST_COLUMNS, markdown_table, plot_bars, write_json
+    """Students A-E trained alike over ``ablation.seeds`` (mean ± sd), then the k_ratio sweep (first seed)."""
+    from train.evaluation.report import write_json
 
     _set_threads(recipe)
     shards = ensure_shards(recipe["shards"], progress)
@@ -314,81 +341,93 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
     variants = spec.get("variants") or DEFAULT_VARIANTS
     if isinstance(variants, list):
         variants = {str(v).split("-")[-1]: v for v in variants}
-    reuse = recipe.get("reuse_runs", True)
-    isolated = recipe.get("isolated_efficiency", True)
+    seeds = [int(s) for s in spec.get("seeds") or [int((recipe.get("train") or {}).get("seed", 0))]]
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, per_run = [], {}
     for label, model in variants.items():
-        cfg = train_config(recipe, shards, out_dir / "runs" / f"variant-{label}", {"model": model}, "ablation")
-        typer.echo(f"[ablation] {label}: {model}, {cfg.steps} steps", err=True)
-        summary = run_training(cfg, reuse)
-        results = evaluate_run(recipe, Path(cfg.out), shards, isolated)
-        rows.append(_row(label, summary, results, cfg.batch_size * cfg.accum_steps))
-        per_run[label] = {"model": model, "train_summary": summary, "final": results["summary"]}
+        seed_rows, runs = _train_and_evaluate_seeds(recipe, shards, out_dir / "runs" / f"variant-{label}",
+                                                    model, {}, seeds, label)
+        rows.append(_over_seeds(label, seed_rows))
+        per_run[label] = {"model": model, "seeds": runs}
 
     sweep = spec.get("k_ratio_sweep") or {}
     sweep_rows = []
-    if sweep:
-        values = sweep.get("values", [1.0, 0.75, 0.5, 0.25])
-        model = sweep.get("model", "tiny-E")
-        for k in values:
-            mo = {"k_ratio": float(k)}
-            if sweep.get("tie_keep_rate", True):
-                mo["keep_rate"] = float(k)
-            cfg = train_config(recipe, shards, out_dir / "runs" / f"k_ratio-{k}",
-                               {"model": model, "model_overrides": mo}, "ablation")
-            typer.echo(f"[ablation] k_ratio {k} ({model}, overrides {mo})", err=True)
-            summary = run_training(cfg, reuse)
-            results = evaluate_run(recipe, Path(cfg.out), shards, isolated)
-            row = _row(f"k={k}", summary, results, cfg.batch_size * cfg.accum_steps)
-            row["k_ratio"] = float(k)
-            sweep_rows.append(row)
-            per_run[f"k_ratio-{k}"] = {"model": model, "overrides": mo, "train_summary": summary,
-                                       "final": results["summary"]}
+    for k in (sweep.get("values", [1.0, 0.75, 0.5, 0.25]) if sweep else []):
+        model = sweep.get("model", "cpu-E")
+        mo = {"k_ratio": float(k)}
+        if sweep.get("tie_keep_rate", True):
+            mo["keep_rate"] = float(k)
+        seed_rows, runs = _train_and_evaluate_seeds(recipe, shards, out_dir / "runs" / f"k_ratio-{k}", model, mo,
+                                                    seeds[:1], f"k={k}")
+        row = _over_seeds(f"k={k}", seed_rows)
+        row["k_ratio"] = float(k)
+        sweep_rows.append(row)
+        per_run[f"k_ratio-{k}"] = {"model": model, "overrides": mo, "seeds": runs}
     relative = _relative_to(rows, "A")
-    result = {"experiment": "ablation", "recipe": recipe, "shards": str(shards), "table": rows,
+    result = {"experiment": "ablation", "recipe": recipe, "shards": str(shards), "seeds": seeds, "table": rows,
               "k_ratio_sweep": sweep_rows, "relative_to_A": relative, "runs": per_run}
     write_json(result, out_dir / "results.json")
+    md = _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir)
+    (out_dir / "table.md").write_text("\n".join(md))
+    typer.echo("\n".join(md))
+    return result
 
-    quality = ["i2t_R@1", "t2i_R@1", "mean_recall", "probe_auc", "zeroshot_auc", "pointing_z", "iou_z",
-               "pointing_attn", "iou_attn", "deletion_auc", "insertion_auc", "sparsity"]
-    cost = COST_COLUMNS + ["step_ms", "train_img_per_s", "wall_s"]
+
+def _over_seeds(label: str, seed_rows: list[dict]) -> dict:
+    """Quality as mean ± sd over seeds; cost columns from the seed that measured them."""
+    from train.evaluation.report import COST_COLUMNS, seed_summary
+
+    row = seed_summary(label, seed_rows, ABLATION_QUALITY)
+    for col in COST_COLUMNS:
+        row[col] = next((r[col] for r in seed_rows if r.get(col) is not None), None)
+    for metric, chance in (("mean_recall", "chance_mean_recall"), ("pointing_z", "chance_pointing_z"),
+                           ("pointing_attn", "chance_pointing_attn")):
+        if row.get(metric) is not None and row.get(chance):
+            row[f"{metric}_x_chance"] = row[metric] / row[chance]
+    return row
+
+
+def _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir: Path) -> list[str]:
+    from train.evaluation.report import COST_COLUMNS, markdown_table, markdown_table_sd, plot_bars
+
     md = [f"# Ablation `{recipe['name']}`", "",
-          f"shards `{shards}`; every variant trained with the same recipe and samples; test split.", "",
-          "## Quality", "", markdown_table(rows, quality, first="run"), "",
+          f"shards `{shards}`; every variant trained with the same recipe and samples, seeds {seeds} "
+          f"(mean ± sd over seeds); test split. *chance*: a random ranking (mean R) or a random heatmap "
+          f"on the same grid and boxes (pointing game).", "",
+          "## Quality", "", markdown_table_sd(rows, ABLATION_QUALITY[:-2]), "",
+          "Against chance (mean over seeds):", "",
+          markdown_table(rows, ["mean_recall_x_chance", "pointing_z_x_chance", "pointing_attn_x_chance"],
+                         first="run"), "",
           "## Cost", "",
-          "infer img/s, latency, GFLOPs, peak MB: synthetic inputs at the model size "
-          "(peak MB: CUDA max allocated, or peak RSS of a fresh process on CPU); step ms / train img/s: "
-          "the training loop's mean step (data + forward + backward + update).", "",
-          markdown_table(rows, cost, first="run"), ""]
-    if relative:
-        md += ["Relative to A: " + "; ".join(f"{k} {v:.2f}x" for k, v in relative.get("E", {}).items()
-                                            if v is not None) + " (E)", ""]
+          "infer img/s, synth step ms, latency, GFLOPs, peak MB: synthetic inputs at the model size and at E's "
+          "target keep rate (peak MB: CUDA max allocated, or peak RSS of a fresh process on CPU); loop step ms / "
+          "train img/s: the training loop's mean step (data + forward + backward + update), mean over seeds.", "",
+          markdown_table_sd(rows, COST_COLUMNS + ["step_ms", "train_img_per_s"]), ""]
+    if relative.get("E"):
+        md += ["E relative to A: " + "; ".join(f"{k} {v:.2f}x" for k, v in relative["E"].items()
+                                              if v is not None), ""]
     if sweep_rows:
-        md += [f"## k_ratio sweep ({sweep.get('model', 'tiny-E')}, keep_rate tied: "
+        md += [f"## k_ratio sweep ({sweep.get('model', 'cpu-E')}, seed {seeds[0]}, keep_rate tied: "
                f"{sweep.get('tie_keep_rate', True)})", "",
                markdown_table(sweep_rows, ["k_ratio", "i2t_R@1", "t2i_R@1", "mean_recall", "probe_auc",
-                                           "step_ms", "peak_memory_mb", "step_memory_delta_mb",
-                                           "gflops_per_img",
-                                           "inference_img_per_s"], first="run"), "",
-               "![k_ratio sweep](k_ratio_sweep.png)", ""]
+                                           "pointing_z", "pointing_attn", "step_ms", "peak_memory_mb",
+                                           "step_memory_delta_mb", "gflops_per_img", "inference_img_per_s"],
+                              first="run"), "", "![k_ratio sweep](k_ratio_sweep.png)", ""]
         _plot_sweep(sweep_rows, out_dir / "k_ratio_sweep.png")
     plot_bars({r["run"]: r.get("inference_img_per_s") for r in rows}, "images / s",
               "inference throughput", out_dir / "throughput.png")
     plot_bars({r["run"]: r.get("step_ms") for r in rows}, "ms / step", "training step time",
               out_dir / "step_time.png")
     md += ["![throughput](throughput.png)", "", "![step time](step_time.png)", ""]
-    (out_dir / "table.md").write_text("\n".join(md))
-    typer.echo("\n".join(md))
-    return result
+    return md
 
 
 def _relative_to(rows: list[dict], base: str) -> dict:
     by = {r["run"]: r for r in rows}
     if base not in by:
         return {}
-    keys = ("inference_img_per_s", "train_img_per_s", "step_ms", "latency_ms", "peak_memory_mb",
-            "gflops_per_img")
+    keys = ("inference_img_per_s", "train_img_per_s", "synthetic_train_img_per_s", "step_ms", "latency_ms",
+            "peak_memory_mb", "gflops_per_img")
     out = {}
     for name, row in by.items():
         out[name] = {k: (row[k] / by[base][k] if row.get(k) is not None and by[base].get(k) else None)

@@ -120,8 +120,9 @@ def _two_text_module():
             super().__init__()
             self.student = student
 
-        def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None):
-            out = self.student(images, report_ids, report_mask, step=step)
+        def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None,
+                    local_pairs=0):
+            out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs)
             syn = None
             if caption_ids is not None:
                 syn = self.student.encode_text(caption_ids, caption_mask)
@@ -216,6 +217,10 @@ class Trainer:
             scales = {self.teacher.name: float(self.teacher.logit_scale)}
         loss_data["teacher_scales"] = {**scales, **loss_data.get("teacher_scales", {})}
         self.loss_cfg = LossConfig.from_dict(loss_data)
+        # the token-region contrastive term needs every text pooled over every image of the batch
+        contrastive = (self.student.local_align is not None and self.loss_cfg.w_local > 0
+                       and self.loss_cfg.local_loss in ("contrastive", "both"))
+        self.local_pairs = self.loss_cfg.local_tokens if contrastive else 0
         self.queue = (TextQueue(self.loss_cfg.queue_size, self.student.embed_dim, self.device)
                       if self.loss_cfg.queue_size > 0 else None)
 
@@ -421,7 +426,7 @@ class Trainer:
             sync = (self.ddp and micro < cfg.accum_steps - 1)
             with (self.model.no_sync() if sync else contextlib.nullcontext()):
                 with self._autocast():
-                    out, syn_txt = self.model(*args, step=self.step)
+                    out, syn_txt = self.model(*args, step=self.step, local_pairs=self.local_pairs)
                 out_syn = (SynView(out.image_emb, syn_txt, out.logit_scale) if syn_txt is not None else None)
                 terms = compute_losses(out, out_syn, batch, self.loss_cfg, self.step, cfg.steps, self.queue)
                 if log_balance and micro == 0:

@@ -52,6 +52,9 @@ from train import distributed as dist_utils
 FN_CRITERIA = ("subject", "study", "text")
 FN_MODES = ("multi", "mask")
 DISTILL_KINDS = ("kl", "ce")
+# Local alignment objectives: "contrastive" (token-region InfoNCE over the batch's images, GLoRIA/MGCA
+# style), "cosine" (the seeds' mean 1 - cos(v~_k, t_k), which a constant attention map satisfies), "both".
+LOCAL_LOSSES = ("contrastive", "cosine", "both")
 # Keys `compute_losses` may return (absent terms are left out), plus "total".
 LOSS_KEYS = ("clip", "distill", "clip_syn", "distill_syn", "mask_nce", "sparsity", "consistency", "local")
 
@@ -89,6 +92,9 @@ class LossConfig:
     mu_consistency: float = 1.0
     detach_full_similarity: bool = True  # s_full is the target of the consistency MSE
     w_local: float = 0.5
+    local_loss: str = "contrastive"  # LOCAL_LOSSES; chosen by the pointing game (README, Localisation)
+    local_temperature: float = 0.1  # softmax temperature of the token-region contrastive term
+    local_tokens: int = 16  # text tokens per report drawn each step for the contrastive term (cost ~ B^2 x this)
     # Pair selection
     fn_masking: str = "none"  # "none", "all" or a comma list of subject,study,text
     fn_mode: str = "multi"  # "multi": uniform target over positives; "mask": drop them from denominators
@@ -111,6 +117,12 @@ class LossConfig:
             raise ValueError(f"loss.label_temperature must be > 0, got {self.label_temperature}")
         if self.queue_size < 0:
             raise ValueError(f"loss.queue_size must be >= 0, got {self.queue_size}")
+        if self.local_loss not in LOCAL_LOSSES:
+            raise ValueError(f"loss.local_loss must be one of {LOCAL_LOSSES}, got {self.local_loss!r}")
+        if self.local_tokens < 1:
+            raise ValueError(f"loss.local_tokens must be >= 1, got {self.local_tokens}")
+        if self.local_temperature <= 0:
+            raise ValueError(f"loss.local_temperature must be > 0, got {self.local_temperature}")
         parse_fn_masking(self.fn_masking)  # validates
 
     @classmethod
@@ -474,6 +486,42 @@ def local_alignment_loss(local_visual: torch.Tensor, local_text: torch.Tensor,
     return dist_utils.global_mean(((1.0 - cos) * valid).sum(), valid.sum())
 
 
+def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tensor | None = None,
+                           temperature: float = 0.1) -> torch.Tensor:
+    """Token-region InfoNCE: each text token's region pooled from its own image must beat the same
+    token pooled over every other image of the batch.
+
+    pair_similarity (B_text, B_image, L): cos(v~_{j<-i,k}, t_{i,k}) (``LocalAlign.pair_similarity``);
+    the target of text i is image i. Mean cross-entropy over valid tokens (text_mask (B, L)).
+    Negatives are this rank's images only (the attention needs the other images' patches).
+    """
+    b, b_img, length = pair_similarity.shape
+    if b != b_img:
+        raise ValueError(f"pair_similarity must be (B, B, L), got {tuple(pair_similarity.shape)}")
+    logits = pair_similarity.float().permute(0, 2, 1) / temperature  # (B_text, L, B_image)
+    target = torch.arange(b, device=logits.device).unsqueeze(1).expand(b, length)
+    ce = F.cross_entropy(logits.reshape(b * length, b), target.reshape(-1), reduction="none").view(b, length)
+    valid = torch.ones_like(ce) if text_mask is None else text_mask.to(ce.dtype)
+    return (ce * valid).sum() / valid.sum().clamp_min(1.0)
+
+
+def local_losses(out: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """The weighted 'local' term of one StudentOutput: cosine, contrastive or both (cfg.local_loss)."""
+    local_v, local_t = getattr(out, "local_visual", None), getattr(out, "local_text", None)
+    if local_v is None or local_t is None or not cfg.w_local:
+        return {}
+    text_mask = getattr(out, "text_mask", None)
+    parts = []
+    if cfg.local_loss in ("cosine", "both"):
+        parts.append(local_alignment_loss(local_v, local_t, text_mask))
+    if cfg.local_loss in ("contrastive", "both"):
+        pairs = getattr(out, "local_pair_similarity", None)
+        if pairs is None:
+            raise ValueError("loss.local_loss 'contrastive' needs the student's forward(..., local_pairs=True)")
+        parts.append(local_contrastive_loss(pairs, getattr(out, "local_pair_mask", None), cfg.local_temperature))
+    return {"local": cfg.w_local * torch.stack(parts).sum()}
+
+
 def patch_ib_losses(
     masked_img: torch.Tensor | None,
     full_img: torch.Tensor,
@@ -608,9 +656,7 @@ def compute_losses(
         getattr(out_real, "masked_image_emb", None), out_real.image_emb, out_real.text_emb, out_real.logit_scale,
         getattr(out_real, "mask", None), cfg, positives=positives, soft_targets=soft, gather=gather))
 
-    local_v, local_t = getattr(out_real, "local_visual", None), getattr(out_real, "local_text", None)
-    if local_v is not None and local_t is not None and cfg.w_local:
-        terms["local"] = cfg.w_local * local_alignment_loss(local_v, local_t, getattr(out_real, "text_mask", None))
+    terms.update(local_losses(out_real, cfg))
 
     if not terms:
         raise ValueError("compute_losses: no loss term is active (all weights zero or outputs missing)")

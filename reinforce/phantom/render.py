@@ -7,8 +7,9 @@ ribs, clavicles) and devices, then exposure (brightness, contrast, gamma) and qu
 Shapes are analytic soft masks (linear ramps ~1.5 px wide), so the same functions give the
 pixels and, evaluated on a coarse grid, the ground-truth boxes without rendering.
 
-Boxes: one per finding, in pixels of the rendered image; a bilateral finding (effusion,
-consolidation, opacity, atelectasis, edema) gets ONE box covering both sides.
+Boxes: one per finding, in pixels of the rendered image, with the finding's side; a bilateral
+finding (effusion, consolidation, opacity, atelectasis, edema) gets one box per lung (side
+"right" on the image left, "left" on the image right), split at the midline.
 """
 from __future__ import annotations
 
@@ -277,15 +278,31 @@ def finding_boxes(case: Case, size: int) -> list[dict]:
             box = [x - r, y - r, x + r, y + r]
         else:
             mask = REGION_MASKS[f.kind](g, f, X, Y, s) > 0.3
-            rows, cols = np.any(mask, axis=1), np.any(mask, axis=0)
-            if not rows.any():
+            if not mask.any():
                 raise RuntimeError(f"phantom {case.id}: empty region for {f.kind}")
-            r0, r1 = np.flatnonzero(rows)[[0, -1]]
-            c0, c1 = np.flatnonzero(cols)[[0, -1]]
-            box = [c0 / BOX_GRID, r0 / BOX_GRID, (c1 + 1) / BOX_GRID, (r1 + 1) / BOX_GRID]
-        x0, y0, x1, y1 = (float(np.clip(v, 0.0, 1.0)) * size for v in box)
-        boxes.append({"label": f.kind, "box": [round(x0, 1), round(y0, 1), round(x1, 1), round(y1, 1)]})
+            if f.side == "bilateral":  # one box per lung: a box over both would hold the heart
+                for side, half in (("right", X < g.cx), ("left", X >= g.cx)):
+                    if (mask & half).any():
+                        boxes.append(_pixel_box(f.kind, _mask_box(mask & half), size, side))
+                continue
+            box = _mask_box(mask)
+        boxes.append(_pixel_box(f.kind, box, size, f.side))
     return boxes
+
+
+def _mask_box(mask: np.ndarray) -> list[float]:
+    """Bounding box [x0, y0, x1, y1] (normalised) of a non-empty BOX_GRID mask."""
+    r0, r1 = np.flatnonzero(np.any(mask, axis=1))[[0, -1]]
+    c0, c1 = np.flatnonzero(np.any(mask, axis=0))[[0, -1]]
+    return [c0 / BOX_GRID, r0 / BOX_GRID, (c1 + 1) / BOX_GRID, (r1 + 1) / BOX_GRID]
+
+
+def _pixel_box(label: str, box: list[float], size: int, side: str) -> dict:
+    x0, y0, x1, y1 = (float(np.clip(v, 0.0, 1.0)) * size for v in box)
+    out = {"label": label, "box": [round(x0, 1), round(y0, 1), round(x1, 1), round(y1, 1)]}
+    if side:
+        out["side"] = side
+    return out
 
 
 # ---- the image ----

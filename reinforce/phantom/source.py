@@ -75,7 +75,7 @@ class PhantomSource:
     def describe(self) -> dict:
         return {"kind": "phantom", "name": self.name, "n": self.n, "seed": self.seed, "size": self.size,
                 "version": PHANTOM_VERSION, "normal_fraction_target": NORMAL_P,
-                "boxes": "one per finding in rendered-image pixels; bilateral findings get one box over both sides"}
+                "boxes": "one per finding in rendered-image pixels, with its side; bilateral findings get one box per lung"}
 
 
 def record_row(record: Record, image_path: str) -> dict:

@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from train.losses import LossConfig, local_contrastive_loss
+
 FAR_STEP = 10**9  # past any keep-rate warm-up, so token dropping runs at its final rate
 
 
@@ -97,7 +99,9 @@ def proxy_loss(out) -> torch.Tensor:
     loss = clip(out.image_emb, out.text_emb)
     if getattr(out, "masked_image_emb", None) is not None:
         loss = loss + clip(out.masked_image_emb, out.text_emb)
-    if getattr(out, "local_visual", None) is not None and getattr(out, "local_text", None) is not None:
+    if getattr(out, "local_pair_similarity", None) is not None:  # the default token-region contrastive term
+        loss = loss + local_contrastive_loss(out.local_pair_similarity, getattr(out, "local_pair_mask", None))
+    elif getattr(out, "local_visual", None) is not None and getattr(out, "local_text", None) is not None:
         cos = F.cosine_similarity(out.local_visual, out.local_text, dim=-1)
         mask = out.text_mask.float() if getattr(out, "text_mask", None) is not None else torch.ones_like(cos)
         loss = loss + ((1 - cos) * mask).sum() / mask.sum().clamp_min(1)
@@ -169,12 +173,13 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
     out["mask_kept_pct"] = 100.0 * float((z > 0.5).float().mean()) if z is not None else None
 
     trainee = copy.deepcopy(model).train()
+    local_pairs = LossConfig().local_tokens if getattr(trainee, "local_align", None) is not None else 0
     opt = torch.optim.AdamW(trainee.parameters(), lr=1e-5)
     images, ids, mask = synthetic_batch(trainee, train_bs, device, seed=1)
 
     def train_step():
         opt.zero_grad(set_to_none=True)
-        proxy_loss(trainee(images, ids, mask, step=step)).backward()
+        proxy_loss(trainee(images, ids, mask, step=step, local_pairs=local_pairs)).backward()
         opt.step()
 
     train_step()  # allocate optimizer state before measuring memory

@@ -6,10 +6,16 @@ image through the view's augmentation params (``reinforce.augment.view_to_image`
 inside the box; that is exact for crops and rotations alike. A box smaller than a patch gets
 the one patch containing its centre, so tiny findings are still scorable.
 
-Two heatmaps per (image, box): the Patch-IB mask z (ranked by the soft scores z is made from,
-which orders patches identically but without the ties of a hard top-k), and the
-local-alignment attention of the finding's words in the report (``local_attn`` rows of the
-tokens spelling the box label, averaged).
+Two heatmaps: the Patch-IB mask z (ranked by the soft scores z is made from, which orders
+patches identically but without the ties of a hard top-k), and the local-alignment attention of
+a finding's words in the report (``local_attn`` rows of the tokens spelling the box label,
+averaged).
+
+Targets follow the standard pointing game (a hit when the map's maximum falls inside any
+ground-truth box of the target): for the attention of a finding's words the target is the union
+of that label's boxes (a bilateral finding has one box per lung); for the class-agnostic mask z
+it is the union of all the image's boxes. Every score comes with the chance level of a uniformly
+random heatmap on the same grid and target (``chance_scores``).
 """
 from __future__ import annotations
 
@@ -78,18 +84,64 @@ def iou_dice(pred, gt) -> tuple[float, float]:
     return (inter / union if union else 0.0), (2 * inter / total if total else 0.0)
 
 
+def chance_scores(gt_mask, top_fraction: float = 0.2) -> dict:
+    """Expected pointing hit, IoU and Dice of a uniformly random heatmap on the same grid and target.
+
+    A random map's maximum is a uniform cell, so P(hit) = |target| / cells. Its top-k cells are a
+    uniform k-subset, so the overlap I with the G target cells is hypergeometric; IoU = I/(k+G-I)
+    and Dice = 2I/(k+G) are averaged over that exact distribution (no sampling noise).
+    """
+    from scipy.stats import hypergeom
+
+    gt = np.asarray(gt_mask, bool)
+    cells, g = gt.size, int(gt.sum())
+    k = max(1, math.ceil(top_fraction * cells))
+    overlap = np.arange(0, min(k, g) + 1)
+    p = hypergeom(cells, g, k).pmf(overlap)
+    union = k + g - overlap
+    return {"hit": g / cells, "iou": float((p * overlap / np.maximum(union, 1)).sum()),
+            "dice": float((p * 2 * overlap / (k + g)).sum()) if k + g else 0.0}
+
+
 def localisation_scores(heatmap, gt_mask, top_fraction: float = 0.2) -> dict:
+    """Pointing hit, IoU and Dice of the top-``top_fraction`` cells, and the same for a random map."""
     iou, dice = iou_dice(top_fraction_mask(heatmap, top_fraction), gt_mask)
-    return {"hit": pointing_hit(heatmap, gt_mask), "iou": iou, "dice": dice}
+    chance = chance_scores(gt_mask, top_fraction)
+    return {"hit": pointing_hit(heatmap, gt_mask), "iou": iou, "dice": dice,
+            "chance_hit": chance["hit"], "chance_iou": chance["iou"], "chance_dice": chance["dice"]}
 
 
 def aggregate(scores: list[dict]) -> dict:
-    """Mean pointing-game accuracy, IoU and Dice over (image, box) pairs."""
-    if not scores:
-        return {"pointing_game": float("nan"), "iou": float("nan"), "dice": float("nan"), "n": 0}
-    return {"pointing_game": float(np.mean([s["hit"] for s in scores])),
-            "iou": float(np.mean([s["iou"] for s in scores])),
-            "dice": float(np.mean([s["dice"] for s in scores])), "n": len(scores)}
+    """Mean pointing-game accuracy, IoU and Dice over targets, beside those of a random heatmap."""
+    keys = {"pointing_game": "hit", "iou": "iou", "dice": "dice", "chance_pointing_game": "chance_hit",
+            "chance_iou": "chance_iou", "chance_dice": "chance_dice"}
+    out = {name: (float(np.mean([s[key] for s in scores])) if scores else float("nan"))
+           for name, key in keys.items()}
+    out["n"] = len(scores)
+    out["n_boxes"] = int(sum(s.get("n_boxes", 1) for s in scores))
+    return out
+
+
+def map_similarity(maps: list) -> float:
+    """Mean pairwise cosine of heatmaps (NaN cells as 0). Near 1: the maps are the same whatever
+    the image or word (a collapsed, input-independent map); NaN with fewer than two maps."""
+    flat = [np.nan_to_num(np.asarray(m, dtype=np.float64).ravel()) for m in maps]
+    flat = [f / n for f in flat if (n := np.linalg.norm(f)) > 0]
+    if len(flat) < 2:
+        return float("nan")
+    x = np.stack(flat)
+    sim = x @ x.T
+    return float(sim[~np.eye(len(x), dtype=bool)].mean())
+
+
+def normalised_entropy(heatmap) -> float:
+    """Entropy of a non-negative map (as a distribution over its finite cells) / log(cells): 1 = uniform."""
+    h = np.asarray(heatmap, dtype=np.float64).ravel()
+    h = np.clip(h[np.isfinite(h)], 0, None)
+    if h.size < 2 or h.sum() <= 0:
+        return float("nan")
+    p = h / h.sum()
+    return float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(h.size))
 
 
 def label_phrases(label: str) -> list[str]:

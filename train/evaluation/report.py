@@ -18,18 +18,22 @@ HEADERS = {
     "mean_recall": "mean R", "mean_recall_sametext": "mean R (same text)", "n_candidates": "N cand",
     "probe_auc": "probe AUC", "probe_ap": "probe AP", "zeroshot_auc": "0-shot AUC",
     "zeroshot_5x200_acc": "5x200 acc", "pointing_z": "PG z", "iou_z": "IoU z", "dice_z": "Dice z",
-    "pointing_attn": "PG attn", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
+    "pointing_attn": "PG attn", "chance_pointing_z": "PG z chance",
+    "chance_pointing_attn": "PG attn chance", "chance_mean_recall": "mean R chance", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
     "insertion_auc": "ins AUC", "sparsity": "z>0.5", "cross_view_jaccard": "xview J",
     "distance_ratio": "intra/inter", "inference_img_per_s": "infer img/s",
     "train_step_ms": "synth step ms", "latency_ms": "latency ms", "peak_memory_mb": "peak MB",
     "gflops_per_img": "GFLOPs/img", "patch_usage_pct": "patch use %",
     "train_img_per_s": "train img/s", "wall_s": "wall s", "samples_seen": "samples", "step_ms": "loop step ms", "bench_step_ms": "bench step ms",
-    "k_ratio": "k_ratio", "step_memory_delta_mb": "step +MB",
+    "k_ratio": "k_ratio", "synthetic_train_img_per_s": "synth train img/s",
+    "mean_recall_x_chance": "mean R / chance", "pointing_z_x_chance": "PG z / chance",
+    "pointing_attn_x_chance": "PG attn / chance", "step_memory_delta_mb": "step +MB",
 }
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
-                   "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
-                   "pointing_z", "iou_z", "pointing_attn", "iou_attn", "distance_ratio"]
-COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "latency_ms", "peak_memory_mb",
+                   "chance_mean_recall", "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
+                   "pointing_z", "chance_pointing_z", "iou_z", "pointing_attn", "chance_pointing_attn", "iou_attn",
+                   "distance_ratio"]
+COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "synthetic_train_img_per_s", "latency_ms", "peak_memory_mb",
                 "step_memory_delta_mb", "gflops_per_img", "patch_usage_pct"]
 
 
@@ -81,6 +85,30 @@ def markdown_table(rows: list[dict], columns: list[str], first: str | None = Non
     return "\n".join(lines)
 
 
+def seed_summary(label: str, rows: list[dict], columns: list[str]) -> dict:
+    """One row over seeds: each column's mean, its sample sd (``<col>_sd``) and the values (``<col>_seeds``)."""
+    out: dict = {"run": label, "n_seeds": len(rows)}
+    for col in columns:
+        values = [float(r[col]) for r in rows if r.get(col) is not None and math.isfinite(float(r[col]))]
+        out[col] = float(np.mean(values)) if values else None
+        out[f"{col}_sd"] = float(np.std(values, ddof=1)) if len(values) > 1 else None
+        out[f"{col}_seeds"] = values
+    return out
+
+
+def markdown_table_sd(rows: list[dict], columns: list[str], first: str = "run") -> str:
+    """Like ``markdown_table``, cells as 'mean ± sd' where a ``<col>_sd`` is present."""
+    cols = [first] + [c for c in columns if c != first]
+    lines = ["| " + " | ".join(HEADERS.get(c, c) for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in rows:
+        cells = []
+        for c in cols:
+            sd = row.get(f"{c}_sd")
+            cells.append(fmt(row.get(c), c) + (f" ± {fmt(sd, c)}" if sd is not None else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- eval outputs
 
 
@@ -127,22 +155,7 @@ def eval_markdown(results: dict) -> str:
                 f"({z5.get('per_class_n')}; seeded subset, ids in eval_ids.json)", ""]
     lo = results.get("localisation")
     if lo:
-        out += ["## Localisation", "",
-                f"{lo['n_images']} images with boxes; heatmap top {int(lo['top_fraction'] * 100)}% for IoU/Dice.", "",
-                "| heatmap | pointing game | IoU | Dice | boxes |", "|---|---|---|---|---|"]
-        for k in ("mask", "attention"):
-            a = lo[k]
-            out.append(f"| {k} | {fmt(a['pointing_game'])} | {fmt(a['iou'])} | {fmt(a['dice'])} | {a['n']} |")
-        if lo.get("per_label"):
-            out += ["", "| label | PG z | IoU z | PG attn | IoU attn |", "|---|---|---|---|---|"]
-            for lab, d in lo["per_label"].items():
-                m, a = d.get("mask", {}), d.get("attention", {})
-                out.append(f"| {lab} | {fmt(m.get('pointing_game'))} | {fmt(m.get('iou'))} | "
-                           f"{fmt(a.get('pointing_game'))} | {fmt(a.get('iou'))} |")
-        if lo.get("boxes_without_finding_tokens"):
-            out.append(f"\n{len(lo['boxes_without_finding_tokens'])} boxes had no matching words in the "
-                       "report (no attention heatmap).")
-        out.append("")
+        out += localisation_markdown(lo)
     fa = results.get("faithfulness")
     if fa:
         out += ["## Mask faithfulness", "",
@@ -299,3 +312,44 @@ def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def localisation_markdown(lo: dict) -> list[str]:
+    """The localisation section: each score beside a random heatmap's, per label, and collapse checks."""
+    out = ["## Localisation", "",
+           f"{lo['n_images']} images with boxes; heatmap top {int(lo['top_fraction'] * 100)}% for IoU/Dice. "
+           "Pointing game: a hit when the map's maximum is inside a target box (z: any box of the image; "
+           "attention: the boxes of the finding its words name). *chance*: a uniformly random heatmap "
+           "on the same grid and targets.", "",
+           "| heatmap | pointing game | chance | x chance | IoU | chance IoU | Dice | targets | boxes |",
+           "|---|---|---|---|---|---|---|---|---|"]
+
+    def row(name, a):
+        pg, ch = a.get("pointing_game"), a.get("chance_pointing_game")
+        times = pg / ch if pg is not None and ch and math.isfinite(pg) else None
+        return (f"| {name} | {fmt(pg)} | {fmt(ch)} | {fmt(times)} | {fmt(a.get('iou'))} | "
+                f"{fmt(a.get('chance_iou'))} | {fmt(a.get('dice'))} | {a.get('n', 0)} | {a.get('n_boxes', 0)} |")
+
+    for k in ("mask", "attention"):
+        out.append(row(k, lo[k]))
+    if lo.get("per_label"):
+        out += ["", "Per label (z: is the mask's peak on this finding; attention: of its words):", "",
+                "| label | PG z | chance z | PG attn | chance attn | IoU attn | targets attn |",
+                "|---|---|---|---|---|---|---|"]
+        for lab, d in lo["per_label"].items():
+            m, a = d.get("mask", {}), d.get("attention", {})
+            out.append(f"| {lab} | {fmt(m.get('pointing_game'))} | {fmt(m.get('chance_pointing_game'))} | "
+                       f"{fmt(a.get('pointing_game'))} | {fmt(a.get('chance_pointing_game'))} | "
+                       f"{fmt(a.get('iou'))} | {a.get('n', 0)} |")
+    m, a = lo["mask"], lo["attention"]
+    out += ["", "Collapse checks (mean pairwise cosine of heatmaps; near 1 = the same map whatever the input; "
+            "entropy / log cells, 1 = uniform):", "",
+            "| map | across images | across words of one image | entropy |", "|---|---|---|---|",
+            f"| mask z | {fmt(m.get('image_similarity'))} | – | {fmt(m.get('entropy'))} |",
+            f"| attention | {fmt(a.get('image_similarity'))} | {fmt(a.get('word_similarity'))} | "
+            f"{fmt(a.get('entropy'))} |"]
+    if lo.get("boxes_without_finding_tokens"):
+        out.append(f"\n{len(lo['boxes_without_finding_tokens'])} findings had no matching words in the "
+                   "report (no attention heatmap).")
+    out.append("")
+    return out

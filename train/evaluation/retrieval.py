@@ -85,6 +85,8 @@ def retrieval_metrics(img_emb, txt_emb, texts=None, ks=(1, 5, 10)) -> dict:
     out.update(_recalls(correct_ranks(sim.T.contiguous()), ks, "t2i"))
     out["mean_recall"] = float(np.mean([out[f"{d}_R@{k}"] for d in ("i2t", "t2i") for k in ks]))
     out["n_candidates"] = int(n)
+    # a random ranking puts the one correct item in the top K with probability K / N
+    out["chance_mean_recall"] = float(np.mean([min(k, n) / n for k in ks])) if n else float("nan")
     if texts is not None:
         if len(texts) != n:
             raise ValueError(f"texts has {len(texts)} entries for {n} embedding pairs")

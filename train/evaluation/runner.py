@@ -298,6 +298,7 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[EvalSample], t
     curves, sparsities, entropies, jaccards, order_sources = [], [], [], [], set()
     random_curves = []
     plots = []
+    z_maps, attn_maps, entropies_attn, word_similarity = [], {}, [], []  # collapse diagnostics
     rng = np.random.default_rng(seed)
     for i in tqdm(rows, desc="localisation/faithfulness", disable=not progress, leave=False):
         s = samples[i]
@@ -309,27 +310,39 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[EvalSample], t
         item = {"key": s.key, "image": view[0].numpy(), "z": _mask_z(out, 0) if z_heat is not None else None,
                 "boxes": [], "attn": []}
         if i in with_boxes:
+            w, h = s.meta.get("image_size") or s.image.size
+            targets: dict[str, list] = {}  # label -> patch masks of its boxes (one per lung if bilateral)
             for box in s.meta["boxes"]:
-                gt = loc.box_patch_mask(box["box"], params, grid)
                 label = str(box.get("label", "finding"))
-                w, h = s.meta.get("image_size") or s.image.size
                 item["boxes"].append((label, _box_in_view(box["box"], w, h, model.image_size)))
-                if not gt.any():
-                    continue
-                if z_heat is not None:
-                    sc = loc.localisation_scores(z_heat, gt, top_fraction)
-                    mask_scores.append(sc)
-                    per_label.setdefault(label, {"mask": [], "attention": []})["mask"].append(sc)
+                gt = loc.box_patch_mask(box["box"], params, grid)
+                if gt.any():
+                    targets.setdefault(label, []).append(gt)
+            if targets and z_heat is not None:  # class-agnostic z: any box of the image is a hit
+                everything = np.any([g for masks in targets.values() for g in masks], axis=0)
+                sc = {**loc.localisation_scores(z_heat, everything, top_fraction),
+                      "n_boxes": sum(len(m) for m in targets.values())}
+                mask_scores.append(sc)
+                z_maps.append(z_heat)
+                for label, masks in targets.items():  # per label: is z's peak on this finding?
+                    per_label.setdefault(label, {"mask": [], "attention": []})["mask"].append(
+                        {**loc.localisation_scores(z_heat, np.any(masks, axis=0), top_fraction),
+                         "n_boxes": len(masks)})
+            for label, masks in targets.items():
                 positions = loc.phrase_positions(ids, [phrase_ids(p) for p in loc.label_phrases(label)])
                 heat = _attn_heat(out, 0, positions)
                 if heat is None:
                     if getattr(out, "local_attn", None) is not None:
                         no_tokens.append(f"{s.key}:{label}")
                     continue
-                sc = loc.localisation_scores(heat, gt, top_fraction)
+                sc = {**loc.localisation_scores(heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks)}
                 attn_scores.append(sc)
                 per_label.setdefault(label, {"mask": [], "attention": []})["attention"].append(sc)
+                attn_maps.setdefault(label, []).append(heat)
+                entropies_attn.append(loc.normalised_entropy(heat))
                 item["attn"].append((label, heat))
+            if len(item["attn"]) >= 2:
+                word_similarity.append(loc.map_similarity([heat for _, heat in item["attn"]]))
         if i in faith_rows:
             order_heat, source = z_heat, "mask"
             if order_heat is None and getattr(out, "local_attn", None) is not None:
@@ -365,7 +378,12 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[EvalSample], t
             plots.append(item)
 
     localisation = {
-        "mask": loc.aggregate(mask_scores), "attention": loc.aggregate(attn_scores),
+        "mask": {**loc.aggregate(mask_scores), "image_similarity": loc.map_similarity(z_maps),
+                 "entropy": _nanmean([loc.normalised_entropy(m) for m in z_maps])},
+        "attention": {**loc.aggregate(attn_scores),
+                      "image_similarity": _nanmean([loc.map_similarity(m) for m in attn_maps.values()]),
+                      "word_similarity": _nanmean(word_similarity), "entropy": _nanmean(entropies_attn)},
+        "targets": "pointing game per target: z - any box of the image; attention - the boxes of that label",
         "per_label": {lab: {k: loc.aggregate(v) for k, v in d.items()} for lab, d in sorted(per_label.items())},
         "n_images": len(with_boxes), "top_fraction": top_fraction,
         "boxes_without_finding_tokens": no_tokens,
@@ -393,6 +411,11 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[EvalSample], t
     ids_used = {"localisation": [samples[i].key for i in with_boxes],
                 "faithfulness": [samples[i].key for i in faith_rows]}
     return localisation, faithfulness, {"heatmaps": plots, "ids": ids_used}
+
+
+def _nanmean(values) -> float:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(values)) if values else float("nan")
 
 
 def _box_in_view(box, w, h, size) -> list[float]:
@@ -519,7 +542,8 @@ def summary_row(results: dict) -> dict:
     return {
         "i2t_R@1": r.get("i2t_R@1"), "i2t_R@5": r.get("i2t_R@5"), "i2t_R@10": r.get("i2t_R@10"),
         "t2i_R@1": r.get("t2i_R@1"), "t2i_R@5": r.get("t2i_R@5"), "t2i_R@10": r.get("t2i_R@10"),
-        "mean_recall": r.get("mean_recall"), "mean_recall_sametext": r.get("mean_recall_sametext"),
+        "mean_recall": r.get("mean_recall"), "chance_mean_recall": r.get("chance_mean_recall"),
+        "mean_recall_sametext": r.get("mean_recall_sametext"),
         "n_candidates": r.get("n_candidates"),
         "probe_auc": _get(results, "probe", "mean_auc"), "probe_ap": _get(results, "probe", "mean_ap"),
         "zeroshot_auc": _get(results, "zeroshot", "mean_auc"),
@@ -527,7 +551,9 @@ def summary_row(results: dict) -> dict:
         "pointing_z": _get(results, "localisation", "mask", "pointing_game"),
         "iou_z": _get(results, "localisation", "mask", "iou"),
         "dice_z": _get(results, "localisation", "mask", "dice"),
+        "chance_pointing_z": _get(results, "localisation", "mask", "chance_pointing_game"),
         "pointing_attn": _get(results, "localisation", "attention", "pointing_game"),
+        "chance_pointing_attn": _get(results, "localisation", "attention", "chance_pointing_game"),
         "iou_attn": _get(results, "localisation", "attention", "iou"),
         "deletion_auc": _get(results, "faithfulness", "deletion_auc"),
         "insertion_auc": _get(results, "faithfulness", "insertion_auc"),
@@ -536,6 +562,7 @@ def summary_row(results: dict) -> dict:
         "distance_ratio": _get(results, "geometry", "ratio"),
         "inference_img_per_s": _get(results, "efficiency", "inference_img_per_s"),
         "train_step_ms": _get(results, "efficiency", "train_step_ms"),
+        "synthetic_train_img_per_s": _get(results, "efficiency", "train_img_per_s"),
         "latency_ms": _get(results, "efficiency", "latency_ms_per_img"),
         "peak_memory_mb": _get(results, "efficiency", "peak_memory_mb"),
         "step_memory_delta_mb": _get(results, "efficiency", "step_memory_delta_mb"),

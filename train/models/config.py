@@ -14,7 +14,9 @@ from typing import Any
 
 VARIANTS = ("A", "B", "C", "D", "E")
 IMAGE_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "fastvit_mci0",
-                "efficientnet_lite0")
+                "efficientnet_lite0", "hybrid_lite0_vit")
+# Towers with a token sequence that variant E can drop tokens from.
+TOKEN_DROPPING_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "hybrid_lite0_vit")
 CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[2] / "configs" / "models"))
 
 
@@ -75,7 +77,7 @@ class StudentConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}{where}")
         if self.image_tower not in IMAGE_TOWERS:
             raise ValueError(f"image_tower must be one of {IMAGE_TOWERS}, got {self.image_tower!r}{where}")
-        if self.variant == "E" and not self.image_tower.startswith("vit"):
+        if self.variant == "E" and self.image_tower not in TOKEN_DROPPING_TOWERS:
             raise ValueError(f"variant E (token dropping) needs a ViT image tower, not {self.image_tower!r}{where}")
         if not 16 <= int(self.image_size) <= 1024:
             raise ValueError(f"image_size must be in 16..1024, got {self.image_size}{where}")
@@ -106,6 +108,14 @@ class StudentConfig:
     @property
     def use_token_dropping(self) -> bool:
         return self.variant == "E"
+
+    @property
+    def warmup_steps_to_target(self) -> int:
+        """Training steps until token dropping and the Top-K mask run at their target rates (timing
+        E earlier measures a model that still keeps most of its tokens)."""
+        keep = self.keep_rate_warmup_steps if self.use_token_dropping else 0
+        anneal = self.k_anneal_steps if self.use_topk and self.k_ratio_start is not None else 0
+        return max(0, int(keep), int(anneal))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

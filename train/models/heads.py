@@ -5,6 +5,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class Projection(nn.Module):
@@ -98,6 +99,46 @@ class LocalAlign(nn.Module):
             keep = text_mask.bool().unsqueeze(-1)
             v, t, attn = v * keep, t * keep, attn * keep
         return v, t, attn
+
+    def pair_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
+                        patch_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """cos(v~_{j<-i,k}, t_{i,k}) for every text i, token k and image j: (B_text, B_image, L).
+
+        v~_{j<-i,k} is token k of text i attention-pooled over image j's patches with the very
+        weights of ``forward`` (its diagonal j = i is forward's v~). The token-region contrastive
+        loss needs the off-diagonal too; nn.MultiheadAttention only pairs row i with image i, so
+        the heads are written out here from its own projection weights, and every text token
+        attends over each image in one fused ``scaled_dot_product_attention`` call (the
+        (B, B, heads, L, N) attention tensor is never materialised).
+        """
+        t = self.text_proj(text_tokens)
+        p = self.patch_proj(patches)
+        (b_txt, length, width), b_img = t.shape, p.shape[0]
+        heads = self.attn.num_heads
+        w_q, w_k, w_v = self.attn.in_proj_weight.chunk(3)
+        b_q, b_k, b_v = self.attn.in_proj_bias.chunk(3)
+        q = F.linear(t, w_q, b_q).reshape(b_txt * length, heads, -1).transpose(0, 1)  # (H, B*L, d)
+        k = F.linear(p, w_k, b_k).unflatten(-1, (heads, -1)).transpose(1, 2)  # (B_img, H, N, d)
+        v = F.linear(p, w_v, b_v).unflatten(-1, (heads, -1)).transpose(1, 2)
+        bias = None
+        if patch_mask is not None:  # padded patches get no attention
+            bias = torch.zeros(patch_mask.shape, dtype=q.dtype, device=q.device)
+            bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
+        pooled = F.scaled_dot_product_attention(q.expand(b_img, -1, -1, -1), k, v, attn_mask=bias)
+        pooled = pooled.transpose(1, 2).reshape(b_img, b_txt, length, width).transpose(0, 1)
+        pooled = self.attn.out_proj(pooled)  # (B_text, B_image, L, D)
+        return F.cosine_similarity(pooled, t.unsqueeze(1), dim=-1, eps=1e-8)
+
+
+def sample_token_positions(text_mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """(B, T) positions of up to ``max_tokens`` valid tokens per row, drawn uniformly (torch RNG), in order.
+
+    Rows with fewer valid tokens repeat padding positions at the end; gather the mask with the same
+    index to know which are real. T = min(max_tokens, L).
+    """
+    keys = torch.rand(text_mask.shape, device=text_mask.device).masked_fill(~text_mask.bool(), 2.0)
+    count = min(int(max_tokens), text_mask.shape[1])
+    return keys.topk(count, dim=1, largest=False).indices.sort(dim=1).values
 
 
 def init_logit_scale(init: float) -> nn.Parameter:

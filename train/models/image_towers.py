@@ -300,7 +300,13 @@ def build_image_tower(config, load_pretrained: bool = True) -> ImageTower:
             raise ValueError("variant E (token dropping) is not available with efficientnet_lite0; use a ViT tower")
         kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
         return EfficientNetTower(config.image_size, config.drop_path_rate, **kwargs)
-    vit = create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **kwargs)
+    if config.image_tower == "hybrid_lite0_vit":
+        from train.models.hybrid_tower import create_hybrid_vit
+
+        kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
+        vit = create_hybrid_vit(config.image_size, config.drop_path_rate, **kwargs)
+    else:
+        vit = create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **kwargs)
     if config.use_token_dropping:
         from train.models.token_dropping import TokenDroppingViT
 

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from train.models.config import StudentConfig
-from train.models.heads import LocalAlign, MaskHead, MaskHeadTopK, Projection, init_logit_scale
+from train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, init_logit_scale,
+                                 sample_token_positions)
 from train.models.image_towers import build_image_tower
 from train.models.text_towers import build_text_tower, build_tokenizer
 
@@ -34,6 +35,8 @@ class StudentOutput:
     local_visual: torch.Tensor | None = None  # (B, L, D) attention-pooled patches per text token; None for A
     local_text: torch.Tensor | None = None  # (B, L, D) projected text tokens; None for A
     local_attn: torch.Tensor | None = None  # (B, L, N) head-averaged attention; None for A
+    local_pair_similarity: torch.Tensor | None = None  # (B, B, T) text i's tokens pooled over image j; on request
+    local_pair_mask: torch.Tensor | None = None  # (B, T) bool, which of those T sampled tokens are real
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
 
     @property
@@ -123,7 +126,10 @@ class PatchIBStudent(nn.Module):
         return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                step: int | None = None) -> StudentOutput:
+                step: int | None = None, local_pairs: int = 0) -> StudentOutput:
+        """``local_pairs`` > 0: also pool up to that many randomly drawn tokens of every text over every
+        image of the batch (``local_pair_similarity``, for the token-region contrastive loss; its
+        cost grows with B^2 * tokens, so a sample of the tokens stands for them all)."""
         img = self._image(images, step)
         text_tokens, text_pooled = self._text(input_ids, attention_mask)
         text_mask = attention_mask.to(text_tokens.device).bool()
@@ -140,6 +146,11 @@ class PatchIBStudent(nn.Module):
             out.masked_image_emb = F.normalize(self.image_proj(pooled), dim=-1)
         if self.local_align is not None:
             out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, img.patches, text_mask)
+            if local_pairs:
+                index = sample_token_positions(text_mask, local_pairs)
+                tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
+                out.local_pair_similarity = self.local_align.pair_similarity(tokens, img.patches)
+                out.local_pair_mask = text_mask.gather(1, index)
         return out
 
     # ---- convenience (no grad, eval mode, CPU results) ----------------------------------------

@@ -1,0 +1,81 @@
+"""What token dropping (variant E) buys over A: inference and training images/s at E's target keep rate.
+
+E drops patch tokens after transformer block ``drop_layer``; during its keep-rate warm-up it keeps
+(nearly) all of them, so it is timed here past the warm-up (``FAR_STEP``), as deployed. Each pair
+(A, E) is measured in alternation, ``--rounds`` times, and the median of each is reported, so
+drifting load on a shared machine hits both alike.
+
+    python benchmarks/token_dropping.py                       # CPU ladder (cpu-A/E) and ViT-S/16 224 (A/E)
+    python benchmarks/token_dropping.py --pairs cpu --rounds 5
+    python benchmarks/token_dropping.py --device cuda --batch-size 64 --json-out bench.json
+
+Inference: the image encoder on a batch (``train.evaluation.efficiency.image_encoder_metrics``).
+Training: one AdamW step of the student on a synthetic batch (forward, the efficiency proxy
+objective with its local and mask terms, backward, update), as ``efficiency_metrics`` measures it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PAIRS = {"cpu": ("cpu-A", "cpu-E"), "vit-s16-224": ("A", "E")}
+
+
+def measure_pair(names: tuple[str, str], batch_size: int, rounds: int, device: str) -> dict:
+    from train.evaluation.efficiency import FAR_STEP, efficiency_metrics
+    from train.models.student import build_student
+
+    models = {name: build_student(name).to(device) for name in names}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name, model in models.items():
+            runs[name].append(efficiency_metrics(model, batch_size=batch_size, iters=3, warmup=1, step=FAR_STEP))
+    out = {}
+    for name, rows in runs.items():
+        out[name] = {key: statistics.median(r[key] for r in rows)
+                     for key in ("inference_img_per_s", "train_img_per_s", "gflops_per_img", "patch_usage_pct")}
+    a, e = (out[n] for n in names)
+    out["E_over_A"] = {key: e[key] / a[key] for key in ("inference_img_per_s", "train_img_per_s", "gflops_per_img")}
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs", default="cpu,vit-s16-224", help=f"comma list of {sorted(PAIRS)}")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--json-out", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    results = {}
+    for key in [p.strip() for p in args.pairs.split(",") if p.strip()]:
+        if key not in PAIRS:
+            parser.error(f"unknown pair {key!r}; choose from {sorted(PAIRS)}")
+        results[key] = measure_pair(PAIRS[key], args.batch_size, args.rounds, args.device)
+    print(f"\ntoken dropping at the target keep rate ({args.device}, {torch.get_num_threads()} threads, "
+          f"batch {args.batch_size}, median of {args.rounds} alternating rounds)")
+    print(f"{'pair':<14} {'model':<7} {'infer img/s':>12} {'train img/s':>12} {'GFLOPs/img':>11} {'patches %':>10}")
+    for key, res in results.items():
+        for name in PAIRS[key]:
+            r = res[name]
+            print(f"{key:<14} {name:<7} {r['inference_img_per_s']:12.1f} {r['train_img_per_s']:12.1f} "
+                  f"{r['gflops_per_img']:11.3f} {r['patch_usage_pct']:10.0f}")
+        ratio = res["E_over_A"]
+        print(f"{key:<14} {'E / A':<7} {ratio['inference_img_per_s']:11.2f}x {ratio['train_img_per_s']:11.2f}x "
+              f"{ratio['gflops_per_img']:10.2f}x")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
