@@ -164,6 +164,15 @@ def test_inspect_and_verify_commands(fresh):
     assert result.exit_code == 0, result.output
     for text in ("random-tiny", "minilm", "bytes/sample", "captions:", "aug params", "TEST ONLY"):
         assert text in result.output
+    import re
+
+    info = read_dataset_info(fresh)
+    disk = sum((fresh / s["name"]).stat().st_size for s in info["shards"]) / info["total_samples"]
+    found = re.search(r"on disk: (\d+) bytes/sample for (\d+) bytes/sample of payload \(x([\d.]+); 5 members",
+                      result.output)
+    assert found, result.output
+    assert int(found.group(1)) == round(disk) and int(found.group(2)) == round(info["bytes_per_sample"]["total"])
+    assert "random-tiny      128 bytes/vector (D=64, float16) x 5 rows" in result.output
     result = runner.invoke(app(), ["verify", str(fresh)])
     assert result.exit_code == 0, result.output
     assert "OK" in result.output
