@@ -86,3 +86,98 @@ def test_open_clip_train_pipeline_reads_cxrdr_shards(shards, monkeypatch):
     # every report read exactly once, as open_clip's tokenizer encodes it
     seen = sorted(tuple(text[0].tolist()) for _, text in batches)
     assert seen == sorted(tuple(tokenizer(r)[0].tolist()) for r in reports)
+
+
+# ------------------------------------------------------------------ open_clip out: train export
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """tiny-A and tiny-D students (random init: the mapping, not the training, is under test) exported."""
+    from train.checkpoint import save_checkpoint
+    from train.export import export_open_clip
+    from train.models import build_student
+
+    root = tmp_path_factory.mktemp("export")
+    out = {}
+    for name in ("tiny-A", "tiny-D"):
+        torch.manual_seed(3)
+        student = build_student(name)
+        with torch.no_grad():
+            student.logit_scale.fill_(3.0)
+        save_checkpoint(root / f"{name}.pt", student)
+        summary = export_open_clip(root / f"{name}.pt", root / name)
+        out[name] = (student.eval(), root / name, summary)
+    return out
+
+
+TEXTS = ["no acute cardiopulmonary process", "small right pleural effusion", "the heart is enlarged"]
+
+
+@pytest.mark.parametrize("name", ["tiny-A", "tiny-D"])
+def test_export_loads_in_open_clip_with_the_students_embeddings(exported, name, monkeypatch):
+    import numpy as np
+    import open_clip
+    from PIL import Image
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    student, out, summary = exported[name]
+    assert summary["max_embedding_difference"] <= 1e-4
+    for item in ("open_clip_config.json", "open_clip_model.safetensors", "tokenizer.json",
+                 "vision/config.json", "text/config.json"):
+        assert (out / item).is_file(), item
+    config = __import__("json").loads((out / "open_clip_config.json").read_text())
+    assert config["preprocess_cfg"]["mean"] == student.config.image_mean
+    assert config["model_cfg"]["text_cfg"]["hf_pooler_type"] == "cls_last_hidden_state_pooler"
+
+    model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{out}")
+    model.eval()
+    # preprocess: a grayscale image becomes the student's input (1 channel in [0,1] -> 3, mean/std)
+    rng = np.random.default_rng(0)
+    grays = [Image.fromarray(rng.integers(0, 256, (64, 64), dtype=np.uint8), mode="L") for _ in range(3)]
+    pixels = torch.stack([torch.from_numpy(np.asarray(g, dtype=np.float32) / 255.0)[None] for g in grays])
+    x = torch.stack([preprocess(g) for g in grays])
+    expected_x = (pixels.expand(-1, 3, -1, -1) - torch.tensor(student.config.image_mean).view(1, 3, 1, 1)) \
+        / torch.tensor(student.config.image_std).view(1, 3, 1, 1)
+    torch.testing.assert_close(x, expected_x, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        img = model.encode_image(x, normalize=True)
+        txt = model.encode_text(tokenizer(TEXTS), normalize=True)
+    torch.testing.assert_close(img, student.embed_images(pixels), atol=1e-4, rtol=0)
+    torch.testing.assert_close(txt, student.embed_texts(TEXTS), atol=1e-4, rtol=0)
+    assert float(model.logit_scale.detach().exp()) == pytest.approx(float(np.exp(3.0)), rel=1e-6)
+    assert tokenizer(TEXTS).shape == (3, student.context_length)
+
+
+def test_export_works_as_an_openclip_teacher(exported, monkeypatch):
+    from reinforce.teachers import load_teacher
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    student, out, _ = exported["tiny-A"]
+    teacher = load_teacher(f"openclip:local-dir:{out}")
+    assert teacher.kind == "clip" and teacher.embed_dim == 64 and teacher.image_size == 64
+    assert teacher.mean == pytest.approx(tuple(student.config.image_mean))
+    crops = torch.rand(4, 1, 64, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(teacher.encode_images(crops), student.embed_images(crops), atol=1e-4, rtol=0)
+    torch.testing.assert_close(teacher.encode_texts(TEXTS), student.embed_texts(TEXTS), atol=1e-4, rtol=0)
+
+
+def test_export_refuses_what_open_clip_cannot_build_and_checks_its_output(exported, tmp_path):
+    from typer.testing import CliRunner
+
+    from train.checkpoint import save_checkpoint
+    from train.cli import app
+    from train.export import check_export
+    from train.models import build_student
+
+    save_checkpoint(tmp_path / "e.pt", build_student("tiny-E"))
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "e")])
+    assert result.exit_code != 0 and "variant E" in str(result.output) + str(result.exception)
+    assert not (tmp_path / "e").exists()
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "x"),
+                                      "--format", "onnx"])
+    assert result.exit_code != 0
+
+    student, out, _ = exported["tiny-A"]
+    other = build_student("tiny-A")  # different weights: the check must notice
+    with pytest.raises(ValueError, match="export check failed"):
+        check_export(other, out)
