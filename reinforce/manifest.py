@@ -191,6 +191,9 @@ def merge(out_dir: Path, wait_timeout: float = 0.0) -> dict:
         "build": _build_timing(out_dir),
     }
     write_json_atomic(out_dir / DATASET_JSON, dataset)
+    from reinforce.card import write_card
+
+    write_card(out_dir, dataset)  # README.md: the dataset card, regenerated with every merge
     return dataset
 
 
