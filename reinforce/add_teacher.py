@@ -3,8 +3,10 @@
 For each shard: read every sample, decode its stored image (the same PIL decode stage 2 uses),
 replay its stored aug params at the new teacher's input size, re-embed its stored report and
 captions, and rewrite the shard (temp name + rename) with the original members' bytes
-unchanged plus the new ``<teacher>.{img,syn,txt}.npy`` members. Images, captions, params and
-the other teachers' embeddings are never recomputed.
+unchanged plus one new ``<teacher>.npy`` member per teacher (schema 2). Images, captions, params and
+the other teachers' embeddings are never recomputed. A schema-1 folder is upgraded on the way: its
+per-part members are repacked losslessly into schema-2 members (same stored values), so a folder
+never mixes layouts.
 
 Resumable: a shard whose stats already list the teacher is skipped; a shard interrupted
 between its rename and its stats update is redone (existing members of the teacher are
@@ -48,19 +50,20 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     """Add ``teachers`` to one shard; returns its updated stats."""
     import webdataset as wds
 
-    from reinforce.shardformat import encode_embedding, decode_embedding, emb_ext, npy_bytes, scale_ext
+    from reinforce.shardformat import encode_teacher, merge_int8_quality, repack_v1_teacher, teacher_ext
     from reinforce.verify import iter_tar_samples
     from reinforce.writer import TMP_SUFFIX, part_of, read_shard_stats, stats_path, write_json_atomic
-
-    import numpy as np
 
     index = int(shard["name"][len("shard-"):-len(".tar")])
     path = shards_dir / shard["name"]
     stats = read_shard_stats(shards_dir, index)
     new_names = {t.name for t in teachers}
+    old_names = [t["name"] for t in info["teachers"] if t["name"] not in new_names]
+    upgrade = info.get("schema_version", 1) < 2
     tmp = path.with_name(path.name + TMP_SUFFIX)
     errors = stats.get("int8_max_abs_error") or {}
-    added_bytes: dict[str, int] = {}
+    cosines = stats.get("int8_min_cosine") or {}
+    part_bytes: dict[str, int] = {}
     with open(tmp, "wb") as f:
         tar = wds.TarWriter(f, encoder=False, mtime=0)
         pending: list[tuple[str, dict]] = []
@@ -71,17 +74,20 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
                 out = {"__key__": key}
                 # Keep every original member byte-for-byte; drop stale members of the new teachers.
                 out.update({ext: data for ext, data in sample.items() if part_of(ext) not in new_names})
+                if upgrade:  # schema 1 -> 2: the old teachers' part members become one member each
+                    for name in old_names:
+                        packed = repack_v1_teacher(sample, name)
+                        if packed is not None:  # None: this shard was upgraded by an interrupted run
+                            out = {ext: data for ext, data in out.items() if part_of(ext) != name}
+                            out[teacher_ext(name)] = packed
+                meta = json.loads(sample["json"])
                 for teacher, parts in emb.items():
-                    for part, values in parts.items():
-                        data, scale = encode_embedding(values, info["emb_dtype"])
-                        members = {emb_ext(teacher, part): npy_bytes(data)}
-                        if scale is not None:
-                            members[scale_ext(teacher, part)] = npy_bytes(scale)
-                            err = float(np.abs(decode_embedding(data, scale) - values).max())
-                            errors.setdefault(teacher, {})[part] = max(errors.get(teacher, {}).get(part, 0.0), err)
-                        for ext, data_bytes in members.items():
-                            added_bytes[teacher] = added_bytes.get(teacher, 0) + len(data_bytes)
-                        out.update(members)
+                    data, quality = encode_teacher(parts, info["emb_dtype"], len(meta["aug"]), len(meta["captions"]))
+                    merge_int8_quality(errors, cosines, teacher, quality)
+                    out[teacher_ext(teacher)] = data
+                for ext, data in out.items():
+                    if not ext.startswith("__"):
+                        part_bytes[part_of(ext)] = part_bytes.get(part_of(ext), 0) + len(data)
                 tar.write(out)
             pending.clear()
 
@@ -94,11 +100,11 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
         tar.close()
         f.flush()
         os.fsync(f.fileno())
-    stats["bytes"] = {p: n for p, n in stats["bytes"].items() if p not in new_names} | added_bytes
+    stats["bytes"] = part_bytes
     stats["teachers"] = [n for n in stats.get("teachers", []) if n not in new_names] + sorted(new_names)
     stats["tar_bytes"] = tmp.stat().st_size
     if info["emb_dtype"] == "int8":
-        stats["int8_max_abs_error"] = errors
+        stats["int8_max_abs_error"], stats["int8_min_cosine"] = errors, cosines
     os.replace(tmp, path)
     write_json_atomic(stats_path(shards_dir, index), stats, indent=None)
     return stats
@@ -114,6 +120,7 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
 
     from reinforce import manifest
     from reinforce.build import BuildOptions, _load_teachers, _json_safe, read_dataset_info, resolve_device
+    from reinforce.shardformat import SCHEMA_VERSION
     from reinforce.writer import read_shard_stats, write_json_atomic
 
     shards_dir = Path(shards_dir)
@@ -136,6 +143,9 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
     for shard in tqdm(todo, unit="shard", desc="add-teacher", disable=not progress):
         rewrite_shard(shards_dir, shard, teachers, info, batch_size)
     plan["teachers"] = plan["teachers"] + [_json_safe(t.describe()) for t in teachers]
+    if plan.get("schema_version", 1) < SCHEMA_VERSION:  # rewrite_shard upgraded every shard
+        plan.setdefault("upgraded_from_schema_version", plan.get("schema_version", 1))
+        plan["schema_version"] = SCHEMA_VERSION
     plan.setdefault("teacher_additions", []).append(
         {"teachers": [t.name for t in teachers], "spec": specs, "shards_rewritten": len(todo),
          "seconds": round(time.perf_counter() - started, 3)})

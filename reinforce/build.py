@@ -43,7 +43,7 @@ DEFAULT_OUT = Path("shards")
 
 def read_dataset_info(shards_dir) -> dict:
     """Load ``dataset.json`` of a shard folder (what stage 2 reads before streaming)."""
-    from reinforce.shardformat import DATASET_JSON, SCHEMA_VERSION
+    from reinforce.shardformat import DATASET_JSON, READABLE_SCHEMA_VERSIONS
 
     path = Path(shards_dir) / DATASET_JSON
     if not path.is_file():
@@ -55,9 +55,9 @@ def read_dataset_info(shards_dir) -> dict:
         info = json.loads(path.read_text())
     except ValueError as exc:
         raise UserError(f"{path} is not valid JSON: {exc}") from exc
-    if info.get("schema_version") != SCHEMA_VERSION:
+    if info.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise UserError(f"{path} has schema_version {info.get('schema_version')!r}; "
-                        f"this code reads version {SCHEMA_VERSION}")
+                        f"this code reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
     return info
 
 
@@ -351,25 +351,20 @@ def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None 
 
 
 def assemble_sample(prepared: dict, embeddings: dict, image_format: str, emb_dtype: str,
-                    errors: dict) -> dict:
-    """The tar members of one sample; updates ``errors`` with int8 max abs errors."""
-    import numpy as np
+                    errors: dict, cosines: dict | None = None) -> dict:
+    """The tar members of one sample (schema 2: one ``<teacher>.npy`` per teacher); updates
+    ``errors`` with int8 max abs errors and ``cosines`` with int8 lowest cosines per teacher."""
+    from reinforce.shardformat import encode_teacher, merge_int8_quality, teacher_ext
 
-    from reinforce.shardformat import decode_embedding, emb_ext, encode_embedding, npy_bytes, scale_ext
-
+    meta = prepared["meta"]
     sample = {"__key__": prepared["key"], "txt": prepared["report"].encode("utf-8"),
-              "json": json.dumps(prepared["meta"], ensure_ascii=False).encode("utf-8")}
+              "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")}
     if prepared["image"] is not None:
         sample[image_format] = prepared["image"]
     for teacher, parts in embeddings.items():
-        for part, emb in parts.items():
-            data, scale = encode_embedding(emb, emb_dtype)
-            sample[emb_ext(teacher, part)] = npy_bytes(data)
-            if scale is not None:
-                sample[scale_ext(teacher, part)] = npy_bytes(scale)
-                err = float(np.abs(decode_embedding(data, scale) - emb).max())
-                cur = errors.setdefault(teacher, {})
-                cur[part] = max(cur.get(part, 0.0), err)
+        data, quality = encode_teacher(parts, emb_dtype, len(meta["aug"]), len(meta["captions"]))
+        sample[teacher_ext(teacher)] = data
+        merge_int8_quality(errors, cosines if cosines is not None else {}, teacher, quality)
     return sample
 
 
@@ -411,6 +406,7 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
         persistent_workers=False)
     writer = BackgroundWriter(out_dir, maxsize=max(64, 4 * opts.batch_size), on_shard_done=on_shard_done)
     errors: dict[int, dict] = {}
+    cosines: dict[int, dict] = {}
     position: dict[int, int] = {}
     current = None
     bar = tqdm(total=len(items), unit="rec", desc=f"build[{rank}]", disable=not opts.progress)
@@ -447,9 +443,9 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
                     skiplog.skip(b["id"], b["skip"])
                     writer.skip(b["id"], b["skip"])
                 else:
-                    shard_errors = errors.setdefault(b["shard"], {})
                     sample = assemble_sample(b, emb_of[b["key"]], spec.image_format, opts.emb_dtype,
-                                             shard_errors)
+                                             errors.setdefault(b["shard"], {}),
+                                             cosines.setdefault(b["shard"], {}))
                     writer.add(sample, {**b["row"], "shard": _shard_name(b["shard"]),
                                         "index_in_shard": position.get(b["shard"], 0)})
                     position[b["shard"]] = position.get(b["shard"], 0) + 1
@@ -457,7 +453,8 @@ def _run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildO
                 remaining[b["shard"]] -= 1
                 if remaining[b["shard"]] == 0:
                     writer.end({"teachers": [t.name for t in teachers],
-                                "int8_max_abs_error": errors.pop(b["shard"], {}) or None})
+                                "int8_max_abs_error": errors.pop(b["shard"], {}) or None,
+                                "int8_min_cosine": cosines.pop(b["shard"], {}) or None})
                     current = None
             assemble_seconds += time.perf_counter() - t1
             main_cpu["assemble"] += time.thread_time() - c1
@@ -671,7 +668,8 @@ def summary_text(dataset: dict) -> str:
              + ", ".join(f"{k} {v}" for k, v in split.items()),
              "bytes/sample: " + ", ".join(f"{k} {v:.0f}" for k, v in dataset["bytes_per_sample"].items())]
     if dataset.get("int8_max_abs_error"):
-        lines.append(f"int8 max abs error: {dataset['int8_max_abs_error']}")
+        lines.append(f"int8 max abs error: {dataset['int8_max_abs_error']}; "
+                     f"min cosine to float32: {dataset.get('int8_min_cosine')}")
     src = dataset["skipped"]["source"]
     bld = dataset["skipped"]["build"]
     lines.append(f"skipped by source: {src.get('count', 0)} {src.get('by_reason', {})}; "

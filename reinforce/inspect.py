@@ -23,8 +23,36 @@ def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[
     return None
 
 
+def storage_lines(shards_dir: Path, info: dict, raw: dict | None) -> list[str]:
+    """On-disk bytes per sample (tars, headers and padding included) against the payload, and per
+    teacher the stored bytes per vector of the sample shown (int8: D + 4, the scale included)."""
+    import numpy as np
+
+    from reinforce.shardformat import npy_load, teacher_ext
+
+    n = info["total_samples"]
+    disk = sum((Path(shards_dir) / s["name"]).stat().st_size for s in info["shards"])
+    payload = info["bytes_per_sample"].get("total", 0.0)
+    members = len([e for e in raw if not e.startswith("__")]) if raw else None
+    lines = [f"on disk: {disk / n if n else 0:.0f} bytes/sample for {payload:.0f} bytes/sample of payload "
+             f"(x{disk / n / payload if n and payload else 0:.3f}; {members} members/sample, each with a "
+             f"512-byte tar header and padding to 512)"]
+    cosines = info.get("int8_min_cosine") or {}
+    for t in info["teachers"]:
+        data = (raw or {}).get(teacher_ext(t["name"]))
+        if data is None:
+            continue
+        arr = npy_load(data)
+        rows = arr.shape[0]
+        header = len(data) - arr.nbytes
+        extra = f", min cosine to float32 {cosines[t['name']]:.5f}" if t["name"] in cosines else ""
+        lines.append(f"  {t['name']:<16} {arr.nbytes / rows:.0f} bytes/vector (D={t['embed_dim']}, "
+                     f"{info['emb_dtype']}) x {rows} rows + {header} bytes npy header{extra}")
+    return lines
+
+
 def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None, n_params: int = 3) -> str:
-    from reinforce.shardformat import sample_embedding
+    from reinforce.shardformat import sample_embeddings
 
     lines = [f"shard folder: {shards_dir} (schema v{info['schema_version']})",
              f"source: {info['source'].get('name', info['source'])}  images: {info.get('images', True)}",
@@ -40,6 +68,7 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
     lines.append("bytes/sample by part:")
     for part, n in info["bytes_per_sample"].items():
         lines.append(f"  {part:<16} {n:>10.0f}")
+    lines += storage_lines(shards_dir, info, sample[1] if sample else None)
     if info.get("int8_max_abs_error"):
         lines.append(f"int8 max abs error: {info['int8_max_abs_error']}")
     b = info.get("build") or {}
@@ -64,11 +93,8 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
     lines.append(f"  aug params (first {min(n_params, len(meta['aug']))} of {len(meta['aug'])}):")
     lines += [f"    {json.dumps(p)}" for p in meta["aug"][:n_params]]
     for t in info["teachers"]:
-        shapes = {}
-        for part in ("img", "syn", "txt"):
-            emb = sample_embedding(raw, t["name"], part)
-            if emb is not None:
-                shapes[part] = tuple(emb.shape)
+        parts = sample_embeddings(raw, t["name"]) or {}
+        shapes = {part: tuple(emb.shape) for part, emb in parts.items()}
         lines.append(f"  {t['name']} embeddings: {shapes}")
     return "\n".join(lines)
 

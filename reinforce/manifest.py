@@ -105,6 +105,14 @@ def _max_errors(stats: list[dict]) -> dict:
     return out
 
 
+def _min_cosines(stats: list[dict]) -> dict:
+    out: dict[str, float] = {}
+    for s in stats:
+        for teacher, cos in (s.get("int8_min_cosine") or {}).items():
+            out[teacher] = min(out.get(teacher, 1.0), cos)
+    return out
+
+
 def _build_timing(out_dir: Path) -> dict:
     ranks = [json.loads(p.read_text()) for p in sorted((Path(out_dir) / STATS_DIR).glob("rank-*.json"))]
     if not ranks:
@@ -177,11 +185,15 @@ def merge(out_dir: Path, wait_timeout: float = 0.0) -> dict:
                     "records": s["records"]} for s in stats],
         "bytes_per_sample": bytes_per_sample,
         "int8_max_abs_error": _max_errors(stats) if plan.get("emb_dtype") == "int8" else None,
+        "int8_min_cosine": _min_cosines(stats) if plan.get("emb_dtype") == "int8" else None,
         "skipped": {"source": plan.get("source_skipped", {}),
                     "build": {"count": len(build_skips), "by_reason": by_reason, "records": build_skips}},
         "build": _build_timing(out_dir),
     }
     write_json_atomic(out_dir / DATASET_JSON, dataset)
+    from reinforce.card import write_card
+
+    write_card(out_dir, dataset)  # README.md: the dataset card, regenerated with every merge
     return dataset
 
 

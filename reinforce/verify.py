@@ -21,8 +21,8 @@ import numpy as np
 import typer
 
 from reinforce.clierrors import UserError
-from reinforce.shardformat import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext, npy_load,
-                                   scale_ext, decode_embedding)
+from reinforce.shardformat import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext,
+                                   int8_row_dtype, npy_load, sample_embeddings, scale_ext, teacher_ext)
 
 NORM_TOLERANCE = {"float32": 1e-3, "float16": 5e-3, "int8": 5e-2}
 
@@ -60,22 +60,57 @@ def iter_tar_samples(path: Path):
             raise tarfile.ReadError(f"truncated: no end-of-archive marker at byte {end}")
 
 
+def teacher_shapes(info: dict, t: dict) -> dict[str, tuple]:
+    """part -> decoded shape of one teacher's embeddings in this build."""
+    K, S, D = info["n_aug"], info["n_captions"], t["embed_dim"]
+    shapes = {"syn": (S, D), "txt": (D,)}
+    if info.get("images", True) and t["kind"] == "clip":
+        shapes = {"img": (K, D), **shapes}
+    return shapes
+
+
 def expected_parts(info: dict) -> dict[str, tuple | None]:
-    """ext -> expected shape (None for non-embedding parts)."""
-    K, S = info["n_aug"], info["n_captions"]
+    """ext -> expected stored shape (None for non-embedding parts)."""
     parts: dict[str, tuple | None] = {"txt": None, "json": None}
     if info.get("images", True):
         parts[info["image_format"]] = None
     for t in info["teachers"]:
-        D = t["embed_dim"]
-        shapes = {"syn": (S, D), "txt": (D,)}
-        if info.get("images", True) and t["kind"] == "clip":
-            shapes["img"] = (K, D)
+        shapes = teacher_shapes(info, t)
+        if info.get("schema_version", 1) >= 2:
+            rows = sum(shape[0] if len(shape) > 1 else 1 for shape in shapes.values())
+            parts[teacher_ext(t["name"])] = (rows,) if info["emb_dtype"] == "int8" else (rows, t["embed_dim"])
+            continue
         for part, shape in shapes.items():
             parts[emb_ext(t["name"], part)] = shape
             if info["emb_dtype"] == "int8":
                 parts[scale_ext(t["name"], part)] = shape[:-1] if len(shape) > 1 else (1,)
     return parts
+
+
+def _stored_dtype(info: dict, t: dict) -> np.dtype:
+    if info["emb_dtype"] == "int8" and info.get("schema_version", 1) >= 2:
+        return int8_row_dtype(t["embed_dim"])
+    return np.dtype(info["emb_dtype"])
+
+
+def _check_stored(where: str, sample: dict, info: dict, t: dict, expected: dict) -> list[str]:
+    """Shapes and dtypes of the stored arrays of one teacher (before decoding)."""
+    if info.get("schema_version", 1) >= 2:
+        members = {teacher_ext(t["name"]): _stored_dtype(info, t)}
+    else:
+        members = {emb_ext(t["name"], p): _stored_dtype(info, t) for p in teacher_shapes(info, t)}
+        if info["emb_dtype"] == "int8":
+            members.update({scale_ext(t["name"], p): np.dtype(np.float32) for p in teacher_shapes(info, t)})
+    for ext, dtype in members.items():
+        try:
+            arr = npy_load(sample[ext])
+        except ValueError as exc:
+            return [f"{where}: {ext} is not a readable .npy ({exc})"]
+        if arr.shape != expected[ext]:
+            return [f"{where}: {ext} has shape {arr.shape}, expected {expected[ext]}"]
+        if arr.dtype != dtype:
+            return [f"{where}: {ext} has dtype {arr.dtype}, expected {dtype}"]
+    return []
 
 
 def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict) -> list[str]:
@@ -86,28 +121,14 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
         return problems
     dtype = info["emb_dtype"]
     for t in info["teachers"]:
-        for part in ("img", "syn", "txt"):
-            ext = emb_ext(t["name"], part)
-            if ext not in expected:
-                continue
-            try:
-                arr = npy_load(sample[ext])
-                scale = npy_load(sample[scale_ext(t["name"], part)]) if dtype == "int8" else None
-            except ValueError as exc:
-                problems.append(f"{where}: {ext} is not a readable .npy ({exc})")
-                continue
-            if arr.shape != expected[ext]:
-                problems.append(f"{where}: {ext} has shape {arr.shape}, expected {expected[ext]}")
-                continue
-            if arr.dtype != np.dtype(dtype):
-                problems.append(f"{where}: {ext} has dtype {arr.dtype}, expected {dtype}")
-                continue
-            if scale is not None and (scale.shape != expected[scale_ext(t["name"], part)]
-                                      or scale.dtype != np.float32):
-                problems.append(f"{where}: {scale_ext(t['name'], part)} has shape {scale.shape} "
-                                f"dtype {scale.dtype}, expected {expected[scale_ext(t['name'], part)]} float32")
-                continue
-            values = decode_embedding(arr, scale)
+        stored = _check_stored(where, sample, info, t, expected)
+        if stored:
+            problems += stored
+            continue
+        parts = sample_embeddings(sample, t["name"], info["n_aug"] if info.get("images", True) else 0,
+                                  info["n_captions"])
+        for part, values in parts.items():
+            ext = f"{t['name']}.{part}"
             if not np.isfinite(values).all():
                 problems.append(f"{where}: {ext} contains NaN or inf")
                 continue

@@ -55,6 +55,14 @@ def write_json_atomic(path: Path, data, indent: int | None = 1) -> None:
     os.replace(tmp, path)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to ``path`` through a temp file + rename (readers never see half a file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f"{TMP_SUFFIX}{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def part_of(ext: str) -> str:
     """Accounting bucket of a sample file: 'image', 'text', 'json' or the teacher's name."""
     if ext in ("jpg", "jpeg", "png"):

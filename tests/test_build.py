@@ -129,7 +129,12 @@ def test_fresh_build_follows_the_contract(fresh):
     assert sample_embedding(sample, "random-tiny", "txt").shape == (64,)
     assert sample_embedding(sample, "minilm", "syn").shape[0] == 2
     assert sample_embedding(sample, "minilm", "img") is None  # text-only teacher
-    assert npy_load(sample["random-tiny.img.npy"]).dtype == np.float16
+    # Schema 2: one member per teacher, rows img (K), syn (S), txt (1).
+    assert set(sample) == {"jpg", "txt", "json", "random-tiny.npy", "minilm.npy"}
+    stored = npy_load(sample["random-tiny.npy"])
+    assert stored.dtype == np.float16 and stored.shape == (2 + 2 + 1, 64)
+    np.testing.assert_array_equal(stored[:2].astype(np.float32), sample_embedding(sample, "random-tiny", "img"))
+    assert npy_load(sample["minilm.npy"]).shape == (2 + 1, 384)
     meta = json.loads(sample["json"])
     assert meta["key"] == key and len(meta["captions"]) == 2 and len(meta["aug"]) == 2
     assert min(meta["image_size"]) == 64 and len(meta["label_vector"]) == 14
@@ -159,6 +164,15 @@ def test_inspect_and_verify_commands(fresh):
     assert result.exit_code == 0, result.output
     for text in ("random-tiny", "minilm", "bytes/sample", "captions:", "aug params", "TEST ONLY"):
         assert text in result.output
+    import re
+
+    info = read_dataset_info(fresh)
+    disk = sum((fresh / s["name"]).stat().st_size for s in info["shards"]) / info["total_samples"]
+    found = re.search(r"on disk: (\d+) bytes/sample for (\d+) bytes/sample of payload \(x([\d.]+); 5 members",
+                      result.output)
+    assert found, result.output
+    assert int(found.group(1)) == round(disk) and int(found.group(2)) == round(info["bytes_per_sample"]["total"])
+    assert "random-tiny      128 bytes/vector (D=64, float16) x 5 rows" in result.output
     result = runner.invoke(app(), ["verify", str(fresh)])
     assert result.exit_code == 0, result.output
     assert "OK" in result.output
@@ -193,10 +207,10 @@ def test_verify_names_a_bad_sample(fresh, tmp_path):
     tar = damaged / "shard-000000.tar"
     samples = list(iter_tar_samples(tar))
     bad_key = samples[1][0]
-    nan = np.full((2, 64), np.nan, dtype=np.float16)
+    nan = np.full((5, 64), np.nan, dtype=np.float16)
     buf = io.BytesIO()
     np.save(buf, nan)
-    samples[1][1]["random-tiny.img.npy"] = buf.getvalue()
+    samples[1][1]["random-tiny.npy"] = buf.getvalue()
     with open(tar, "wb") as f:
         writer = wds.TarWriter(f, encoder=False, mtime=0)
         for key, sample in samples:
@@ -260,6 +274,7 @@ def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
     info = build(options(out, teachers="random:tiny", emb_dtype="int8", image_format="png"),
                  teachers=teachers[:1])
     assert 0 < info["int8_max_abs_error"]["random-tiny"]["img"] < 0.01
+    assert 0.999 <= info["int8_min_cosine"]["random-tiny"] < 1.0
     assert verify(out)[0] == []
     before = read_samples(out)
 
@@ -272,8 +287,9 @@ def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
     for key, old in before.items():
         new = after[key]
         assert all(new[ext] == data for ext, data in old.items())  # nothing existing touched
-        assert set(new) - set(old) == {"minilm.syn.npy", "minilm.txt.npy", "minilm.syn.scale.npy",
-                                       "minilm.txt.scale.npy"}
+        assert set(new) - set(old) == {"minilm.npy"}
+        stored = npy_load(new["minilm.npy"])  # int8 rows with their scales in the same member: D + 4 bytes
+        assert stored.shape == (3,) and stored.dtype.itemsize == 384 + 4
         for part in ("syn", "txt"):
             np.testing.assert_allclose(sample_embedding(new, "minilm", part),
                                        sample_embedding(reference[key], "minilm", part), atol=0.01)
@@ -360,8 +376,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
     assert info["images"] is False and info["n_aug"] == 0 and info["total_samples"] == 4
     assert "image" not in info["bytes_per_sample"]
     for sample in read_samples(tmp_path / "text").values():
-        assert set(sample) == {"txt", "json", "random-tiny.syn.npy", "random-tiny.txt.npy",
-                               "minilm.syn.npy", "minilm.txt.npy"}
+        assert set(sample) == {"txt", "json", "random-tiny.npy", "minilm.npy"}
         assert json.loads(sample["json"])["aug"] == []
     assert verify(tmp_path / "text")[0] == []
 
@@ -387,3 +402,96 @@ def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, mo
     dataset = merge(out)
     assert dataset["total_samples"] == 4 and len(dataset["build"]["ranks"]) == 2
     assert verify(out)[0] == []
+
+
+def _downgrade_to_schema_1(out: Path, info: dict) -> None:
+    """Rewrite a schema-2 folder in the schema-1 layout (one member per part, int8 scales apart):
+    the fixture standing in for shards built before schema 2."""
+    import webdataset as wds
+
+    from reinforce.manifest import plan_path
+    from reinforce.shardformat import emb_ext, encode_embedding, npy_bytes, scale_ext
+    from reinforce.writer import read_shard_stats, stats_path
+
+    for index, shard in enumerate(info["shards"]):
+        tar = out / shard["name"]
+        samples = list(iter_tar_samples(tar))
+        with open(tar, "wb") as f:
+            writer = wds.TarWriter(f, encoder=False, mtime=0)
+            for key, sample in samples:
+                old = {ext: data for ext, data in sample.items() if not ext.endswith(".npy")}
+                for t in info["teachers"]:
+                    stored = npy_load(sample.pop(f"{t['name']}.npy"))
+                    parts = sample_embeddings_of(stored, sample)
+                    for part, rows in parts.items():
+                        if stored.dtype.names:  # int8 record rows -> separate data and scale arrays
+                            q, scale = encode_embedding(rows, "int8")
+                            old[emb_ext(t["name"], part)] = npy_bytes(q)
+                            old[scale_ext(t["name"], part)] = npy_bytes(scale)
+                        else:
+                            old[emb_ext(t["name"], part)] = npy_bytes(rows.astype(stored.dtype))
+                writer.write({"__key__": key, **old})
+            writer.close()
+        stats = read_shard_stats(out, index)
+        stats["tar_bytes"] = tar.stat().st_size
+        stats_path(out, index).write_text(json.dumps(stats))
+    for path in (out / "dataset.json", plan_path(out)):
+        data = json.loads(path.read_text())
+        data["schema_version"] = 1
+        path.write_text(json.dumps(data))
+
+
+def sample_embeddings_of(stored: np.ndarray, sample: dict) -> dict:
+    from reinforce.shardformat import decode_embedding, split_rows
+
+    meta = json.loads(sample["json"])
+    return split_rows(decode_embedding(stored), len(meta["aug"]), len(meta["captions"]))
+
+
+def test_schema_1_shards_are_read_verified_and_upgraded_by_add_teacher(teachers, tmp_path):
+    """Old-layout shards still read (same values), verify, and add-teacher repacks them losslessly."""
+    from reinforce.add_teacher import add_teachers
+
+    out = tmp_path / "v1"
+    info = build(options(out, teachers="random:tiny", emb_dtype="int8", limit=4), teachers=teachers[:1])
+    v2 = read_samples(out)
+    _downgrade_to_schema_1(out, info)
+    v1 = read_samples(out)
+    assert read_dataset_info(out)["schema_version"] == 1
+    for key, sample in v1.items():
+        assert {"random-tiny.img.npy", "random-tiny.img.scale.npy", "random-tiny.txt.scale.npy"} <= set(sample)
+        for part in ("img", "syn", "txt"):
+            np.testing.assert_allclose(sample_embedding(sample, "random-tiny", part),
+                                       sample_embedding(v2[key], "random-tiny", part), atol=1e-6)
+    assert verify(out)[0] == []
+
+    info = add_teachers(out, "text:minilm", progress=False, teachers=teachers[1:])
+    assert info["schema_version"] == 2 and info["upgraded_from_schema_version"] == 1
+    for key, sample in read_samples(out).items():
+        assert set(sample) == {"jpg", "txt", "json", "random-tiny.npy", "minilm.npy"}
+        assert sample["random-tiny.npy"] == v2[key]["random-tiny.npy"]  # the very bytes a v2 build writes
+    assert verify(out)[0] == []
+
+
+def test_dataset_card_beside_the_shards(fresh):
+    import yaml
+
+    from reinforce.card import source_license
+
+    info = read_dataset_info(fresh)
+    text = (fresh / "README.md").read_text()
+    assert text.startswith("---\n")
+    header = yaml.safe_load(text.split("---\n")[1])
+    assert header["license"] == "apache-2.0"  # phantom data: generated by cxrdr
+    assert "zero-shot-image-classification" in header["task_categories"]
+    assert header["size_categories"] == ["n<1K"]
+    body = text.split("---\n", 2)[2]
+    for t in info["teachers"]:
+        assert f"| {t['name']} | `{t['spec']}`" in body and f"{t['logit_scale']:.2f}" in body
+    assert "K = 2 stored augmentations per image, S = 2 captions" in body
+    assert "train 12, val 2, test 2" in body and "skipped by the build: 0" in body
+    assert "python -m train.openclip_train --dataset-type webdataset" in body
+    assert "--train-num-samples 12" in body
+    assert source_license({"name": "mimic"})[0] == "other"
+    assert source_license({"name": "jsonl", "license": "cc-by-4.0"})[0] == "cc-by-4.0"
+    assert source_license({"name": "csv"})[0] == "unknown"

@@ -12,12 +12,13 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from train import loop, experiments
+    from train import experiments, export, loop
     from train.evaluation import cli as eval_cli
 
     app.command("run")(loop.cli_run)
     app.command("eval")(eval_cli.cli_eval)
     app.command("experiment")(experiments.cli_experiment)
+    app.command("export")(export.cli_export)
 
 
 _register()

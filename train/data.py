@@ -241,11 +241,10 @@ def _image(sample: dict) -> Image.Image:
 
 
 def _teacher_rows(sample: dict, key, name: str, aug_index: int, caption_index: int) -> dict:
-    img = sf.sample_embedding(sample, name, "img")
-    syn = sf.sample_embedding(sample, name, "syn")
-    txt = sf.sample_embedding(sample, name, "txt")
+    parts = sf.sample_embeddings(sample, name) or {}
+    img, syn, txt = parts.get("img"), parts.get("syn"), parts.get("txt")
     if txt is None or syn is None:
-        raise ValueError(f"sample {key!r}: teacher {name!r} embeddings missing (.txt/.syn.npy)")
+        raise ValueError(f"sample {key!r}: teacher {name!r} embeddings missing ({sf.teacher_ext(name)})")
     # No stored captions: the "caption" is the report itself, so is its embedding.
     syn_row = syn[caption_index] if caption_index >= 0 else txt.reshape(-1)
     return {

@@ -1,0 +1,183 @@
+"""open_clip in and out: open_clip_train's WebDataset pipeline on cxrdr shards (with the shim that
+tolerates webdataset's end-of-shard markers), `train export --format open_clip`, and the export
+loaded back by open_clip and as an `openclip:local-dir:` teacher."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from reinforce.build import BuildOptions, build, read_dataset_info
+from reinforce.verify import iter_tar_samples
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from reinforce.teachers import load_teachers
+
+    out = tmp_path_factory.mktemp("openclip") / "shards"
+    opts = BuildOptions(source="phantom:12", teachers="random:tiny", out=out, n_aug=2, n_captions=2,
+                        store_size=64, shard_size=3, workers=0, batch_size=4, device="cpu", progress=False)
+    build(opts, teachers=load_teachers("random:tiny", device="cpu"))
+    return out
+
+
+def _train_urls(shards) -> tuple[str, list[str]]:
+    info = read_dataset_info(shards)
+    chosen = [s for s in info["shards"] if s["split"] == "train"]
+    reports = [sample["txt"].decode() for s in chosen for _, sample in iter_tar_samples(shards / s["name"])]
+    return "::".join(str(shards / s["name"]) for s in chosen), reports
+
+
+def _wds_args(urls: str, n: int) -> SimpleNamespace:
+    # the attributes open_clip_train's get_wds_dataset reads from its argparse namespace
+    return SimpleNamespace(train_data=urls, val_data=None, train_num_samples=n, dataset_resampled=False,
+                           train_data_upsampling_factors=None, seed=0, batch_size=1, workers=0, world_size=1)
+
+
+def _unpatched(monkeypatch):
+    import open_clip_train.data as data
+
+    current = data.group_by_keys_nothrow
+    monkeypatch.setattr(data, "group_by_keys_nothrow", getattr(current, "original", current))
+
+
+def test_open_clip_train_without_the_shim_hits_the_end_of_shard_marker(shards, monkeypatch):
+    """The failure the shim exists for (webdataset >= 0.2.96: a marker without 'fname' per shard)."""
+    import open_clip
+    import webdataset
+    from open_clip_train.data import get_wds_dataset
+
+    version = tuple(int(p) for p in webdataset.__version__.split(".")[:3])
+    if version < (0, 2, 96):
+        pytest.skip(f"webdataset {webdataset.__version__} has no end-of-shard markers")
+    _unpatched(monkeypatch)
+    urls, reports = _train_urls(shards)
+    data = get_wds_dataset(_wds_args(urls, len(reports)), open_clip.image_transform(32, is_train=True),
+                           is_train=True, tokenizer=open_clip.get_tokenizer("ViT-S-32"))
+    with pytest.raises(KeyError, match="fname"):
+        list(data.dataloader)
+
+
+def test_open_clip_train_pipeline_reads_cxrdr_shards(shards, monkeypatch):
+    import open_clip
+    from open_clip_train.data import get_wds_dataset
+
+    from train.openclip_train import patch_open_clip_train
+
+    _unpatched(monkeypatch)
+    patch_open_clip_train()
+    patch_open_clip_train()  # idempotent: wraps once
+    import open_clip_train.data as data
+
+    assert data.group_by_keys_nothrow.original.__module__ == "open_clip_train.data"
+    urls, reports = _train_urls(shards)
+    assert len(reports) >= 6 and urls.count("::") >= 1  # several shards: markers between them
+    tokenizer = open_clip.get_tokenizer("ViT-S-32")
+    loader = get_wds_dataset(_wds_args(urls, len(reports)), open_clip.image_transform(32, is_train=True),
+                             is_train=True, tokenizer=tokenizer).dataloader
+    batches = list(loader)
+    assert len(batches) == len(reports)
+    for image, text in batches:
+        assert image.shape == (1, 3, 32, 32) and image.dtype == torch.float32
+        assert text.shape == (1, 77) and text.dtype == torch.long
+    # every report read exactly once, as open_clip's tokenizer encodes it
+    seen = sorted(tuple(text[0].tolist()) for _, text in batches)
+    assert seen == sorted(tuple(tokenizer(r)[0].tolist()) for r in reports)
+
+
+# ------------------------------------------------------------------ open_clip out: train export
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """tiny-A and tiny-D students (random init: the mapping, not the training, is under test) exported."""
+    from train.checkpoint import save_checkpoint
+    from train.export import export_open_clip
+    from train.models import build_student
+
+    root = tmp_path_factory.mktemp("export")
+    out = {}
+    for name in ("tiny-A", "tiny-D"):
+        torch.manual_seed(3)
+        student = build_student(name)
+        with torch.no_grad():
+            student.logit_scale.fill_(3.0)
+        save_checkpoint(root / f"{name}.pt", student)
+        summary = export_open_clip(root / f"{name}.pt", root / name)
+        out[name] = (student.eval(), root / name, summary)
+    return out
+
+
+TEXTS = ["no acute cardiopulmonary process", "small right pleural effusion", "the heart is enlarged"]
+
+
+@pytest.mark.parametrize("name", ["tiny-A", "tiny-D"])
+def test_export_loads_in_open_clip_with_the_students_embeddings(exported, name, monkeypatch):
+    import numpy as np
+    import open_clip
+    from PIL import Image
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    student, out, summary = exported[name]
+    assert summary["max_embedding_difference"] <= 1e-4
+    for item in ("open_clip_config.json", "open_clip_model.safetensors", "tokenizer.json",
+                 "vision/config.json", "text/config.json"):
+        assert (out / item).is_file(), item
+    config = __import__("json").loads((out / "open_clip_config.json").read_text())
+    assert config["preprocess_cfg"]["mean"] == student.config.image_mean
+    assert config["model_cfg"]["text_cfg"]["hf_pooler_type"] == "cls_last_hidden_state_pooler"
+
+    model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{out}")
+    model.eval()
+    # preprocess: a grayscale image becomes the student's input (1 channel in [0,1] -> 3, mean/std)
+    rng = np.random.default_rng(0)
+    grays = [Image.fromarray(rng.integers(0, 256, (64, 64), dtype=np.uint8), mode="L") for _ in range(3)]
+    pixels = torch.stack([torch.from_numpy(np.asarray(g, dtype=np.float32) / 255.0)[None] for g in grays])
+    x = torch.stack([preprocess(g) for g in grays])
+    expected_x = (pixels.expand(-1, 3, -1, -1) - torch.tensor(student.config.image_mean).view(1, 3, 1, 1)) \
+        / torch.tensor(student.config.image_std).view(1, 3, 1, 1)
+    torch.testing.assert_close(x, expected_x, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        img = model.encode_image(x, normalize=True)
+        txt = model.encode_text(tokenizer(TEXTS), normalize=True)
+    torch.testing.assert_close(img, student.embed_images(pixels), atol=1e-4, rtol=0)
+    torch.testing.assert_close(txt, student.embed_texts(TEXTS), atol=1e-4, rtol=0)
+    assert float(model.logit_scale.detach().exp()) == pytest.approx(float(np.exp(3.0)), rel=1e-6)
+    assert tokenizer(TEXTS).shape == (3, student.context_length)
+
+
+def test_export_works_as_an_openclip_teacher(exported, monkeypatch):
+    from reinforce.teachers import load_teacher
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    student, out, _ = exported["tiny-A"]
+    teacher = load_teacher(f"openclip:local-dir:{out}")
+    assert teacher.kind == "clip" and teacher.embed_dim == 64 and teacher.image_size == 64
+    assert teacher.mean == pytest.approx(tuple(student.config.image_mean))
+    crops = torch.rand(4, 1, 64, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(teacher.encode_images(crops), student.embed_images(crops), atol=1e-4, rtol=0)
+    torch.testing.assert_close(teacher.encode_texts(TEXTS), student.embed_texts(TEXTS), atol=1e-4, rtol=0)
+
+
+def test_export_refuses_what_open_clip_cannot_build_and_checks_its_output(exported, tmp_path):
+    from typer.testing import CliRunner
+
+    from train.checkpoint import save_checkpoint
+    from train.cli import app
+    from train.export import check_export
+    from train.models import build_student
+
+    save_checkpoint(tmp_path / "e.pt", build_student("tiny-E"))
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "e")])
+    assert result.exit_code != 0 and "variant E" in str(result.output) + str(result.exception)
+    assert not (tmp_path / "e").exists()
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "x"),
+                                      "--format", "onnx"])
+    assert result.exit_code != 0
+
+    student, out, _ = exported["tiny-A"]
+    other = build_student("tiny-A")  # different weights: the check must notice
+    with pytest.raises(ValueError, match="export check failed"):
+        check_export(other, out)
