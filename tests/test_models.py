@@ -492,7 +492,7 @@ def test_hybrid_stem_carries_the_packaged_imagenet_weights():
 
 
 def test_local_pairs_sample_tokens_and_match_own_image(images):
-    from train.models.heads import sample_token_positions
+    from train.models.heads import batch_idf, sample_token_positions
 
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]).bool()
     torch.manual_seed(0)
@@ -500,6 +500,14 @@ def test_local_pairs_sample_tokens_and_match_own_image(images):
     assert pos.shape == (2, 3) and set(pos[0].tolist()) == {0, 1, 2}  # all of a short row's real tokens
     assert torch.all(pos[1][1:] > pos[1][:-1])  # in order, no repeats
     assert sample_token_positions(mask, 9).shape == (2, 5)
+    # weighted: zero-weight words (in every report) are drawn only when nothing else is left
+    ids = torch.tensor([[101, 7, 8, 102, 0], [101, 9, 7, 5, 102]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]).bool()
+    idf = batch_idf(ids, mask)
+    assert idf[0, 0] == 0 and idf[0, 2] == pytest.approx(math.log(2)) and idf[0, 4] == 0  # [CLS] shared, pad 0
+    assert idf[0, 1] == 0  # token 7 is in both rows
+    for _ in range(20):
+        assert set(sample_token_positions(mask, 2, idf)[1].tolist()) == {1, 3}  # the two words only row 1 has
     model = build_student(_hybrid("B")).eval()
     tok = model.tokenize(TEXTS)
     with torch.no_grad():

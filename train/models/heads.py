@@ -130,15 +130,31 @@ class LocalAlign(nn.Module):
         return F.cosine_similarity(pooled, t.unsqueeze(1), dim=-1, eps=1e-8)
 
 
-def sample_token_positions(text_mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
-    """(B, T) positions of up to ``max_tokens`` valid tokens per row, drawn uniformly (torch RNG), in order.
+def batch_idf(input_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) inverse document frequency of each token within the batch: log(B / rows holding that id).
 
-    Rows with fewer valid tokens repeat padding positions at the end; gather the mask with the same
-    index to know which are real. T = min(max_tokens, L).
+    Words every report has ('the', 'no', '[CLS]') get 0; a finding named in few reports gets the most.
     """
-    keys = torch.rand(text_mask.shape, device=text_mask.device).masked_fill(~text_mask.bool(), 2.0)
+    mask = text_mask.bool()
+    ids = input_ids.masked_fill(~mask, -1)
+    same = (ids[:, :, None, None] == ids[None, None, :, :]) & mask[None, None, :, :]  # (B, L, B', L')
+    rows_with_token = same.any(-1).sum(-1).clamp_min(1)  # (B, L)
+    return torch.log(ids.shape[0] / rows_with_token.float()) * mask
+
+
+def sample_token_positions(text_mask: torch.Tensor, max_tokens: int,
+                           weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) positions of up to ``max_tokens`` valid tokens per row, drawn without replacement (torch
+    RNG) with probability proportional to ``weights`` (uniform if None; Efraimidis-Spirakis keys), in order.
+
+    Rows with fewer valid tokens fill up with padding positions; gather the mask with the same index
+    to know which are real. T = min(max_tokens, L).
+    """
+    u = torch.rand(text_mask.shape, device=text_mask.device).clamp_min(1e-12)
+    keys = torch.log(u) if weights is None else torch.log(u) / (weights.float() + 1e-4)
+    keys = keys.masked_fill(~text_mask.bool(), float("-inf"))
     count = min(int(max_tokens), text_mask.shape[1])
-    return keys.topk(count, dim=1, largest=False).indices.sort(dim=1).values
+    return keys.topk(count, dim=1).indices.sort(dim=1).values
 
 
 def init_logit_scale(init: float) -> nn.Parameter:

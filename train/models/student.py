@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from train.models.config import StudentConfig
-from train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, init_logit_scale,
+from train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, batch_idf, init_logit_scale,
                                  sample_token_positions)
 from train.models.image_towers import build_image_tower
 from train.models.text_towers import build_text_tower, build_tokenizer
@@ -127,9 +127,10 @@ class PatchIBStudent(nn.Module):
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 step: int | None = None, local_pairs: int = 0) -> StudentOutput:
-        """``local_pairs`` > 0: also pool up to that many randomly drawn tokens of every text over every
-        image of the batch (``local_pair_similarity``, for the token-region contrastive loss; its
-        cost grows with B^2 * tokens, so a sample of the tokens stands for them all)."""
+        """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
+        batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
+        B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
+        reports apart, where the grounding signal is."""
         img = self._image(images, step)
         text_tokens, text_pooled = self._text(input_ids, attention_mask)
         text_mask = attention_mask.to(text_tokens.device).bool()
@@ -147,7 +148,9 @@ class PatchIBStudent(nn.Module):
         if self.local_align is not None:
             out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, img.patches, text_mask)
             if local_pairs:
-                index = sample_token_positions(text_mask, local_pairs)
+                # informative words (rare in this batch: findings, sides) carry the grounding signal
+                index = sample_token_positions(text_mask, local_pairs, batch_idf(input_ids.to(text_mask.device),
+                                                                                 text_mask))
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
                 out.local_pair_similarity = self.local_align.pair_similarity(tokens, img.patches)
                 out.local_pair_mask = text_mask.gather(1, index)
