@@ -110,14 +110,25 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
 
     ``teachers``: already loaded teachers for ``specs`` (tests reuse them); default: load them.
     """
+    from reinforce.build import read_dataset_info
+    from reinforce.locking import lock_folder, remove_stale_temp_files
+
+    shards_dir = Path(shards_dir)
+    info = read_dataset_info(shards_dir)  # before locking: a missing folder is not created
+    with lock_folder(shards_dir, "reinforce add-teacher"):
+        remove_stale_temp_files(shards_dir)
+        return _add_teachers(shards_dir, info, specs, device, model_cache, batch_size, progress, teachers)
+
+
+def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_cache: str | None,
+                  batch_size: int, progress: bool, teachers: list | None) -> dict:
+    """``add_teachers`` while holding the folder lock."""
     from tqdm import tqdm
 
     from reinforce import manifest
-    from reinforce.build import BuildOptions, _load_teachers, _json_safe, read_dataset_info, resolve_device
+    from reinforce.build import BuildOptions, _load_teachers, _json_safe, resolve_device
     from reinforce.writer import read_shard_stats, write_json_atomic
 
-    shards_dir = Path(shards_dir)
-    info = read_dataset_info(shards_dir)
     plan = manifest.read_plan(shards_dir)
     missing = manifest.missing_shards(shards_dir, plan)
     if missing:

@@ -37,6 +37,7 @@ from typing import Annotated, Optional
 import typer
 
 from reinforce.clierrors import UserError
+from reinforce.locking import lock_build_rank, plan_lock, remove_stale_temp_files
 
 DEFAULT_OUT = Path("shards")
 
@@ -630,7 +631,24 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
         "source_skipped": getattr(source, "skipped", SkipLog()).to_json(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest.write_plan(out_dir, plan, opts.resume)
+    lock = lock_build_rank(out_dir, rank, world)
+    try:
+        if lock.alone:  # no other rank or writer is running: temp files of a killed run are stale
+            remove_stale_temp_files(out_dir)
+        with plan_lock(out_dir):
+            manifest.write_plan(out_dir, plan, opts.resume)
+        return _build_rank(opts, out_dir, shards, teachers, images, aug, device, rank, world, started,
+                           fail_after_shards)
+    finally:
+        lock.release()
+
+
+def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, images: bool, aug, device: str,
+                rank: int, world: int, started: float, fail_after_shards: int | None) -> dict:
+    """The part of ``build`` that writes, run while holding this rank's lock on ``out_dir``."""
+    from reinforce import manifest
+    from reinforce.records import SkipLog
+    from reinforce.writer import is_shard_complete, write_json_atomic
 
     mine = [s for s in shards if s.index % world == rank]
     complete = [s for s in mine if is_shard_complete(out_dir, s.index)]

@@ -103,3 +103,110 @@ def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
     data = read_checkpoint(path)
     assert data["step"] == 3 and data["metrics"]["auc"] == 0.5
     assert load_checkpoint(path).embed_dim == model.embed_dim
+
+
+# --------------------------------------------------------------------------- 2. one writer per folder
+
+
+def tiny_build_options(out, **overrides):
+    from reinforce.build import BuildOptions
+
+    base = dict(source="phantom:8", teachers="random:tiny", out=Path(out), n_aug=2, n_captions=2,
+                store_size=48, shard_size=3, workers=0, batch_size=4, device="cpu", progress=False,
+                merge_timeout=60, source_options={"seed": 4, "size": 96})
+    base.update(overrides)
+    return BuildOptions(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher():
+    from reinforce.teachers import load_teachers
+
+    return load_teachers("random:tiny", device="cpu")
+
+
+def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, phantom_shards):
+    from reinforce.add_teacher import add_teachers
+    from reinforce.build import build
+    from reinforce.locking import FolderBusyError, lock_build_rank, lock_folder
+
+    out = tmp_path / "shards"
+    build(tiny_build_options(out), teachers=tiny_teacher)
+    with lock_build_rank(out, 0, 1):  # a build of this folder is running
+        with pytest.raises(FolderBusyError, match="rank 0 is already being built by `reinforce build`"):
+            build(tiny_build_options(out, seed=1, resume=True), teachers=tiny_teacher)
+        with pytest.raises(FolderBusyError, match="in use"):
+            add_teachers(out, "random:tiny?name=other", progress=False, teachers=tiny_teacher)
+        result = run_cli("reinforce.cli", "merge", str(out))
+        assert_one_line_error(result, str(out), "in use by `reinforce build`")
+        result = run_cli("reinforce.cli", "build", "--source", "phantom:8", "--teachers", "random:tiny",
+                         "--out", str(out), "--seed", "1", "--quiet", "--device", "cpu", "--workers", "0")
+        assert_one_line_error(result, str(out), "already being built")
+    # Ranks of one multi-rank build share the folder; another world size or a second rank 1 cannot.
+    with lock_build_rank(out, 0, 2), lock_build_rank(out, 1, 2):
+        with pytest.raises(FolderBusyError, match="rank 1 is already being built"):
+            lock_build_rank(out, 1, 2)
+        with pytest.raises(FolderBusyError, match="world size 1"):
+            lock_build_rank(out, 0, 1)
+        with pytest.raises(FolderBusyError):
+            lock_folder(out, "reinforce add-teacher")
+    # Released locks (also on a crash: the kernel drops them) let the next writer in.
+    with lock_folder(out, "reinforce merge"):
+        pass
+    run = tmp_path / "run"
+    with lock_folder(run, "train run"):
+        from train.loop import train
+        with pytest.raises(FolderBusyError, match="in use by `train run`"):
+            train(dict(shards=str(phantom_shards), model="tiny-A", out=str(run), steps=1, batch_size=4,
+                       workers=0, progress=False, device="cpu"))
+
+
+# --------------------------------------------------------------------------- 3, 8. run folders
+
+
+def _train(phantom_shards, out, **overrides):
+    from train.loop import train
+
+    cfg = dict(shards=str(phantom_shards), model="tiny-A", out=str(out), steps=2, batch_size=4, workers=0,
+               progress=False, device="cpu", log_every=1)
+    cfg.update(overrides)
+    return train(cfg)
+
+
+def test_existing_run_is_not_replaced_without_overwrite(phantom_shards, tmp_path):
+    run = tmp_path / "run"
+    _train(phantom_shards, run)
+    before = (run / "last.pt").read_bytes()
+    with pytest.raises(ValueError, match="already holds a run .*--overwrite"):
+        _train(phantom_shards, run, lr=1e-3)
+    assert (run / "last.pt").read_bytes() == before
+    summary = _train(phantom_shards, run, lr=1e-3, steps=1, overwrite=True)
+    assert summary["steps"] == 1 and summary["start_step"] == 0
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"] == [1]  # the old run's steps 1, 2 are gone
+    result = run_cli("train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
+                     "--steps", "1", "--device", "cpu", "--workers", "0", "--no-progress")
+    assert_one_line_error(result, str(run), "--overwrite")
+
+
+def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_path):
+    from train.checkpoint import read_checkpoint
+    from train.config import TrainConfig
+
+    assert TrainConfig().save_every > 0  # a killed run with default settings keeps its progress
+    run = tmp_path / "run"
+    _train(phantom_shards, run, steps=2)
+    with pytest.raises(ValueError, match=r"lr 0\.0005 -> 0\.001.*batch_size 4 -> 8|batch_size 4 -> 8.*lr"):
+        _train(phantom_shards, run, steps=3, resume=True, lr=1e-3, batch_size=8)
+    with pytest.raises(ValueError, match="model 'tiny-A' -> 'tiny-D'"):
+        _train(phantom_shards, run, steps=3, resume=True, model="tiny-D")
+    # steps, intervals, workers and device may change
+    summary = _train(phantom_shards, run, steps=3, resume=True, eval_every=1, log_every=2, save_every=1)
+    assert summary["start_step"] == 2 and summary["steps"] == 3
+    # a checkpoint whose weights do not fit the configured model: one line, not a state_dict dump
+    state = read_checkpoint(run / "last.pt")
+    state["train_config"]["model"] = "tiny-D"
+    torch.save(state, run / "last.pt")
+    with pytest.raises(ValueError, match="does not fit the model 'tiny-D'") as excinfo:
+        _train(phantom_shards, run, steps=4, resume=True, model="tiny-D")
+    assert "\n" not in str(excinfo.value)

@@ -36,6 +36,7 @@ class TrainConfig:
     recall_weight: float = 0.5  # early-stop score = w*mean Recall + (1-w)*mean AUC
     early_stop_patience: int = 0  # evaluations without improvement before stopping (0: off)
     resume: bool = False
+    overwrite: bool = False  # replace the run already in `out` (refused otherwise, unless resume)
     amp: str = "bf16"  # used on CUDA only
     accum_steps: int = 1
     clip_grad: float = 1.0  # max grad norm (0: off)
@@ -51,7 +52,7 @@ class TrainConfig:
     pick: str = "random"  # random | sequential (stored aug/caption = epoch % K)
     shuffle_buffer: int = 256
     log_every: int = 10
-    save_every: int = 0  # steps between last.pt writes (0: at each evaluation and at the end)
+    save_every: int = 100  # steps between last.pt writes besides evaluations (0: only those and the end)
     progress: bool = True
     loss: dict = field(default_factory=dict)  # LossConfig overrides
     optim: dict = field(default_factory=dict)  # OptimConfig overrides
@@ -71,6 +72,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.lambda_distill <= 1.0:
             raise ValueError(f"lambda_distill must be in [0, 1], got {self.lambda_distill}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         if self.online_teacher and self.mode == "plain":
             raise ValueError("--online-teacher distils from a teacher: use it with --mode reinforced")
 
