@@ -210,3 +210,38 @@ def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_pa
     with pytest.raises(ValueError, match="does not fit the model 'tiny-D'") as excinfo:
         _train(phantom_shards, run, steps=4, resume=True, model="tiny-D")
     assert "\n" not in str(excinfo.value)
+
+
+# --------------------------------------------------------------------------- 4. broken text in reports
+
+
+def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_teacher):
+    from reinforce.build import build, summary_text
+    from reinforce.phantom import write_phantom_dataset
+    from reinforce.sources import open_source
+
+    jsonl = write_phantom_dataset(6, tmp_path / "data", size=96, progress=False)
+    lines = jsonl.read_bytes().splitlines()
+    rows = [json.loads(line) for line in lines]
+    lines[1] = lines[1].replace(b'"report": "', b'"report": "\xff\xfe broken ')  # invalid UTF-8 bytes
+    rows[3]["report"] = "\ud800 " + rows[3]["report"]  # json.dumps writes the escape \ud800
+    lines[3] = json.dumps(rows[3]).encode()
+    assert b"\\ud800" in lines[3]
+    jsonl.write_bytes(b"\n".join(lines) + b"\n")
+    info = build(tiny_build_options(tmp_path / "out", source=f"jsonl:{jsonl}", source_options={}),
+                 teachers=tiny_teacher)
+    assert info["total_samples"] == 4
+    skipped = {e["id"]: e["reason"] for e in info["skipped"]["source"]["records"]}
+    assert set(skipped) == {"line 2", "line 4"}
+    assert all(r.startswith("bad text: records.jsonl:") and "'report'" in r for r in skipped.values())
+    assert "line 2: bad text" in summary_text(info)
+
+    csv_path = tmp_path / "data" / "rows.csv"
+    header = b"id,image,report,split\n"
+    good = b"a1,%s,%s,train\n" % (rows[0]["image"].encode(), rows[0]["report"].encode())
+    bad = b"a2,%s,bad \xc3\x28 bytes %s,train\n" % (rows[2]["image"].encode(), rows[2]["report"].encode())
+    csv_path.write_bytes(header + good + bad)
+    source = open_source(f"csv:{csv_path}")
+    assert [r.id for r in source] == ["a1"]
+    assert source.skipped.entries == [("line 3", "bad text: rows.csv:3: field 'report' is not valid UTF-8 "
+                                                 "(invalid bytes or a lone surrogate)")]
