@@ -245,3 +245,33 @@ def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_tea
     assert [r.id for r in source] == ["a1"]
     assert source.skipped.entries == [("line 3", "bad text: rows.csv:3: field 'report' is not valid UTF-8 "
                                                  "(invalid bytes or a lone surrogate)")]
+
+
+# --------------------------------------------------------------------------- 5. sample keys
+
+
+def test_ids_that_sanitise_alike_get_unique_keys_before_any_work(tmp_path, tiny_teacher):
+    from reinforce.build import assign_keys, build, check_unique_keys
+    from reinforce.clierrors import UserError
+    from reinforce.phantom import write_phantom_dataset
+    from reinforce.records import Record
+
+    jsonl = write_phantom_dataset(4, tmp_path / "data", size=96, progress=False)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    for row, rid in zip(rows, ["x", "x-914ba315", "x.", "x/"]):
+        row.update(id=rid, split="train")
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = build(tiny_build_options(tmp_path / "out", source=f"jsonl:{jsonl}", source_options={}),
+                 teachers=tiny_teacher)
+    import pyarrow.parquet as pq
+    manifest = pq.read_table(tmp_path / "out" / "manifest.parquet").to_pylist()
+    keys = {r["id"]: r["key"] for r in manifest}
+    assert info["total_samples"] == 4 and len(set(keys.values())) == 4
+    assert keys["x"] == "x" and keys["x-914ba315"] == "x-914ba315"
+
+    ids = ["a", "a.", "a_", "a-86f7e437", "a/", "a?"]
+    records = [Record(id=i, subject_id="s", study_id=i, split="train", report="r") for i in ids]
+    for order in (records, records[::-1]):
+        assert len({k for k, _ in assign_keys(order)}) == len(ids)
+    with pytest.raises(UserError, match="'a' and 'a.' both get the sample key 'a'"):
+        check_unique_keys([("a", records[0]), ("a", records[1])])
