@@ -275,3 +275,120 @@ def test_ids_that_sanitise_alike_get_unique_keys_before_any_work(tmp_path, tiny_
         assert len({k for k, _ in assign_keys(order)}) == len(ids)
     with pytest.raises(UserError, match="'a' and 'a.' both get the sample key 'a'"):
         check_unique_keys([("a", records[0]), ("a", records[1])])
+
+
+# --------------------------------------------------------------------------- 6. damaged shards in training
+
+
+def _rewrite_member(tar: Path, index: int, ext: str, change) -> str:
+    """Rewrite sample ``index`` of ``tar`` with ``change(bytes) -> bytes`` applied to member ``ext``."""
+    import webdataset as wds
+
+    from reinforce.verify import iter_tar_samples
+
+    samples = list(iter_tar_samples(tar))
+    key = samples[index][0]
+    samples[index][1][ext] = change(samples[index][1][ext])
+    with open(tar, "wb") as f:
+        writer = wds.TarWriter(f, encoder=False, mtime=0)
+        for k, sample in samples:
+            writer.write({"__key__": k, **sample})
+        writer.close()
+    return key
+
+
+def _npy_with(values) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, values)
+    return buf.getvalue()
+
+
+def _last_sample_start(path: Path) -> int:
+    """Byte offset of the header of the last sample's first member (a cut between two samples)."""
+    import tarfile
+
+    with tarfile.open(path) as tf:
+        members = tf.getmembers()
+    last_key = members[-1].name.split(".", 1)[0]
+    return next(m.offset for m in members if m.name.split(".", 1)[0] == last_key)
+
+
+@pytest.fixture(scope="module")
+def damaged_shards(phantom_shards, tmp_path_factory) -> dict:
+    """A copy of the phantom shards with every train shard damaged in one way."""
+    import shutil
+
+    import numpy as np
+
+    from reinforce.shardformat import npy_load
+
+    out = tmp_path_factory.mktemp("damaged") / "shards"
+    shutil.copytree(phantom_shards, out)
+    info = json.loads((out / "dataset.json").read_text())
+    train = [s["name"] for s in info["shards"] if s["split"] == "train"]
+    assert len(train) == 3
+    nan_key = _rewrite_member(out / train[1], 1, "random-tiny.img.npy",
+                              lambda b: _npy_with(np.full_like(npy_load(b), np.nan)))
+
+    def blow_up(data: bytes) -> bytes:  # a flipped exponent bit: one coordinate becomes huge
+        arr = npy_load(data).copy()
+        arr.reshape(-1)[0] = np.float16(61000)
+        return _npy_with(arr)
+
+    big_key = _rewrite_member(out / train[2], 2, "random-tiny.syn.npy", blow_up)
+    with open(out / train[0], "r+b") as f:  # cut inside a member
+        f.truncate((out / train[0]).stat().st_size // 2)
+    return {"dir": out, "train": train, "nan_key": nan_key, "big_key": big_key}
+
+
+def _read_all(shards_dir, on_corrupt="stop", log=None) -> list[str]:
+    from train.data import make_loader
+    from train.models import build_student
+
+    loader = make_loader(shards_dir, "train", build_student("tiny-A"), 4, workers=0, shuffle=False,
+                         drop_last=False, on_corrupt=on_corrupt, corrupt_log=log)
+    return [key for batch in loader for key in batch["key"]]
+
+
+def test_training_input_names_shard_and_key_then_stops_or_skips(damaged_shards, phantom_shards, tmp_path):
+    import shutil
+
+    from train.integrity import CorruptDataError, count_skipped
+
+    shards, train = damaged_shards["dir"], damaged_shards["train"]
+    with pytest.raises(CorruptDataError, match=f"{train[0]}: key \\(unreadable tar after "):
+        _read_all(shards)
+    log = tmp_path / "skipped.jsonl"
+    kept = _read_all(shards, "skip", str(log))
+    skipped = count_skipped(log)
+    by_shard = {s["shard"]: s for s in skipped["samples"]}
+    assert set(by_shard) == set(train)
+    assert by_shard[train[1]]["key"] == damaged_shards["nan_key"] and "NaN" in by_shard[train[1]]["reason"]
+    assert by_shard[train[2]]["key"] == damaged_shards["big_key"]
+    assert "not unit vectors" in by_shard[train[2]]["reason"]
+    assert damaged_shards["nan_key"] not in kept and damaged_shards["big_key"] not in kept
+    clean = _read_all(phantom_shards)
+    assert len(kept) < len(clean) - 2 and set(kept) < set(clean)
+
+    # Cut exactly at a member boundary: webdataset's reader lost the rest silently; this stops.
+    cut = tmp_path / "cut"
+    shutil.copytree(phantom_shards, cut)
+    tar = cut / train[0]
+    with open(tar, "r+b") as f:
+        f.truncate(_last_sample_start(tar))  # the last sample and the end-of-archive marker are gone
+    with pytest.raises(CorruptDataError, match=f"{train[0]}: key \\(unreadable tar after .*end-of-archive"):
+        _read_all(cut)
+
+
+def test_train_run_on_damaged_shards_is_one_line_or_skips_and_counts(damaged_shards, tmp_path):
+    result = run_cli("train.cli", "run", "--shards", str(damaged_shards["dir"]), "--model", "tiny-A",
+                     "--out", str(tmp_path / "stop"), "--steps", "2", "--batch-size", "4", "--device", "cpu",
+                     "--workers", "1", "--no-progress")
+    line = assert_one_line_error(result, "corrupt training input", "shard-00000", "--on-corrupt skip")
+    assert "DataLoader worker" not in line
+    summary = _train(damaged_shards["dir"], tmp_path / "skip", steps=2, on_corrupt="skip")
+    assert summary["steps"] == 2 and summary["skipped_corrupt"]["count"] >= 1

@@ -52,6 +52,7 @@ class TrainConfig:
     pick: str = "random"  # random | sequential (stored aug/caption = epoch % K)
     shuffle_buffer: int = 256
     log_every: int = 10
+    on_corrupt: str = "stop"  # a damaged shard/sample: stop naming it, or skip and count it
     save_every: int = 100  # steps between last.pt writes besides evaluations (0: only those and the end)
     progress: bool = True
     loss: dict = field(default_factory=dict)  # LossConfig overrides
@@ -72,6 +73,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.lambda_distill <= 1.0:
             raise ValueError(f"lambda_distill must be in [0, 1], got {self.lambda_distill}")
+        if self.on_corrupt not in ("stop", "skip"):
+            raise ValueError(f"on_corrupt must be 'stop' or 'skip', got {self.on_corrupt!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         if self.online_teacher and self.mode == "plain":

@@ -36,6 +36,7 @@ from typing import Annotated, Optional
 import typer
 
 from train.config import TrainConfig
+from train.integrity import SKIP_LOG, count_skipped
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -171,7 +172,7 @@ def _json_default(obj):
 RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
                                 "early_stop_patience", "workers", "device", "progress", "log_every",
                                 "save_every", "resume", "overwrite", "out", "on_corrupt"})
-RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml")
+RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml", "skipped.jsonl")
 
 
 def resume_conflicts(saved: dict, current: dict) -> list[str]:
@@ -322,7 +323,8 @@ class Trainer:
             if self.has_eval:
                 self.eval_loader = make_eval_loader(cfg.shards, cfg.eval_split, self.student,
                                                     batch_size=cfg.eval_batch_size,
-                                                    workers=min(cfg.workers, 1))
+                                                    workers=min(cfg.workers, 1), on_corrupt=cfg.on_corrupt,
+                                                    corrupt_log=str(self.out / SKIP_LOG))
             else:
                 print(f"note: no {cfg.eval_split!r} split in {cfg.shards}: no validation, "
                       f"best.pt = last.pt", file=sys.stderr)
@@ -411,7 +413,8 @@ class Trainer:
                            seed=cfg.seed, pick=cfg.pick,
                            epoch=self.data_epoch if not resampled else self.step,
                            teachers=cfg.teachers, teacher_image_size=teacher_size,
-                           stored_embeddings=self.teacher is None)
+                           stored_embeddings=self.teacher is None, on_corrupt=cfg.on_corrupt,
+                           corrupt_log=str(self.out / SKIP_LOG))
 
     def _batches(self):
         """Endless batches; a one-pass loader is rebuilt with the next epoch when it runs out."""
@@ -617,6 +620,7 @@ class Trainer:
             "train_time_s": round(self.train_time, 3),
             "best_score": None if self.best_score == -math.inf else self.best_score,
             "best_step": self.best_step, "final_eval": self.last_eval,
+            "skipped_corrupt": count_skipped(self.out / SKIP_LOG),
         }
         if self.main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
@@ -658,6 +662,7 @@ def cli_run(
     early_stop_patience: Annotated[Optional[int], typer.Option("--early-stop-patience", help="Stop after N validations without improvement (0: off).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from RUN/last.pt (settings must match the run's, except steps, eval/log/save intervals, workers, device).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the run already in --out (its last.pt, best.pt, metrics.jsonl).")] = False,
+    on_corrupt: Annotated[Optional[str], typer.Option("--on-corrupt", help="A damaged shard or sample: stop (default, naming shard and key) or skip (counted in RUN/skipped.jsonl and summary.json).")] = None,
     save_every: Annotated[Optional[int], typer.Option("--save-every", help="Steps between last.pt writes besides evaluations (0: only at evaluations and the end; default 100).")] = None,
     amp: Annotated[Optional[str], typer.Option("--amp", help="bf16, fp16 or none (CUDA only).")] = None,
     accum_steps: Annotated[Optional[int], typer.Option("--accum-steps", help="Micro-batches per optimiser step.")] = None,
@@ -689,7 +694,7 @@ def cli_run(
             config, shards=shards, model=model, steps=steps, out=out, batch_size=batch_size, lr=lr,
             lambda_distill=lambda_distill, teachers=teachers, mode=mode, online_teacher=online_teacher,
             eval_every=eval_every, early_stop_patience=early_stop_patience, resume=resume or None,
-            overwrite=overwrite or None, save_every=save_every,
+            overwrite=overwrite or None, save_every=save_every, on_corrupt=on_corrupt,
             amp=amp, accum_steps=accum_steps, clip_grad=clip_grad,
             grad_checkpointing=grad_checkpointing or None, workers=workers, seed=seed, device=device,
             freeze_steps=freeze_steps, freeze_epochs=freeze_epochs, head_lr_mult=head_lr_mult,
