@@ -49,6 +49,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     import webdataset as wds
 
     from reinforce.shardformat import encode_embedding, decode_embedding, emb_ext, npy_bytes, scale_ext
+    from reinforce.checksums import checksum_record, member_checksums
     from reinforce.verify import iter_tar_samples
     from reinforce.writer import TMP_SUFFIX, part_of, read_shard_stats, stats_path, write_json_atomic
 
@@ -61,6 +62,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     tmp = path.with_name(path.name + TMP_SUFFIX)
     errors = stats.get("int8_max_abs_error") or {}
     added_bytes: dict[str, int] = {}
+    checksums: dict[str, dict[str, str]] = {}
     with open(tmp, "wb") as f:
         tar = wds.TarWriter(f, encoder=False, mtime=0)
         pending: list[tuple[str, dict]] = []
@@ -83,6 +85,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
                             added_bytes[teacher] = added_bytes.get(teacher, 0) + len(data_bytes)
                         out.update(members)
                 tar.write(out)
+                checksums[key] = member_checksums(out)
             pending.clear()
 
         for key, sample in iter_tar_samples(path):
@@ -97,6 +100,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     stats["bytes"] = {p: n for p, n in stats["bytes"].items() if p not in new_names} | added_bytes
     stats["teachers"] = [n for n in stats.get("teachers", []) if n not in new_names] + sorted(new_names)
     stats["tar_bytes"] = tmp.stat().st_size
+    stats["checksums"] = checksum_record(checksums)
     if info["emb_dtype"] == "int8":
         stats["int8_max_abs_error"] = errors
     os.replace(tmp, path)

@@ -392,3 +392,44 @@ def test_train_run_on_damaged_shards_is_one_line_or_skips_and_counts(damaged_sha
     assert "DataLoader worker" not in line
     summary = _train(damaged_shards["dir"], tmp_path / "skip", steps=2, on_corrupt="skip")
     assert summary["steps"] == 2 and summary["skipped_corrupt"]["count"] >= 1
+
+
+# --------------------------------------------------------------------------- 7. content checksums
+
+
+def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tmp_path, tiny_teacher):
+    import shutil
+
+    from reinforce.add_teacher import add_teachers
+    from reinforce.build import build
+    from reinforce.teachers import load_teachers
+    from reinforce.verify import verify
+
+    out = tmp_path / "shards"
+    build(tiny_build_options(out), teachers=tiny_teacher)
+    other = load_teachers("random:tiny?name=other", device="cpu")
+    add_teachers(out, "random:tiny?name=other", progress=False, teachers=other)
+    assert verify(out)[0] == []
+    stats = json.loads((out / "stats" / "shard-000000.json").read_text())
+    members = next(iter(stats["checksums"]["samples"].values()))
+    assert {"jpg", "txt", "json", "other.img.npy", "random-tiny.img.npy"} <= set(members)
+
+    def flip(offset_from_end: int, bit: int):
+        def change(data: bytes) -> bytes:
+            data = bytearray(data)
+            data[len(data) - offset_from_end] ^= 1 << bit
+            return bytes(data)
+        return change
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    cases = [("shard-000000.tar", 0, "jpg", flip(200, 3)),                     # JPEG entropy data
+             ("shard-000001.tar", 1, "random-tiny.syn.npy", flip(2, 0)),       # lowest mantissa bit
+             ("shard-000002.tar", 0, "txt", lambda b: b.replace(b"e", b"a", 1))]  # an edited report
+    for shard, index, ext, change in cases:
+        key = _rewrite_member(damaged / shard, index, ext, change)
+        # the tar keeps its size, and each change alone passes every other check
+        assert (damaged / shard).stat().st_size == (out / shard).stat().st_size
+        problems, _ = verify(damaged)
+        assert any(p.startswith(f"{shard}: key {key}: member {key}.{ext} content differs") for p in problems), problems
+    assert len(problems) == 3, problems
