@@ -433,3 +433,54 @@ def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tm
         problems, _ = verify(damaged)
         assert any(p.startswith(f"{shard}: key {key}: member {key}.{ext} content differs") for p in problems), problems
     assert len(problems) == 3, problems
+
+
+# --------------------------------------------------------------------------- 9. config types
+
+
+@pytest.mark.parametrize("yaml_text, needle", [
+    ("resume: 'no'", "'resume': expected true or false, got 'no'"),
+    ("steps: 2.7", "'steps': expected an integer, got 2.7"),
+    ("lr: fast", "'lr': expected a finite number, got 'fast'"),
+    ("eval_every: -5", "'eval_every': must be in [0, inf), got -5"),
+    ("llrd: 1.5", "'llrd': must be in (0, 1], got 1.5"),
+    ("teachers: 3", "'teachers': expected a string or null, got 3"),
+    ("loss: [1, 2]", "'loss': expected a mapping"),
+])
+def test_config_fields_are_typed_and_ranged(tmp_path, yaml_text, needle):
+    from train.config import TrainConfig
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(ValueError) as excinfo:
+        TrainConfig.load(path)
+    assert str(excinfo.value).startswith(f"{path}: training config field ")
+    assert needle in str(excinfo.value)
+
+
+def test_nested_configs_and_coercions():
+    from train.config import TrainConfig
+    from train.losses import LossConfig
+    from train.optim import OptimConfig
+
+    cfg = TrainConfig(lr="1e-3", weight_decay=0, steps=5)  # YAML 1.1 reads 1e-3 as a string
+    assert cfg.lr == 0.001 and isinstance(cfg.weight_decay, float)
+    assert OptimConfig.from_dict({"betas": [0.9, 0.95]}).betas == (0.9, 0.95)
+    with pytest.raises(ValueError, match="optim option 'warmup_steps': expected an integer"):
+        OptimConfig.from_dict({"warmup_steps": "10"})
+    with pytest.raises(ValueError, match=r"optim option 'betas': expected a list of 2 values"):
+        OptimConfig.from_dict({"betas": [0.9]})
+    with pytest.raises(ValueError, match="loss option 'use_syn': expected true or false"):
+        LossConfig.from_dict({"use_syn": "yes"})
+    with pytest.raises(ValueError, match=r"loss option 'queue_size': must be in \[0, inf\)"):
+        LossConfig.from_dict({"queue_size": -1})
+    with pytest.raises(ValueError, match="loss option 'teacher_scales': expected a finite number"):
+        LossConfig.from_dict({"teacher_scales": {"minilm": "hot"}})
+
+
+def test_config_errors_reach_the_cli_as_one_line(tmp_path, phantom_shards):
+    path = tmp_path / "train.yaml"
+    path.write_text("lr: fast\n")
+    result = run_cli("train.cli", "run", "--config", str(path), "--shards", str(phantom_shards),
+                     "--out", str(tmp_path / "run"))
+    assert_one_line_error(result, str(path), "'lr'")

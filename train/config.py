@@ -13,6 +13,15 @@ from pathlib import Path
 from typing import Any
 
 AMP_CHOICES = ("bf16", "fp16", "none")
+# Allowed values of numeric fields (reinforce.yamlio.validate_fields checks types and these).
+RANGES = {
+    "steps": "[1, inf)", "batch_size": "[1, inf)", "lr": "(0, inf)", "weight_decay": "[0, inf)",
+    "lambda_distill": "[0, 1]", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
+    "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
+    "accum_steps": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)", "freeze_steps": "[0, inf)",
+    "freeze_epochs": "[0, inf)", "head_lr_mult": "(0, inf)", "warmup_steps": "[0, inf)", "llrd": "(0, 1]",
+    "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
+}
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -60,6 +69,9 @@ class TrainConfig:
     model_overrides: dict = field(default_factory=dict)  # StudentConfig overrides
 
     def __post_init__(self) -> None:
+        from reinforce.yamlio import validate_fields
+
+        validate_fields(self, "training config field", RANGES)
         if self.mode not in ("reinforced", "plain"):
             raise ValueError(f"mode must be 'reinforced' or 'plain', got {self.mode!r}")
         if self.amp not in AMP_CHOICES:
@@ -96,7 +108,10 @@ class TrainConfig:
 
         check_known_fields(cls, data, "training config field", where=str(path))
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
 
     def save_yaml(self, path: str | Path) -> None:
         import yaml
