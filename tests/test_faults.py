@@ -34,8 +34,8 @@ def one_thread():
 
 def run_cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m reinforce.cli|train.cli ARGS` in a fresh process, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    env.pop("CXRDR_DEBUG", None)
+    base = {k: v for k, v in os.environ.items() if k != "CXRDR_DEBUG"}
+    env = {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
 
@@ -484,3 +484,92 @@ def test_config_errors_reach_the_cli_as_one_line(tmp_path, phantom_shards):
     result = run_cli("train.cli", "run", "--config", str(path), "--shards", str(phantom_shards),
                      "--out", str(tmp_path / "run"))
     assert_one_line_error(result, str(path), "'lr'")
+
+
+# --------------------------------------------------------------------------- kill -9, resume, temp files
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 240.0) -> None:
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the process never reached the kill point"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _popen(module: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+
+
+def test_build_killed_with_sigkill_resumes_to_identical_shards(tmp_path, tiny_teacher):
+    from reinforce.build import build
+    from reinforce.verify import verify
+
+    n = 30
+    reference = tmp_path / "reference"
+    build(tiny_build_options(reference, source=f"phantom:{n}"), teachers=tiny_teacher)
+    out = tmp_path / "killed"
+    proc = _popen("reinforce.cli", "build", "--source", f"phantom:{n}", "--source-seed", "4", "--phantom-size", "96",
+                  "--teachers", "random:tiny", "--out", str(out), "--n-aug", "2", "--n-captions", "2",
+                  "--store-size", "48", "--shard-size", "3", "--batch-size", "4", "--workers", "0",
+                  "--device", "cpu", "--quiet")
+    _kill_when(proc, lambda: (out / "stats" / "shard-000001.json").is_file())
+    assert not (out / "dataset.json").exists()  # killed mid-build
+    stale = out / "stats" / "shard-000009.json.tmp4194304"  # a temp file a killed process left
+    stale.write_text("{")
+    info = build(tiny_build_options(out, source=f"phantom:{n}", resume=True), teachers=tiny_teacher)
+    assert info["build"]["ranks"][0]["shards_skipped_as_complete"] >= 2
+    assert not stale.exists()
+    tars = sorted(p.name for p in reference.glob("*.tar"))
+    assert tars == sorted(p.name for p in out.glob("*.tar")) and len(tars) == 10
+    for name in tars:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert (out / "manifest.parquet").read_bytes() == (reference / "manifest.parquet").read_bytes()
+    assert verify(out)[0] == []
+
+
+def test_training_killed_with_sigkill_resumes_deterministically(phantom_shards, tmp_path):
+    import shutil
+
+    from train.checkpoint import read_checkpoint
+
+    run = tmp_path / "run"
+    proc = _popen("train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
+                  "--steps", "200", "--batch-size", "4", "--workers", "0", "--device", "cpu", "--save-every", "2",
+                  "--log-every", "1", "--no-progress")
+    _kill_when(proc, lambda: (run / "last.pt").is_file())
+    step = read_checkpoint(run / "last.pt")["step"]
+    assert 2 <= step < 200
+    (run / ".last.pt.tmp4194304").write_bytes(b"half a checkpoint")
+    twin = tmp_path / "twin"
+    shutil.copytree(run, twin)
+    ends = []
+    for folder in (run, twin):
+        summary = _train(phantom_shards, folder, steps=step + 2, resume=True)
+        assert summary["start_step"] == step and summary["steps"] == step + 2
+        assert not (folder / ".last.pt.tmp4194304").exists()
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in records if r["kind"] == "train"]
+        assert steps == sorted(set(steps)) and steps[-1] == step + 2
+        ends.append(read_checkpoint(folder / "last.pt")["model"])
+    for name, tensor in ends[0].items():
+        assert torch.equal(tensor, ends[1][name]), name
+
+
+def test_unexpected_errors_are_one_line_unless_debugging(tmp_path):
+    bad = tmp_path / "shards"
+    bad.mkdir()
+    (bad / "stats").mkdir()
+    (bad / "stats" / "plan.json").write_text('{"shards": 5}')  # a TypeError deep inside merge
+    result = run_cli("reinforce.cli", "merge", str(bad))
+    assert result.returncode == 1
+    assert_one_line_error(result, "error (TypeError):", "CXRDR_DEBUG=1")
+    result = run_cli("reinforce.cli", "merge", str(bad), env={"CXRDR_DEBUG": "1"})
+    assert "Traceback" in result.stderr
