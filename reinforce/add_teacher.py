@@ -50,6 +50,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     """Add ``teachers`` to one shard; returns its updated stats."""
     import webdataset as wds
 
+    from reinforce.checksums import checksum_record, member_checksums
     from reinforce.shardformat import encode_teacher, merge_int8_quality, repack_v1_teacher, teacher_ext
     from reinforce.verify import iter_tar_samples
     from reinforce.writer import TMP_SUFFIX, part_of, read_shard_stats, stats_path, write_json_atomic
@@ -64,6 +65,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     errors = stats.get("int8_max_abs_error") or {}
     cosines = stats.get("int8_min_cosine") or {}
     part_bytes: dict[str, int] = {}
+    checksums: dict[str, dict[str, str]] = {}
     with open(tmp, "wb") as f:
         tar = wds.TarWriter(f, encoder=False, mtime=0)
         pending: list[tuple[str, dict]] = []
@@ -89,6 +91,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
                     if not ext.startswith("__"):
                         part_bytes[part_of(ext)] = part_bytes.get(part_of(ext), 0) + len(data)
                 tar.write(out)
+                checksums[key] = member_checksums(out)
             pending.clear()
 
         for key, sample in iter_tar_samples(path):
@@ -103,6 +106,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     stats["bytes"] = part_bytes
     stats["teachers"] = [n for n in stats.get("teachers", []) if n not in new_names] + sorted(new_names)
     stats["tar_bytes"] = tmp.stat().st_size
+    stats["checksums"] = checksum_record(checksums)
     if info["emb_dtype"] == "int8":
         stats["int8_max_abs_error"], stats["int8_min_cosine"] = errors, cosines
     os.replace(tmp, path)
@@ -116,15 +120,26 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
 
     ``teachers``: already loaded teachers for ``specs`` (tests reuse them); default: load them.
     """
+    from reinforce.build import read_dataset_info
+    from reinforce.locking import lock_folder, remove_stale_temp_files
+
+    shards_dir = Path(shards_dir)
+    info = read_dataset_info(shards_dir)  # before locking: a missing folder is not created
+    with lock_folder(shards_dir, "reinforce add-teacher"):
+        remove_stale_temp_files(shards_dir)
+        return _add_teachers(shards_dir, info, specs, device, model_cache, batch_size, progress, teachers)
+
+
+def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_cache: str | None,
+                  batch_size: int, progress: bool, teachers: list | None) -> dict:
+    """``add_teachers`` while holding the folder lock."""
     from tqdm import tqdm
 
     from reinforce import manifest
-    from reinforce.build import BuildOptions, _load_teachers, _json_safe, read_dataset_info, resolve_device
+    from reinforce.build import BuildOptions, _load_teachers, _json_safe, resolve_device
     from reinforce.shardformat import SCHEMA_VERSION
     from reinforce.writer import read_shard_stats, write_json_atomic
 
-    shards_dir = Path(shards_dir)
-    info = read_dataset_info(shards_dir)
     plan = manifest.read_plan(shards_dir)
     missing = manifest.missing_shards(shards_dir, plan)
     if missing:

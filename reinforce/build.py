@@ -37,6 +37,7 @@ from typing import Annotated, Optional
 import typer
 
 from reinforce.clierrors import UserError
+from reinforce.locking import lock_build_rank, plan_lock, remove_stale_temp_files
 
 DEFAULT_OUT = Path("shards")
 
@@ -114,17 +115,46 @@ class ShardPlan:
 
 
 def assign_keys(records) -> list[tuple[str, object]]:
-    """Unique WebDataset keys: safe_key(id), plus a short id hash when two ids sanitise alike."""
+    """Unique WebDataset keys: safe_key(id), plus a short id hash when two ids sanitise alike.
+
+    Unique by construction: the first record of each sanitised key keeps it, and a later one's
+    hashed key must avoid every sanitised key of the whole list (ids 'x', 'x-914ba315', 'x.'
+    would otherwise give 'x-914ba315' twice) and every key given so far; if it does not, the hash
+    grows (then a counter is added), all deterministic in the list of ids.
+    """
     from reinforce.records import safe_key
 
-    seen, out = set(), []
-    for rec in records:
-        key = safe_key(rec.id)
-        if key in seen:
-            key = f"{key}-{hashlib.sha1(rec.id.encode()).hexdigest()[:8]}"
-        seen.add(key)
+    natural = [safe_key(rec.id) for rec in records]
+    taken, out = set(), []
+    reserved = set(natural)
+    for rec, key in zip(records, natural):
+        if key in taken:
+            key = _disambiguated_key(key, rec.id, taken | reserved)
+        taken.add(key)
         out.append((key, rec))
+    check_unique_keys(out)
     return out
+
+
+def _disambiguated_key(key: str, record_id: str, avoid: set) -> str:
+    digest = hashlib.sha1(record_id.encode("utf-8", "backslashreplace")).hexdigest()
+    for length in (8, 12, 16, 40):
+        candidate = f"{key}-{digest[:length]}"
+        if candidate not in avoid:
+            return candidate
+    n = 2
+    while f"{key}-{digest}-{n}" in avoid:
+        n += 1
+    return f"{key}-{digest}-{n}"
+
+
+def check_unique_keys(keyed_records) -> None:
+    """Refuse before any image work if two records share a key (merge would fail after all of it)."""
+    first: dict[str, str] = {}
+    for key, rec in keyed_records:
+        if key in first:
+            raise UserError(f"records {first[key]!r} and {rec.id!r} both get the sample key {key!r}")
+        first[key] = rec.id
 
 
 def cut_shards(keyed_records, shard_size: int) -> list[ShardPlan]:
@@ -627,7 +657,24 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
         "source_skipped": getattr(source, "skipped", SkipLog()).to_json(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest.write_plan(out_dir, plan, opts.resume)
+    lock = lock_build_rank(out_dir, rank, world)
+    try:
+        if lock.alone:  # no other rank or writer is running: temp files of a killed run are stale
+            remove_stale_temp_files(out_dir)
+        with plan_lock(out_dir):
+            manifest.write_plan(out_dir, plan, opts.resume)
+        return _build_rank(opts, out_dir, shards, teachers, images, aug, device, rank, world, started,
+                           fail_after_shards)
+    finally:
+        lock.release()
+
+
+def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, images: bool, aug, device: str,
+                rank: int, world: int, started: float, fail_after_shards: int | None) -> dict:
+    """The part of ``build`` that writes, run while holding this rank's lock on ``out_dir``."""
+    from reinforce import manifest
+    from reinforce.records import SkipLog
+    from reinforce.writer import is_shard_complete, write_json_atomic
 
     mine = [s for s in shards if s.index % world == rank]
     complete = [s for s in mine if is_shard_complete(out_dir, s.index)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import typer
@@ -11,14 +12,38 @@ class UserError(Exception):
     """Bad input from the user (path, spec, flag value): printed as one line, exit code 2."""
 
 
+# "package.module.SomeError: " at the start of a traceback's last line
+_EXC_PREFIX = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit): ")
+
+
+def one_line(message) -> str:
+    """An error message as one line. An exception re-raised from a DataLoader worker carries the
+    worker's whole traceback in its message: keep its last line (the original error's message)."""
+    text = str(message).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return text
+    if "Traceback (most recent call last)" in text:
+        return _EXC_PREFIX.sub("", lines[-1], count=1)
+    return " ".join(lines)
+
+
 def run_app(app: typer.Typer) -> None:
+    """Run a typer app; every error becomes one red line on stderr (a traceback with CXRDR_DEBUG=1).
+    Expected errors (bad input) exit 2; anything else exits 1 and says how to see the traceback."""
     try:
         app(standalone_mode=True)
     except (UserError, FileNotFoundError, ValueError, KeyError) as exc:
         if os.environ.get("CXRDR_DEBUG"):
             raise
         name = type(exc).__name__
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        message = one_line(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
         typer.secho(f"error: {message}" if isinstance(exc, UserError) else f"error ({name}): {message}",
                     fg=typer.colors.RED, err=True)
         sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - an unexpected error still gets one line, not a traceback
+        if os.environ.get("CXRDR_DEBUG"):
+            raise
+        typer.secho(f"error ({type(exc).__name__}): {one_line(exc)} (set CXRDR_DEBUG=1 for the traceback)",
+                    fg=typer.colors.RED, err=True)
+        sys.exit(1)

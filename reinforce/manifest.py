@@ -204,7 +204,11 @@ def cli_merge(
     """Merge per-shard stats of a (multi-rank) build into manifest.parquet, sizes.json and dataset.json."""
     if not out_dir.is_dir():
         raise UserError(f"shard folder not found: {out_dir}")
-    dataset = merge(out_dir, wait_timeout=wait)
+    from reinforce.locking import lock_folder, remove_stale_temp_files
+
+    with lock_folder(out_dir, "reinforce merge"):
+        remove_stale_temp_files(out_dir)
+        dataset = merge(out_dir, wait_timeout=wait)
     typer.echo(f"merged {len(dataset['shards'])} shards, {dataset['total_samples']} samples "
                f"({dataset['counts']}) into {out_dir / MANIFEST}, {out_dir / DATASET_JSON}, "
                f"{out_dir / SIZES_JSON}")

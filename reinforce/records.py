@@ -118,7 +118,9 @@ class SkipLog:
     entries: list[tuple[str, str]] = field(default_factory=list)
 
     def skip(self, record_id: str, reason: str) -> None:
-        self.entries.append((str(record_id), reason))
+        # An id may itself be broken text (lone surrogates): keep it printable and writable.
+        record_id = str(record_id).encode("utf-8", "backslashreplace").decode("utf-8")
+        self.entries.append((record_id, reason))
         log.warning("skipped %s: %s", record_id, reason)
 
     def extend(self, other: "SkipLog") -> None:

@@ -5,7 +5,7 @@ truncated tar is caught even when it was cut between two members) and matches th
 stats file recorded; every sample has all its parts; embedding shapes and dtypes match
 dataset.json (K, S, D per teacher, int8 scales), values are finite and rows L2-normalised;
 metadata agrees with its shard (key, split, K params, S captions, image size); stored images
-decode; the manifest lists exactly the tars' keys in order and sizes.json their counts.
+decode; every member's bytes match the CRC-32 the build recorded in the shard's stats (bit rot); the manifest lists exactly the tars' keys in order and sizes.json their counts.
 Any problem -> exit 1, one line per problem naming the shard and key.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from reinforce.checksums import checksum_problems
 from reinforce.clierrors import UserError
 from reinforce.shardformat import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext,
                                    int8_row_dtype, npy_load, sample_embeddings, scale_ext, teacher_ext)
@@ -207,8 +208,10 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
                             f"says {shard['samples']}")
         index = int(SHARD_RE.match(name).group(1))
         spath = stats_path(shards_dir, index)
+        checksums = None
         if spath.is_file():
-            recorded = json.loads(spath.read_text()).get("tar_bytes")
+            stats = json.loads(spath.read_text())
+            recorded, checksums = stats.get("tar_bytes"), stats.get("checksums")
             if recorded is not None and recorded != path.stat().st_size:
                 problems.append(f"{name}: file is {path.stat().st_size} bytes, the build wrote {recorded} "
                                 f"(truncated or modified)")
@@ -221,6 +224,7 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
                     problems.append(f"{name}: key {key}: duplicate (also in {seen_keys[key]})")
                 seen_keys[key] = name
                 problems += check_sample(shard, key, sample, info, expected)
+                problems += checksum_problems(f"{name}: key {key}", key, sample, checksums)
         except (tarfile.TarError, EOFError, OSError) as exc:
             after = f" after key {last}" if last else ""
             problems.append(f"{name}: unreadable tar{after} ({exc})")

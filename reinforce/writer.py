@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from reinforce.checksums import checksum_record, member_checksums
 from reinforce.shardformat import STATS_DIR, shard_name
 
 TMP_SUFFIX = ".tmp"
@@ -89,11 +90,13 @@ class ShardFile:
         self.rows: list[dict] = []
         self.bytes: dict[str, int] = {}
         self.skipped: list[dict] = []
+        self.checksums: dict[str, dict[str, str]] = {}  # key -> {ext: crc32}, checked by verify
         self.write_seconds = 0.0
 
     def add(self, sample: dict, row: dict) -> None:
         start = time.perf_counter()
         self._tar.write(sample)
+        self.checksums[sample["__key__"]] = member_checksums(sample)
         for ext, value in sample.items():
             if not ext.startswith("__"):
                 self.bytes[part_of(ext)] = self.bytes.get(part_of(ext), 0) + len(value)
@@ -116,7 +119,7 @@ class ShardFile:
                  "records": self.records, "samples": len(self.rows),
                  "tar_bytes": self.path.stat().st_size, "bytes": self.bytes,
                  "skipped": self.skipped, "write_seconds": round(self.write_seconds, 4),
-                 **(extra or {}), "rows": self.rows}
+                 **(extra or {}), "checksums": checksum_record(self.checksums), "rows": self.rows}
         write_json_atomic(stats_path(self.out_dir, self.index), stats, indent=None)
         return stats
 

@@ -9,6 +9,8 @@ N="${DEMO_N:-600}"
 mkdir -p "$OUT"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
+# A rerun into the same folder continues the runs (DEMO_RESUME=1) or replaces them.
+AGAIN="--overwrite"; [ -n "${DEMO_RESUME:-}" ] && AGAIN="--resume"
 
 step "1/6 phantom CXR data: $N images -> $OUT/phantom"
 reinforce phantom --n "$N" --out "$OUT/phantom" --seed 0 --size 256
@@ -19,14 +21,14 @@ reinforce build --source "jsonl:$OUT/phantom/records.jsonl" --teachers text:mini
 
 step "3/6 train a CLIP teacher on the shards (train run, model tiny-cnn-A, no teacher)"
 train run --shards "$OUT/shards" --model tiny-cnn-A --mode plain --steps "${DEMO_TEACHER_STEPS:-400}" \
-  --batch-size 32 --eval-every 200 --out "$OUT/teacher" --workers 2 ${DEMO_RESUME:+--resume}
+  --batch-size 32 --eval-every 200 --out "$OUT/teacher" --workers 2 "$AGAIN"
 
 step "4/6 reinforce add-teacher: embed every stored augmentation and caption with that teacher"
 reinforce add-teacher "$OUT/shards" --teachers "ckpt:$OUT/teacher/best.pt"
 
 step "5/6 train the Patch-IB student (model tiny-cnn-D) distilled from the stored teacher embeddings"
 train run --shards "$OUT/shards" --model tiny-cnn-D --steps "${DEMO_STUDENT_STEPS:-400}" --batch-size 32 \
-  --eval-every 200 --out "$OUT/student" --workers 2 ${DEMO_RESUME:+--resume}
+  --eval-every 200 --out "$OUT/student" --workers 2 "$AGAIN"
 
 step "6/6 evaluate the student on the phantom test split"
 train eval --ckpt "$OUT/student/best.pt" --shards "$OUT/shards" --split test --out "$OUT/eval"

@@ -13,6 +13,15 @@ from pathlib import Path
 from typing import Any
 
 AMP_CHOICES = ("bf16", "fp16", "none")
+# Allowed values of numeric fields (reinforce.yamlio.validate_fields checks types and these).
+RANGES = {
+    "steps": "[1, inf)", "batch_size": "[1, inf)", "lr": "(0, inf)", "weight_decay": "[0, inf)",
+    "lambda_distill": "[0, 1]", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
+    "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
+    "accum_steps": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)", "freeze_steps": "[0, inf)",
+    "freeze_epochs": "[0, inf)", "head_lr_mult": "(0, inf)", "warmup_steps": "[0, inf)", "llrd": "(0, 1]",
+    "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
+}
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -36,6 +45,7 @@ class TrainConfig:
     recall_weight: float = 0.5  # early-stop score = w*mean Recall + (1-w)*mean AUC
     early_stop_patience: int = 0  # evaluations without improvement before stopping (0: off)
     resume: bool = False
+    overwrite: bool = False  # replace the run already in `out` (refused otherwise, unless resume)
     amp: str = "bf16"  # used on CUDA only
     accum_steps: int = 1
     clip_grad: float = 1.0  # max grad norm (0: off)
@@ -51,13 +61,17 @@ class TrainConfig:
     pick: str = "random"  # random | sequential (stored aug/caption = epoch % K)
     shuffle_buffer: int = 256
     log_every: int = 10
-    save_every: int = 0  # steps between last.pt writes (0: at each evaluation and at the end)
+    on_corrupt: str = "stop"  # a damaged shard/sample: stop naming it, or skip and count it
+    save_every: int = 100  # steps between last.pt writes besides evaluations (0: only those and the end)
     progress: bool = True
     loss: dict = field(default_factory=dict)  # LossConfig overrides
     optim: dict = field(default_factory=dict)  # OptimConfig overrides
     model_overrides: dict = field(default_factory=dict)  # StudentConfig overrides
 
     def __post_init__(self) -> None:
+        from reinforce.yamlio import validate_fields
+
+        validate_fields(self, "training config field", RANGES)
         if self.mode not in ("reinforced", "plain"):
             raise ValueError(f"mode must be 'reinforced' or 'plain', got {self.mode!r}")
         if self.amp not in AMP_CHOICES:
@@ -71,6 +85,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.lambda_distill <= 1.0:
             raise ValueError(f"lambda_distill must be in [0, 1], got {self.lambda_distill}")
+        if self.on_corrupt not in ("stop", "skip"):
+            raise ValueError(f"on_corrupt must be 'stop' or 'skip', got {self.on_corrupt!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         if self.online_teacher and self.mode == "plain":
             raise ValueError("--online-teacher distils from a teacher: use it with --mode reinforced")
 
@@ -90,7 +108,10 @@ class TrainConfig:
 
         check_known_fields(cls, data, "training config field", where=str(path))
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
 
     def save_yaml(self, path: str | Path) -> None:
         import yaml

@@ -38,6 +38,7 @@ from PIL import Image
 
 from reinforce import augment
 from reinforce import shardformat as sf
+from train.integrity import CheckedTarSamples, CorruptPolicy, Guarded, check_embedding
 
 MODES = ("reinforced", "plain")
 PICKS = ("random", "sequential")
@@ -245,6 +246,9 @@ def _teacher_rows(sample: dict, key, name: str, aug_index: int, caption_index: i
     img, syn, txt = parts.get("img"), parts.get("syn"), parts.get("txt")
     if txt is None or syn is None:
         raise ValueError(f"sample {key!r}: teacher {name!r} embeddings missing ({sf.teacher_ext(name)})")
+    for part, values in (("img", img), ("syn", syn), ("txt", txt)):
+        if values is not None:
+            check_embedding(values, f"{name}.{part}")
     # No stored captions: the "caption" is the report itself, so is its embedding.
     syn_row = syn[caption_index] if caption_index >= 0 else txt.reshape(-1)
     return {
@@ -303,9 +307,13 @@ def _shuffled_shards(urls: list[str], seed: int, epoch: int) -> list[str]:
 
 def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resampled: bool,
                    shuffle: bool, shuffle_buffer: int, seed: int, epoch: int,
-                   collate: Collate, node_split: bool = True, drop_last: bool = True):
-    """The WebDataset pipeline (a torch IterableDataset yielding collated batches)."""
+                   collate: Collate, node_split: bool = True, drop_last: bool = True,
+                   policy: CorruptPolicy | None = None):
+    """The WebDataset pipeline (a torch IterableDataset yielding collated batches).
+    ``policy``: what a damaged shard or sample does (default: stop naming shard and key)."""
     import webdataset as wds
+
+    policy = policy or CorruptPolicy()
 
     if resampled:
         # Each worker (and rank: the seed includes rank*1000+worker) draws shards with
@@ -318,12 +326,12 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
         if node_split:
             stages.append(wds.split_by_node)
         stages.append(wds.split_by_worker)
-    stages.append(wds.tarfile_to_samples(handler=wds.reraise_exception))
-    stages.append(wds.select(view.keep))
+    stages.append(CheckedTarSamples(policy))
+    stages.append(wds.select(Guarded(view.keep, policy)))
     if shuffle and shuffle_buffer > 1:
         stages.append(wds.detshuffle(shuffle_buffer, initial=min(shuffle_buffer, 64),
                                      seed=augment.stable_seed("samples", seed, epoch) % (2**31)))
-    stages.append(wds.map(view))
+    stages.append(wds.map(Guarded(view, policy)))  # None (a skipped sample) is dropped by map
     stages.append(wds.batched(batch_size, collation_fn=collate, partial=not drop_last))
     return wds.DataPipeline(*stages)
 
@@ -334,7 +342,7 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
                 teachers: str | list[str] | None = None, teacher_image_size: int | None = None,
                 shuffle: bool = True, drop_last: bool = True, node_split: bool = True,
                 image_size: int | None = None, tokenize: Callable | None = None,
-                stored_embeddings: bool = True):
+                stored_embeddings: bool = True, on_corrupt: str = "stop", corrupt_log: str | None = None):
     """A DataLoader of training batches from one split of a shard folder.
 
     ``student`` supplies ``image_size`` and ``tokenize`` (either can be overridden). With
@@ -367,7 +375,8 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
                       (student_tokenizer(student) if student is not None else None))
     dataset = build_pipeline(urls, view, batch_size, resampled=resampled, shuffle=shuffle,
                              shuffle_buffer=shuffle_buffer, seed=seed, epoch=epoch, collate=collate,
-                             node_split=node_split, drop_last=drop_last)
+                             node_split=node_split, drop_last=drop_last,
+                             policy=CorruptPolicy(on_corrupt, corrupt_log))
     workers = _usable_workers(workers, len(urls), resampled)
     loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                         persistent_workers=False, pin_memory=torch.cuda.is_available(),
@@ -380,7 +389,8 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
 
 def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: int = 64, *,
                      workers: int = 0, return_boxes: bool = False, image_size: int | None = None,
-                     tokenize: Callable | None = None, teacher_image_size: int | None = None):
+                     tokenize: Callable | None = None, teacher_image_size: int | None = None,
+                     on_corrupt: str = "stop", corrupt_log: str | None = None):
     """Deterministic one-pass loader over a split: full stored image, report text, no shuffle.
 
     Every rank sees every sample (no node split): evaluation runs where it is called.
@@ -400,7 +410,7 @@ def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: in
                       (student_tokenizer(student) if student is not None else None))
     dataset = build_pipeline(urls, view, batch_size, resampled=False, shuffle=False,
                              shuffle_buffer=0, seed=0, epoch=0, collate=collate, node_split=False,
-                             drop_last=False)
+                             drop_last=False, policy=CorruptPolicy(on_corrupt, corrupt_log))
     # Ordered output needs one worker per shard at most; with several workers the order of
     # batches interleaves across shards (still deterministic for a fixed worker count).
     workers = _usable_workers(workers, len(urls), False)

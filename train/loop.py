@@ -36,6 +36,7 @@ from typing import Annotated, Optional
 import typer
 
 from train.config import TrainConfig
+from train.integrity import SKIP_LOG, count_skipped
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -77,7 +78,10 @@ def rng_state() -> dict:
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # Tensors and plain types only (checkpoints are read with weights_only=True).
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -88,7 +92,9 @@ def set_rng_state(state: dict) -> None:
     import torch
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if hasattr(keys, "numpy") else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"].cpu() if hasattr(state["torch"], "cpu") else state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         try:
@@ -158,6 +164,53 @@ def _json_default(obj):
     if isinstance(obj, float) and math.isnan(obj):
         return None
     return str(obj)
+
+
+# --------------------------------------------------------------------------- run folder
+
+# Settings a resumed run may change: they decide how long, where and how visibly it runs, not
+# what one training step computes (everything else must equal the checkpoint's train_config).
+RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
+                                "early_stop_patience", "workers", "device", "progress", "log_every",
+                                "save_every", "resume", "overwrite", "out", "on_corrupt"})
+RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml", "skipped.jsonl")
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+    """'name saved -> current' for every setting that differs and may not change on resume
+    (a field the checkpoint predates is compared with its current default)."""
+    from train.config import TrainConfig
+
+    defaults = TrainConfig().to_dict()
+    out = []
+    for name in sorted(set(current) - RESUME_OVERRIDABLE):
+        old = saved.get(name, defaults.get(name))
+        if old != current[name]:
+            out.append(f"{name} {old!r} -> {current[name]!r}")
+    return out
+
+
+def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to replace another run's outputs unless --overwrite (then delete them first)."""
+    existing = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not existing or resume:
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out} already holds a run ({', '.join(existing)}); pass --resume to "
+                         f"continue it, --overwrite to replace it, or choose another --out")
+    for name in existing:
+        (out / name).unlink()
+
+
+def lock_run_folder(cfg: TrainConfig):
+    """Rank 0 holds an exclusive lock on the run folder while it trains (None on other ranks)."""
+    from reinforce.locking import lock_folder, remove_stale_temp_files
+
+    if int(os.environ.get("RANK", 0)) != 0:
+        return None
+    lock = lock_folder(cfg.out, "train run")
+    remove_stale_temp_files(cfg.out)  # checkpoint temp files of a killed run
+    return lock
 
 
 # --------------------------------------------------------------------------- the loop
@@ -253,6 +306,8 @@ class Trainer:
         self.evals_since_best = 0
         self.last_eval: dict = {}
         self.train_time = 0.0
+        if self.main:
+            check_run_folder(self.out, cfg.resume, cfg.overwrite)
         resumed = self._maybe_resume()
 
         # outputs
@@ -273,7 +328,8 @@ class Trainer:
             if self.has_eval:
                 self.eval_loader = make_eval_loader(cfg.shards, cfg.eval_split, self.student,
                                                     batch_size=cfg.eval_batch_size,
-                                                    workers=min(cfg.workers, 1))
+                                                    workers=min(cfg.workers, 1), on_corrupt=cfg.on_corrupt,
+                                                    corrupt_log=str(self.out / SKIP_LOG))
             else:
                 print(f"note: no {cfg.eval_split!r} split in {cfg.shards}: no validation, "
                       f"best.pt = last.pt", file=sys.stderr)
@@ -292,9 +348,18 @@ class Trainer:
                 print(f"note: --resume but no {last}: starting from scratch", file=sys.stderr)
             return False
         state = load_training_state(last, map_location="cpu")
-        self.student.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        changed = resume_conflicts(state.get("train_config") or {}, self.cfg.to_dict())
+        if changed:
+            raise ValueError(f"--resume: {last} was trained with other settings ({'; '.join(changed)}); "
+                             f"rerun with the run's settings (changeable on resume: "
+                             f"{', '.join(sorted(RESUME_OVERRIDABLE))}), or pass --overwrite to start afresh")
+        try:
+            self.student.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(f"--resume: {last} does not fit the model {self.cfg.model!r}: {first}") from exc
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.queue is not None and state.get("queue"):
@@ -353,7 +418,8 @@ class Trainer:
                            seed=cfg.seed, pick=cfg.pick,
                            epoch=self.data_epoch if not resampled else self.step,
                            teachers=cfg.teachers, teacher_image_size=teacher_size,
-                           stored_embeddings=self.teacher is None)
+                           stored_embeddings=self.teacher is None, on_corrupt=cfg.on_corrupt,
+                           corrupt_log=str(self.out / SKIP_LOG))
 
     def _batches(self):
         """Endless batches; a one-pass loader is rebuilt with the next epoch when it runs out."""
@@ -559,6 +625,7 @@ class Trainer:
             "train_time_s": round(self.train_time, 3),
             "best_score": None if self.best_score == -math.inf else self.best_score,
             "best_step": self.best_step, "final_eval": self.last_eval,
+            "skipped_corrupt": count_skipped(self.out / SKIP_LOG),
         }
         if self.main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
@@ -569,11 +636,16 @@ def train(cfg: TrainConfig | dict) -> dict:
     """Train a student as ``cfg`` says; returns (and writes to RUN/summary.json) the summary."""
     if isinstance(cfg, dict):
         cfg = TrainConfig(**cfg)
-    trainer = Trainer(cfg)
+    lock = lock_run_folder(cfg)
     try:
-        return trainer.run()
+        trainer = Trainer(cfg)
+        try:
+            return trainer.run()
+        finally:
+            trainer.dist.barrier()
     finally:
-        trainer.dist.barrier()
+        if lock is not None:
+            lock.release()
 
 
 # --------------------------------------------------------------------------- CLI
@@ -593,7 +665,10 @@ def cli_run(
     online_teacher: Annotated[Optional[str], typer.Option("--online-teacher", help="Teacher spec run inside the loop on the same crops (replaces stored embeddings).")] = None,
     eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="Validate every N steps (0: only at the end).")] = None,
     early_stop_patience: Annotated[Optional[int], typer.Option("--early-stop-patience", help="Stop after N validations without improvement (0: off).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from RUN/last.pt.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from RUN/last.pt (settings must match the run's, except steps, eval/log/save intervals, workers, device).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the run already in --out (its last.pt, best.pt, metrics.jsonl).")] = False,
+    on_corrupt: Annotated[Optional[str], typer.Option("--on-corrupt", help="A damaged shard or sample: stop (default, naming shard and key) or skip (counted in RUN/skipped.jsonl and summary.json).")] = None,
+    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Steps between last.pt writes besides evaluations (0: only at evaluations and the end; default 100).")] = None,
     amp: Annotated[Optional[str], typer.Option("--amp", help="bf16, fp16 or none (CUDA only).")] = None,
     accum_steps: Annotated[Optional[int], typer.Option("--accum-steps", help="Micro-batches per optimiser step.")] = None,
     clip_grad: Annotated[Optional[float], typer.Option("--clip-grad", help="Max gradient norm (0: off).")] = None,
@@ -624,6 +699,7 @@ def cli_run(
             config, shards=shards, model=model, steps=steps, out=out, batch_size=batch_size, lr=lr,
             lambda_distill=lambda_distill, teachers=teachers, mode=mode, online_teacher=online_teacher,
             eval_every=eval_every, early_stop_patience=early_stop_patience, resume=resume or None,
+            overwrite=overwrite or None, save_every=save_every, on_corrupt=on_corrupt,
             amp=amp, accum_steps=accum_steps, clip_grad=clip_grad,
             grad_checkpointing=grad_checkpointing or None, workers=workers, seed=seed, device=device,
             freeze_steps=freeze_steps, freeze_epochs=freeze_epochs, head_lr_mult=head_lr_mult,

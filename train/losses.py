@@ -75,6 +75,13 @@ def _full_precision(fn):
 
 
 # ----------------------------------------------------------------------------- configuration
+LOSS_RANGES = {"lambda_distill": "[0, 1]", "w_i2t": "[0, inf)", "w_t2i": "[0, inf)",
+               "default_teacher_scale": "(0, inf)", "w_mask_nce": "[0, inf)", "lambda_sparse": "[0, inf)",
+               "mu_consistency": "[0, inf)", "w_local": "[0, inf)", "label_temperature": "(0, inf)",
+               "beta_min": "[0, inf)", "beta_max": "[0, inf)", "queue_size": "[0, inf)",
+               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)"}
+
+
 @dataclass
 class LossConfig:
     """Weights and pair-selection options of the training objective (YAML `loss:` section)."""
@@ -107,6 +114,9 @@ class LossConfig:
     queue_size: int = 0  # memory bank of past text embeddings (i2t negatives); 0 = off
 
     def __post_init__(self) -> None:
+        from reinforce.yamlio import validate_fields
+
+        validate_fields(self, "loss option", LOSS_RANGES)
         if self.distill_kind not in DISTILL_KINDS:
             raise ValueError(f"loss.distill_kind must be one of {DISTILL_KINDS}, got {self.distill_kind!r}")
         if self.fn_mode not in FN_MODES:
@@ -119,10 +129,6 @@ class LossConfig:
             raise ValueError(f"loss.queue_size must be >= 0, got {self.queue_size}")
         if self.local_loss not in LOCAL_LOSSES:
             raise ValueError(f"loss.local_loss must be one of {LOCAL_LOSSES}, got {self.local_loss!r}")
-        if self.local_tokens < 1:
-            raise ValueError(f"loss.local_tokens must be >= 1, got {self.local_tokens}")
-        if self.local_temperature <= 0:
-            raise ValueError(f"loss.local_temperature must be > 0, got {self.local_temperature}")
         parse_fn_masking(self.fn_masking)  # validates
 
     @classmethod

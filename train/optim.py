@@ -40,6 +40,11 @@ _EMBED_RE = re.compile(r"(?:^|\.)(patch_embed|pos_embed|cls_token|reg_token|embe
                        r"positional_embedding|word_embeddings|stem|conv1|class_embedding)(?:\.|$)")
 
 
+OPTIM_RANGES = {"lr": "(0, inf)", "weight_decay": "[0, inf)", "eps": "(0, inf)", "llrd": "(0, 1]",
+                "head_lr_mult": "(0, inf)", "warmup_steps": "[0, inf)", "min_lr_ratio": "[0, 1]",
+                "freeze_steps": "[0, inf)", "frozen_head_lr_mult": "(0, inf)"}
+
+
 @dataclass
 class OptimConfig:
     """Optimiser and schedule settings (YAML `optim:` section)."""
@@ -56,6 +61,9 @@ class OptimConfig:
     frozen_head_lr_mult: float = 10.0  # extra head LR factor while towers are frozen
 
     def __post_init__(self) -> None:
+        from reinforce.yamlio import validate_fields
+
+        validate_fields(self, "optim option", OPTIM_RANGES)
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives lists
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")

@@ -70,9 +70,43 @@ def resolve_image(value, base: Path) -> str | None:
     return str(path if path.is_absolute() else base / path)
 
 
+def bad_text_field(value, name: str = "") -> str | None:
+    """Path of the first string in ``value`` (a row: dicts, lists, strings) that is not valid
+    UTF-8 text: invalid bytes (read with errors='surrogateescape') or a lone surrogate such as a
+    JSON ``\\ud800``. Such text cannot be written to a shard, so its row is skipped up front."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return name or "value"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{name}[{i}]", v) for i, v in enumerate(value))
+        return next((bad for key, v in items if (bad := bad_text_field(v, key))), None)
+    else:
+        return None
+    for key, v in items:
+        where = f"{name}.{key}" if name else str(key)
+        bad = bad_text_field(key, where + " (key)") if isinstance(key, str) else None
+        if bad or (bad := bad_text_field(v, where)):
+            return bad.encode("utf-8", "backslashreplace").decode("utf-8")
+    return None
+
+
+def bad_text_skip(row: dict, path: Path, lineno: int) -> Skip | None:
+    field = bad_text_field(row)
+    if field is None:
+        return None
+    return Skip(f"line {lineno}", f"bad text: {path.name}:{lineno}: field {field!r} is not valid UTF-8 "
+                                  f"(invalid bytes or a lone surrogate)")
+
+
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict | Skip]]:
     """(line number, row dict) per non-empty line; a bad line becomes a Skip with id 'line N'."""
-    with open(path, encoding="utf-8") as fh:
+    # surrogateescape: a line with invalid UTF-8 bytes still reads; bad_text_skip then skips it.
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -84,7 +118,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict | Skip]]:
             if not isinstance(row, dict):
                 yield lineno, Skip(f"line {lineno}", f"bad json: {path.name}:{lineno}: not an object")
                 continue
-            yield lineno, row
+            yield lineno, bad_text_skip(row, path, lineno) or row
 
 
 def require_file(path: str | Path, what: str) -> Path:
@@ -145,6 +179,12 @@ class BaseSource:
     def _problem(self, rec: Record, seen: set[str]) -> str | None:
         if not rec.id:
             return "missing id: empty id"
+        texts = {"id": rec.id, "subject_id": rec.subject_id, "study_id": rec.study_id, "report": rec.report,
+                 "findings": rec.findings, "impression": rec.impression, "view": rec.view,
+                 "triples": rec.triples, "labels": rec.labels}
+        field = bad_text_field(texts)
+        if field:
+            return f"bad text: field {field!r} is not valid UTF-8 (invalid bytes or a lone surrogate)"
         if rec.id in seen:
             return f"duplicate id: {rec.id}"
         if rec.split not in SPLITS:

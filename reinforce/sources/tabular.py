@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from reinforce.records import CHEXPERT14, Record
-from reinforce.sources.common import (BaseSource, Skip, hash_split, is_frontal, join_report, normalize_split,
+from reinforce.sources.common import (BaseSource, Skip, bad_text_skip, hash_split, is_frontal, join_report, normalize_split,
                                       read_jsonl, require_file, resolve_image, text)
 
 LABEL_FORMATS = ("auto", "list", "dict", "columns")
@@ -107,12 +107,13 @@ class TabularSource(BaseSource):
         if self.fmt == "jsonl":
             yield from read_jsonl(self.path)
             return
-        with open(self.path, newline="", encoding="utf-8") as fh:
+        # surrogateescape: a row with invalid UTF-8 bytes still reads; bad_text_skip then skips it.
+        with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as fh:
             for lineno, row in enumerate(csv.DictReader(fh), 2):  # line 1 is the header
                 if None in row:  # more cells than header columns
                     yield lineno, Skip(f"line {lineno}", f"bad row: {self.path.name}:{lineno}: extra cells")
                     continue
-                yield lineno, row
+                yield lineno, bad_text_skip(row, self.path, lineno) or row
 
     def _labels(self, row: dict) -> dict[str, int | None]:
         fmt, col = self.labels_format, self.cols["col_labels"]

@@ -1,0 +1,575 @@
+"""Issue 12, "nothing lost, nothing executed": hostile inputs, kills, corruption and races.
+
+Tiny data throughout (the session's phantom:40 shards from tests/test_data.py, phantom:N builds
+with the random:tiny teacher, tiny students, a few steps).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_data import build_phantom_shards
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def phantom_shards(tmp_path_factory) -> Path:
+    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m reinforce.cli|train.cli ARGS` in a fresh process, as a user runs it."""
+    base = {k: v for k, v in os.environ.items() if k != "CXRDR_DEBUG"}
+    env = {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """Non-zero exit, stderr is a single 'error...' line (no traceback) naming every needle."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in lines if line.startswith("error")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+# --------------------------------------------------------------------------- 1. no pickle code
+
+
+class _Payload:
+    """Unpickling this creates a file: stands for any code a crafted checkpoint could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _crafted_checkpoint(path: Path, marker: Path) -> Path:
+    torch.save({"model_config": {"variant": "A"}, "model": {}, "step": _Payload(marker)}, path)
+    return path
+
+
+def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
+    from train.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+    from train.models import build_student
+
+    marker = tmp_path / "pwned"
+    evil = _crafted_checkpoint(tmp_path / "evil.pt", marker)
+    with pytest.raises(ValueError, match="refused"):
+        read_checkpoint(evil)
+    # a ckpt: teacher and a planted last.pt on --resume go through the same reader
+    from reinforce.teachers import load_teacher
+    with pytest.raises(Exception, match="refused"):
+        load_teacher(f"ckpt:{evil}", device="cpu")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "last.pt").write_bytes(evil.read_bytes())
+    from train.loop import train
+    with pytest.raises(ValueError, match="refused"):
+        train(dict(shards=str(phantom_shards), model="tiny-A", out=str(run), steps=1, batch_size=4,
+                   workers=0, progress=False, device="cpu", resume=True))
+    result = run_cli("train.cli", "eval", "--ckpt", str(evil), "--shards", str(phantom_shards),
+                     "--out", str(tmp_path / "eval"))
+    assert_one_line_error(result, "evil.pt", "refused")
+    assert not marker.exists()
+
+    # A real checkpoint (with RNG states, numpy values) still round-trips under weights_only.
+    import numpy as np
+    from train.loop import rng_state
+    model = build_student("tiny-A")
+    path = save_checkpoint(tmp_path / "ok.pt", model, rng={"0": rng_state()},
+                           metrics={"auc": np.float32(0.5)}, step=3)
+    data = read_checkpoint(path)
+    assert data["step"] == 3 and data["metrics"]["auc"] == 0.5
+    assert load_checkpoint(path).embed_dim == model.embed_dim
+
+
+# --------------------------------------------------------------------------- 2. one writer per folder
+
+
+def tiny_build_options(out, **overrides):
+    from reinforce.build import BuildOptions
+
+    base = dict(source="phantom:8", teachers="random:tiny", out=Path(out), n_aug=2, n_captions=2,
+                store_size=48, shard_size=3, workers=0, batch_size=4, device="cpu", progress=False,
+                merge_timeout=60, source_options={"seed": 4, "size": 96})
+    base.update(overrides)
+    return BuildOptions(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher():
+    from reinforce.teachers import load_teachers
+
+    return load_teachers("random:tiny", device="cpu")
+
+
+def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, phantom_shards):
+    from reinforce.add_teacher import add_teachers
+    from reinforce.build import build
+    from reinforce.locking import FolderBusyError, lock_build_rank, lock_folder
+
+    out = tmp_path / "shards"
+    build(tiny_build_options(out), teachers=tiny_teacher)
+    with lock_build_rank(out, 0, 1):  # a build of this folder is running
+        with pytest.raises(FolderBusyError, match="rank 0 is already being built by `reinforce build`"):
+            build(tiny_build_options(out, seed=1, resume=True), teachers=tiny_teacher)
+        with pytest.raises(FolderBusyError, match="in use"):
+            add_teachers(out, "random:tiny?name=other", progress=False, teachers=tiny_teacher)
+        result = run_cli("reinforce.cli", "merge", str(out))
+        assert_one_line_error(result, str(out), "in use by `reinforce build`")
+        result = run_cli("reinforce.cli", "build", "--source", "phantom:8", "--teachers", "random:tiny",
+                         "--out", str(out), "--seed", "1", "--quiet", "--device", "cpu", "--workers", "0")
+        assert_one_line_error(result, str(out), "already being built")
+    # Ranks of one multi-rank build share the folder; another world size or a second rank 1 cannot.
+    with lock_build_rank(out, 0, 2), lock_build_rank(out, 1, 2):
+        with pytest.raises(FolderBusyError, match="rank 1 is already being built"):
+            lock_build_rank(out, 1, 2)
+        with pytest.raises(FolderBusyError, match="world size 1"):
+            lock_build_rank(out, 0, 1)
+        with pytest.raises(FolderBusyError):
+            lock_folder(out, "reinforce add-teacher")
+    # Released locks (also on a crash: the kernel drops them) let the next writer in.
+    with lock_folder(out, "reinforce merge"):
+        pass
+    run = tmp_path / "run"
+    with lock_folder(run, "train run"):
+        from train.loop import train
+        with pytest.raises(FolderBusyError, match="in use by `train run`"):
+            train(dict(shards=str(phantom_shards), model="tiny-A", out=str(run), steps=1, batch_size=4,
+                       workers=0, progress=False, device="cpu"))
+
+
+# --------------------------------------------------------------------------- 3, 8. run folders
+
+
+def _train(phantom_shards, out, **overrides):
+    from train.loop import train
+
+    cfg = dict(shards=str(phantom_shards), model="tiny-A", out=str(out), steps=2, batch_size=4, workers=0,
+               progress=False, device="cpu", log_every=1)
+    cfg.update(overrides)
+    return train(cfg)
+
+
+def test_existing_run_is_not_replaced_without_overwrite(phantom_shards, tmp_path):
+    run = tmp_path / "run"
+    _train(phantom_shards, run)
+    before = (run / "last.pt").read_bytes()
+    with pytest.raises(ValueError, match="already holds a run .*--overwrite"):
+        _train(phantom_shards, run, lr=1e-3)
+    assert (run / "last.pt").read_bytes() == before
+    summary = _train(phantom_shards, run, lr=1e-3, steps=1, overwrite=True)
+    assert summary["steps"] == 1 and summary["start_step"] == 0
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"] == [1]  # the old run's steps 1, 2 are gone
+    result = run_cli("train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
+                     "--steps", "1", "--device", "cpu", "--workers", "0", "--no-progress")
+    assert_one_line_error(result, str(run), "--overwrite")
+
+
+def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_path):
+    from train.checkpoint import read_checkpoint
+    from train.config import TrainConfig
+
+    assert TrainConfig().save_every > 0  # a killed run with default settings keeps its progress
+    run = tmp_path / "run"
+    _train(phantom_shards, run, steps=2)
+    with pytest.raises(ValueError, match=r"lr 0\.0005 -> 0\.001.*batch_size 4 -> 8|batch_size 4 -> 8.*lr"):
+        _train(phantom_shards, run, steps=3, resume=True, lr=1e-3, batch_size=8)
+    with pytest.raises(ValueError, match="model 'tiny-A' -> 'tiny-D'"):
+        _train(phantom_shards, run, steps=3, resume=True, model="tiny-D")
+    # steps, intervals, workers and device may change
+    summary = _train(phantom_shards, run, steps=3, resume=True, eval_every=1, log_every=2, save_every=1)
+    assert summary["start_step"] == 2 and summary["steps"] == 3
+    # a checkpoint whose weights do not fit the configured model: one line, not a state_dict dump
+    state = read_checkpoint(run / "last.pt")
+    state["train_config"]["model"] = "tiny-D"
+    torch.save(state, run / "last.pt")
+    with pytest.raises(ValueError, match="does not fit the model 'tiny-D'") as excinfo:
+        _train(phantom_shards, run, steps=4, resume=True, model="tiny-D")
+    assert "\n" not in str(excinfo.value)
+
+
+# --------------------------------------------------------------------------- 4. broken text in reports
+
+
+def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_teacher):
+    from reinforce.build import build, summary_text
+    from reinforce.phantom import write_phantom_dataset
+    from reinforce.sources import open_source
+
+    jsonl = write_phantom_dataset(6, tmp_path / "data", size=96, progress=False)
+    lines = jsonl.read_bytes().splitlines()
+    rows = [json.loads(line) for line in lines]
+    lines[1] = lines[1].replace(b'"report": "', b'"report": "\xff\xfe broken ')  # invalid UTF-8 bytes
+    rows[3]["report"] = "\ud800 " + rows[3]["report"]  # json.dumps writes the escape \ud800
+    lines[3] = json.dumps(rows[3]).encode()
+    assert b"\\ud800" in lines[3]
+    jsonl.write_bytes(b"\n".join(lines) + b"\n")
+    info = build(tiny_build_options(tmp_path / "out", source=f"jsonl:{jsonl}", source_options={}),
+                 teachers=tiny_teacher)
+    assert info["total_samples"] == 4
+    skipped = {e["id"]: e["reason"] for e in info["skipped"]["source"]["records"]}
+    assert set(skipped) == {"line 2", "line 4"}
+    assert all(r.startswith("bad text: records.jsonl:") and "'report'" in r for r in skipped.values())
+    assert "line 2: bad text" in summary_text(info)
+
+    csv_path = tmp_path / "data" / "rows.csv"
+    header = b"id,image,report,split\n"
+    good = b"a1,%s,%s,train\n" % (rows[0]["image"].encode(), rows[0]["report"].encode())
+    bad = b"a2,%s,bad \xc3\x28 bytes %s,train\n" % (rows[2]["image"].encode(), rows[2]["report"].encode())
+    csv_path.write_bytes(header + good + bad)
+    source = open_source(f"csv:{csv_path}")
+    assert [r.id for r in source] == ["a1"]
+    assert source.skipped.entries == [("line 3", "bad text: rows.csv:3: field 'report' is not valid UTF-8 "
+                                                 "(invalid bytes or a lone surrogate)")]
+
+
+# --------------------------------------------------------------------------- 5. sample keys
+
+
+def test_ids_that_sanitise_alike_get_unique_keys_before_any_work(tmp_path, tiny_teacher):
+    from reinforce.build import assign_keys, build, check_unique_keys
+    from reinforce.clierrors import UserError
+    from reinforce.phantom import write_phantom_dataset
+    from reinforce.records import Record
+
+    jsonl = write_phantom_dataset(4, tmp_path / "data", size=96, progress=False)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    for row, rid in zip(rows, ["x", "x-914ba315", "x.", "x/"]):
+        row.update(id=rid, split="train")
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = build(tiny_build_options(tmp_path / "out", source=f"jsonl:{jsonl}", source_options={}),
+                 teachers=tiny_teacher)
+    import pyarrow.parquet as pq
+    manifest = pq.read_table(tmp_path / "out" / "manifest.parquet").to_pylist()
+    keys = {r["id"]: r["key"] for r in manifest}
+    assert info["total_samples"] == 4 and len(set(keys.values())) == 4
+    assert keys["x"] == "x" and keys["x-914ba315"] == "x-914ba315"
+
+    ids = ["a", "a.", "a_", "a-86f7e437", "a/", "a?"]
+    records = [Record(id=i, subject_id="s", study_id=i, split="train", report="r") for i in ids]
+    for order in (records, records[::-1]):
+        assert len({k for k, _ in assign_keys(order)}) == len(ids)
+    with pytest.raises(UserError, match="'a' and 'a.' both get the sample key 'a'"):
+        check_unique_keys([("a", records[0]), ("a", records[1])])
+
+
+# --------------------------------------------------------------------------- 6. damaged shards in training
+
+
+def _rewrite_member(tar: Path, index: int, ext: str, change) -> str:
+    """Rewrite sample ``index`` of ``tar`` with ``change(bytes) -> bytes`` applied to member ``ext``."""
+    import webdataset as wds
+
+    from reinforce.verify import iter_tar_samples
+
+    samples = list(iter_tar_samples(tar))
+    key = samples[index][0]
+    samples[index][1][ext] = change(samples[index][1][ext])
+    with open(tar, "wb") as f:
+        writer = wds.TarWriter(f, encoder=False, mtime=0)
+        for k, sample in samples:
+            writer.write({"__key__": k, **sample})
+        writer.close()
+    return key
+
+
+def _npy_with(values) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, values)
+    return buf.getvalue()
+
+
+def _last_sample_start(path: Path) -> int:
+    """Byte offset of the header of the last sample's first member (a cut between two samples)."""
+    import tarfile
+
+    with tarfile.open(path) as tf:
+        members = tf.getmembers()
+    last_key = members[-1].name.split(".", 1)[0]
+    return next(m.offset for m in members if m.name.split(".", 1)[0] == last_key)
+
+
+@pytest.fixture(scope="module")
+def damaged_shards(phantom_shards, tmp_path_factory) -> dict:
+    """A copy of the phantom shards with every train shard damaged in one way."""
+    import shutil
+
+    import numpy as np
+
+    from reinforce.shardformat import npy_load
+
+    out = tmp_path_factory.mktemp("damaged") / "shards"
+    shutil.copytree(phantom_shards, out)
+    info = json.loads((out / "dataset.json").read_text())
+    train = [s["name"] for s in info["shards"] if s["split"] == "train"]
+    assert len(train) == 3
+    nan_key = _rewrite_member(out / train[1], 1, "random-tiny.img.npy",
+                              lambda b: _npy_with(np.full_like(npy_load(b), np.nan)))
+
+    def blow_up(data: bytes) -> bytes:  # a flipped exponent bit: one coordinate becomes huge
+        arr = npy_load(data).copy()
+        arr.reshape(-1)[0] = np.float16(61000)
+        return _npy_with(arr)
+
+    big_key = _rewrite_member(out / train[2], 2, "random-tiny.syn.npy", blow_up)
+    with open(out / train[0], "r+b") as f:  # cut inside a member
+        f.truncate((out / train[0]).stat().st_size // 2)
+    return {"dir": out, "train": train, "nan_key": nan_key, "big_key": big_key}
+
+
+def _read_all(shards_dir, on_corrupt="stop", log=None) -> list[str]:
+    from train.data import make_loader
+    from train.models import build_student
+
+    loader = make_loader(shards_dir, "train", build_student("tiny-A"), 4, workers=0, shuffle=False,
+                         drop_last=False, on_corrupt=on_corrupt, corrupt_log=log)
+    return [key for batch in loader for key in batch["key"]]
+
+
+def test_training_input_names_shard_and_key_then_stops_or_skips(damaged_shards, phantom_shards, tmp_path):
+    import shutil
+
+    from train.integrity import CorruptDataError, count_skipped
+
+    shards, train = damaged_shards["dir"], damaged_shards["train"]
+    with pytest.raises(CorruptDataError, match=f"{train[0]}: key \\(unreadable tar after "):
+        _read_all(shards)
+    log = tmp_path / "skipped.jsonl"
+    kept = _read_all(shards, "skip", str(log))
+    skipped = count_skipped(log)
+    by_shard = {s["shard"]: s for s in skipped["samples"]}
+    assert set(by_shard) == set(train)
+    assert by_shard[train[1]]["key"] == damaged_shards["nan_key"] and "NaN" in by_shard[train[1]]["reason"]
+    assert by_shard[train[2]]["key"] == damaged_shards["big_key"]
+    assert "not unit vectors" in by_shard[train[2]]["reason"]
+    assert damaged_shards["nan_key"] not in kept and damaged_shards["big_key"] not in kept
+    clean = _read_all(phantom_shards)
+    assert len(kept) < len(clean) - 2 and set(kept) < set(clean)
+
+    # Cut exactly at a member boundary: webdataset's reader lost the rest silently; this stops.
+    cut = tmp_path / "cut"
+    shutil.copytree(phantom_shards, cut)
+    tar = cut / train[0]
+    with open(tar, "r+b") as f:
+        f.truncate(_last_sample_start(tar))  # the last sample and the end-of-archive marker are gone
+    with pytest.raises(CorruptDataError, match=f"{train[0]}: key \\(unreadable tar after .*end-of-archive"):
+        _read_all(cut)
+
+
+def test_train_run_on_damaged_shards_is_one_line_or_skips_and_counts(damaged_shards, tmp_path):
+    result = run_cli("train.cli", "run", "--shards", str(damaged_shards["dir"]), "--model", "tiny-A",
+                     "--out", str(tmp_path / "stop"), "--steps", "2", "--batch-size", "4", "--device", "cpu",
+                     "--workers", "1", "--no-progress")
+    line = assert_one_line_error(result, "corrupt training input", "shard-00000", "--on-corrupt skip")
+    assert "DataLoader worker" not in line
+    summary = _train(damaged_shards["dir"], tmp_path / "skip", steps=2, on_corrupt="skip")
+    assert summary["steps"] == 2 and summary["skipped_corrupt"]["count"] >= 1
+
+
+# --------------------------------------------------------------------------- 7. content checksums
+
+
+def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tmp_path, tiny_teacher):
+    import shutil
+
+    from reinforce.add_teacher import add_teachers
+    from reinforce.build import build
+    from reinforce.teachers import load_teachers
+    from reinforce.verify import verify
+
+    out = tmp_path / "shards"
+    build(tiny_build_options(out), teachers=tiny_teacher)
+    other = load_teachers("random:tiny?name=other", device="cpu")
+    add_teachers(out, "random:tiny?name=other", progress=False, teachers=other)
+    assert verify(out)[0] == []
+    stats = json.loads((out / "stats" / "shard-000000.json").read_text())
+    members = next(iter(stats["checksums"]["samples"].values()))
+    assert {"jpg", "txt", "json", "other.img.npy", "random-tiny.img.npy"} <= set(members)
+
+    def flip(offset_from_end: int, bit: int):
+        def change(data: bytes) -> bytes:
+            data = bytearray(data)
+            data[len(data) - offset_from_end] ^= 1 << bit
+            return bytes(data)
+        return change
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    cases = [("shard-000000.tar", 0, "jpg", flip(200, 3)),                     # JPEG entropy data
+             ("shard-000001.tar", 1, "random-tiny.syn.npy", flip(2, 0)),       # lowest mantissa bit
+             ("shard-000002.tar", 0, "txt", lambda b: b.replace(b"e", b"a", 1))]  # an edited report
+    for shard, index, ext, change in cases:
+        key = _rewrite_member(damaged / shard, index, ext, change)
+        # the tar keeps its size, and each change alone passes every other check
+        assert (damaged / shard).stat().st_size == (out / shard).stat().st_size
+        problems, _ = verify(damaged)
+        assert any(p.startswith(f"{shard}: key {key}: member {key}.{ext} content differs") for p in problems), problems
+    assert len(problems) == 3, problems
+
+
+# --------------------------------------------------------------------------- 9. config types
+
+
+@pytest.mark.parametrize("yaml_text, needle", [
+    ("resume: 'no'", "'resume': expected true or false, got 'no'"),
+    ("steps: 2.7", "'steps': expected an integer, got 2.7"),
+    ("lr: fast", "'lr': expected a finite number, got 'fast'"),
+    ("eval_every: -5", "'eval_every': must be in [0, inf), got -5"),
+    ("llrd: 1.5", "'llrd': must be in (0, 1], got 1.5"),
+    ("teachers: 3", "'teachers': expected a string or null, got 3"),
+    ("loss: [1, 2]", "'loss': expected a mapping"),
+])
+def test_config_fields_are_typed_and_ranged(tmp_path, yaml_text, needle):
+    from train.config import TrainConfig
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(ValueError) as excinfo:
+        TrainConfig.load(path)
+    assert str(excinfo.value).startswith(f"{path}: training config field ")
+    assert needle in str(excinfo.value)
+
+
+def test_nested_configs_and_coercions():
+    from train.config import TrainConfig
+    from train.losses import LossConfig
+    from train.optim import OptimConfig
+
+    cfg = TrainConfig(lr="1e-3", weight_decay=0, steps=5)  # YAML 1.1 reads 1e-3 as a string
+    assert cfg.lr == 0.001 and isinstance(cfg.weight_decay, float)
+    assert OptimConfig.from_dict({"betas": [0.9, 0.95]}).betas == (0.9, 0.95)
+    with pytest.raises(ValueError, match="optim option 'warmup_steps': expected an integer"):
+        OptimConfig.from_dict({"warmup_steps": "10"})
+    with pytest.raises(ValueError, match=r"optim option 'betas': expected a list of 2 values"):
+        OptimConfig.from_dict({"betas": [0.9]})
+    with pytest.raises(ValueError, match="loss option 'use_syn': expected true or false"):
+        LossConfig.from_dict({"use_syn": "yes"})
+    with pytest.raises(ValueError, match=r"loss option 'queue_size': must be in \[0, inf\)"):
+        LossConfig.from_dict({"queue_size": -1})
+    with pytest.raises(ValueError, match="loss option 'teacher_scales': expected a finite number"):
+        LossConfig.from_dict({"teacher_scales": {"minilm": "hot"}})
+
+
+def test_config_errors_reach_the_cli_as_one_line(tmp_path, phantom_shards):
+    path = tmp_path / "train.yaml"
+    path.write_text("lr: fast\n")
+    result = run_cli("train.cli", "run", "--config", str(path), "--shards", str(phantom_shards),
+                     "--out", str(tmp_path / "run"))
+    assert_one_line_error(result, str(path), "'lr'")
+
+
+# --------------------------------------------------------------------------- kill -9, resume, temp files
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 240.0) -> None:
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the process never reached the kill point"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _popen(module: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+
+
+def test_build_killed_with_sigkill_resumes_to_identical_shards(tmp_path, tiny_teacher):
+    from reinforce.build import build
+    from reinforce.verify import verify
+
+    n = 30
+    reference = tmp_path / "reference"
+    build(tiny_build_options(reference, source=f"phantom:{n}"), teachers=tiny_teacher)
+    out = tmp_path / "killed"
+    proc = _popen("reinforce.cli", "build", "--source", f"phantom:{n}", "--source-seed", "4", "--phantom-size", "96",
+                  "--teachers", "random:tiny", "--out", str(out), "--n-aug", "2", "--n-captions", "2",
+                  "--store-size", "48", "--shard-size", "3", "--batch-size", "4", "--workers", "0",
+                  "--device", "cpu", "--quiet")
+    _kill_when(proc, lambda: (out / "stats" / "shard-000001.json").is_file())
+    assert not (out / "dataset.json").exists()  # killed mid-build
+    stale = out / "stats" / "shard-000009.json.tmp4194304"  # a temp file a killed process left
+    stale.write_text("{")
+    info = build(tiny_build_options(out, source=f"phantom:{n}", resume=True), teachers=tiny_teacher)
+    assert info["build"]["ranks"][0]["shards_skipped_as_complete"] >= 2
+    assert not stale.exists()
+    tars = sorted(p.name for p in reference.glob("*.tar"))
+    assert tars == sorted(p.name for p in out.glob("*.tar")) and len(tars) == 10
+    for name in tars:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert (out / "manifest.parquet").read_bytes() == (reference / "manifest.parquet").read_bytes()
+    assert verify(out)[0] == []
+
+
+def test_training_killed_with_sigkill_resumes_deterministically(phantom_shards, tmp_path):
+    import shutil
+
+    from train.checkpoint import read_checkpoint
+
+    run = tmp_path / "run"
+    proc = _popen("train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
+                  "--steps", "200", "--batch-size", "4", "--workers", "0", "--device", "cpu", "--save-every", "2",
+                  "--log-every", "1", "--no-progress")
+    _kill_when(proc, lambda: (run / "last.pt").is_file())
+    step = read_checkpoint(run / "last.pt")["step"]
+    assert 2 <= step < 200
+    (run / ".last.pt.tmp4194304").write_bytes(b"half a checkpoint")
+    twin = tmp_path / "twin"
+    shutil.copytree(run, twin)
+    ends = []
+    for folder in (run, twin):
+        summary = _train(phantom_shards, folder, steps=step + 2, resume=True)
+        assert summary["start_step"] == step and summary["steps"] == step + 2
+        assert not (folder / ".last.pt.tmp4194304").exists()
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in records if r["kind"] == "train"]
+        assert steps == sorted(set(steps)) and steps[-1] == step + 2
+        ends.append(read_checkpoint(folder / "last.pt")["model"])
+    for name, tensor in ends[0].items():
+        assert torch.equal(tensor, ends[1][name]), name
+
+
+def test_unexpected_errors_are_one_line_unless_debugging(tmp_path):
+    bad = tmp_path / "shards"
+    bad.mkdir()
+    (bad / "stats").mkdir()
+    (bad / "stats" / "plan.json").write_text('{"shards": 5}')  # a TypeError deep inside merge
+    result = run_cli("reinforce.cli", "merge", str(bad))
+    assert result.returncode == 1
+    assert_one_line_error(result, "error (TypeError):", "CXRDR_DEBUG=1")
+    result = run_cli("reinforce.cli", "merge", str(bad), env={"CXRDR_DEBUG": "1"})
+    assert "Traceback" in result.stderr
