@@ -434,6 +434,7 @@ def _downgrade_to_schema_1(out: Path, info: dict) -> None:
             writer.close()
         stats = read_shard_stats(out, index)
         stats["tar_bytes"] = tar.stat().st_size
+        stats.pop("checksums", None)  # schema-1 builds predate member checksums
         stats_path(out, index).write_text(json.dumps(stats))
     for path in (out / "dataset.json", plan_path(out)):
         data = json.loads(path.read_text())
