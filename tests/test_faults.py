@@ -331,7 +331,7 @@ def damaged_shards(phantom_shards, tmp_path_factory) -> dict:
     info = json.loads((out / "dataset.json").read_text())
     train = [s["name"] for s in info["shards"] if s["split"] == "train"]
     assert len(train) == 3
-    nan_key = _rewrite_member(out / train[1], 1, "random-tiny.img.npy",
+    nan_key = _rewrite_member(out / train[1], 1, "random-tiny.npy",
                               lambda b: _npy_with(np.full_like(npy_load(b), np.nan)))
 
     def blow_up(data: bytes) -> bytes:  # a flipped exponent bit: one coordinate becomes huge
@@ -339,7 +339,7 @@ def damaged_shards(phantom_shards, tmp_path_factory) -> dict:
         arr.reshape(-1)[0] = np.float16(61000)
         return _npy_with(arr)
 
-    big_key = _rewrite_member(out / train[2], 2, "random-tiny.syn.npy", blow_up)
+    big_key = _rewrite_member(out / train[2], 2, "random-tiny.npy", blow_up)
     with open(out / train[0], "r+b") as f:  # cut inside a member
         f.truncate((out / train[0]).stat().st_size // 2)
     return {"dir": out, "train": train, "nan_key": nan_key, "big_key": big_key}
@@ -412,7 +412,7 @@ def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tm
     assert verify(out)[0] == []
     stats = json.loads((out / "stats" / "shard-000000.json").read_text())
     members = next(iter(stats["checksums"]["samples"].values()))
-    assert {"jpg", "txt", "json", "other.img.npy", "random-tiny.img.npy"} <= set(members)
+    assert {"jpg", "txt", "json", "other.npy", "random-tiny.npy"} <= set(members)  # schema 2: one member per teacher
 
     def flip(offset_from_end: int, bit: int):
         def change(data: bytes) -> bytes:
@@ -424,7 +424,7 @@ def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tm
     damaged = tmp_path / "damaged"
     shutil.copytree(out, damaged)
     cases = [("shard-000000.tar", 0, "jpg", flip(200, 3)),                     # JPEG entropy data
-             ("shard-000001.tar", 1, "random-tiny.syn.npy", flip(2, 0)),       # lowest mantissa bit
+             ("shard-000001.tar", 1, "random-tiny.npy", flip(2, 0)),           # lowest mantissa bit
              ("shard-000002.tar", 0, "txt", lambda b: b.replace(b"e", b"a", 1))]  # an edited report
     for shard, index, ext, change in cases:
         key = _rewrite_member(damaged / shard, index, ext, change)
