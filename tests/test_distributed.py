@@ -48,9 +48,10 @@ def global_case():
 
 CONFIGS = [
     LossConfig(lambda_distill=0.6, fn_masking="all", fn_mode="multi", beta_min=0.2, beta_max=1.0,
-               teacher_scales={"textT": 20.0}, lambda_sparse=0.1, mu_consistency=2.0, w_local=0.5),
+               teacher_scales={"textT": 20.0}, lambda_sparse=0.1, mu_consistency=2.0, w_local=0.5,
+               local_loss="cosine"),  # FakeOutput has local features, not the contrastive pairs
     LossConfig(lambda_distill=0.3, fn_masking="subject,text", fn_mode="mask", label_soft_targets=True,
-               queue_size=16, distill_kind="ce", w_local=1.0),
+               queue_size=16, distill_kind="ce", w_local=1.0, local_loss="cosine"),
 ]
 
 
