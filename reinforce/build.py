@@ -770,7 +770,7 @@ def cli_build(
     engine: Annotated[str, typer.Option(help="local: this process (or torchrun ranks); ray: shards on a Ray "
                                              "actor pool ($RAY_ADDRESS, else a local Ray).")] = "local",
     ray_actors: Annotated[Optional[int], typer.Option(help="--engine ray: actors, each with its own teachers "
-                                                           "[default: one per GPU, else CPUs/workers].")] = None,
+                                                           "(default: one per GPU, else CPUs / workers).")] = None,
     ray_retries: Annotated[int, typer.Option(help="--engine ray: retries of a shard whose actor died or "
                                                   "that raised.")] = 3,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
