@@ -63,6 +63,104 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
     return best, len(samples)
 
 
+def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch_size: int = 32, n_aug: int = 10,
+            n_captions: int = 5, store_size: int = 256, device: str = "auto", files: bool = False,
+            out: str | None = None, teacher_repeats: int = 2) -> dict:
+    """Build N phantom samples, then time the teachers alone on the same inputs; returns the figures."""
+    import torch
+
+    from reinforce.build import BuildOptions, build, resolve_device
+    from reinforce.teachers import load_teachers
+
+    device = resolve_device(device)
+    loaded = load_teachers(teachers, device=device)
+    root = Path(out or tempfile.mkdtemp(prefix="reinforce-bench-"))
+    shards = root / "shards"
+    # Warm the teachers up (first-call allocations) so neither side pays for it.
+    for t in loaded:
+        if t.has_images:
+            t.encode_images(torch.rand(4, 1, t.image_size, t.image_size))
+        t.encode_texts(["warm up"])
+    source = f"phantom:{n}"
+    if files:
+        from reinforce.phantom import write_phantom_dataset
+
+        source = f"jsonl:{write_phantom_dataset(n, root / 'data', progress=False)}"
+    opts = BuildOptions(source=source, teachers=teachers, out=shards, n_aug=n_aug,
+                        n_captions=n_captions, store_size=store_size, shard_size=max(1, n // 4),
+                        workers=workers, batch_size=batch_size, device=device, progress=False)
+    threads_before = torch.get_num_threads()
+    start = time.perf_counter()
+    info = build(opts, teachers=loaded)
+    build_wall = time.perf_counter() - start
+    build_rate = info["total_samples"] / build_wall
+    torch.set_num_threads(threads_before)
+    # The teacher alone gets its best of: all default threads, or one thread (on a shared, busy
+    # CPU one thread is often faster); the ratio is therefore conservative.
+    rates = {}
+    for threads in sorted({threads_before, 1}):
+        torch.set_num_threads(threads)
+        forward_s, count = teacher_forward_seconds(shards, loaded, batch_size, repeats=teacher_repeats)
+        rates[threads] = count / forward_s
+    torch.set_num_threads(threads_before)
+    best_threads = max(rates, key=rates.get)
+    teacher_rate = rates[best_threads]
+    n_built = max(1, info["total_samples"])
+    split = info["build"]["time_split_seconds"]
+    prep, main_cpu = {}, {}
+    assemble_s = sum(r.get("assemble_seconds", 0.0) for r in info["build"].get("ranks", []))
+    for r in info["build"].get("ranks", []):
+        for k, v in (r.get("prepare_cpu_seconds") or {}).items():
+            prep[k] = prep.get(k, 0.0) + v
+        for k, v in (r.get("main_cpu_seconds") or {}).items():
+            main_cpu[k] = main_cpu.get(k, 0.0) + v
+    return {"source": source, "device": device, "teachers": teachers, "workers": workers,
+            "batch_size": batch_size, "n_aug": n_aug, "n_captions": n_captions, "store_size": store_size,
+            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "samples": info["total_samples"], "build_seconds": build_wall, "build_samples_per_s": build_rate,
+            "teacher_seconds": n_built / teacher_rate, "teacher_samples_per_s": teacher_rate,
+            "teacher_best_threads": best_threads, "teacher_rate_by_threads": rates,
+            "ratio": build_rate / teacher_rate, "time_split_seconds": split, "assemble_seconds": assemble_s,
+            "prepare_cpu_seconds": prep, "main_cpu_seconds": main_cpu, "shards": str(shards)}
+
+
+def report(m: dict) -> None:
+    """Print a ``measure`` result: rates, wall and CPU ms per sample by step, the CPU bound."""
+    split, prep, main_cpu = m["time_split_seconds"], m["prepare_cpu_seconds"], m["main_cpu_seconds"]
+    teacher_rate, build_wall = m["teacher_samples_per_s"], m["build_seconds"]
+    print(f"source {m['source']}, device {m['device']}, torch threads {m['torch_threads']}, cpus {m['cpus']}, "
+          f"teachers {m['teachers']}, workers {m['workers']}, batch {m['batch_size']}, K={m['n_aug']}, "
+          f"S={m['n_captions']}, store {m['store_size']}")
+    print(f"build: {m['samples']} samples in {build_wall:.2f} s = {m['build_samples_per_s']:.1f} samples/s "
+          f"(time split s: {split})")
+    print(f"teacher forward only, same batches: {m['teacher_seconds']:.2f} s = {teacher_rate:.1f} samples/s "
+          f"(torch threads {m['teacher_best_threads']}; by threads: "
+          + ", ".join(f"{t}: {r:.1f}/s" for t, r in m["teacher_rate_by_threads"].items()) + ")")
+    n_built = max(1, m["samples"])
+    ms = lambda seconds: 1000 * seconds / n_built  # noqa: E731
+    prep_cpu = sum(prep.values())
+    print(f"wall per sample (ms): prepare {ms(split['decode_augment']):.1f} (summed over workers), "
+          f"teacher {ms(split['teacher']):.1f} (alone {1000 / teacher_rate:.1f}), "
+          f"assemble+queue {ms(m['assemble_seconds']):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
+          f"writer thread {ms(split['write']):.1f}; teacher busy {split['teacher'] / build_wall:.0%} of wall")
+    print(f"CPU per sample (ms): prepare {ms(prep_cpu):.1f} ["
+          + ", ".join(f"{k} {ms(v):.2f}" for k, v in prep.items())
+          + f"]; main thread: teacher {ms(main_cpu.get('teacher', 0.0)):.1f}, "
+          f"assemble+queue {ms(main_cpu.get('assemble', 0.0)):.2f}")
+    # Workers, main process and writer share the same cores: whatever the pipeline does, the
+    # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(split["write"])
+    cpu_ms = ms(prep_cpu) + 1000 / teacher_rate + other_ms
+    bound = cores * 1000 / cpu_ms
+    budget = cores * 1000 / (0.8 * teacher_rate) - 1000 / teacher_rate - other_ms
+    print(f"CPU bound: {cpu_ms:.1f} ms CPU per sample on {cores} cores -> at most {bound:.1f} samples/s on idle "
+          f"cores, ratio at most {bound / teacher_rate:.3f}; ratio 0.8 needs prepare <= {budget:.1f} ms CPU/sample. "
+          f"Load average {os.getloadavg()[0]:.1f} (other processes share these cores)")
+    print(f"ratio build/teacher throughput: {m['ratio']:.3f}")
+    print(f"shards in {m['shards']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=200)
@@ -82,84 +180,11 @@ def main() -> None:
 
     import torch
 
-    from reinforce.build import BuildOptions, build, resolve_device
-    from reinforce.teachers import load_teachers
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    teachers = load_teachers(args.teachers, device=device)
-    root = Path(args.out or tempfile.mkdtemp(prefix="reinforce-bench-"))
-    out = root / "shards"
-    # Warm the teachers up (first-call allocations) so neither side pays for it.
-    for t in teachers:
-        if t.has_images:
-            t.encode_images(torch.rand(4, 1, t.image_size, t.image_size))
-        t.encode_texts(["warm up"])
-    source = f"phantom:{args.n}"
-    if args.files:
-        from reinforce.phantom import write_phantom_dataset
-
-        source = f"jsonl:{write_phantom_dataset(args.n, root / 'data', progress=False)}"
-    opts = BuildOptions(source=source, teachers=args.teachers, out=out, n_aug=args.n_aug,
-                        n_captions=args.n_captions, store_size=args.store_size, shard_size=max(1, args.n // 4),
-                        workers=args.workers, batch_size=args.batch_size, device=device, progress=False)
-    threads_before = torch.get_num_threads()
-    start = time.perf_counter()
-    info = build(opts, teachers=teachers)
-    build_wall = time.perf_counter() - start
-    build_rate = info["total_samples"] / build_wall
-    torch.set_num_threads(threads_before)
-    # The teacher alone gets its best of: all default threads, or one thread (on a shared, busy
-    # CPU one thread is often faster); the ratio is therefore conservative.
-    rates = {}
-    for threads in sorted({threads_before, 1}):
-        torch.set_num_threads(threads)
-        forward_s, n = teacher_forward_seconds(out, teachers, args.batch_size, repeats=2)
-        rates[threads] = n / forward_s
-    torch.set_num_threads(threads_before)
-    best_threads = max(rates, key=rates.get)
-    teacher_rate = rates[best_threads]
-    forward_s = n / teacher_rate
-    split = info["build"]["time_split_seconds"]
-    print(f"source {source}, device {device}, torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
-          f"teachers {args.teachers}, workers {args.workers}, batch {args.batch_size}, K={args.n_aug}, "
-          f"S={args.n_captions}, store {args.store_size}")
-    print(f"build: {info['total_samples']} samples in {build_wall:.2f} s = {build_rate:.1f} samples/s "
-          f"(time split s: {split})")
-    print(f"teacher forward only, same batches: {forward_s:.2f} s = {teacher_rate:.1f} samples/s "
-          f"(torch threads {best_threads}; by threads: "
-          + ", ".join(f"{t}: {r:.1f}/s" for t, r in rates.items()) + ")")
-    n_built = max(1, info["total_samples"])
-    ms = lambda seconds: 1000 * seconds / n_built  # noqa: E731
-    prep, main_cpu = {}, {}
-    assemble_s = sum(r.get("assemble_seconds", 0.0) for r in info["build"].get("ranks", []))
-    for r in info["build"].get("ranks", []):
-        for k, v in (r.get("prepare_cpu_seconds") or {}).items():
-            prep[k] = prep.get(k, 0.0) + v
-        for k, v in (r.get("main_cpu_seconds") or {}).items():
-            main_cpu[k] = main_cpu.get(k, 0.0) + v
-    prep_cpu = sum(prep.values())
-    print(f"wall per sample (ms): prepare {ms(split['decode_augment']):.1f} (summed over workers), "
-          f"teacher {ms(split['teacher']):.1f} (alone {1000 / teacher_rate:.1f}), "
-          f"assemble+queue {ms(assemble_s):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
-          f"writer thread {ms(split['write']):.1f}; teacher busy {split['teacher'] / build_wall:.0%} of wall")
-    print(f"CPU per sample (ms): prepare {ms(prep_cpu):.1f} ["
-          + ", ".join(f"{k} {ms(v):.2f}" for k, v in prep.items())
-          + f"]; main thread: teacher {ms(main_cpu.get('teacher', 0.0)):.1f}, "
-          f"assemble+queue {ms(main_cpu.get('assemble', 0.0)):.2f}")
-    # Workers, main process and writer share the same cores: whatever the pipeline does, the
-    # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(split["write"])
-    cpu_ms = ms(prep_cpu) + 1000 / teacher_rate + other_ms
-    bound = cores * 1000 / cpu_ms
-    budget = cores * 1000 / (0.8 * teacher_rate) - 1000 / teacher_rate - other_ms
-    print(f"CPU bound: {cpu_ms:.1f} ms CPU per sample on {cores} cores -> at most {bound:.1f} samples/s on idle "
-          f"cores, ratio at most {bound / teacher_rate:.3f}; ratio 0.8 needs prepare <= {budget:.1f} ms CPU/sample. "
-          f"Load average {os.getloadavg()[0]:.1f} (other processes share these cores)")
-    print(f"ratio build/teacher throughput: {build_rate / teacher_rate:.3f}")
-    print(f"shards in {out}")
+    report(measure(n=args.n, teachers=args.teachers, workers=args.workers, batch_size=args.batch_size,
+                   n_aug=args.n_aug, n_captions=args.n_captions, store_size=args.store_size,
+                   device=args.device, files=args.files, out=args.out))
 
 
 if __name__ == "__main__":

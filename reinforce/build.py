@@ -19,7 +19,9 @@ Pipeline (one rank):
    dataset.json (``reinforce.manifest.merge``).
 
 Shard ``i`` belongs to rank ``i % world_size`` (from ``--rank/--world-size`` or torchrun's
-RANK/WORLD_SIZE). The format is described in shards/FORMAT.md.
+RANK/WORLD_SIZE). ``--engine ray`` instead builds the pending shards of steps 2-4 on a Ray
+actor pool with this module's own ``_run_shards`` (reinforce.ray_engine); same plan, same bytes.
+The format is described in shards/FORMAT.md.
 """
 from __future__ import annotations
 
@@ -94,6 +96,9 @@ class BuildOptions:
     source_options: dict = field(default_factory=dict)
     merge_timeout: float = 3600.0
     progress: bool = True
+    engine: str = "local"  # local (this process, or torchrun ranks) or ray (reinforce.ray_engine)
+    ray_actors: Optional[int] = None  # default: one per GPU of the cluster, else CPUs / max(1, workers)
+    ray_retries: int = 3
 
 
 @dataclass
@@ -600,10 +605,19 @@ def validate_options(opts: BuildOptions) -> None:
         (opts.limit is None or opts.limit >= 1, f"--limit must be >= 1 (got {opts.limit})"),
         (opts.device == "auto" or opts.device == "cpu" or opts.device.startswith("cuda"),
          f"--device must be auto, cpu or cuda[:N] (got {opts.device!r})"),
+        (opts.engine in ("local", "ray"), f"--engine must be local or ray (got {opts.engine!r})"),
+        (opts.ray_actors is None or opts.ray_actors >= 1, f"--ray-actors must be >= 1 (got {opts.ray_actors})"),
+        (opts.ray_retries >= 0, f"--ray-retries must be >= 0 (got {opts.ray_retries})"),
+        (opts.engine != "ray" or (opts.world_size or 1) == 1,
+         "--engine ray schedules the shards itself: drop --rank/--world-size (they are for torchrun)"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if opts.engine == "ray":
+        from reinforce.ray_engine import import_ray
+
+        import_ray()  # fail before any work when Ray is missing
 
 
 def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: list | None = None) -> dict:
@@ -625,7 +639,8 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
     out_dir = Path(opts.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} exists and is not a folder")
-    device = resolve_device(opts.device)
+    # ray: the driver loads the teachers only to describe them; actors pick their own device.
+    device = "cpu" if opts.engine == "ray" else resolve_device(opts.device)
 
     source = _open_source(opts)
     records = list(itertools.islice(iter(source), opts.limit))
@@ -691,7 +706,12 @@ def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, image
         typer.echo(f"rank {rank}/{world}: {len(mine)} of {len(shards)} shards are mine, "
                    f"{len(mine) - len(todo)} already complete; {sum(len(s.items) for s in todo)} records "
                    f"to build on {device} with {[t.name for t in teachers]}", err=True)
-    result = _run_shards(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, rank)
+    if opts.engine == "ray":
+        from reinforce.ray_engine import run_shards_ray
+
+        result = run_shards_ray(todo, teachers, spec, opts, out_dir, skiplog)
+    else:
+        result = _run_shards(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, rank)
     wall = time.perf_counter() - started
     rank_info = {"rank": rank, "world_size": world, "device": device, "workers": opts.workers,
                  "batch_size": opts.batch_size, "wall_seconds": round(wall, 3),
@@ -794,6 +814,12 @@ def cli_build(
     min_report_chars: Annotated[Optional[int], typer.Option(help="Source: shortest usable report.")] = None,
     phantom_size: Annotated[Optional[int], typer.Option(help="Source (phantom): rendered image size.")] = None,
     source_seed: Annotated[Optional[int], typer.Option(help="Source (phantom): generator seed.")] = None,
+    engine: Annotated[str, typer.Option(help="local: this process (or torchrun ranks); ray: shards on a Ray "
+                                             "actor pool ($RAY_ADDRESS, else a local Ray).")] = "local",
+    ray_actors: Annotated[Optional[int], typer.Option(help="--engine ray: actors, each with its own teachers "
+                                                           "(default: one per GPU, else CPUs / workers).")] = None,
+    ray_retries: Annotated[int, typer.Option(help="--engine ray: retries of a shard whose actor died or "
+                                                  "that raised.")] = 3,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Build reinforced WebDataset shards: stored images, captions, aug params, teacher embeddings."""
@@ -818,7 +844,8 @@ def cli_build(
                         jpeg_quality=jpeg_quality, emb_dtype=emb_dtype, shard_size=shard_size, seed=seed,
                         workers=workers, batch_size=batch_size, device=device, model_cache=model_cache,
                         resume=resume, rank=rank, world_size=world_size, limit=limit, aug=aug,
-                        source_options=source_options, merge_timeout=merge_timeout, progress=not quiet)
+                        source_options=source_options, merge_timeout=merge_timeout, progress=not quiet,
+                        engine=engine, ray_actors=ray_actors, ray_retries=ray_retries)
     result = build(opts)
     if "total_samples" in result:
         typer.echo(summary_text(result))

@@ -1,0 +1,148 @@
+"""`reinforce build --engine ray` on a local Ray instance (2 CPUs): the same shard folder as the
+single-process build, resume by shard, retries, failed shards named, skipped records logged.
+
+Tiny builds: phantom:12, K=2, S=2, 64 px, random:tiny teacher, shards of 4 records.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from reinforce.build import BuildOptions, build
+from reinforce.clierrors import UserError
+from reinforce.ray_engine import FAULTS_ENV, error_path
+from reinforce.verify import verify
+from reinforce.writer import is_shard_complete, stats_path
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+N = 12
+SOURCE_SEED = 4  # the first 12 studies span train, val and test: shards never mix splits
+
+
+def options(out, **overrides) -> BuildOptions:
+    base = dict(source=f"phantom:{N}", teachers="random:tiny", out=Path(out), n_aug=2, n_captions=2,
+                store_size=64, shard_size=4, workers=0, batch_size=4, device="cpu", progress=False,
+                source_options={"seed": SOURCE_SEED}, ray_retries=1)
+    base.update(overrides)
+    return BuildOptions(**base)
+
+
+def tar_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("shard-*.tar"))}
+
+
+def shard_stats(out: Path) -> dict[str, dict]:
+    """Per-shard stats without the fields that time the writer."""
+    return {p.name: {k: v for k, v in json.loads(p.read_text()).items() if k != "write_seconds"}
+            for p in sorted((out / "stats").glob("shard-*.json"))}
+
+
+def dataset_header(out: Path) -> dict:
+    return {k: v for k, v in json.loads((out / "dataset.json").read_text()).items() if k != "build"}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("local") / "shards"
+    build(options(out))
+    return out
+
+
+def assert_same_build(out: Path, ref: Path) -> None:
+    assert tar_bytes(out) == tar_bytes(ref)  # byte-identical tars
+    assert pq.read_table(out / "manifest.parquet").equals(pq.read_table(ref / "manifest.parquet"))
+    assert shard_stats(out) == shard_stats(ref)
+    assert dataset_header(out) == dataset_header(ref)
+    assert verify(out)[0] == []
+
+
+def test_ray_build_equals_the_single_process_build(local_ray, reference, tmp_path):
+    out = tmp_path / "ray"
+    info = build(options(out, engine="ray", ray_actors=2))
+    assert_same_build(out, reference)
+    rank = info["build"]["ranks"][0]
+    assert rank["engine"] == "ray" and rank["actors"] == 2 and rank["shards_built"] == 4
+    assert sorted(s["index"] for s in rank["shards"]) == [0, 1, 2, 3]
+    assert info["total_samples"] == N
+
+
+def test_ray_resume_rebuilds_only_missing_shards_and_retries_a_failing_one(local_ray, reference, tmp_path,
+                                                                          monkeypatch):
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out)
+    for name in ("dataset.json", "manifest.parquet"):
+        (out / name).unlink()
+    (out / "shard-000002.tar").unlink()  # as if the build had died while writing shard 2
+    kept = {i: (out / f"shard-{i:06d}.tar").stat().st_mtime_ns for i in (0, 1, 3)}
+
+    with pytest.raises(UserError, match="--resume"):
+        build(options(out, engine="ray"))
+    monkeypatch.setenv(FAULTS_ENV, "2:1")  # the first attempt at shard 2 raises; Ray retries it
+    info = build(options(out, engine="ray", resume=True, ray_actors=1))
+    rank = info["build"]["ranks"][0]
+    assert rank["shards_built"] == 1 and rank["shards_skipped_as_complete"] == 3
+    assert [(s["index"], s["attempts"]) for s in rank["shards"]] == [(2, 2)]
+    assert {i: (out / f"shard-{i:06d}.tar").stat().st_mtime_ns for i in (0, 1, 3)} == kept
+    assert not error_path(out, 2).exists()
+    assert_same_build(out, reference)
+
+
+def test_a_shard_failing_every_attempt_is_named_and_the_others_complete(local_ray, tmp_path, monkeypatch):
+    out = tmp_path / "failing"
+    monkeypatch.setenv(FAULTS_ENV, "1:5")
+    with pytest.raises(UserError, match=r"1 shard\(s\) .* failed after 2 attempt\(s\) \(shard-000001.tar: "
+                                        r"RuntimeError: injected fault.*--resume"):
+        build(options(out, engine="ray", ray_actors=2, ray_retries=1))
+    assert [is_shard_complete(out, i) for i in range(4)] == [True, False, True, True]
+    assert json.loads(error_path(out, 1).read_text())["attempt"] == 2
+    assert not (out / "dataset.json").exists()
+    monkeypatch.delenv(FAULTS_ENV)
+    info = build(options(out, engine="ray", ray_actors=2, resume=True))
+    assert info["total_samples"] == N and not error_path(out, 1).exists()
+
+
+def test_unreadable_images_go_to_the_skip_log_with_id_and_reason(local_ray, tmp_path):
+    from reinforce.phantom import write_phantom_dataset
+
+    jsonl = write_phantom_dataset(6, tmp_path / "data", size=64, progress=False)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    (jsonl.parent / rows[1]["image"]).write_bytes(b"\x89PNG not really")  # found by the actor, not the source
+    kw = dict(source=f"jsonl:{jsonl}", source_options={}, shard_size=3)
+    info = build(options(tmp_path / "ray", engine="ray", ray_actors=2, **kw))
+    build(options(tmp_path / "local", **kw))
+    skipped = {e["id"]: e["reason"] for e in info["skipped"]["build"]["records"]}
+    assert list(skipped) == [rows[1]["id"]] and skipped[rows[1]["id"]].startswith("unreadable image")
+    assert info["build"]["ranks"][0]["skipped"]["records"] == info["skipped"]["build"]["records"]
+    assert_same_build(tmp_path / "ray", tmp_path / "local")
+
+
+def test_engine_ray_flags_are_checked_before_any_work(tmp_path):
+    with pytest.raises(UserError, match="--engine ray schedules the shards itself"):
+        build(options(tmp_path / "x", engine="ray", world_size=2, rank=0))
+    with pytest.raises(UserError, match="--engine must be local or ray"):
+        build(options(tmp_path / "x", engine="spark"))
+    with pytest.raises(UserError, match="--ray-actors must be >= 1"):
+        build(options(tmp_path / "x", engine="ray", ray_actors=0))
+    assert not (tmp_path / "x").exists()
+    assert not stats_path(tmp_path / "x", 0).exists()
+
+
+def test_engine_ray_without_ray_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(UserError, match=r'--engine ray needs Ray Data.*pip install "cxrdr\[ray\]"'):
+        build(options(tmp_path / "x", engine="ray"))
+    assert not (tmp_path / "x").exists()
