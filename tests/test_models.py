@@ -526,3 +526,39 @@ def test_cpu_ladder_configs():
     assert StudentConfig.from_yaml("E").warmup_steps_to_target == 2000  # ViT-S E: keep-rate 1000, Top-K 2000
     with pytest.raises(ValueError, match="token dropping"):
         StudentConfig.from_yaml("tiny-cnn-D", variant="E")
+
+
+@pytest.mark.parametrize("variant", ["D", "E"])
+def test_head_layer_gives_the_heads_local_tokens(variant, images):
+    """head_layer 0: the mask score of a patch depends on that patch's pixels only (no mixing yet);
+    with the final tokens (None) every patch sees the whole image."""
+    def mask_scores(head_layer, imgs):
+        torch.manual_seed(0)
+        model = build_student(StudentConfig.from_yaml(f"tiny-{variant}", head_layer=head_layer, keep_rate=1.0)).eval()
+        with torch.no_grad():
+            return _forward(model, imgs).mask_scores[0]
+
+    changed = images.clone()
+    changed[0, 0, :8, :8] = 1.0 - changed[0, 0, :8, :8]  # patch 0 of the 8x8 grid only
+    local, local_changed = mask_scores(0, images), mask_scores(0, changed)
+    assert not torch.isclose(local[0], local_changed[0])
+    assert torch.allclose(local[1:], local_changed[1:], atol=1e-6)
+    final, final_changed = mask_scores(None, images), mask_scores(None, changed)
+    assert not torch.allclose(final[1:], final_changed[1:], atol=1e-6)
+    with pytest.raises(ValueError, match="head_layer"):
+        build_student(StudentConfig.from_yaml("tiny-D", head_layer=9))
+    with pytest.raises(ValueError, match="head_layer"):
+        StudentConfig.from_yaml("tiny-cnn-D", head_layer=1)
+
+
+def test_token_dropping_heads_read_the_kept_patches_at_their_layer(images):
+    torch.manual_seed(0)
+    model = build_student(StudentConfig.from_yaml("tiny-E", head_layer=1, drop_layer=2, keep_rate=0.25)).eval()
+    tower = model.image_tower
+    with torch.no_grad():
+        out = tower(model.prepare_images(images))
+        x = tower.trunk.blocks[0](tower.embed(model.prepare_images(images)))  # tokens after block 1
+        expected = torch.nn.functional.layer_norm(x[:, 1:], x.shape[-1:])
+        expected = expected.gather(1, out.patch_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    assert out.head_patches.shape == out.patches.shape == (2, 16, 64)
+    assert torch.allclose(out.head_patches, expected, atol=1e-5)

@@ -58,6 +58,10 @@ class StudentConfig:
 
     # local alignment (B-E)
     local_heads: int = 8
+    # ViT towers: the mask and local-alignment heads read the patch tokens after this many transformer
+    # blocks (0: the embedded patches; None: the final tokens). Final ViT tokens all carry global image
+    # content, so heads on them can match texts without localising; an early layer keeps tokens local.
+    head_layer: int | None = None
 
     # token dropping (E)
     drop_layer: int = 4  # L1: blocks run on all tokens before dropping
@@ -87,6 +91,8 @@ class StudentConfig:
             raise ValueError(f"patch_score must be 'head' or 'cls_attn', got {self.patch_score!r}{where}")
         if self.patch_score == "cls_attn" and self.variant == "E" and self.drop_layer < 1:
             raise ValueError(f"patch_score 'cls_attn' needs drop_layer >= 1{where}")
+        if self.head_layer is not None and self.image_tower not in TOKEN_DROPPING_TOWERS:
+            raise ValueError(f"head_layer needs a ViT-family image tower, not {self.image_tower!r}{where}")
         if self.global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}{where}")
         if self.embed_dim % self.local_heads:

@@ -28,6 +28,7 @@ class TowerOutput:
     patches: torch.Tensor  # (B, N, d) patch tokens (kept ones only after token dropping)
     patch_index: torch.Tensor  # (B, N) long indices into the full grid
     keep_ratio: float = 1.0
+    head_patches: torch.Tensor | None = None  # (B, N, d) the same patches at the heads' layer (None: ``patches``)
 
 
 def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs) -> nn.Module:
@@ -73,10 +74,14 @@ class ImageTower(nn.Module):
 class ViTTower(ImageTower):
     """A timm ViT run as is: [CLS] (or mean of patches) as the global token, all patches kept."""
 
-    def __init__(self, vit: nn.Module, global_pool: str = "token"):
+    def __init__(self, vit: nn.Module, global_pool: str = "token", head_layer: int | None = None):
         super().__init__()
         self.trunk = vit
         self.global_pool = global_pool
+        if head_layer is not None and not 0 <= head_layer <= len(vit.blocks):
+            raise ValueError(f"head_layer must be in 0..{len(vit.blocks)} for a {len(vit.blocks)}-block ViT, "
+                             f"got {head_layer}")
+        self.head_layer = head_layer
         self.grid_size = tuple(vit.patch_embed.grid_size)
         self.width = int(vit.embed_dim)
         self.depth = len(vit.blocks)
@@ -102,11 +107,16 @@ class ViTTower(ImageTower):
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
         x = self.embed(x)
-        for block in self.trunk.blocks:
+        at_head_layer = x if self.head_layer == 0 else None
+        for i, block in enumerate(self.trunk.blocks):
             x = self.run_block(block, x)
+            if self.head_layer == i + 1:
+                at_head_layer = x
         n = x.shape[1] - 1
         index = torch.arange(n, device=x.device).expand(x.shape[0], n)
-        return self.finish(x, index, n, 1.0)
+        out = self.finish(x, index, n, 1.0)
+        out.head_patches = head_tokens(at_head_layer, n)
+        return out
 
     def layer_id(self, name: str) -> int:
         """0: embeddings; i+1: block i; depth+1: final norm and anything after (score head)."""
@@ -121,6 +131,15 @@ class ViTTower(ImageTower):
     def last_block(self) -> nn.Module:
         return self.trunk.blocks[-1]
 
+
+
+def head_tokens(x: torch.Tensor | None, n_patches: int) -> torch.Tensor | None:
+    """Patch tokens of an intermediate layer ([CLS] first) for the heads, normalised without parameters
+    (the final norm belongs to the last layer's statistics). None passes through."""
+    if x is None:
+        return None
+    patches = x[:, 1:1 + n_patches]
+    return torch.nn.functional.layer_norm(patches, patches.shape[-1:])
 
 
 def grid_tokens(fmap: torch.Tensor) -> TowerOutput:
@@ -312,5 +331,6 @@ def build_image_tower(config, load_pretrained: bool = True) -> ImageTower:
 
         return TokenDroppingViT(vit, drop_layer=config.drop_layer, keep_rate=config.keep_rate,
                                 warmup_steps=config.keep_rate_warmup_steps, patch_score=config.patch_score,
-                                fuse_dropped=config.fuse_dropped, global_pool=config.global_pool)
-    return ViTTower(vit, config.global_pool)
+                                fuse_dropped=config.fuse_dropped, global_pool=config.global_pool,
+                                head_layer=config.head_layer)
+    return ViTTower(vit, config.global_pool, config.head_layer)

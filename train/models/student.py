@@ -140,19 +140,20 @@ class PatchIBStudent(nn.Module):
             logit_scale=self.current_logit_scale(),
             patch_tokens=img.patches, patch_index=img.patch_index, grid_size=self.grid_size,
             text_tokens=text_tokens, text_mask=text_mask, keep_ratio=float(img.keep_ratio))
+        patches = img.patches if img.head_patches is None else img.head_patches  # what the heads read
         if self.mask_head is not None:
-            z, soft = self.mask_head(img.patches, step)
-            pooled = (z.unsqueeze(-1) * img.patches).sum(1) / z.sum(1, keepdim=True).clamp_min(1e-6)
+            z, soft = self.mask_head(patches, step)
+            pooled = (z.unsqueeze(-1) * patches).sum(1) / z.sum(1, keepdim=True).clamp_min(1e-6)
             out.mask, out.mask_scores = z, soft
             out.masked_image_emb = F.normalize(self.image_proj(pooled), dim=-1)
         if self.local_align is not None:
-            out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, img.patches, text_mask)
+            out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, patches, text_mask)
             if local_pairs:
                 # informative words (rare in this batch: findings, sides) carry the grounding signal
                 index = sample_token_positions(text_mask, local_pairs, batch_idf(input_ids.to(text_mask.device),
                                                                                  text_mask))
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
-                out.local_pair_similarity = self.local_align.pair_similarity(tokens, img.patches)
+                out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches)
                 out.local_pair_mask = text_mask.gather(1, index)
         return out
 

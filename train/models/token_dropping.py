@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from train.models.image_towers import TowerOutput, ViTTower
+from train.models.image_towers import TowerOutput, ViTTower, head_tokens
 
 
 class TokenDroppingViT(ViTTower):
     def __init__(self, vit: nn.Module, drop_layer: int, keep_rate: float, warmup_steps: int = 0,
-                 patch_score: str = "head", fuse_dropped: bool = False, global_pool: str = "token"):
-        super().__init__(vit, global_pool)
+                 patch_score: str = "head", fuse_dropped: bool = False, global_pool: str = "token",
+                 head_layer: int | None = None):
+        super().__init__(vit, global_pool, head_layer)
         if not 0 <= drop_layer < self.depth:
             raise ValueError(f"drop_layer must be in 0..{self.depth - 1} for a {self.depth}-block ViT, got {drop_layer}")
         if patch_score == "cls_attn" and drop_layer < 1:
@@ -63,10 +64,13 @@ class TokenDroppingViT(ViTTower):
         n = t - 1
         blocks = self.trunk.blocks
         cls_scores = None
+        at_head_layer = x if self.head_layer == 0 else None
         for i, block in enumerate(blocks[:self.drop_layer]):
             if self.patch_score == "cls_attn" and i == self.drop_layer - 1:
                 cls_scores = self._cls_attention(block, x)
             x = self.run_block(block, x)
+            if self.head_layer == i + 1:
+                at_head_layer = x
 
         k = self.num_kept(n, step)
         patches = x[:, 1:]
@@ -91,6 +95,13 @@ class TokenDroppingViT(ViTTower):
             index = torch.arange(n, device=x.device).expand(b, n)
             if self.patch_score == "head":
                 x = torch.cat([x[:, :1], patches * (1.0 + scores - scores.detach()).unsqueeze(-1)], dim=1)
-        for block in blocks[self.drop_layer:]:
+        if at_head_layer is not None:  # heads read the kept patches, as they were at the heads' layer
+            at_head_layer = torch.cat([at_head_layer[:, :1], at_head_layer[:, 1:].gather(
+                1, index.unsqueeze(-1).expand(-1, -1, d))], dim=1)
+        for i, block in enumerate(blocks[self.drop_layer:], start=self.drop_layer):
             x = self.run_block(block, x)
-        return self.finish(x, index, k, k / n)
+            if self.head_layer == i + 1:
+                at_head_layer = x
+        out = self.finish(x, index, k, k / n)
+        out.head_patches = head_tokens(at_head_layer, k)
+        return out
