@@ -20,6 +20,7 @@ from train.losses import (
     label_soft_targets,
     local_alignment_loss,
     local_contrastive_loss,
+    word_contrastive_loss,
     loss_balance,
     parse_fn_masking,
     positive_mask,
@@ -277,6 +278,23 @@ def test_local_contrastive_hand_computed_ignores_padding_and_rewards_grounding()
     assert local_contrastive_loss(collapsed, mask, 0.1).item() == pytest.approx(math.log(3), rel=1e-5)
     with pytest.raises(ValueError, match="B, B, L"):
         local_contrastive_loss(torch.zeros(2, 3, 4))
+
+
+def test_word_contrast_needs_a_region_per_word_and_skips_repeated_words():
+    ids = torch.tensor([[5, 6, 7], [5, 5, 7]])
+    specific = torch.eye(3).unsqueeze(0).repeat(2, 1, 1)  # each word's region matches only that word
+    assert word_contrastive_loss(specific, ids, None, 0.1) < 1e-3
+    shared = torch.ones(2, 3, 3)  # one region for the whole report: every word matches it alike
+    # row 0: 3 candidates per word; row 1: the repeated id 5 is no negative of itself
+    expected = (3 * math.log(3) + 2 * math.log(2) + math.log(3)) / 6
+    assert word_contrastive_loss(shared, ids, None, 0.1).item() == pytest.approx(expected, rel=1e-5)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    padded = shared.clone()
+    padded[0, :, 2] = 9.0  # a padding word is no candidate
+    assert word_contrastive_loss(padded, ids, mask, 0.1).item() == pytest.approx(
+        (2 * math.log(2) + 2 * math.log(2) + math.log(3)) / 5, rel=1e-5)
+    only_repeats = torch.tensor([[4, 4, 4], [4, 4, 4]])
+    assert word_contrastive_loss(shared, only_repeats, None, 0.1).item() == 0.0  # nothing to contrast
 
 
 def test_local_align_pair_similarity_diagonal_is_forward():

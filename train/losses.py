@@ -102,6 +102,7 @@ class LossConfig:
     local_loss: str = "contrastive"  # LOCAL_LOSSES; chosen by the pointing game (README, Localisation)
     local_temperature: float = 0.1  # softmax temperature of the token-region contrastive term
     local_tokens: int = 16  # text tokens per report drawn each step for the contrastive term (cost ~ B^2 x this)
+    local_word_contrast: bool = True  # contrastive also across the words of a report (word_contrastive_loss)
     # Pair selection
     fn_masking: str = "none"  # "none", "all" or a comma list of subject,study,text
     fn_mode: str = "multi"  # "multi": uniform target over positives; "mask": drop them from denominators
@@ -511,6 +512,28 @@ def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tenso
     return (ce * valid).sum() / valid.sum().clamp_min(1.0)
 
 
+def word_contrastive_loss(word_similarity: torch.Tensor, token_ids: torch.Tensor, mask: torch.Tensor | None = None,
+                          temperature: float = 0.1) -> torch.Tensor:
+    """The other direction of the token-region contrast: word k's region of its own image must match
+    word k better than the report's other words. A region shared by every word (one broad map for the
+    whole report) cannot, so the words must look at different places.
+
+    word_similarity (B, T, T): cos(v~_{i,k}, t_{i,m}); token_ids (B, T) of the words (repeats of the
+    same id are not negatives of each other); mask (B, T) valid words. Mean cross-entropy over valid
+    words that have at least one valid negative.
+    """
+    b, n, _ = word_similarity.shape
+    valid = torch.ones(b, n, dtype=torch.bool, device=word_similarity.device) if mask is None else mask.bool()
+    same_word = token_ids.unsqueeze(2) == token_ids.unsqueeze(1)  # (B, T, T)
+    eye = torch.eye(n, dtype=torch.bool, device=word_similarity.device)
+    excluded = (same_word & ~eye) | ~valid.unsqueeze(1)
+    logits = (word_similarity.float() / temperature).masked_fill(excluded, float("-inf"))
+    has_negative = (~excluded & ~eye).any(-1) & valid
+    ce = -torch.diagonal(logits.log_softmax(-1), dim1=1, dim2=2)
+    weight = has_negative.to(ce.dtype)
+    return (torch.nan_to_num(ce, posinf=0.0) * weight).sum() / weight.sum().clamp_min(1.0)
+
+
 def local_losses(out: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """The weighted 'local' term of one StudentOutput: cosine, contrastive or both (cfg.local_loss)."""
     local_v, local_t = getattr(out, "local_visual", None), getattr(out, "local_text", None)
@@ -524,7 +547,11 @@ def local_losses(out: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
         pairs = getattr(out, "local_pair_similarity", None)
         if pairs is None:
             raise ValueError("loss.local_loss 'contrastive' needs the student's forward(..., local_pairs=True)")
-        parts.append(local_contrastive_loss(pairs, getattr(out, "local_pair_mask", None), cfg.local_temperature))
+        mask = getattr(out, "local_pair_mask", None)
+        parts.append(local_contrastive_loss(pairs, mask, cfg.local_temperature))
+        words = getattr(out, "local_word_similarity", None)
+        if cfg.local_word_contrast and words is not None:
+            parts.append(word_contrastive_loss(words, out.local_pair_ids, mask, cfg.local_temperature))
     return {"local": cfg.w_local * torch.stack(parts).sum()}
 
 

@@ -126,8 +126,14 @@ class LocalAlign(nn.Module):
             bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
         pooled = F.scaled_dot_product_attention(q.expand(b_img, -1, -1, -1), k, v, attn_mask=bias)
         pooled = pooled.transpose(1, 2).reshape(b_img, b_txt, length, width).transpose(0, 1)
-        pooled = self.attn.out_proj(pooled)  # (B_text, B_image, L, D)
-        return F.cosine_similarity(pooled, t.unsqueeze(1), dim=-1, eps=1e-8)
+        pooled = F.normalize(self.attn.out_proj(pooled), dim=-1)  # (B_text, B_image, L, D)
+        return (pooled * F.normalize(t, dim=-1).unsqueeze(1)).sum(-1)
+
+    def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        """cos(v~_{i,k}, t_{i,m}) within each pair: (B, L, L), the region word k pools from its own image
+        against every word m of the same text (the other direction of the token-region contrast)."""
+        v, t, _ = self(text_tokens, patches)
+        return F.normalize(v, dim=-1) @ F.normalize(t, dim=-1).transpose(1, 2)
 
 
 def batch_idf(input_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,8 @@ class StudentOutput:
     local_attn: torch.Tensor | None = None  # (B, L, N) head-averaged attention; None for A
     local_pair_similarity: torch.Tensor | None = None  # (B, B, T) text i's tokens pooled over image j; on request
     local_pair_mask: torch.Tensor | None = None  # (B, T) bool, which of those T sampled tokens are real
+    local_word_similarity: torch.Tensor | None = None  # (B, T, T) word k's own-image region vs word m
+    local_pair_ids: torch.Tensor | None = None  # (B, T) token ids of the sampled words
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
 
     @property
@@ -154,7 +156,9 @@ class PatchIBStudent(nn.Module):
                                                                                  text_mask))
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
                 out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches)
+                out.local_word_similarity = self.local_align.word_similarity(tokens, patches)
                 out.local_pair_mask = text_mask.gather(1, index)
+                out.local_pair_ids = input_ids.to(index.device).gather(1, index)
         return out
 
     # ---- convenience (no grad, eval mode, CPU results) ----------------------------------------
