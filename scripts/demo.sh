@@ -20,15 +20,15 @@ reinforce build --source "jsonl:$OUT/phantom/records.jsonl" --teachers text:mini
   --out "$OUT/shards" --n-aug 4 --n-captions 3 --store-size 128 --shard-size 200 --workers 2 --resume
 
 step "3/6 train a CLIP teacher on the shards (train run, model tiny-cnn-A, no teacher)"
-train run --shards "$OUT/shards" --model tiny-cnn-A --mode plain --steps "${DEMO_TEACHER_STEPS:-400}" \
-  --batch-size 32 --eval-every 200 --out "$OUT/teacher" --workers 2 "$AGAIN"
+train run --shards "$OUT/shards" --model tiny-cnn-A --mode plain --steps "${DEMO_TEACHER_STEPS:-200}" \
+  --batch-size 32 --eval-every 100 --out "$OUT/teacher" --workers 2 "$AGAIN"
 
 step "4/6 reinforce add-teacher: embed every stored augmentation and caption with that teacher"
 reinforce add-teacher "$OUT/shards" --teachers "ckpt:$OUT/teacher/best.pt"
 
-step "5/6 train the Patch-IB student (model tiny-cnn-D) distilled from the stored teacher embeddings"
-train run --shards "$OUT/shards" --model tiny-cnn-D --steps "${DEMO_STUDENT_STEPS:-400}" --batch-size 32 \
-  --eval-every 200 --out "$OUT/student" --workers 2 "$AGAIN"
+step "5/6 train the Patch-IB student (model cpu-D) distilled from the stored teacher embeddings"
+train run --shards "$OUT/shards" --model cpu-D --steps "${DEMO_STUDENT_STEPS:-300}" --batch-size 32 \
+  --eval-every 150 --out "$OUT/student" --workers 2 "$AGAIN"
 
 step "6/6 evaluate the student on the phantom test split"
 train eval --ckpt "$OUT/student/best.pt" --shards "$OUT/shards" --split test --out "$OUT/eval"

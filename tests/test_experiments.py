@@ -63,3 +63,36 @@ def test_recipe_errors_are_one_line(tmp_path):
         load_recipe(bad)
     with pytest.raises(FileNotFoundError):
         load_recipe(tmp_path / "missing.yaml")
+
+
+def test_ablation_over_seeds_reports_mean_sd_and_chance_and_reuses_runs(micro_recipe):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    path, root = micro_recipe
+    recipe = yaml.safe_load(path.read_text())
+    recipe["ablation"] = {"seeds": [0, 1], "variants": {"A": "tiny-A", "E": "tiny-E"}}
+    recipe["train"]["steps"] = 1
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = CliRunner().invoke(app, ["experiment", "ablation", "--config", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    out = root / "out" / "ablation"
+    data = json.loads((out / "results.json").read_text())
+    assert data["seeds"] == [0, 1] and [r["run"] for r in data["table"]] == ["A", "E"]
+    for row in data["table"]:
+        assert row["n_seeds"] == 2 and len(row["mean_recall_seeds"]) == 2
+        assert row["mean_recall"] == pytest.approx(sum(row["mean_recall_seeds"]) / 2)
+        assert row["mean_recall_sd"] is not None and 0 < row["chance_mean_recall"] < 1
+        assert row["mean_recall_x_chance"] == pytest.approx(row["mean_recall"] / row["chance_mean_recall"])
+    runs = [r["seed"] for r in data["runs"]["E"]["seeds"]]
+    assert runs == [0, 1] and (out / "runs" / "variant-E" / "seed-1" / "last.pt").is_file()
+    table = (out / "table.md").read_text()
+    assert " ± " in table and "mean R chance" in table and "PG z chance" in table
+    # a second invocation reuses the finished runs and their evaluations
+    eval_json = out / "runs" / "variant-A" / "seed-0" / "eval-test" / "eval.json"
+    stamp = eval_json.stat().st_mtime
+    again = CliRunner().invoke(app, ["experiment", "ablation", "--config", str(path), "--quiet"])
+    assert again.exit_code == 0, again.output
+    assert eval_json.stat().st_mtime == stamp
+    assert json.loads((out / "results.json").read_text())["table"][0]["mean_recall"] == data["table"][0]["mean_recall"]

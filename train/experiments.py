@@ -151,6 +151,7 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     import torch
 
     from train.evaluation.efficiency import measure_in_subprocess
+    from train.evaluation.report import write_json
     from train.evaluation.runner import evaluate, summary_row
 
     opts = dict(recipe.get("eval") or {})
@@ -158,16 +159,31 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     eff_batch = int(opts.pop("efficiency_batch", 32))
     measure = bool(opts.pop("efficiency", True)) and efficiency
     ckpt = run_dir / "last.pt"
+    request = {"split": split, "efficiency_batch": eff_batch, "efficiency": measure, "isolated": isolated, **opts}
+    previous = _previous_evaluation(run_dir / f"eval-{split}", ckpt, request)
+    if previous is not None:
+        return previous
     use_subprocess = measure and isolated and not torch.cuda.is_available()
     results = evaluate(str(ckpt), shards, split, run_dir / f"eval-{split}", progress=False, quiet=True,
                        efficiency=measure and not use_subprocess, efficiency_batch=eff_batch, **opts)
     if use_subprocess:
         results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
         results["summary"] = summary_row(results)
-        from train.evaluation.report import write_json
-
         write_json(results, run_dir / f"eval-{split}" / "eval.json")
+    write_json(request, run_dir / f"eval-{split}" / "eval_request.json")
     return results
+
+
+def _previous_evaluation(eval_dir: Path, ckpt: Path, request: dict) -> dict | None:
+    """The eval.json of an identical earlier request on this very checkpoint (a reused run), else None."""
+    from train.evaluation.report import jsonable
+
+    done, asked = eval_dir / "eval.json", eval_dir / "eval_request.json"
+    if not (done.is_file() and asked.is_file() and ckpt.is_file()):
+        return None
+    if done.stat().st_mtime < ckpt.stat().st_mtime or json.loads(asked.read_text()) != jsonable(request):
+        return None
+    return json.loads(done.read_text())
 
 
 def _row(name: str, summary: dict, results: dict, batch: int) -> dict:

@@ -102,7 +102,8 @@ class LossConfig:
     local_loss: str = "contrastive"  # LOCAL_LOSSES; chosen by the pointing game (README, Localisation)
     local_temperature: float = 0.1  # softmax temperature of the token-region contrastive term
     local_tokens: int = 16  # text tokens per report drawn each step for the contrastive term (cost ~ B^2 x this)
-    local_word_contrast: bool = True  # contrastive also across the words of a report (word_contrastive_loss)
+    local_word_contrast: bool = False  # also across the words of a report (word_contrastive_loss); off: it
+    # made the attention flatter on the CPU ladder (README, Localisation)
     # Pair selection
     fn_masking: str = "none"  # "none", "all" or a comma list of subject,study,text
     fn_mode: str = "multi"  # "multi": uniform target over positives; "mask": drop them from denominators
