@@ -19,3 +19,20 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not present at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def phantom_shards(tmp_path_factory) -> Path:
+    """Small phantom shards built once per session (tests.test_data.build_phantom_shards)."""
+    from tests.test_data import build_phantom_shards
+
+    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture()
+def one_thread():
+    """Training tests: the test machine's 2 cores are shared, one thread is faster than two contending."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,22 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_data import build_phantom_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def phantom_shards(tmp_path_factory) -> Path:
-    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

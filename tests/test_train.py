@@ -8,21 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_data import build_phantom_shards
 
-
-@pytest.fixture(scope="session")
-def phantom_shards(tmp_path_factory) -> Path:
-    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The test machine's 2 cores are shared: one thread is faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cli_app():
