@@ -20,3 +20,4 @@ class FakeOutput:
     text_mask: torch.Tensor | None = None
     local_pair_similarity: torch.Tensor | None = None
     local_pair_mask: torch.Tensor | None = None
+    local_attn: torch.Tensor | None = None

@@ -19,6 +19,7 @@ from train.losses import (
     distill_loss,
     label_soft_targets,
     local_alignment_loss,
+    attention_entropy,
     local_contrastive_loss,
     word_contrastive_loss,
     loss_balance,
@@ -295,6 +296,22 @@ def test_word_contrast_needs_a_region_per_word_and_skips_repeated_words():
         (2 * math.log(2) + 2 * math.log(2) + math.log(3)) / 5, rel=1e-5)
     only_repeats = torch.tensor([[4, 4, 4], [4, 4, 4]])
     assert word_contrastive_loss(shared, only_repeats, None, 0.1).item() == 0.0  # nothing to contrast
+
+
+def test_attention_entropy_penalty():
+    uniform = torch.full((2, 3, 8), 1 / 8)
+    peaked = torch.eye(8)[:3].unsqueeze(0).repeat(2, 1, 1)
+    assert attention_entropy(uniform).item() == pytest.approx(1.0, rel=1e-5)
+    assert attention_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    mask = torch.tensor([[True, False, False], [True, True, False]])
+    mixed = peaked.clone()
+    mixed[0, 1:] = 1 / 8  # uniform rows only where the mask says padding
+    assert attention_entropy(mixed, mask).item() == pytest.approx(0.0, abs=1e-6)
+    real, syn, batch = make_case()
+    real.local_attn = torch.full((4, 5, 9), 1 / 9)
+    base = compute_losses(real, syn, batch, LossConfig(local_loss="cosine"))["local"]
+    penalised = compute_losses(real, syn, batch, LossConfig(local_loss="cosine", local_entropy=2.0))["local"]
+    assert (penalised - base).item() == pytest.approx(0.5 * 2.0 * 1.0, rel=1e-5)  # w_local x weight x entropy
 
 
 def test_local_align_pair_similarity_diagonal_is_forward():

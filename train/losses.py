@@ -79,7 +79,7 @@ LOSS_RANGES = {"lambda_distill": "[0, 1]", "w_i2t": "[0, inf)", "w_t2i": "[0, in
                "default_teacher_scale": "(0, inf)", "w_mask_nce": "[0, inf)", "lambda_sparse": "[0, inf)",
                "mu_consistency": "[0, inf)", "w_local": "[0, inf)", "label_temperature": "(0, inf)",
                "beta_min": "[0, inf)", "beta_max": "[0, inf)", "queue_size": "[0, inf)",
-               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)"}
+               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)"}
 
 
 @dataclass
@@ -102,6 +102,7 @@ class LossConfig:
     local_loss: str = "contrastive"  # LOCAL_LOSSES; chosen by the pointing game (README, Localisation)
     local_temperature: float = 0.1  # softmax temperature of the token-region contrastive term
     local_tokens: int = 16  # text tokens per report drawn each step for the contrastive term (cost ~ B^2 x this)
+    local_entropy: float = 0.0  # weight of the word-attention entropy penalty (attention_entropy); 0 = off
     local_word_contrast: bool = False  # also across the words of a report (word_contrastive_loss); off: it
     # made the attention flatter on the CPU ladder (README, Localisation)
     # Pair selection
@@ -535,6 +536,15 @@ def word_contrastive_loss(word_similarity: torch.Tensor, token_ids: torch.Tensor
     return (torch.nan_to_num(ce, posinf=0.0) * weight).sum() / weight.sum().clamp_min(1.0)
 
 
+def attention_entropy(attn: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean entropy / log(N) of the attention rows (B, L, N) over valid words (mask (B, L)): 1 = uniform.
+    A penalty on it makes each word commit to a region instead of averaging the whole image."""
+    p = attn.float().clamp_min(1e-12)
+    entropy = -(p * p.log()).sum(-1) / math.log(max(2, attn.shape[-1]))
+    valid = torch.ones_like(entropy) if mask is None else mask.to(entropy.dtype)
+    return (entropy * valid).sum() / valid.sum().clamp_min(1.0)
+
+
 def local_losses(out: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
     """The weighted 'local' term of one StudentOutput: cosine, contrastive or both (cfg.local_loss)."""
     local_v, local_t = getattr(out, "local_visual", None), getattr(out, "local_text", None)
@@ -553,6 +563,8 @@ def local_losses(out: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
         words = getattr(out, "local_word_similarity", None)
         if cfg.local_word_contrast and words is not None:
             parts.append(word_contrastive_loss(words, out.local_pair_ids, mask, cfg.local_temperature))
+    if cfg.local_entropy and getattr(out, "local_attn", None) is not None:
+        parts.append(cfg.local_entropy * attention_entropy(out.local_attn, text_mask))
     return {"local": cfg.w_local * torch.stack(parts).sum()}
 
 
