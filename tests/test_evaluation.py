@@ -147,6 +147,18 @@ def test_chance_baseline_matches_random_heatmaps():
     assert loc.chance_scores(full, 0.2) == {"hit": 1.0, "iou": pytest.approx(8 / 36), "dice": pytest.approx(16 / 44)}
 
 
+def test_heatmap_plots_show_different_findings_first():
+    from train.evaluation.runner import varied_plots
+
+    def item(*labels):
+        return {"attn": [(lab, None) for lab in labels], "boxes": [(lab, None) for lab in labels]}
+
+    items = [item("atelectasis"), item("atelectasis"), item("edema"), item(), item("atelectasis", "mass")]
+    chosen = varied_plots(items, 4)
+    assert chosen[:3] == [items[0], items[2], items[4]] and len(chosen) == 4
+    assert varied_plots(items, 2) == [items[0], items[2]]
+
+
 def test_collapse_diagnostics():
     same = [np.arange(16.0).reshape(4, 4)] * 3
     assert loc.map_similarity(same) == pytest.approx(1.0)

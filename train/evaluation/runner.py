@@ -374,7 +374,7 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[EvalSample], t
                     j = faith.cross_view_jaccard(heats[0], stored[0], heats[1], stored[1], image.size, k, grid)
                     if not math.isnan(j):
                         jaccards.append(j)
-        if len(plots) < n_plots and (item["boxes"] or item["z"] is not None):
+        if item["boxes"] or item["z"] is not None:
             plots.append(item)
 
     localisation = {
@@ -410,7 +410,20 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[EvalSample], t
     faithfulness["cross_view_n"] = len(jaccards)
     ids_used = {"localisation": [samples[i].key for i in with_boxes],
                 "faithfulness": [samples[i].key for i in faith_rows]}
-    return localisation, faithfulness, {"heatmaps": plots, "ids": ids_used}
+    return localisation, faithfulness, {"heatmaps": varied_plots(plots, n_plots), "ids": ids_used}
+
+
+def varied_plots(items: list[dict], n: int) -> list[dict]:
+    """Up to ``n`` heatmap items, each new one showing a finding not shown yet where possible (the first
+    images of a split are often follow-ups of one patient with the same finding), then in order."""
+    chosen, shown = [], set()
+    for item in items:
+        labels = {label for label, _ in item["attn"]} or {label for label, _ in item["boxes"]}
+        if len(chosen) < n and labels - shown:
+            chosen.append(item)
+            shown |= labels
+    rest = [item for item in items if all(item is not c for c in chosen)]
+    return chosen + rest[:max(0, n - len(chosen))]
 
 
 def _nanmean(values) -> float:
