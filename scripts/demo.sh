@@ -7,6 +7,9 @@ set -euo pipefail
 OUT="${1:-demo}"
 N="${DEMO_N:-600}"
 mkdir -p "$OUT"
+# One torch thread per process: the two data-loader workers use the other core, and two OpenMP
+# threads on a core that something else is using spin-wait (5-30x slower steps seen on 2-core boxes).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
 # A rerun into the same folder continues the runs (DEMO_RESUME=1) or replaces them.
