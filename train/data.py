@@ -420,8 +420,7 @@ def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: in
         raise ValueError(f"{shards_dir}: no shards hold split {split!r}")
     view = SampleView(split=split, image_size=int(image_size or student.image_size), mode="plain",
                       full_image=True, return_boxes=return_boxes,
-                      teacher_image_size=teacher_image_size, aug_limit=aug_limit,
-                      caption_sources=tuple(caption_sources) if caption_sources else None)
+                      teacher_image_size=teacher_image_size)
     collate = Collate(tokenize if tokenize is not None else
                       (student_tokenizer(student) if student is not None else None))
     dataset = build_pipeline(urls, view, batch_size, resampled=False, shuffle=False,
