@@ -83,6 +83,59 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     assert "training runs" in table and ("MET" in table or "MISSED" in table)
 
 
+def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    path, root = micro_recipe
+    recipe = yaml.safe_load(path.read_text())
+    recipe["train"]["steps"] = 1
+    recipe["reinforcement"] = {"seeds": [0, 1], "train": {"mode": "reinforced"},
+                               "studies": {"K": {"key": "aug_limit", "values": [1, 2]},
+                                           "B_syn": {"key": "loss.use_syn", "values": [True, False]},
+                                           "lambda": {"key": "lambda_distill", "values": [0.0, 0.7]},
+                                           "captions": {"key": "caption_sources", "values": [["report"]]}}}
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = CliRunner().invoke(app, ["experiment", "reinforcement", "--config", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    out = root / "out" / "reinforcement"
+    data = json.loads((out / "results.json").read_text())
+    assert [r["run"] for r in data["studies"]["K"]] == ["aug_limit=1", "aug_limit=2"]
+    for rows in data["studies"].values():
+        for row in rows:
+            assert len(row["final_mean_recall"]) == 2 and row["mean_recall_sd"] is not None
+    # 7 settings; use_syn on and lambda 0.7 both resolve to the base config: 6 distinct runs
+    assert len(list((out / "runs").iterdir())) == 6
+    assert data["studies"]["B_syn"][0]["mean_recall_seeds"] == data["studies"]["lambda"][1]["mean_recall_seeds"]
+    saved = yaml.safe_load((next(p for p in (out / "runs").iterdir()
+                                 if "report" in (p / "seed-0" / "config.yaml").read_text()) / "seed-0" /
+                            "config.yaml").read_text())
+    assert saved["caption_sources"] == ["report"] and saved["seed"] == 0
+    table = (out / "table.md").read_text()
+    assert "## K (`aug_limit`)" in table and " ± " in table and "mean R chance" in table
+
+
+def test_caption_sources_and_aug_limit_restrict_what_training_reads(phantom_shards):
+    from train.data import SampleView, make_loader
+
+    loader = make_loader(phantom_shards, "train", None, 4, image_size=32, tokenize=None, aug_limit=1,
+                         caption_sources=["report"])
+    seen = set()
+    for i, batch in zip(range(4), loader):
+        seen.update(batch["aug_index"].tolist())
+    assert seen == {0}  # only the first of the K stored views
+    view = SampleView(split="train", image_size=32, caption_sources=("report",))
+    captions = [{"text": "a", "source": "rdf"}, {"text": "b", "source": "report"},
+                {"text": "c", "source": "normal"}, {"text": "d", "source": "report"}]
+    picked = {view._caption(captions, {}, {})[0] for _ in range(40)}
+    assert picked == {1, 3}  # only report sentences, indexed into the stored rows
+    rdf = SampleView(split="train", image_size=32, caption_sources=("rdf", "normal"))
+    assert {rdf._caption(captions, {}, {})[0] for _ in range(40)} == {0, 2}
+    none = SampleView(split="train", image_size=32, caption_sources=("report",))
+    assert none._caption(captions[:1], {"txt": b"the report"}, {})[0] == -1  # falls back to the report
+
+
 def test_t_interval_matches_the_t_distribution():
     from scipy import stats
 

@@ -190,7 +190,7 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
 
     _set_threads(recipe)
     shards = ensure_shards(recipe["shards"], progress)
-    teachers = prepare_teachers(recipe, shards, progress)
+    teachers = prepare_teachers(recipe, shards, progress, experiment="efficiency")
     spec = recipe.get("efficiency") or {}
     runs = {k: dict(v or {}) for k, v in (spec.get("runs") or DEFAULT_EFFICIENCY_RUNS).items()}
     seeds = [int(s) for s in spec.get("seeds") or [int((recipe.get("train") or {}).get("seed", 0))]]

@@ -2,6 +2,8 @@
 
 efficiency (MobileCLIP DataCompDR-12M style): train/efficiency_experiment.py (plain vs reinforced vs
   online teacher over seeds: mean ± 95 % CI, samples to plain's final mean R, break-even runs, bars).
+reinforcement: train/reinforcement_ablation.py (K stored views, B_syn, caption source, 1 vs 2 teachers,
+  lambda; equal samples, over seeds).
 ablation: students A-E trained alike and evaluated alike (quality table: retrieval, AUC,
   localisation; cost table: throughput, step ms, latency, peak memory, GFLOPs, patch usage),
   plus a k_ratio sweep (1.0, 0.75, 0.5, 0.25) with k_ratio vs R@1 / step time / memory plots.
@@ -22,9 +24,9 @@ from typing import Annotated, Optional
 
 import typer
 
-EXPERIMENTS = ("efficiency", "ablation")
+EXPERIMENTS = ("efficiency", "ablation", "reinforcement")
 TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
-            "reuse_runs", "isolated_efficiency", "teachers"}
+            "reuse_runs", "isolated_efficiency", "teachers", "reinforcement"}
 DEFAULT_EFFICIENCY_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
 CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
@@ -393,7 +395,8 @@ def np_nan(v):
 
 def cli_experiment(
     name: Annotated[str, typer.Argument(help="efficiency (plain vs reinforced vs online teacher, same "
-                                             "samples seen) or ablation (students A-E + k_ratio sweep).")],
+                                             "samples seen, over seeds), ablation (students A-E + k_ratio "
+                                             "sweep) or reinforcement (K, B_syn, captions, teachers, lambda).")],
     config: Annotated[Path, typer.Option(help="Experiment recipe YAML, e.g. "
                                               "configs/experiments/cpu-demo.yaml.")],
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: the recipe's 'out' / NAME).")] = None,
@@ -417,8 +420,10 @@ def cli_experiment(
     out_dir = out or Path(recipe.get("out", f"runs/experiments/{recipe['name']}")) / name
     started = time.perf_counter()
     from train.efficiency_experiment import efficiency_experiment
+    from train.reinforcement_ablation import reinforcement_experiment
 
-    run = efficiency_experiment if name == "efficiency" else ablation_experiment
+    run = {"efficiency": efficiency_experiment, "ablation": ablation_experiment,
+           "reinforcement": reinforcement_experiment}[name]
     run(recipe, Path(out_dir), progress=not quiet)
     typer.echo(f"{name} finished in {time.perf_counter() - started:.0f} s; wrote {out_dir}/results.json, "
                f"table.md and plots")

@@ -37,8 +37,9 @@ def teacher_shard_name(name: str) -> str:
     return "ckpt-" + file_safe_name(name)
 
 
-def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True) -> dict:
-    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to ``student_shards``.
+def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, experiment: str | None = None) -> dict:
+    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to ``student_shards``; a teacher
+    whose entry lists ``experiments`` is made only for those (e.g. the ensemble's second teacher).
 
     Returns name -> record (shard name, checkpoint, train summary, quality on both test splits,
     add-teacher seconds)."""
@@ -51,6 +52,10 @@ def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True) 
     root = Path(spec["dir"])
     out = {}
     for name, model in (spec.get("models") or {}).items():
+        model = dict(model or {})
+        wanted = model.pop("experiments", None)
+        if wanted is not None and experiment not in wanted:
+            continue
         out[name] = _prepare_one(recipe, spec, root, name, dict(model or {}), student_shards, progress)
     return out
 
