@@ -24,7 +24,7 @@ from pathlib import Path
 import typer
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc"]
-TABLE_COLS = QUALITY + ["samples_to_plain_final", "samples_seen", "wall_s", "step_ms", "bench_step_ms"]
+TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_seen", "wall_s", "step_ms", "bench_step_ms"]
 
 
 # --------------------------------------------------------------------------- statistics
@@ -195,8 +195,10 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     runs = {k: dict(v or {}) for k, v in (spec.get("runs") or DEFAULT_EFFICIENCY_RUNS).items()}
     seeds = [int(s) for s in spec.get("seeds") or [int((recipe.get("train") or {}).get("seed", 0))]]
     out_dir.mkdir(parents=True, exist_ok=True)
-    trained = {name: _train_arm(recipe, shards, out_dir, name, overrides, seeds, "")
+    # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit
+    trained = {name: _train_arm(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds), "")
                for name, overrides in runs.items()}
+    runs = {name: {k: v for k, v in o.items() if k != "seeds"} for name, o in runs.items()}
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     arms, rows = _summarise_arms(trained, bench)
     info = json.loads((shards / "dataset.json").read_text())
@@ -216,6 +218,11 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
+
+
+def _arm_seeds(overrides: dict, seeds: list[int]) -> list[int]:
+    own = overrides.pop("seeds", None)
+    return [int(s) for s in own] if own else seeds
 
 
 def _stored_teachers(trained: dict, info: dict) -> list[str]:
