@@ -2,7 +2,7 @@
 
 MobileCLIP distils from an image-text ensemble; on phantom data no pretrained CXR CLIP exists, so the
 experiment makes its own: each teacher is a ``train run --mode plain`` CLIP model (e.g. EfficientNet-Lite2
-+ MiniLM, configs/models/teacher-lite2.yaml) trained on its *own* phantom set drawn with another source
++ MiniLM, configs/models/teacher-lite2-A.yaml) trained on its *own* phantom set drawn with another source
 seed (the students never see its training images), evaluated on its own test split and on the students'
 test split, copied to ``<dir>/<name>.pt`` and added to the students' shards with
 ``reinforce add-teacher ckpt:<dir>/<name>.pt`` (shard teacher name ``ckpt-<name>``).
@@ -74,6 +74,7 @@ def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, s
     ckpt = root / f"{name}.pt"
     last = Path(cfg.out) / "last.pt"
     if not ckpt.is_file() or ckpt.stat().st_mtime < last.stat().st_mtime:
+        _refuse_stale(student_shards, name)
         shutil.copyfile(last, ckpt)
     quality = {"own_test": _quality(recipe, Path(cfg.out), shards, "own"),
                "student_test": _quality(recipe, Path(cfg.out), student_shards, "students")}
@@ -107,6 +108,15 @@ def _quality(recipe: dict, run_dir: Path, shards: Path, tag: str) -> dict:
     results = evaluate(str(run_dir / "last.pt"), shards, "test", out_dir, progress=False, quiet=True,
                        efficiency=False, **opts)
     return results["summary"]
+
+
+def _refuse_stale(student_shards: Path, name: str) -> None:
+    """A (re)trained teacher whose older embeddings are already in the shards would silently disagree
+    with its checkpoint (online arm, evaluation): refuse, the shards must be rebuilt."""
+    info = json.loads((Path(student_shards) / "dataset.json").read_text())
+    if teacher_shard_name(name) in {t["name"] for t in info.get("teachers", [])}:
+        raise ValueError(f"teacher {name} was retrained but {student_shards} holds embeddings of its earlier "
+                         f"checkpoint; rebuild the students' shards (shards.rebuild: true)")
 
 
 def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: int, progress: bool) -> float | None:
