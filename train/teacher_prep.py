@@ -92,7 +92,7 @@ def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Pa
     data = {**(spec.get("train") or {}), **model, "shards": str(shards), "out": str(out), "mode": "plain"}
     if recipe.get("device"):
         data.setdefault("device", recipe["device"])
-    data.setdefault("progress", (recipe.get("train") or {}).get("progress", True))
+    data.setdefault("progress", False)  # not part of what is trained: --quiet or not, the cached teacher is reused
     return TrainConfig.load(None, **data)
 
 
