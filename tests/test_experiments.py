@@ -31,27 +31,148 @@ def micro_recipe(tmp_path):
     return path, tmp_path
 
 
-def test_efficiency_experiment_writes_tables_and_plots(micro_recipe):
+def _with_teacher_and_seeds(path, root):
+    """The micro recipe with 2 seeds and a micro image-text teacher trained on its own phantom set."""
+    recipe = yaml.safe_load(path.read_text())
+    build = dict(recipe["shards"]["build"])
+    recipe["teachers"] = {"dir": str(root / "teachers"), "build": build,
+                          "train": {"model": "tiny-A", "steps": 1, "batch_size": 8, "workers": 0,
+                                    "progress": False, "log_every": 1},
+                          "models": {"t1": {"source_seed": 1}}}
+    recipe["efficiency"]["seeds"] = [0, 1]
+    recipe["efficiency"]["train"] = {"teachers": "ckpt-t1"}
+    recipe["efficiency"]["runs"]["online"]["online_teacher"] = f"ckpt:{root / 'teachers' / 't1.pt'}"
+    recipe["efficiency"]["runs"]["online"]["seeds"] = [0]  # a run may name its own seeds
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+
+
+def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     from typer.testing import CliRunner
 
     from train.cli import app
 
     path, root = micro_recipe
+    _with_teacher_and_seeds(path, root)
     result = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(path), "--quiet"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     out = root / "out" / "efficiency"
     for name in ("results.json", "table.md", "metric_vs_samples.png", "auc_vs_samples.png", "step_time.png"):
         assert (out / name).is_file(), name
     data = json.loads((out / "results.json").read_text())
-    assert [r["run"] for r in data["table"]] == ["plain", "reinforced", "online"]
-    samples = {r["run"]: r["samples_seen"] for r in data["table"]}
-    assert len(set(samples.values())) == 1  # same samples seen
-    assert len(data["runs"]["plain"]["curve"]) >= 2  # evaluated every M samples (and at the end)
-    assert "step_ms_reinforced_over_online" in data["comparisons"]
-    assert "bench_step_ms_reinforced_over_online" in data["comparisons"]
+    assert data["seeds"] == [0, 1] and [r["run"] for r in data["table"]] == ["plain", "reinforced", "online"]
+    for arm, seeds in (("plain", [0, 1]), ("reinforced", [0, 1]), ("online", [0])):
+        finals = data["arms"][arm]["final_mean_recall"]
+        assert len(finals) == len(seeds) and all(0 <= v <= 1 for v in finals)
+        reach = data["arms"][arm]["samples_to_plain_final"]
+        assert reach is None or reach > 0
+        assert [r["seed"] for r in data["runs"][arm]] == seeds
+        assert len(data["runs"][arm][0]["curve"]) >= 2  # evaluated every M samples (and at the end)
+    assert len({r["samples_seen"] for r in data["table"]}) == 1  # same samples seen
+    plain = data["table"][0]
+    assert plain["mean_recall_ci"] is not None and 0 < plain["chance_mean_recall"] < 1
+    # the teacher: trained on its own seed's phantom set, added to the students' shards, judged on both tests
+    teacher = data["teachers"]["t1"]
+    assert teacher["shard_name"] == "ckpt-t1" and teacher["source_seed"] == 1
+    assert "mean_recall" in teacher["own_test"] and "mean_recall" in teacher["student_test"]
+    info = json.loads((root / "shards" / "dataset.json").read_text())
+    assert "ckpt-t1" in {t["name"] for t in info["teachers"]}
+    assert data["cost"]["teachers"] == ["ckpt-t1"] and data["cost"]["add_teacher_s"] > 0
+    assert data["cost"]["build_teacher_s"] == 0  # random:tiny of the build is not what the students read
+    assert {b["bar"] for b in data["bars"]} >= {"online step >= 3x stored step"}
     table = (out / "table.md").read_text()
-    assert "| run |" in table and "loop step ms" in table
-    assert (root / "shards" / "dataset.json").is_file()  # built because it was missing
+    assert " ± " in table and "mean R chance" in table and "break-even:" in table
+    assert "training runs" in table and ("MET" in table or "MISSED" in table)
+
+
+def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    path, root = micro_recipe
+    recipe = yaml.safe_load(path.read_text())
+    recipe["train"]["steps"] = 1
+    recipe["reinforcement"] = {"seeds": [0, 1], "train": {"mode": "reinforced"},
+                               "studies": {"K": {"key": "aug_limit", "values": [1, 2]},
+                                           "B_syn": {"key": "loss.use_syn", "values": [True, False]},
+                                           "lambda": {"key": "lambda_distill", "values": [0.0, 0.7]},
+                                           "captions": {"key": "caption_sources", "values": [["report"]]}}}
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    result = CliRunner().invoke(app, ["experiment", "reinforcement", "--config", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    out = root / "out" / "reinforcement"
+    data = json.loads((out / "results.json").read_text())
+    assert [r["run"] for r in data["studies"]["K"]] == ["aug_limit=1", "aug_limit=2"]
+    for rows in data["studies"].values():
+        for row in rows:
+            assert len(row["final_mean_recall"]) == 2 and row["mean_recall_sd"] is not None
+    # 7 settings; use_syn on and lambda 0.7 both resolve to the base config: 6 distinct runs
+    assert len(list((out / "runs").iterdir())) == 6
+    assert data["studies"]["B_syn"][0]["mean_recall_seeds"] == data["studies"]["lambda"][1]["mean_recall_seeds"]
+    saved = yaml.safe_load((next(p for p in (out / "runs").iterdir()
+                                 if "report" in (p / "seed-0" / "config.yaml").read_text()) / "seed-0" /
+                            "config.yaml").read_text())
+    assert saved["caption_sources"] == ["report"] and saved["seed"] == 0
+    table = (out / "table.md").read_text()
+    assert "## K (`aug_limit`)" in table and " ± " in table and "mean R chance" in table
+
+
+def test_caption_sources_and_aug_limit_restrict_what_training_reads(phantom_shards):
+    from train.data import SampleView, make_loader
+
+    loader = make_loader(phantom_shards, "train", None, 4, image_size=32, tokenize=None, aug_limit=1,
+                         caption_sources=["report"])
+    seen = set()
+    for i, batch in zip(range(4), loader):
+        seen.update(batch["aug_index"].tolist())
+    assert seen == {0}  # only the first of the K stored views
+    view = SampleView(split="train", image_size=32, caption_sources=("report",))
+    captions = [{"text": "a", "source": "rdf"}, {"text": "b", "source": "report"},
+                {"text": "c", "source": "normal"}, {"text": "d", "source": "report"}]
+    picked = {view._caption(captions, {}, {})[0] for _ in range(40)}
+    assert picked == {1, 3}  # only report sentences, indexed into the stored rows
+    rdf = SampleView(split="train", image_size=32, caption_sources=("rdf", "normal"))
+    assert {rdf._caption(captions, {}, {})[0] for _ in range(40)} == {0, 2}
+    none = SampleView(split="train", image_size=32, caption_sources=("report",))
+    assert none._caption(captions[:1], {"txt": b"the report"}, {})[0] == -1  # falls back to the report
+
+
+def test_t_interval_matches_the_t_distribution():
+    from scipy import stats
+
+    from train.efficiency_experiment import t_interval
+
+    values = [0.20, 0.25, 0.30]
+    mean, half = t_interval(values)
+    assert mean == pytest.approx(0.25)
+    assert half == pytest.approx(stats.t.ppf(0.975, 2) * 0.05 / 3 ** 0.5)  # sd 0.05, n 3
+    assert t_interval([0.4]) == (0.4, None)
+    assert t_interval([]) == (None, None)
+
+
+def test_samples_to_target_interpolates_the_first_crossing():
+    from train.efficiency_experiment import samples_to_target
+
+    xs, ys = [100, 200, 300, 400], [0.1, 0.2, 0.4, 0.3]
+    assert samples_to_target(xs, ys, 0.3) == pytest.approx(250)  # halfway between 200 and 300
+    assert samples_to_target(xs, ys, 0.2) == pytest.approx(200)
+    assert samples_to_target(xs, ys, 0.05) == 100  # reached at the first evaluation: its x
+    assert samples_to_target(xs, ys, 0.5) is None
+    assert samples_to_target(xs, [None, 0.2, 0.4, 0.3], 0.3) == pytest.approx(250)
+
+
+def test_break_even_and_bars():
+    from train.efficiency_experiment import bars, break_even
+
+    cost = break_even(120.0, online_ms=1000.0, stored_ms=200.0, steps=300)
+    assert cost["saving_per_run_s"] == pytest.approx(240.0) and cost["break_even_runs"] == pytest.approx(0.5)
+    assert break_even(120.0, 200.0, 200.0, 300)["break_even_runs"] is None  # nothing saved: never pays off
+    arms = {"plain": {"final_mean_recall": [0.20, 0.22, 0.21]},
+            "reinforced": {"final_mean_recall": [0.30, 0.31, 0.29], "samples_to_plain_final": 1500}}
+    got = {b["bar"]: b["met"] for b in bars(arms, {"plain": 100.0, "reinforced": 104.0, "online": 300.0}, 6000)}
+    assert got == {"reinforced reaches plain's final mean R with <= 1/3 of plain's samples": True,
+                   "reinforced final mean R - plain's > 2 sd of plain's seeds": True,
+                   "stored step <= 1.05x no-teacher step": True, "online step >= 3x stored step": False}
 
 
 def test_recipe_errors_are_one_line(tmp_path):

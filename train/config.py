@@ -18,7 +18,7 @@ RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "lr": "(0, inf)", "weight_decay": "[0, inf)",
     "lambda_distill": "[0, 1]", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
     "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
-    "accum_steps": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)", "freeze_steps": "[0, inf)",
+    "accum_steps": "[1, inf)", "aug_limit": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)", "freeze_steps": "[0, inf)",
     "freeze_epochs": "[0, inf)", "head_lr_mult": "(0, inf)", "warmup_steps": "[0, inf)", "llrd": "(0, 1]",
     "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
 }
@@ -59,6 +59,8 @@ class TrainConfig:
     warmup_steps: int | None = None  # linear LR warm-up (None: 5% of steps, at most 100)
     llrd: float | None = None  # layer-wise LR decay (None: optim default 0.85; 1.0: off)
     pick: str = "random"  # random | sequential (stored aug/caption = epoch % K)
+    aug_limit: int | None = None  # use only the first k of the K stored augmentations (None: all)
+    caption_sources: list | None = None  # synthetic captions of these sources only (rdf, normal, report)
     shuffle_buffer: int = 256
     log_every: int = 10
     on_corrupt: str = "stop"  # a damaged shard/sample: stop naming it, or skip and count it

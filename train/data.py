@@ -143,6 +143,8 @@ class SampleView:
     teacher_image_size: int | None = None  # also return the crop at this size (online teacher)
     full_image: bool = False  # evaluation: whole stored image, no randomness
     return_boxes: bool = False
+    aug_limit: int | None = None  # use only the first k of the K stored views (ablation of K)
+    caption_sources: tuple | None = None  # use only captions of these sources (rdf, normal, report)
     _rng: np.random.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -164,6 +166,16 @@ class SampleView:
             return self.epoch % n
         return int(self.rng.integers(n))
 
+    def _caption(self, captions: list, sample: dict, meta: dict) -> tuple[int, str]:
+        """One stored caption (its index into the stored rows); a sample with none of the wanted
+        sources falls back to its report (index -1: the report's own embedding)."""
+        usable = [i for i, c in enumerate(captions)
+                  if self.caption_sources is None or c.get("source") in self.caption_sources]
+        if not usable:
+            return -1, sample_report(sample, meta)
+        index = usable[self._index(len(usable))]
+        return index, captions[index]["text"]
+
     def keep(self, sample: dict) -> bool:
         return _meta(sample).get("split") == self.split
 
@@ -180,15 +192,14 @@ class SampleView:
             params = augment.sample_params(self.rng, width, height, self.aug_config or augment.AugConfig())
         else:
             stored = meta.get("aug") or []
-            aug_index = self._index(len(stored))
+            aug_index = self._index(min(len(stored), self.aug_limit or len(stored)))
             params = stored[aug_index]
         captions = meta.get("captions") or []
         if self.full_image or not captions:
             caption_index = -1
             caption = sample_report(sample, meta)
         else:
-            caption_index = self._index(len(captions))
-            caption = captions[caption_index]["text"]
+            caption_index, caption = self._caption(captions, sample, meta)
         if self.mode == "reinforced" and not self.full_image:
             for name in self.teachers:
                 teachers_out[name] = _teacher_rows(sample, key, name, aug_index, caption_index)
@@ -342,7 +353,8 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
                 teachers: str | list[str] | None = None, teacher_image_size: int | None = None,
                 shuffle: bool = True, drop_last: bool = True, node_split: bool = True,
                 image_size: int | None = None, tokenize: Callable | None = None,
-                stored_embeddings: bool = True, on_corrupt: str = "stop", corrupt_log: str | None = None):
+                stored_embeddings: bool = True, on_corrupt: str = "stop", corrupt_log: str | None = None,
+                aug_limit: int | None = None, caption_sources: list[str] | None = None):
     """A DataLoader of training batches from one split of a shard folder.
 
     ``student`` supplies ``image_size`` and ``tokenize`` (either can be overridden). With
@@ -351,6 +363,8 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
     and caption are used). ``teachers`` selects a subset of the shards' teachers (reinforced mode);
     ``stored_embeddings=False`` replays the stored views but reads no embeddings (online teacher:
     pass ``teacher_image_size`` to also get each crop at the teacher's input size).
+    ``aug_limit`` uses only the first k stored views, ``caption_sources`` only captions of those
+    sources (reinforcement ablations at train time, no rebuild).
     Batches: see :class:`Collate`; ``teacher`` maps name -> {"img": (B,D) or None, "txt", "syn"}.
     """
     from torch.utils.data import DataLoader
@@ -370,7 +384,8 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
     aug_cfg = augment.AugConfig.from_json(info["aug"]) if info.get("aug") else augment.AugConfig()
     view = SampleView(split=split, image_size=int(image_size or student.image_size), mode=mode,
                       teachers=names, pick=pick, epoch=epoch, seed=seed, aug_config=aug_cfg,
-                      teacher_image_size=teacher_image_size)
+                      teacher_image_size=teacher_image_size, aug_limit=aug_limit,
+                      caption_sources=tuple(caption_sources) if caption_sources else None)
     collate = Collate(tokenize if tokenize is not None else
                       (student_tokenizer(student) if student is not None else None))
     dataset = build_pipeline(urls, view, batch_size, resampled=resampled, shuffle=shuffle,

@@ -1,13 +1,9 @@
 """`train experiment efficiency|ablation --config FILE`: the 12M-style studies at any scale.
 
-efficiency (MobileCLIP DataCompDR-12M style): one student, the same samples seen, three runs:
-  plain      CLIP loss only, fresh augmentations, no teacher;
-  reinforced stored teacher embeddings of the stored views (lambda from the config);
-  online     the teacher run inside the loop on the same crops (what reinforcement saves).
-  Each run is validated every M samples (the loop's quick evaluation: retrieval R@K and a
-  half-subject probe AUC on ``curve_split``), then its last checkpoint gets the full
-  ``train eval`` suite on the test split. Outputs: results.json, table.md (final metrics,
-  wall time, step ms, samples/s), metric_vs_samples.png, step_time.png.
+efficiency (MobileCLIP DataCompDR-12M style): train/efficiency_experiment.py (plain vs reinforced vs
+  online teacher over seeds: mean ± 95 % CI, samples to plain's final mean R, break-even runs, bars).
+reinforcement: train/reinforcement_ablation.py (K stored views, B_syn, caption source, 1 vs 2 teachers,
+  lambda; equal samples, over seeds).
 ablation: students A-E trained alike and evaluated alike (quality table: retrieval, AUC,
   localisation; cost table: throughput, step ms, latency, peak memory, GFLOPs, patch usage),
   plus a k_ratio sweep (1.0, 0.75, 0.5, 0.25) with k_ratio vs R@1 / step time / memory plots.
@@ -28,9 +24,9 @@ from typing import Annotated, Optional
 
 import typer
 
-EXPERIMENTS = ("efficiency", "ablation")
+EXPERIMENTS = ("efficiency", "ablation", "reinforcement")
 TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
-            "reuse_runs", "isolated_efficiency"}
+            "reuse_runs", "isolated_efficiency", "teachers", "reinforcement"}
 DEFAULT_EFFICIENCY_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
 CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
@@ -205,70 +201,6 @@ def _set_threads(recipe: dict) -> None:
 # --------------------------------------------------------------------------- efficiency
 
 
-def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
-    from train.evaluation.report import markdown_table, plot_bars, plot_series, write_json
-
-    _set_threads(recipe)
-    shards = ensure_shards(recipe["shards"], progress)
-    spec = recipe.get("efficiency") or {}
-    runs = spec.get("runs") or DEFAULT_EFFICIENCY_RUNS
-    every = spec.get("eval_every_samples")
-    curve_split = spec.get("curve_split", "test")
-    reuse = recipe.get("reuse_runs", True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows, per_run = [], {}
-    for name, overrides in runs.items():
-        overrides = dict(overrides or {})
-        base = train_config(recipe, shards, out_dir / "runs" / name, overrides, "efficiency")
-        per_step = base.batch_size * base.accum_steps
-        eval_every = max(1, round(every / per_step)) if every else 0
-        cfg = train_config(recipe, shards, out_dir / "runs" / name,
-                           {"eval_every": eval_every, "eval_split": curve_split, **overrides}, "efficiency")
-        typer.echo(f"[efficiency] {name}: {cfg.steps} steps x {per_step} samples "
-                   f"(mode {cfg.mode}, online teacher {cfg.online_teacher})", err=True)
-        summary = run_training(cfg, reuse)
-        results = evaluate_run(recipe, Path(cfg.out), shards, recipe.get("isolated_efficiency", False))
-        rows.append(_row(name, summary, results, per_step))
-        per_run[name] = {"train_config": cfg.to_dict(), "train_summary": summary,
-                         "curve": eval_curve(Path(cfg.out), per_step), "final": results["summary"],
-                         "eval_dir": str(Path(cfg.out) / "eval-test")}
-    bench = spec.get("step_benchmark", {"steps": 10, "warmup": 2})
-    if bench and bench.get("steps"):
-        typer.echo(f"[efficiency] interleaved step benchmark: {bench['steps']} steps per run", err=True)
-        cfgs = {r: train_config(recipe, shards, out_dir / "step-benchmark" / r,
-                                dict(runs[r] or {}, steps=10**6, eval_every=0, progress=False),
-                                "efficiency") for r in runs}
-        medians = interleaved_step_ms(cfgs, int(bench["steps"]), int(bench.get("warmup", 2)))
-        for row in rows:
-            row["bench_step_ms"] = medians.get(row["run"])
-    comparisons = _efficiency_comparisons(rows)
-    result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards),
-              "curve_split": curve_split, "runs": per_run, "table": rows, "comparisons": comparisons}
-    write_json(result, out_dir / "results.json")
-
-    series = {m: {n: ([p["samples_seen"] for p in r["curve"]], [p.get(m) for p in r["curve"]])
-                  for n, r in per_run.items()} for m in ("mean_recall", "probe_mean_auc")}
-    plot_series(series["mean_recall"], "samples seen", f"mean recall ({curve_split})",
-                "retrieval vs samples seen", out_dir / "metric_vs_samples.png")
-    plot_series(series["probe_mean_auc"], "samples seen", f"probe AUC ({curve_split}, half-subject)",
-                "probe AUC vs samples seen", out_dir / "auc_vs_samples.png")
-    plot_bars({r["run"]: r.get("bench_step_ms") or r["step_ms"] for r in rows}, "ms / step",
-              "training step time (interleaved median)" if rows and rows[0].get("bench_step_ms")
-              else "training step time (run mean)", out_dir / "step_time.png")
-    cols = ["i2t_R@1", "t2i_R@1", "mean_recall", "mean_recall_sametext", "probe_auc", "zeroshot_auc",
-            "samples_seen", "wall_s", "step_ms", "bench_step_ms", "train_img_per_s"]
-    md = [f"# Efficiency experiment `{recipe['name']}`", "",
-          f"shards `{shards}`; every run sees the same samples; final metrics on the test split "
-          f"(last checkpoint, `train eval` suite); curves: the loop's validation on `{curve_split}`.", "",
-          markdown_table(rows, cols, first="run"), "", "## Comparisons", ""]
-    md += [f"- {line}" for line in comparisons.get("lines", [])]
-    md += ["", "![metric vs samples](metric_vs_samples.png)", "", "![auc vs samples](auc_vs_samples.png)",
-           "", "![step time](step_time.png)", ""]
-    (out_dir / "table.md").write_text("\n".join(md))
-    typer.echo("\n".join(md[:6 + len(rows)]))
-    return result
-
-
 def interleaved_step_ms(cfgs: dict, steps: int = 10, warmup: int = 2) -> dict:
     """Median ms per optimiser step of each training config, steps interleaved round-robin.
 
@@ -295,28 +227,6 @@ def interleaved_step_ms(cfgs: dict, steps: int = 10, warmup: int = 2) -> dict:
             if round_ >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: 1000 * sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
-def _efficiency_comparisons(rows: list[dict]) -> dict:
-    by = {r["run"]: r for r in rows}
-    out: dict = {"lines": []}
-
-    def ratio(a, b, key):
-        va, vb = by.get(a, {}).get(key), by.get(b, {}).get(key)
-        return va / vb if va is not None and vb else None
-
-    for metric in ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_auc", "zeroshot_auc"):
-        a, b = by.get("reinforced", {}).get(metric), by.get("plain", {}).get(metric)
-        if a is not None and b is not None:
-            out[f"reinforced_minus_plain_{metric}"] = a - b
-            out["lines"].append(f"reinforced - plain {metric}: {a - b:+.3f} ({a:.3f} vs {b:.3f})")
-    for key, what in (("bench_step_ms", "interleaved median step"), ("step_ms", "run mean step")):
-        for a, b in (("reinforced", "plain"), ("reinforced", "online"), ("online", "plain")):
-            r = ratio(a, b, key)
-            if r is not None:
-                out[f"{key}_{a}_over_{b}"] = r
-                out["lines"].append(f"{what} time {a} / {b}: {r:.2f}x")
-    return out
 
 
 # --------------------------------------------------------------------------- ablation
@@ -485,7 +395,8 @@ def np_nan(v):
 
 def cli_experiment(
     name: Annotated[str, typer.Argument(help="efficiency (plain vs reinforced vs online teacher, same "
-                                             "samples seen) or ablation (students A-E + k_ratio sweep).")],
+                                             "samples seen, over seeds), ablation (students A-E + k_ratio "
+                                             "sweep) or reinforcement (K, B_syn, captions, teachers, lambda).")],
     config: Annotated[Path, typer.Option(help="Experiment recipe YAML, e.g. "
                                               "configs/experiments/cpu-demo.yaml.")],
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: the recipe's 'out' / NAME).")] = None,
@@ -508,7 +419,11 @@ def cli_experiment(
         recipe.setdefault("train", {})["progress"] = False
     out_dir = out or Path(recipe.get("out", f"runs/experiments/{recipe['name']}")) / name
     started = time.perf_counter()
-    run = efficiency_experiment if name == "efficiency" else ablation_experiment
+    from train.efficiency_experiment import efficiency_experiment
+    from train.reinforcement_ablation import reinforcement_experiment
+
+    run = {"efficiency": efficiency_experiment, "ablation": ablation_experiment,
+           "reinforcement": reinforcement_experiment}[name]
     run(recipe, Path(out_dir), progress=not quiet)
     typer.echo(f"{name} finished in {time.perf_counter() - started:.0f} s; wrote {out_dir}/results.json, "
                f"table.md and plots")

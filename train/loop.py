@@ -419,7 +419,8 @@ class Trainer:
                            epoch=self.data_epoch if not resampled else self.step,
                            teachers=cfg.teachers, teacher_image_size=teacher_size,
                            stored_embeddings=self.teacher is None, on_corrupt=cfg.on_corrupt,
-                           corrupt_log=str(self.out / SKIP_LOG))
+                           corrupt_log=str(self.out / SKIP_LOG), aug_limit=cfg.aug_limit,
+                           caption_sources=cfg.caption_sources)
 
     def _batches(self):
         """Endless batches; a one-pass loader is rebuilt with the next epoch when it runs out."""

@@ -96,14 +96,15 @@ def seed_summary(label: str, rows: list[dict], columns: list[str]) -> dict:
     return out
 
 
-def markdown_table_sd(rows: list[dict], columns: list[str], first: str = "run") -> str:
-    """Like ``markdown_table``, cells as 'mean ± sd' where a ``<col>_sd`` is present."""
+def markdown_table_sd(rows: list[dict], columns: list[str], first: str = "run", spread: str = "sd") -> str:
+    """Like ``markdown_table``, cells as 'mean ± sd' where a ``<col>_sd`` is present (``spread="ci"``:
+    'mean ± <col>_ci', e.g. a 95 % t-interval half-width)."""
     cols = [first] + [c for c in columns if c != first]
     lines = ["| " + " | ".join(HEADERS.get(c, c) for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in rows:
         cells = []
         for c in cols:
-            sd = row.get(f"{c}_sd")
+            sd = row.get(f"{c}_{spread}")
             cells.append(fmt(row.get(c), c) + (f" ± {fmt(sd, c)}" if sd is not None else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

