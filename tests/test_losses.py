@@ -402,6 +402,8 @@ def test_compute_losses_terms_and_total():
                                local_text=real.local_text, text_mask=real.text_mask)
     with pytest.raises(ValueError, match="local_pairs=True"):
         compute_losses(without_pairs, None, batch, LossConfig(local_loss="contrastive"))
+    with pytest.raises(ValueError, match="local_words=True"):  # make_case has pairs but no word similarity
+        compute_losses(real, syn, batch, LossConfig(local_word_contrast=True))
 
     # no teacher embeddings (plain mode): lambda -> 0, pure CLIP
     plain = dict(batch, teacher={})

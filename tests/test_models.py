@@ -511,12 +511,14 @@ def test_local_pairs_sample_tokens_and_match_own_image(images):
     model = build_student(_hybrid("B")).eval()
     tok = model.tokenize(TEXTS)
     with torch.no_grad():
-        out = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=4)
+        out = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=4, local_words=True)
+        without_words = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=4)
     assert out.local_pair_similarity.shape == (2, 2, 4) and out.local_pair_mask.shape == (2, 4)
     assert bool(out.local_pair_mask.all())  # both reports have at least 4 tokens
     assert out.local_pair_similarity.abs().max() <= 1.0 + 1e-5
     # word direction: word k's own-image region against every sampled word of its report
     assert out.local_word_similarity.shape == (2, 4, 4) and out.local_pair_ids.shape == (2, 4)
+    assert without_words.local_word_similarity is None  # only on request: it costs an attention pass
     assert torch.allclose(out.local_word_similarity.diagonal(dim1=1, dim2=2),
                           out.local_pair_similarity.diagonal(0, 0, 1).T, atol=1e-5)
     assert _forward(model, images).local_pair_similarity is None  # only on request

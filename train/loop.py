@@ -127,8 +127,9 @@ def _two_text_module():
             self.student = student
 
         def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None,
-                    local_pairs=0):
-            out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs)
+                    local_pairs=0, local_words=False):
+            out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs,
+                               local_words=local_words)
             syn = None
             if caption_ids is not None:
                 syn = self.student.encode_text(caption_ids, caption_mask)
@@ -493,7 +494,8 @@ class Trainer:
             sync = (self.ddp and micro < cfg.accum_steps - 1)
             with (self.model.no_sync() if sync else contextlib.nullcontext()):
                 with self._autocast():
-                    out, syn_txt = self.model(*args, step=self.step, local_pairs=self.local_pairs)
+                    out, syn_txt = self.model(*args, step=self.step, local_pairs=self.local_pairs,
+                                              local_words=bool(self.local_pairs) and self.loss_cfg.local_word_contrast)
                 out_syn = (SynView(out.image_emb, syn_txt, out.logit_scale) if syn_txt is not None else None)
                 terms = compute_losses(out, out_syn, batch, self.loss_cfg, self.step, cfg.steps, self.queue)
                 if log_balance and micro == 0:

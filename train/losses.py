@@ -560,8 +560,10 @@ def local_losses(out: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
             raise ValueError("loss.local_loss 'contrastive' needs the student's forward(..., local_pairs=True)")
         mask = getattr(out, "local_pair_mask", None)
         parts.append(local_contrastive_loss(pairs, mask, cfg.local_temperature))
-        words = getattr(out, "local_word_similarity", None)
-        if cfg.local_word_contrast and words is not None:
+        if cfg.local_word_contrast:
+            words = getattr(out, "local_word_similarity", None)
+            if words is None:
+                raise ValueError("loss.local_word_contrast needs the student's forward(..., local_words=True)")
             parts.append(word_contrastive_loss(words, out.local_pair_ids, mask, cfg.local_temperature))
     if cfg.local_entropy and getattr(out, "local_attn", None) is not None:
         parts.append(cfg.local_entropy * attention_entropy(out.local_attn, text_mask))

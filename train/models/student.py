@@ -128,11 +128,12 @@ class PatchIBStudent(nn.Module):
         return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                step: int | None = None, local_pairs: int = 0) -> StudentOutput:
+                step: int | None = None, local_pairs: int = 0, local_words: bool = False) -> StudentOutput:
         """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
         batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
         B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
-        reports apart, where the grounding signal is."""
+        reports apart, where the grounding signal is. ``local_words``: also those tokens' own-image
+        regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``)."""
         img = self._image(images, step)
         text_tokens, text_pooled = self._text(input_ids, attention_mask)
         text_mask = attention_mask.to(text_tokens.device).bool()
@@ -156,7 +157,8 @@ class PatchIBStudent(nn.Module):
                                                                                  text_mask))
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
                 out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches)
-                out.local_word_similarity = self.local_align.word_similarity(tokens, patches)
+                if local_words:
+                    out.local_word_similarity = self.local_align.word_similarity(tokens, patches)
                 out.local_pair_mask = text_mask.gather(1, index)
                 out.local_pair_ids = input_ids.to(index.device).gather(1, index)
         return out
