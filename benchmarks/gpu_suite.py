@@ -10,7 +10,7 @@ Sections (each a function; each reuses the project's own measurement code):
 2. students    A-E at ViT-S/16 (configs A..E) and ViT-B/16 (the same configs with
                ``image_tower=vit_base_patch16``, MiniLM text), 224 px, bf16 autocast: train and
                inference img/s, peak VRAM, GFLOPs, E at its target keep rate
-               (``train.evaluation.efficiency.efficiency_metrics(step=FAR_STEP)``). Target: E >= 1.5x A
+               (``cxrdr.train.evaluation.efficiency.efficiency_metrics(step=FAR_STEP)``). Target: E >= 1.5x A
                train img/s (ViT-S/16).
 3. train_step  the training loop's step with stored embeddings vs the ViT-B/16 teacher online vs
                no teacher (``benchmarks/train_step.py --size full --teachers openclip:ViT-B-16``) on
@@ -90,9 +90,9 @@ def section_students(cfg: dict, work: Path, budget) -> dict:
     """A-E of each family: efficiency_metrics at the target keep rate, bf16 autocast on CUDA."""
     import torch
 
-    from train.evaluation.efficiency import FAR_STEP, efficiency_metrics
-    from train.models.config import StudentConfig
-    from train.models.student import build_student
+    from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
+    from cxrdr.train.models.config import StudentConfig
+    from cxrdr.train.models.student import build_student
 
     rows, skipped = [], []
     for family, (pattern, overrides) in cfg["families"].items():
@@ -272,7 +272,7 @@ def _table(rows: list[dict], cols: list[tuple[str, str]]) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    from train.evaluation.report import COST_COLUMNS, markdown_table
+    from cxrdr.train.evaluation.report import COST_COLUMNS, markdown_table
 
     s = result["sections"]
     md = [f"# GPU benchmark suite: {result['device']}", "",
@@ -332,7 +332,7 @@ def markdown(result: dict) -> str:
 
 
 def write_results(result: dict, out_dir: Path) -> tuple[Path, Path]:
-    from train.evaluation.report import jsonable
+    from cxrdr.train.evaluation.report import jsonable
 
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{result['device']}.json", out_dir / f"{result['device']}.md"

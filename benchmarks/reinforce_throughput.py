@@ -30,9 +30,9 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
     import numpy as np
     import torch
 
-    from reinforce.augment import replay_many
-    from reinforce.build import decode_stored_image, read_dataset_info
-    from reinforce.verify import iter_tar_samples
+    from cxrdr.common.augment import replay_many
+    from cxrdr.reinforce.build import decode_stored_image, read_dataset_info
+    from cxrdr.reinforce.verify import iter_tar_samples
 
     info = read_dataset_info(shards_dir)
     samples = [s for shard in info["shards"] for _, s in iter_tar_samples(shards_dir / shard["name"])]
@@ -69,8 +69,8 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
     """Build N phantom samples, then time the teachers alone on the same inputs; returns the figures."""
     import torch
 
-    from reinforce.build import BuildOptions, build, resolve_device
-    from reinforce.teachers import load_teachers
+    from cxrdr.reinforce.build import BuildOptions, build, resolve_device
+    from cxrdr.teachers import load_teachers
 
     device = resolve_device(device)
     loaded = load_teachers(teachers, device=device)
@@ -83,7 +83,7 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
         t.encode_texts(["warm up"])
     source = f"phantom:{n}"
     if files:
-        from reinforce.phantom import write_phantom_dataset
+        from cxrdr.reinforce.phantom import write_phantom_dataset
 
         source = f"jsonl:{write_phantom_dataset(n, root / 'data', progress=False)}"
     opts = BuildOptions(source=source, teachers=teachers, out=shards, n_aug=n_aug,

@@ -9,7 +9,7 @@ drifting load on a shared machine hits both alike.
     python benchmarks/token_dropping.py --pairs cpu --rounds 5
     python benchmarks/token_dropping.py --device cuda --batch-size 64 --json-out bench.json
 
-Inference: the image encoder on a batch (``train.evaluation.efficiency.image_encoder_metrics``).
+Inference: the image encoder on a batch (``cxrdr.train.evaluation.efficiency.image_encoder_metrics``).
 Training: one AdamW step of the student on a synthetic batch (forward, the efficiency proxy
 objective with its local and mask terms, backward, update), as ``efficiency_metrics`` measures it.
 """
@@ -25,8 +25,8 @@ PAIRS = {"cpu": ("cpu-A", "cpu-E"), "vit-s16-224": ("A", "E")}
 
 
 def measure_pair(names: tuple[str, str], batch_size: int, rounds: int, device: str) -> dict:
-    from train.evaluation.efficiency import FAR_STEP, efficiency_metrics
-    from train.models.student import build_student
+    from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
+    from cxrdr.train.models.student import build_student
 
     models = {name: build_student(name).to(device) for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -26,7 +26,7 @@ from pathlib import Path
 def build_phantom(out: Path, n: int, store_size: int) -> Path:
     import subprocess
 
-    cmd = [sys.executable, "-m", "reinforce.cli", "build", "--source", f"phantom:{n}", "--teachers", "random:tiny",
+    cmd = [sys.executable, "-m", "cxrdr.reinforce.cli", "build", "--source", f"phantom:{n}", "--teachers", "random:tiny",
            "--n-aug", "4", "--n-captions", "3", "--store-size", str(store_size), "--workers", "0",
            "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -34,8 +34,8 @@ def build_phantom(out: Path, n: int, store_size: int) -> Path:
 
 
 def make_trainer(base: dict, **overrides):
-    from train.config import TrainConfig
-    from train.loop import Trainer
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
 
     trainer = Trainer(TrainConfig(**{**base, **overrides}))
     # time the student as trained: token dropping (E) and Top-K at their target rates, not in warm-up

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from reinforce.augment import (AugConfig, full_image_params, image_to_view, replay, resize_short_side,
+from cxrdr.common.augment import (AugConfig, full_image_params, image_to_view, replay, resize_short_side,
                                sample_param_sets, view_to_image)
 
 
@@ -123,7 +123,7 @@ def test_resize_short_side_keeps_aspect():
 @pytest.mark.parametrize("size", [64, 37, 224])
 def test_replay_many_equals_stacked_replay_calls(size):
     """The build's batched replay gives the very bits of one replay() call per parameter set."""
-    from reinforce.augment import replay_many
+    from cxrdr.common.augment import replay_many
 
     image = structured_image(300, 256)
     params = sample_param_sets("many", *image.size, 8, RICH, seed=2)  # crops pooled by different factors

@@ -21,13 +21,13 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from reinforce.augment import replay
-from reinforce.build import BuildOptions, build, read_dataset_info, summary_text
-from reinforce.clierrors import UserError
-from reinforce.records import CHEXPERT14
-from reinforce.shardformat import npy_load, sample_embedding
-from reinforce.verify import iter_tar_samples, verify
-from reinforce.writer import is_shard_complete
+from cxrdr.common.augment import replay
+from cxrdr.reinforce.build import BuildOptions, build, read_dataset_info, summary_text
+from cxrdr.common.errors import UserError
+from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.shards import npy_load, sample_embedding
+from cxrdr.reinforce.verify import iter_tar_samples, verify
+from cxrdr.reinforce.writer import is_shard_complete
 
 N = 16
 SOURCE_SEED = 4  # phantom seed whose first 16 studies span train (12), val (2) and test (2)
@@ -71,11 +71,11 @@ def assert_same_samples(a: dict, b: dict, atol: float = 2e-3) -> None:
 def app():
     import typer
 
-    from reinforce.add_teacher import cli_add_teacher
-    from reinforce.build import cli_build
-    from reinforce.inspect import cli_inspect
-    from reinforce.manifest import cli_merge
-    from reinforce.verify import cli_verify
+    from cxrdr.reinforce.add_teacher import cli_add_teacher
+    from cxrdr.reinforce.build import cli_build
+    from cxrdr.reinforce.inspect import cli_inspect
+    from cxrdr.reinforce.manifest import cli_merge
+    from cxrdr.reinforce.verify import cli_verify
 
     a = typer.Typer()
     for name, fn in [("build", cli_build), ("merge", cli_merge), ("inspect", cli_inspect),
@@ -86,7 +86,7 @@ def app():
 
 @pytest.fixture(scope="session")
 def teachers():
-    from reinforce.teachers import load_teachers
+    from cxrdr.teachers import load_teachers
 
     return load_teachers(SPEC, device="cpu")
 
@@ -221,7 +221,7 @@ def test_verify_names_a_bad_sample(fresh, tmp_path):
 
 
 def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
-    from reinforce.build import SimulatedKill
+    from cxrdr.reinforce.build import SimulatedKill
 
     out = tmp_path / "resumed"
     with pytest.raises(RuntimeError) as excinfo:
@@ -268,7 +268,7 @@ def test_two_ranks_then_merge_equal_a_single_process_build(fresh, tmp_path):
 
 
 def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
-    from reinforce.add_teacher import add_teachers
+    from cxrdr.reinforce.add_teacher import add_teachers
 
     out = tmp_path / "int8"
     info = build(options(out, teachers="random:tiny", emb_dtype="int8", image_format="png"),
@@ -300,7 +300,7 @@ def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
 
 def test_add_teacher_with_an_image_teacher(fresh, teachers, tmp_path):
     """Image embeddings added later equal those of a build that had the teacher from the start."""
-    from reinforce.add_teacher import add_teachers
+    from cxrdr.reinforce.add_teacher import add_teachers
 
     out = tmp_path / "text-first"
     build(options(out, teachers="text:minilm", limit=4), teachers=teachers[1:])
@@ -313,7 +313,7 @@ def test_add_teacher_with_an_image_teacher(fresh, teachers, tmp_path):
 
 
 def test_missing_and_unreadable_images_are_skipped_and_reported(tmp_path, teachers):
-    from reinforce.phantom import write_phantom_dataset
+    from cxrdr.reinforce.phantom import write_phantom_dataset
 
     jsonl = write_phantom_dataset(6, tmp_path / "data", size=96, progress=False)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -354,8 +354,8 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
     """A source with requires_images False (e.g. iu-xray without images): txt/json/syn/txt only."""
     import dataclasses
 
-    import reinforce.sources
-    from reinforce.phantom import PhantomSource
+    import cxrdr.reinforce.sources as reinforce_sources
+    from cxrdr.reinforce.phantom import PhantomSource
 
     class TextOnly:
         requires_images = False
@@ -371,7 +371,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
         def describe(self):
             return {"name": self.name, "requires_images": False}
 
-    monkeypatch.setattr(reinforce.sources, "open_source", lambda spec, **options: TextOnly())
+    monkeypatch.setattr(reinforce_sources, "open_source", lambda spec, **options: TextOnly())
     info = build(options(tmp_path / "text"), teachers=teachers)
     assert info["images"] is False and info["n_aug"] == 0 and info["total_samples"] == 4
     assert "image" not in info["bytes_per_sample"]
@@ -382,8 +382,8 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
 
 
 def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, monkeypatch):
-    from reinforce.build import resolve_rank
-    from reinforce.manifest import merge
+    from cxrdr.reinforce.build import resolve_rank
+    from cxrdr.reinforce.manifest import merge
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -409,9 +409,9 @@ def _downgrade_to_schema_1(out: Path, info: dict) -> None:
     the fixture standing in for shards built before schema 2."""
     import webdataset as wds
 
-    from reinforce.manifest import plan_path
-    from reinforce.shardformat import emb_ext, encode_embedding, npy_bytes, scale_ext
-    from reinforce.writer import read_shard_stats, stats_path
+    from cxrdr.reinforce.manifest import plan_path
+    from cxrdr.common.shards import emb_ext, encode_embedding, npy_bytes, scale_ext
+    from cxrdr.reinforce.writer import read_shard_stats, stats_path
 
     for index, shard in enumerate(info["shards"]):
         tar = out / shard["name"]
@@ -443,7 +443,7 @@ def _downgrade_to_schema_1(out: Path, info: dict) -> None:
 
 
 def sample_embeddings_of(stored: np.ndarray, sample: dict) -> dict:
-    from reinforce.shardformat import decode_embedding, split_rows
+    from cxrdr.common.shards import decode_embedding, split_rows
 
     meta = json.loads(sample["json"])
     return split_rows(decode_embedding(stored), len(meta["aug"]), len(meta["captions"]))
@@ -451,7 +451,7 @@ def sample_embeddings_of(stored: np.ndarray, sample: dict) -> dict:
 
 def test_schema_1_shards_are_read_verified_and_upgraded_by_add_teacher(teachers, tmp_path):
     """Old-layout shards still read (same values), verify, and add-teacher repacks them losslessly."""
-    from reinforce.add_teacher import add_teachers
+    from cxrdr.reinforce.add_teacher import add_teachers
 
     out = tmp_path / "v1"
     info = build(options(out, teachers="random:tiny", emb_dtype="int8", limit=4), teachers=teachers[:1])
@@ -477,7 +477,7 @@ def test_schema_1_shards_are_read_verified_and_upgraded_by_add_teacher(teachers,
 def test_dataset_card_beside_the_shards(fresh):
     import yaml
 
-    from reinforce.card import source_license
+    from cxrdr.reinforce.card import source_license
 
     info = read_dataset_info(fresh)
     text = (fresh / "README.md").read_text()
@@ -491,7 +491,7 @@ def test_dataset_card_beside_the_shards(fresh):
         assert f"| {t['name']} | `{t['spec']}`" in body and f"{t['logit_scale']:.2f}" in body
     assert "K = 2 stored augmentations per image, S = 2 captions" in body
     assert "train 12, val 2, test 2" in body and "skipped by the build: 0" in body
-    assert "python -m train.openclip_train --dataset-type webdataset" in body
+    assert "python -m cxrdr.train.openclip_train --dataset-type webdataset" in body
     assert "--train-num-samples 12" in body
     assert source_license({"name": "mimic"})[0] == "other"
     assert source_license({"name": "jsonl", "license": "cc-by-4.0"})[0] == "cc-by-4.0"

@@ -8,10 +8,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from reinforce.captions import caption_pool, is_normal, make_captions
-from reinforce.captions.rdf import NORMAL_CAPTIONS, group_triples, rdf_captions
-from reinforce.captions.report import report_captions, split_sentences
-from reinforce.records import Record
+from cxrdr.reinforce.captions import caption_pool, is_normal, make_captions
+from cxrdr.reinforce.captions.rdf import NORMAL_CAPTIONS, group_triples, rdf_captions
+from cxrdr.reinforce.captions.report import report_captions, split_sentences
+from cxrdr.reinforce.records import Record
 
 WORKED = [
     ("pleural_effusion", "HAS_LOCATION", "right_hemithorax"),
@@ -165,7 +165,7 @@ def test_grouping_and_phantom_vocabulary():
 
 
 def test_cli_captions_prints_triples_and_captions(tmp_path):
-    from reinforce.captions.cli import cli_captions
+    from cxrdr.reinforce.captions.cli import cli_captions
 
     rows = [{"study_id": "iu-9", "subject_id": "iu-9", "findings": "Moderate right pleural effusion is seen.",
              "impression": "Right effusion.", "mesh": ["Pleural Effusion/right/moderate"], "split": "train",

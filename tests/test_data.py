@@ -1,4 +1,4 @@
-"""train.data: reinforced/plain/eval batches from phantom shards (built once per session)."""
+"""cxrdr.train.data: reinforced/plain/eval batches from phantom shards (built once per session)."""
 from __future__ import annotations
 
 import functools
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from reinforce import augment
-from reinforce import shardformat as sf
+from cxrdr.common import augment
+from cxrdr.common import shards as sf
 
 PY = sys.executable
 N_AUG, N_CAP = 2, 2
@@ -27,12 +27,12 @@ def build_phantom_shards(base: str) -> Path:
     if (out / sf.DATASET_JSON).is_file():
         return out
     try:
-        import reinforce.build  # noqa: F401
+        import cxrdr.reinforce.build  # noqa: F401
         has_build = True
     except ImportError:
         has_build = False
     if has_build:
-        cmd = [PY, "-m", "reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
+        cmd = [PY, "-m", "cxrdr.reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
                "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--shard-size", "12", "--workers", "0", "--out", str(out)]
         env = dict(os.environ, CXRDR_DEBUG="1")
         result = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -107,14 +107,14 @@ def fake_tokenize(texts):
 def _raw_samples(shards: Path, split: str) -> dict:
     import webdataset as wds
 
-    from train.data import split_shards
+    from cxrdr.train.data import split_shards
 
     urls, _ = split_shards(shards, split)
     return {s["__key__"]: s for s in wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples())}
 
 
 def _loader(shards, split="train", **kw):
-    from train.data import make_loader
+    from cxrdr.train.data import make_loader
 
     kw.setdefault("shuffle_buffer", 8)
     return make_loader(shards, split, None, kw.pop("batch_size", 4), image_size=32,
@@ -122,7 +122,7 @@ def _loader(shards, split="train", **kw):
 
 
 def test_reinforced_batch_shapes_and_teacher_rows(phantom_shards):
-    from train.data import read_info
+    from cxrdr.train.data import read_info
 
     info = read_info(phantom_shards)
     teacher = info["teachers"][0]["name"]
@@ -173,7 +173,7 @@ def test_plain_mode_has_no_teacher_and_fresh_views(phantom_shards):
 
 
 def test_split_selection_and_eval_loader(phantom_shards):
-    from train.data import make_eval_loader, read_info
+    from cxrdr.train.data import make_eval_loader, read_info
 
     info = read_info(phantom_shards)
     for split in ("val", "test"):

@@ -11,9 +11,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from train import distributed as dist_utils
+from cxrdr.train import distributed as dist_utils
 from tests.fakes import FakeOutput
-from train.losses import LossConfig, TextQueue, compute_losses
+from cxrdr.train.losses import LossConfig, TextQueue, compute_losses
 
 WORLD = 2
 SLICES = [(0, 3), (3, 5)]  # uneven on purpose: rank 0 holds 3 samples, rank 1 holds 2

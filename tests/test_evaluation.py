@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from reinforce.augment import full_image_params
-from reinforce.records import CHEXPERT14
-from train.evaluation import faithfulness as faith
-from train.evaluation import localisation as loc
-from train.evaluation.geometry import distance_ratio
-from train.evaluation.probe import linear_probe
-from train.evaluation.retrieval import retrieval_metrics
-from train.evaluation.zeroshot import load_prompts, select_5x200, zeroshot_auc
+from cxrdr.common.augment import full_image_params
+from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.train.evaluation import faithfulness as faith
+from cxrdr.train.evaluation import localisation as loc
+from cxrdr.train.evaluation.geometry import distance_ratio
+from cxrdr.train.evaluation.probe import linear_probe
+from cxrdr.train.evaluation.retrieval import retrieval_metrics
+from cxrdr.train.evaluation.zeroshot import load_prompts, select_5x200, zeroshot_auc
 
 
 # --------------------------------------------------------------------------- retrieval
@@ -43,7 +43,7 @@ def test_retrieval_graded_ranks():
         sims[i, i] = 0.5
     # feed the similarity matrix directly as embeddings: img = I, txt = sims.T (cos != dot after
     # normalisation, so compare with an unnormalised check via ranks instead)
-    from train.evaluation.retrieval import correct_ranks
+    from cxrdr.train.evaluation.retrieval import correct_ranks
 
     ranks = correct_ranks(sims)
     assert ranks.tolist() == list(range(n))
@@ -148,7 +148,7 @@ def test_chance_baseline_matches_random_heatmaps():
 
 
 def test_heatmap_plots_show_different_findings_first():
-    from train.evaluation.runner import varied_plots
+    from cxrdr.train.evaluation.runner import varied_plots
 
     def item(*labels):
         return {"attn": [(lab, None) for lab in labels], "boxes": [(lab, None) for lab in labels]}
@@ -256,8 +256,8 @@ def tiny_run(tmp_path_factory):
     """Tiny phantom shards and a 2-step `train run` of tiny-D on them (trained through the CLI)."""
     from typer.testing import CliRunner
 
-    from reinforce.build import BuildOptions, build
-    from train.cli import app
+    from cxrdr.reinforce.build import BuildOptions, build
+    from cxrdr.train.cli import app
 
     root = tmp_path_factory.mktemp("eval-e2e")
     shards = root / "shards"
@@ -276,7 +276,7 @@ def tiny_run(tmp_path_factory):
 def test_train_eval_cli_writes_outputs(tiny_run):
     from typer.testing import CliRunner
 
-    from train.cli import app
+    from cxrdr.train.cli import app
 
     shards, run = tiny_run
     result = CliRunner().invoke(app, ["eval", "--ckpt", str(run / "best.pt"), "--shards", str(shards),
@@ -310,7 +310,7 @@ def test_train_eval_cli_writes_outputs(tiny_run):
 def test_eval_rejects_bad_input(tiny_run, tmp_path):
     from typer.testing import CliRunner
 
-    from train.cli import app
+    from cxrdr.train.cli import app
 
     shards, run = tiny_run
     result = CliRunner().invoke(app, ["eval", "--ckpt", str(tmp_path / "missing.pt"), "--shards", str(shards)])

@@ -49,7 +49,7 @@ def _with_teacher_and_seeds(path, root):
 def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     from typer.testing import CliRunner
 
-    from train.cli import app
+    from cxrdr.cli import train_app as app
 
     path, root = micro_recipe
     _with_teacher_and_seeds(path, root)
@@ -87,7 +87,7 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
 def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):
     from typer.testing import CliRunner
 
-    from train.cli import app
+    from cxrdr.cli import train_app as app
 
     path, root = micro_recipe
     recipe = yaml.safe_load(path.read_text())
@@ -118,7 +118,7 @@ def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):
 
 
 def test_caption_sources_and_aug_limit_restrict_what_training_reads(phantom_shards):
-    from train.data import SampleView, make_loader
+    from cxrdr.train.data import SampleView, make_loader
 
     loader = make_loader(phantom_shards, "train", None, 4, image_size=32, tokenize=None, aug_limit=1,
                          caption_sources=["report"])
@@ -140,7 +140,7 @@ def test_caption_sources_and_aug_limit_restrict_what_training_reads(phantom_shar
 def test_t_interval_matches_the_t_distribution():
     from scipy import stats
 
-    from train.efficiency_experiment import t_interval
+    from cxrdr.experiments.efficiency import t_interval
 
     values = [0.20, 0.25, 0.30]
     mean, half = t_interval(values)
@@ -151,7 +151,7 @@ def test_t_interval_matches_the_t_distribution():
 
 
 def test_samples_to_target_interpolates_the_first_crossing():
-    from train.efficiency_experiment import samples_to_target
+    from cxrdr.experiments.efficiency import samples_to_target
 
     xs, ys = [100, 200, 300, 400], [0.1, 0.2, 0.4, 0.3]
     assert samples_to_target(xs, ys, 0.3) == pytest.approx(250)  # halfway between 200 and 300
@@ -162,7 +162,7 @@ def test_samples_to_target_interpolates_the_first_crossing():
 
 
 def test_break_even_and_bars():
-    from train.efficiency_experiment import bars, break_even
+    from cxrdr.experiments.efficiency import bars, break_even
 
     cost = break_even(120.0, online_ms=1000.0, stored_ms=200.0, steps=300)
     assert cost["saving_per_run_s"] == pytest.approx(240.0) and cost["break_even_runs"] == pytest.approx(0.5)
@@ -176,7 +176,7 @@ def test_break_even_and_bars():
 
 
 def test_recipe_errors_are_one_line(tmp_path):
-    from train.experiments import load_recipe
+    from cxrdr.experiments.recipes import load_recipe
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("shards: {dir: x}\nbogus: 1\n")
@@ -189,7 +189,7 @@ def test_recipe_errors_are_one_line(tmp_path):
 def test_ablation_over_seeds_reports_mean_sd_and_chance_and_reuses_runs(micro_recipe):
     from typer.testing import CliRunner
 
-    from train.cli import app
+    from cxrdr.cli import train_app as app
 
     path, root = micro_recipe
     recipe = yaml.safe_load(path.read_text())

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m reinforce.cli|train.cli ARGS` in a fresh process, as a user runs it."""
+    """`python -m cxrdr.reinforce.cli|train.cli ARGS` in a fresh process, as a user runs it."""
     base = {k: v for k, v in os.environ.items() if k != "CXRDR_DEBUG"}
     env = {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
@@ -60,32 +60,32 @@ def _crafted_checkpoint(path: Path, marker: Path) -> Path:
 
 
 def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
-    from train.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
-    from train.models import build_student
+    from cxrdr.train.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+    from cxrdr.train.models import build_student
 
     marker = tmp_path / "pwned"
     evil = _crafted_checkpoint(tmp_path / "evil.pt", marker)
     with pytest.raises(ValueError, match="refused"):
         read_checkpoint(evil)
     # a ckpt: teacher and a planted last.pt on --resume go through the same reader
-    from reinforce.teachers import load_teacher
+    from cxrdr.teachers import load_teacher
     with pytest.raises(Exception, match="refused"):
         load_teacher(f"ckpt:{evil}", device="cpu")
     run = tmp_path / "run"
     run.mkdir()
     (run / "last.pt").write_bytes(evil.read_bytes())
-    from train.loop import train
+    from cxrdr.train.loop import train
     with pytest.raises(ValueError, match="refused"):
         train(dict(shards=str(phantom_shards), model="tiny-A", out=str(run), steps=1, batch_size=4,
                    workers=0, progress=False, device="cpu", resume=True))
-    result = run_cli("train.cli", "eval", "--ckpt", str(evil), "--shards", str(phantom_shards),
+    result = run_cli("cxrdr.train.cli", "eval", "--ckpt", str(evil), "--shards", str(phantom_shards),
                      "--out", str(tmp_path / "eval"))
     assert_one_line_error(result, "evil.pt", "refused")
     assert not marker.exists()
 
     # A real checkpoint (with RNG states, numpy values) still round-trips under weights_only.
     import numpy as np
-    from train.loop import rng_state
+    from cxrdr.train.loop import rng_state
     model = build_student("tiny-A")
     path = save_checkpoint(tmp_path / "ok.pt", model, rng={"0": rng_state()},
                            metrics={"auc": np.float32(0.5)}, step=3)
@@ -98,7 +98,7 @@ def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
 
 
 def tiny_build_options(out, **overrides):
-    from reinforce.build import BuildOptions
+    from cxrdr.reinforce.build import BuildOptions
 
     base = dict(source="phantom:8", teachers="random:tiny", out=Path(out), n_aug=2, n_captions=2,
                 store_size=48, shard_size=3, workers=0, batch_size=4, device="cpu", progress=False,
@@ -109,15 +109,15 @@ def tiny_build_options(out, **overrides):
 
 @pytest.fixture(scope="module")
 def tiny_teacher():
-    from reinforce.teachers import load_teachers
+    from cxrdr.teachers import load_teachers
 
     return load_teachers("random:tiny", device="cpu")
 
 
 def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, phantom_shards):
-    from reinforce.add_teacher import add_teachers
-    from reinforce.build import build
-    from reinforce.locking import FolderBusyError, lock_build_rank, lock_folder
+    from cxrdr.reinforce.add_teacher import add_teachers
+    from cxrdr.reinforce.build import build
+    from cxrdr.common.locking import FolderBusyError, lock_build_rank, lock_folder
 
     out = tmp_path / "shards"
     build(tiny_build_options(out), teachers=tiny_teacher)
@@ -126,9 +126,9 @@ def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, p
             build(tiny_build_options(out, seed=1, resume=True), teachers=tiny_teacher)
         with pytest.raises(FolderBusyError, match="in use"):
             add_teachers(out, "random:tiny?name=other", progress=False, teachers=tiny_teacher)
-        result = run_cli("reinforce.cli", "merge", str(out))
+        result = run_cli("cxrdr.reinforce.cli", "merge", str(out))
         assert_one_line_error(result, str(out), "in use by `reinforce build`")
-        result = run_cli("reinforce.cli", "build", "--source", "phantom:8", "--teachers", "random:tiny",
+        result = run_cli("cxrdr.reinforce.cli", "build", "--source", "phantom:8", "--teachers", "random:tiny",
                          "--out", str(out), "--seed", "1", "--quiet", "--device", "cpu", "--workers", "0")
         assert_one_line_error(result, str(out), "already being built")
     # Ranks of one multi-rank build share the folder; another world size or a second rank 1 cannot.
@@ -144,7 +144,7 @@ def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, p
         pass
     run = tmp_path / "run"
     with lock_folder(run, "train run"):
-        from train.loop import train
+        from cxrdr.train.loop import train
         with pytest.raises(FolderBusyError, match="in use by `train run`"):
             train(dict(shards=str(phantom_shards), model="tiny-A", out=str(run), steps=1, batch_size=4,
                        workers=0, progress=False, device="cpu"))
@@ -154,7 +154,7 @@ def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, p
 
 
 def _train(phantom_shards, out, **overrides):
-    from train.loop import train
+    from cxrdr.train.loop import train
 
     cfg = dict(shards=str(phantom_shards), model="tiny-A", out=str(out), steps=2, batch_size=4, workers=0,
                progress=False, device="cpu", log_every=1)
@@ -173,14 +173,14 @@ def test_existing_run_is_not_replaced_without_overwrite(phantom_shards, tmp_path
     assert summary["steps"] == 1 and summary["start_step"] == 0
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["kind"] == "train"] == [1]  # the old run's steps 1, 2 are gone
-    result = run_cli("train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
+    result = run_cli("cxrdr.train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
                      "--steps", "1", "--device", "cpu", "--workers", "0", "--no-progress")
     assert_one_line_error(result, str(run), "--overwrite")
 
 
 def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_path):
-    from train.checkpoint import read_checkpoint
-    from train.config import TrainConfig
+    from cxrdr.train.checkpoint import read_checkpoint
+    from cxrdr.train.config import TrainConfig
 
     assert TrainConfig().save_every > 0  # a killed run with default settings keeps its progress
     run = tmp_path / "run"
@@ -205,9 +205,9 @@ def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_pa
 
 
 def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_teacher):
-    from reinforce.build import build, summary_text
-    from reinforce.phantom import write_phantom_dataset
-    from reinforce.sources import open_source
+    from cxrdr.reinforce.build import build, summary_text
+    from cxrdr.reinforce.phantom import write_phantom_dataset
+    from cxrdr.reinforce.sources import open_source
 
     jsonl = write_phantom_dataset(6, tmp_path / "data", size=96, progress=False)
     lines = jsonl.read_bytes().splitlines()
@@ -240,10 +240,10 @@ def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_tea
 
 
 def test_ids_that_sanitise_alike_get_unique_keys_before_any_work(tmp_path, tiny_teacher):
-    from reinforce.build import assign_keys, build, check_unique_keys
-    from reinforce.clierrors import UserError
-    from reinforce.phantom import write_phantom_dataset
-    from reinforce.records import Record
+    from cxrdr.reinforce.build import assign_keys, build, check_unique_keys
+    from cxrdr.common.errors import UserError
+    from cxrdr.reinforce.phantom import write_phantom_dataset
+    from cxrdr.reinforce.records import Record
 
     jsonl = write_phantom_dataset(4, tmp_path / "data", size=96, progress=False)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -273,7 +273,7 @@ def _rewrite_member(tar: Path, index: int, ext: str, change) -> str:
     """Rewrite sample ``index`` of ``tar`` with ``change(bytes) -> bytes`` applied to member ``ext``."""
     import webdataset as wds
 
-    from reinforce.verify import iter_tar_samples
+    from cxrdr.reinforce.verify import iter_tar_samples
 
     samples = list(iter_tar_samples(tar))
     key = samples[index][0]
@@ -313,7 +313,7 @@ def damaged_shards(phantom_shards, tmp_path_factory) -> dict:
 
     import numpy as np
 
-    from reinforce.shardformat import npy_load
+    from cxrdr.common.shards import npy_load
 
     out = tmp_path_factory.mktemp("damaged") / "shards"
     shutil.copytree(phantom_shards, out)
@@ -335,8 +335,8 @@ def damaged_shards(phantom_shards, tmp_path_factory) -> dict:
 
 
 def _read_all(shards_dir, on_corrupt="stop", log=None) -> list[str]:
-    from train.data import make_loader
-    from train.models import build_student
+    from cxrdr.train.data import make_loader
+    from cxrdr.train.models import build_student
 
     loader = make_loader(shards_dir, "train", build_student("tiny-A"), 4, workers=0, shuffle=False,
                          drop_last=False, on_corrupt=on_corrupt, corrupt_log=log)
@@ -346,7 +346,7 @@ def _read_all(shards_dir, on_corrupt="stop", log=None) -> list[str]:
 def test_training_input_names_shard_and_key_then_stops_or_skips(damaged_shards, phantom_shards, tmp_path):
     import shutil
 
-    from train.integrity import CorruptDataError, count_skipped
+    from cxrdr.train.integrity import CorruptDataError, count_skipped
 
     shards, train = damaged_shards["dir"], damaged_shards["train"]
     with pytest.raises(CorruptDataError, match=f"{train[0]}: key \\(unreadable tar after "):
@@ -374,7 +374,7 @@ def test_training_input_names_shard_and_key_then_stops_or_skips(damaged_shards, 
 
 
 def test_train_run_on_damaged_shards_is_one_line_or_skips_and_counts(damaged_shards, tmp_path):
-    result = run_cli("train.cli", "run", "--shards", str(damaged_shards["dir"]), "--model", "tiny-A",
+    result = run_cli("cxrdr.train.cli", "run", "--shards", str(damaged_shards["dir"]), "--model", "tiny-A",
                      "--out", str(tmp_path / "stop"), "--steps", "2", "--batch-size", "4", "--device", "cpu",
                      "--workers", "1", "--no-progress")
     line = assert_one_line_error(result, "corrupt training input", "shard-00000", "--on-corrupt skip")
@@ -389,10 +389,10 @@ def test_train_run_on_damaged_shards_is_one_line_or_skips_and_counts(damaged_sha
 def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tmp_path, tiny_teacher):
     import shutil
 
-    from reinforce.add_teacher import add_teachers
-    from reinforce.build import build
-    from reinforce.teachers import load_teachers
-    from reinforce.verify import verify
+    from cxrdr.reinforce.add_teacher import add_teachers
+    from cxrdr.reinforce.build import build
+    from cxrdr.teachers import load_teachers
+    from cxrdr.reinforce.verify import verify
 
     out = tmp_path / "shards"
     build(tiny_build_options(out), teachers=tiny_teacher)
@@ -437,9 +437,9 @@ def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tm
     ("loss: [1, 2]", "'loss': expected a mapping"),
 ])
 def test_config_fields_are_typed_and_ranged(tmp_path, yaml_text, needle):
-    from train.config import TrainConfig
+    from cxrdr.train.config import TrainConfig
 
-    path = tmp_path / "train.yaml"
+    path = tmp_path / "cxrdr.train.yaml"
     path.write_text(yaml_text + "\n")
     with pytest.raises(ValueError) as excinfo:
         TrainConfig.load(path)
@@ -448,9 +448,9 @@ def test_config_fields_are_typed_and_ranged(tmp_path, yaml_text, needle):
 
 
 def test_nested_configs_and_coercions():
-    from train.config import TrainConfig
-    from train.losses import LossConfig
-    from train.optim import OptimConfig
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.losses import LossConfig
+    from cxrdr.train.optim import OptimConfig
 
     cfg = TrainConfig(lr="1e-3", weight_decay=0, steps=5)  # YAML 1.1 reads 1e-3 as a string
     assert cfg.lr == 0.001 and isinstance(cfg.weight_decay, float)
@@ -468,9 +468,9 @@ def test_nested_configs_and_coercions():
 
 
 def test_config_errors_reach_the_cli_as_one_line(tmp_path, phantom_shards):
-    path = tmp_path / "train.yaml"
+    path = tmp_path / "cxrdr.train.yaml"
     path.write_text("lr: fast\n")
-    result = run_cli("train.cli", "run", "--config", str(path), "--shards", str(phantom_shards),
+    result = run_cli("cxrdr.train.cli", "run", "--config", str(path), "--shards", str(phantom_shards),
                      "--out", str(tmp_path / "run"))
     assert_one_line_error(result, str(path), "'lr'")
 
@@ -498,14 +498,14 @@ def _popen(module: str, *args: str) -> subprocess.Popen:
 
 
 def test_build_killed_with_sigkill_resumes_to_identical_shards(tmp_path, tiny_teacher):
-    from reinforce.build import build
-    from reinforce.verify import verify
+    from cxrdr.reinforce.build import build
+    from cxrdr.reinforce.verify import verify
 
     n = 30
     reference = tmp_path / "reference"
     build(tiny_build_options(reference, source=f"phantom:{n}"), teachers=tiny_teacher)
     out = tmp_path / "killed"
-    proc = _popen("reinforce.cli", "build", "--source", f"phantom:{n}", "--source-seed", "4", "--phantom-size", "96",
+    proc = _popen("cxrdr.reinforce.cli", "build", "--source", f"phantom:{n}", "--source-seed", "4", "--phantom-size", "96",
                   "--teachers", "random:tiny", "--out", str(out), "--n-aug", "2", "--n-captions", "2",
                   "--store-size", "48", "--shard-size", "3", "--batch-size", "4", "--workers", "0",
                   "--device", "cpu", "--quiet")
@@ -527,10 +527,10 @@ def test_build_killed_with_sigkill_resumes_to_identical_shards(tmp_path, tiny_te
 def test_training_killed_with_sigkill_resumes_deterministically(phantom_shards, tmp_path):
     import shutil
 
-    from train.checkpoint import read_checkpoint
+    from cxrdr.train.checkpoint import read_checkpoint
 
     run = tmp_path / "run"
-    proc = _popen("train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
+    proc = _popen("cxrdr.train.cli", "run", "--shards", str(phantom_shards), "--model", "tiny-A", "--out", str(run),
                   "--steps", "200", "--batch-size", "4", "--workers", "0", "--device", "cpu", "--save-every", "2",
                   "--log-every", "1", "--no-progress")
     _kill_when(proc, lambda: (run / "last.pt").is_file())
@@ -557,8 +557,8 @@ def test_unexpected_errors_are_one_line_unless_debugging(tmp_path):
     bad.mkdir()
     (bad / "stats").mkdir()
     (bad / "stats" / "plan.json").write_text('{"shards": 5}')  # a TypeError deep inside merge
-    result = run_cli("reinforce.cli", "merge", str(bad))
+    result = run_cli("cxrdr.reinforce.cli", "merge", str(bad))
     assert result.returncode == 1
     assert_one_line_error(result, "error (TypeError):", "CXRDR_DEBUG=1")
-    result = run_cli("reinforce.cli", "merge", str(bad), env={"CXRDR_DEBUG": "1"})
+    result = run_cli("cxrdr.reinforce.cli", "merge", str(bad), env={"CXRDR_DEBUG": "1"})
     assert "Traceback" in result.stderr

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.fakes import FakeOutput
-from train.losses import (
+from cxrdr.train.losses import (
     LossConfig,
     TextQueue,
     beta_schedule,
@@ -315,7 +315,7 @@ def test_attention_entropy_penalty():
 
 
 def test_local_align_pair_similarity_diagonal_is_forward():
-    from train.models.heads import LocalAlign
+    from cxrdr.train.models.heads import LocalAlign
 
     torch.manual_seed(3)
     head = LocalAlign(text_dim=12, patch_dim=20, embed_dim=16, heads=4)

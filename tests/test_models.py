@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from train.checkpoint import load_checkpoint, load_training_state, read_checkpoint, save_checkpoint
-from train.models import (LocalAlign, MaskHeadTopK, StudentConfig, TokenDroppingViT, available_configs,
+from cxrdr.train.checkpoint import load_checkpoint, load_training_state, read_checkpoint, save_checkpoint
+from cxrdr.train.models import (LocalAlign, MaskHeadTopK, StudentConfig, TokenDroppingViT, available_configs,
                           build_student)
-from train.models.config import CONFIG_DIR
-from train.models.image_towers import create_timm_vit
+from cxrdr.train.models.config import CONFIG_DIR
+from cxrdr.train.models.image_towers import create_timm_vit
 
 TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
 
@@ -253,7 +253,7 @@ def test_tiny_tokenizer_is_offline_and_knows_report_words():
 @pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None, reason="MiniLM package not installed")
 def test_minilm_text_tower_builds_offline(monkeypatch):
     monkeypatch.delenv("CXRDR_CACHE")  # share the teachers' extracted copy instead of unpacking again
-    from train.models.text_towers import build_text_tower, build_tokenizer
+    from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
 
     tower = build_text_tower("minilm", 32)
     tok = build_tokenizer("minilm", 32)(TEXTS)
@@ -275,7 +275,7 @@ def test_every_parameter_gets_a_gradient_for_ddp(images):
 
 
 def test_init_from_open_clip_maps_trunk_and_text(monkeypatch):
-    import train.models.init as init
+    import cxrdr.train.models.init as init
 
     torch.manual_seed(0)
     donor = build_student("tiny-A")
@@ -314,7 +314,7 @@ needs_effnet_weights = pytest.mark.skipif(importlib.util.find_spec("efficientnet
 def test_efficientnet_lite0_mapping_uses_every_tensor_once():
     import timm
 
-    from train.models.image_towers import (EfficientNetTower, efficientnet_lite0_weights_path,
+    from cxrdr.train.models.image_towers import (EfficientNetTower, efficientnet_lite0_weights_path,
                                            lukemelas_to_timm_efficientnet)
 
     source = torch.load(efficientnet_lite0_weights_path(), map_location="cpu", weights_only=True)
@@ -369,7 +369,7 @@ def test_efficientnet_lite0_errors(monkeypatch):
         StudentConfig.from_yaml("tiny-E", image_tower="efficientnet_lite0")
     with pytest.raises(ValueError, match="multiple of its stride 16"):
         build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0", image_size=72))
-    import train.models.image_towers as towers
+    import cxrdr.train.models.image_towers as towers
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(towers.importlib.util, "find_spec",
@@ -381,7 +381,7 @@ def test_efficientnet_lite0_errors(monkeypatch):
 
 @needs_effnet_weights
 def test_efficientnet_lite0_checkpoint_loads_without_weights_package(tmp_path, images, monkeypatch):
-    import train.models.image_towers as towers
+    import cxrdr.train.models.image_towers as towers
 
     torch.manual_seed(0)
     model = build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0")).eval()
@@ -395,7 +395,7 @@ def test_efficientnet_lite0_checkpoint_loads_without_weights_package(tmp_path, i
 
 
 def test_efficientnet_lite0_freeze_stages():
-    from train.models.image_towers import EfficientNetTower
+    from cxrdr.train.models.image_towers import EfficientNetTower
 
     full = EfficientNetTower(64, pretrained=False, stride=16)
     tower = EfficientNetTower(64, pretrained=False, stride=16, freeze_stages=2).train()
@@ -420,7 +420,7 @@ def test_tiny_cnn_configs_build_pretrained_students():
     out = _forward(model, images)
     assert out.grid_size == (6, 6) and out.patch_tokens.shape == (2, 36, 112) and out.mask.shape == (2, 36)
     assert "image_tower.trunk.conv_stem.weight" not in dict(model.named_parameters())  # frozen stem
-    from train.optim import freeze_towers
+    from cxrdr.train.optim import freeze_towers
 
     freeze_towers(model, False)  # an unfreeze stage leaves the frozen stages frozen
     assert not model.image_tower.trunk.blocks[3][0].conv_pw.weight.requires_grad
@@ -482,8 +482,8 @@ def test_hybrid_checkpoint_round_trip_and_errors(tmp_path, images):
 
 @needs_effnet_weights
 def test_hybrid_stem_carries_the_packaged_imagenet_weights():
-    from train.models.hybrid_tower import lite0_stem
-    from train.models.image_towers import EfficientNetTower
+    from cxrdr.train.models.hybrid_tower import lite0_stem
+    from cxrdr.train.models.image_towers import EfficientNetTower
 
     stem = lite0_stem(8, pretrained=True, frozen=True)
     cnn = EfficientNetTower(64, pretrained=True, stride=16).trunk
@@ -492,7 +492,7 @@ def test_hybrid_stem_carries_the_packaged_imagenet_weights():
 
 
 def test_local_pairs_sample_tokens_and_match_own_image(images):
-    from train.models.heads import batch_idf, sample_token_positions
+    from cxrdr.train.models.heads import batch_idf, sample_token_positions
 
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]).bool()
     torch.manual_seed(0)

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reinforce.build import BuildOptions, build, read_dataset_info
-from reinforce.verify import iter_tar_samples
+from cxrdr.reinforce.build import BuildOptions, build, read_dataset_info
+from cxrdr.reinforce.verify import iter_tar_samples
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from reinforce.teachers import load_teachers
+    from cxrdr.teachers import load_teachers
 
     out = tmp_path_factory.mktemp("openclip") / "shards"
     opts = BuildOptions(source="phantom:12", teachers="random:tiny", out=out, n_aug=2, n_captions=2,
@@ -65,7 +65,7 @@ def test_open_clip_train_pipeline_reads_cxrdr_shards(shards, monkeypatch):
     import open_clip
     from open_clip_train.data import get_wds_dataset
 
-    from train.openclip_train import patch_open_clip_train
+    from cxrdr.train.openclip_train import patch_open_clip_train
 
     _unpatched(monkeypatch)
     patch_open_clip_train()
@@ -92,9 +92,9 @@ def test_open_clip_train_pipeline_reads_cxrdr_shards(shards, monkeypatch):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """tiny-A and tiny-D students (random init: the mapping, not the training, is under test) exported."""
-    from train.checkpoint import save_checkpoint
-    from train.export import export_open_clip
-    from train.models import build_student
+    from cxrdr.train.checkpoint import save_checkpoint
+    from cxrdr.train.export import export_open_clip
+    from cxrdr.train.models import build_student
 
     root = tmp_path_factory.mktemp("export")
     out = {}
@@ -149,7 +149,7 @@ def test_export_loads_in_open_clip_with_the_students_embeddings(exported, name, 
 
 
 def test_export_works_as_an_openclip_teacher(exported, monkeypatch):
-    from reinforce.teachers import load_teacher
+    from cxrdr.teachers import load_teacher
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     student, out, _ = exported["tiny-A"]
@@ -164,10 +164,10 @@ def test_export_works_as_an_openclip_teacher(exported, monkeypatch):
 def test_export_refuses_what_open_clip_cannot_build_and_checks_its_output(exported, tmp_path):
     from typer.testing import CliRunner
 
-    from train.checkpoint import save_checkpoint
-    from train.cli import app
-    from train.export import check_export
-    from train.models import build_student
+    from cxrdr.train.checkpoint import save_checkpoint
+    from cxrdr.train.cli import app
+    from cxrdr.train.export import check_export
+    from cxrdr.train.models import build_student
 
     save_checkpoint(tmp_path / "e.pt", build_student("tiny-E"))
     result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "e")])

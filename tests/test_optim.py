@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from train.optim import (
+from cxrdr.train.optim import (
     OptimConfig,
     apply_stage,
     build_optimizer,

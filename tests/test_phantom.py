@@ -12,12 +12,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from reinforce.phantom import (PhantomSource, cli_phantom, phantom_record, record_row, render_phantom,
+from cxrdr.reinforce.phantom import (PhantomSource, cli_phantom, phantom_record, record_row, render_phantom,
                                write_phantom_dataset)
-from reinforce.phantom.cases import DEVICE, SEVERITIES
-from reinforce.phantom.report import (NEG_BONES, NEG_BOTH, NEG_CLEAR, NEG_CONSOLIDATION, NEG_EDEMA,
+from cxrdr.reinforce.phantom.cases import DEVICE, SEVERITIES
+from cxrdr.reinforce.phantom.report import (NEG_BONES, NEG_BOTH, NEG_CLEAR, NEG_CONSOLIDATION, NEG_EDEMA,
                                       NEG_EFFUSION, NEG_HEART, NEG_PNEUMOTHORAX)
-from reinforce.records import CHEXPERT14, Record
+from cxrdr.reinforce.records import CHEXPERT14, Record
 
 # What the report must say when a label is positive (lower-case substrings, any of them).
 MENTIONS = {"Cardiomegaly": ("cardiomegaly", "enlarge"), "Pleural Effusion": ("effusion",),

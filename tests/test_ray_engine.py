@@ -12,11 +12,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from reinforce.build import BuildOptions, build
-from reinforce.clierrors import UserError
-from reinforce.ray_engine import FAULTS_ENV, error_path
-from reinforce.verify import verify
-from reinforce.writer import is_shard_complete, stats_path
+from cxrdr.reinforce.build import BuildOptions, build
+from cxrdr.common.errors import UserError
+from cxrdr.reinforce.ray_engine import FAULTS_ENV, error_path
+from cxrdr.reinforce.verify import verify
+from cxrdr.reinforce.writer import is_shard_complete, stats_path
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -116,7 +116,7 @@ def test_a_shard_failing_every_attempt_is_named_and_the_others_complete(local_ra
 
 
 def test_unreadable_images_go_to_the_skip_log_with_id_and_reason(local_ray, tmp_path):
-    from reinforce.phantom import write_phantom_dataset
+    from cxrdr.reinforce.phantom import write_phantom_dataset
 
     jsonl = write_phantom_dataset(6, tmp_path / "data", size=64, progress=False)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]

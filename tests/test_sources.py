@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from reinforce.captions import make_captions
-from reinforce.records import load_image
-from reinforce.sources import Source, open_source, parse_source_options
-from reinforce.sources.mesh import coverage, mesh_to_annotations
-from reinforce.sources.mimic import MIMIC_LABEL_ORDER
+from cxrdr.reinforce.captions import make_captions
+from cxrdr.reinforce.records import load_image
+from cxrdr.reinforce.sources import Source, open_source, parse_source_options
+from cxrdr.reinforce.sources.mesh import coverage, mesh_to_annotations
+from cxrdr.reinforce.sources.mimic import MIMIC_LABEL_ORDER
 
 FINDINGS = "The heart is enlarged. There is a moderate right pleural effusion."
 IMPRESSION = "Cardiomegaly and right effusion."
@@ -52,9 +52,9 @@ def test_phantom_spec_delegates_lazily(monkeypatch):
         def __init__(self, n, seed=0, size=256):
             calls.update(n=n, seed=seed, size=size)
 
-    fake = types.ModuleType("reinforce.phantom")
+    fake = types.ModuleType("cxrdr.reinforce.phantom")
     fake.PhantomSource = FakePhantom
-    monkeypatch.setitem(sys.modules, "reinforce.phantom", fake)
+    monkeypatch.setitem(sys.modules, "cxrdr.reinforce.phantom", fake)
     open_source("phantom:7", seed=3, size=64, min_report_chars=30, image_root=None)
     assert calls == {"n": 7, "seed": 3, "size": 64}
     open_source("phantom")
@@ -289,10 +289,10 @@ def test_real_covid_jsonl_every_row_with_image(shared_data):
 
 
 def test_jsonl_reads_back_phantom_records_jsonl(tmp_path):
-    phantom = pytest.importorskip("reinforce.phantom")
+    phantom = pytest.importorskip("cxrdr.reinforce.phantom")
     write = getattr(phantom, "write_phantom_dataset", None)
     if write is None:
-        pytest.skip("reinforce.phantom.write_phantom_dataset not available")
+        pytest.skip("cxrdr.reinforce.phantom.write_phantom_dataset not available")
     write(6, tmp_path, 0, 64)
     direct = {r.id: r for r in open_source("phantom:6", seed=0, size=64)}
     src = open_source(f"jsonl:{tmp_path / 'records.jsonl'}")

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reinforce.shardformat import TEACHER_NAME_RE
-from reinforce.teachers import TeacherError, VALID_SPECS, load_teacher, load_teachers, parse_spec
+from cxrdr.common.shards import TEACHER_NAME_RE
+from cxrdr.teachers import TeacherError, VALID_SPECS, load_teacher, load_teachers, parse_spec
 
 BIOMEDBERT = "microsoft/BiomedNLP-BiomedBERT-base-uncased-abstract"
 WORDS = ("the a no of in is and with left right lung lungs heart pleural effusion pneumothorax "
@@ -259,7 +259,7 @@ class _StandInStudent(torch.nn.Module):
 def test_ckpt_teacher_with_stand_in(tmp_path, monkeypatch):
     path = tmp_path / "best.pt"
     path.write_bytes(b"stand-in")
-    monkeypatch.setattr("reinforce.teachers.ckpt._loader", lambda: lambda p, device="cpu": _StandInStudent())
+    monkeypatch.setattr("cxrdr.teachers.ckpt._loader", lambda: lambda p, device="cpu": _StandInStudent())
     teacher = load_teacher(f"ckpt:{path}")
     assert teacher.name == "ckpt-best" and teacher.logit_scale == 100.0 and teacher.image_size == 32
     assert teacher.mean == (0.0, 0.0, 0.0) and teacher.notes["variant"] == "A"
@@ -270,11 +270,11 @@ def test_ckpt_teacher_with_stand_in(tmp_path, monkeypatch):
 
 
 def test_ckpt_teacher_real_checkpoint(tmp_path):
-    train = pytest.importorskip("train")
+    train = pytest.importorskip("cxrdr.train")
     if not hasattr(train, "load_checkpoint"):
-        pytest.skip("train.load_checkpoint not available yet")
-    from train.checkpoint import save_checkpoint
-    from train.models import build_student
+        pytest.skip("cxrdr.train.load_checkpoint not available yet")
+    from cxrdr.train.checkpoint import save_checkpoint
+    from cxrdr.train.models import build_student
     student = build_student({"variant": "A", "image_tower": "vit_micro", "image_size": 32,
                              "text_tower": "tiny", "embed_dim": 32})
     path = tmp_path / "run1.pt"

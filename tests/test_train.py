@@ -1,6 +1,7 @@
 """train run: the loop on phantom shards (CLI, checkpoints, resume, variants, modes, learning)."""
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -15,12 +16,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _cli_app():
     """`train` itself when all its commands import; otherwise an app with just `run`."""
     try:
-        from train.cli import app
+        from cxrdr.train.cli import app
         return app
     except ImportError:
         import typer
 
-        from train.loop import cli_run
+        from cxrdr.train.loop import cli_run
 
         app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
         app.command("run")(cli_run)
@@ -59,10 +60,10 @@ def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_p
         assert key in first, key
     assert "i2t_R@1" in evals[-1] and "score" in evals[-1]
 
-    from train.checkpoint import load_training_state
+    from cxrdr.train.checkpoint import load_training_state
     state = load_training_state(run / "last.pt")
     assert state["step"] == 50 and {"optimizer", "scheduler", "rng", "train_config"} <= set(state)
-    model = __import__("train").load_checkpoint(run / "best.pt")
+    model = importlib.import_module("cxrdr.train").load_checkpoint(run / "best.pt")
     assert model.embed_texts(["no effusion"]).shape == (1, model.embed_dim)
 
     # --resume continues from last.pt up to the new target step.
@@ -77,8 +78,8 @@ def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_p
 
 def test_resume_after_interruption_reaches_same_final_step(phantom_shards, tmp_path):
     """A run 'killed' after a checkpoint at step 6 and resumed ends at the same step, same schedule."""
-    from train.config import TrainConfig
-    from train.loop import Trainer, train
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer, train
 
     common = dict(shards=str(phantom_shards), model="tiny-A", steps=10, batch_size=4, workers=0,
                   progress=False, device="cpu", log_every=1)
@@ -107,7 +108,7 @@ def test_tiny_e_runs_with_staged_training_and_accumulation(phantom_shards, tmp_p
 
 
 def test_plain_and_online_teacher_modes(phantom_shards, tmp_path):
-    from train.loop import train
+    from cxrdr.train.loop import train
 
     common = dict(shards=str(phantom_shards), model="tiny-A", steps=3, batch_size=4, workers=0,
                   progress=False, device="cpu", log_every=1)
@@ -124,13 +125,13 @@ def test_plain_and_online_teacher_modes(phantom_shards, tmp_path):
 def test_bad_inputs_are_one_line_errors(phantom_shards, tmp_path):
     from typer.testing import CliRunner
 
-    from reinforce.clierrors import UserError
-    from train.config import TrainConfig
+    from cxrdr.common.errors import UserError
+    from cxrdr.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="mode"):
         TrainConfig(mode="nope")
     with pytest.raises(ValueError, match="not in the shards"):
-        from train.loop import train
+        from cxrdr.train.loop import train
         train(dict(shards=str(phantom_shards), out=str(tmp_path / "x"), model="tiny-A", steps=1,
                    teachers="biomedclip", workers=0, progress=False))
     result = CliRunner().invoke(_cli_app(), ["run", "--shards", str(tmp_path / "none"), "--out",
@@ -147,9 +148,9 @@ def test_tiny_student_learns_on_phantom(phantom_shards, tmp_path):
     (val R@K stays at chance; measured with phantom:200, 22 val studies), so this checks that
     the pipeline learns image-text correspondence, not generalisation.
     """
-    from train.data import make_loader
-    from train.evaluation.retrieval import retrieval_metrics
-    from train.loop import train
+    from cxrdr.train.data import make_loader
+    from cxrdr.train.evaluation.retrieval import retrieval_metrics
+    from cxrdr.train.loop import train
 
     run = tmp_path / "learn"
     summary = train(dict(shards=str(phantom_shards), model="tiny-A", out=str(run), steps=200, batch_size=16,
@@ -159,7 +160,7 @@ def test_tiny_student_learns_on_phantom(phantom_shards, tmp_path):
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses
     assert summary["final_eval"]["n_eval"] >= 1  # validation ran on the val split
 
-    model = __import__("train").load_checkpoint(run / "last.pt")
+    model = importlib.import_module("cxrdr.train").load_checkpoint(run / "last.pt")
     loader = make_loader(phantom_shards, "train", model, 64, shuffle=False, drop_last=False, seed=1)
     img, txt = [], []
     with torch.no_grad():

@@ -1,0 +1,25 @@
+"""Console entry points `reinforce` and `train`: the composition root.
+
+Stage 1 (`reinforce`) and stage 2 (`train`) never import each other; the experiments
+(`cxrdr.experiments`) drive both, so `train experiment` is attached here rather than in stage 2.
+"""
+from __future__ import annotations
+
+from cxrdr.common.errors import run_app
+from cxrdr.experiments.recipes import cli_experiment
+from cxrdr.reinforce.cli import app as reinforce_app
+from cxrdr.train.cli import app as train_app
+
+train_app.command("experiment")(cli_experiment)
+
+
+def reinforce_main() -> None:
+    run_app(reinforce_app)
+
+
+def train_main() -> None:
+    run_app(train_app)
+
+
+if __name__ == "__main__":
+    train_main()

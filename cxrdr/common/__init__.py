@@ -1,0 +1,1 @@
+"""What both stages share: the shard contract, augmentation replay, config IO, errors, locks."""

@@ -1,0 +1,155 @@
+"""Advisory locks on output folders, so two writers never mix their files in one folder.
+
+Hand-written on ``fcntl.flock`` (Linux/macOS) rather than a lock library: the kernel drops a
+flock when its process dies (even by kill -9), so a crash never leaves a stale lock behind, and
+a lock is held per open file, so the same process can test it too. Files:
+
+- ``.cxrdr.lock``: the folder lock. Exclusive for one-process writers (`train run`,
+  `reinforce merge`, `reinforce add-teacher`). The ranks of one multi-rank build share it; the
+  first of them records its world size there so that a build with another world size cannot join.
+- ``.cxrdr.rank-RRRRR.lock``: exclusive per build rank (two processes never build one rank).
+- ``.cxrdr.plan.lock``: held briefly while a rank compares and writes ``stats/plan.json``, so two
+  ranks cannot both find no plan and both write theirs.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from cxrdr.common.errors import UserError
+
+FOLDER_LOCK = ".cxrdr.lock"
+
+
+class FolderBusyError(UserError):
+    """Another process is writing the folder."""
+
+
+def _open(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a+")
+
+
+def _try_flock(fh, mode: int) -> bool:
+    try:
+        fcntl.flock(fh.fileno(), mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _retry_flock(fh, mode: int, seconds: float = 2.0) -> bool:
+    """Retry briefly: a rank that started first holds the lock exclusively for the moment it takes
+    to record its world size, before it downgrades to shared."""
+    deadline = time.monotonic() + seconds
+    while not _try_flock(fh, mode):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _holder(fh) -> str:
+    fh.seek(0)
+    text = fh.read().strip()
+    return text or "another process"
+
+
+def _record(fh, text: str) -> None:
+    fh.seek(0)
+    fh.truncate()
+    fh.write(text)
+    fh.flush()
+
+
+class FolderLock:
+    """A held lock on ``folder``; ``alone`` is True when no other process held any lock on it
+    when it was taken (then temp files left in the folder are stale: nobody is writing them)."""
+
+    def __init__(self, folder: Path, files: list, alone: bool):
+        self.folder, self._files, self.alone = Path(folder), files, alone
+
+    def release(self) -> None:
+        for fh in reversed(self._files):
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fh.close()
+        self._files = []
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_folder(folder: str | os.PathLike, what: str) -> FolderLock:
+    """Exclusive lock on ``folder`` for the command ``what``; FolderBusyError naming the holder."""
+    folder = Path(folder)
+    fh = _open(folder / FOLDER_LOCK)
+    if not _try_flock(fh, fcntl.LOCK_EX):
+        holder = _holder(fh)
+        fh.close()
+        raise FolderBusyError(f"{folder} is in use by {holder}; wait for it to finish (a second writer "
+                              f"would mix its files into the same folder)")
+    _record(fh, f"`{what}` (pid {os.getpid()})")
+    return FolderLock(folder, [fh], alone=True)
+
+
+def lock_build_rank(folder: str | os.PathLike, rank: int, world_size: int, what: str = "reinforce build") -> FolderLock:
+    """Shared folder lock (ranks of one build run together) + exclusive lock of ``rank``."""
+    folder = Path(folder)
+    fh = _open(folder / FOLDER_LOCK)
+    busy = (f"{folder} is in use by {{holder}}; wait for it to finish (a second writer would mix its "
+            f"shards into the same folder)")
+    alone = _try_flock(fh, fcntl.LOCK_EX)
+    if alone:
+        _record(fh, f"`{what}` with world size {world_size} (pid {os.getpid()})")
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # downgrade: other ranks may join
+    elif not _retry_flock(fh, fcntl.LOCK_SH):
+        holder = _holder(fh)
+        fh.close()
+        raise FolderBusyError(busy.format(holder=holder))
+    else:
+        holder = _holder(fh)
+        if f"world size {world_size} " not in holder:
+            fh.close()
+            raise FolderBusyError(busy.format(holder=holder) + f"; this rank has world size {world_size}")
+    rank_fh = _open(folder / f".cxrdr.rank-{rank:05d}.lock")
+    if not _try_flock(rank_fh, fcntl.LOCK_EX):
+        holder = _holder(rank_fh)
+        rank_fh.close()
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+        raise FolderBusyError(f"{folder}: rank {rank} is already being built by {holder}; wait for it "
+                              f"to finish")
+    _record(rank_fh, f"`{what}` rank {rank} (pid {os.getpid()})")
+    return FolderLock(folder, [fh, rank_fh], alone=alone)
+
+
+@contextlib.contextmanager
+def plan_lock(folder: str | os.PathLike):
+    """Briefly serialise ranks comparing/writing the build plan (blocking: it is held for ms)."""
+    fh = _open(Path(folder) / ".cxrdr.plan.lock")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+
+
+def remove_stale_temp_files(folder: str | os.PathLike, patterns=("*.tmp[0-9]*", ".*.tmp[0-9]*")) -> list[Path]:
+    """Delete temp files (``NAME.tmpPID``) a killed run left in ``folder`` and its subfolders.
+    Call only while holding the folder lock *alone* (nobody else can be writing them)."""
+    removed = []
+    folder = Path(folder)
+    for pattern in patterns:
+        for path in folder.rglob(pattern):
+            suffix = path.name.rsplit(".tmp", 1)[-1]
+            if suffix.isdigit() and path.is_file():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed

@@ -1,0 +1,144 @@
+"""Image-text teachers for the phantom experiments, trained once and cached (recipe key ``teachers``).
+
+MobileCLIP distils from an image-text ensemble; on phantom data no pretrained CXR CLIP exists, so the
+experiment makes its own: each teacher is a ``train run --mode plain`` CLIP model (e.g. EfficientNet-Lite2
++ MiniLM, configs/models/teacher-lite2-A.yaml) trained on its *own* phantom set drawn with another source
+seed (the students never see its training images), evaluated on its own test split and on the students'
+test split, copied to ``<dir>/<name>.pt`` and added to the students' shards with
+``reinforce add-teacher ckpt:<dir>/<name>.pt`` (shard teacher name ``ckpt-<name>``).
+
+Recipe::
+
+    teachers:
+      dir: runs/experiments/cpu-demo/teachers
+      build: {...}          # reinforce BuildOptions of every teacher's own shards (source seed per teacher)
+      train: {...}          # TrainConfig fields of every teacher run (mode is forced to plain)
+      models:               # name -> {source_seed, train overrides}
+        lite2-s1: {source_seed: 1}
+
+Everything is reused when present: a finished run, the copied checkpoint, a teacher already in the shards
+(change a teacher: delete its folder and rebuild the students' shards).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import typer
+
+TEACHER_KEYS = {"dir", "build", "train", "models", "add_teacher_batch_size"}
+
+
+def teacher_shard_name(name: str) -> str:
+    """The name ``ckpt:<dir>/<name>.pt`` gets inside the shards (reinforce.teachers.ckpt)."""
+    from cxrdr.teachers.base import file_safe_name
+
+    return "ckpt-" + file_safe_name(name)
+
+
+def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, experiment: str | None = None) -> dict:
+    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to ``student_shards``; a teacher
+    whose entry lists ``experiments`` is made only for those (e.g. the ensemble's second teacher).
+
+    Returns name -> record (shard name, checkpoint, train summary, quality on both test splits,
+    add-teacher seconds)."""
+    spec = recipe.get("teachers") or {}
+    if not spec:
+        return {}
+    unknown = sorted(set(spec) - TEACHER_KEYS)
+    if unknown:
+        raise ValueError(f"teachers: unknown key(s) {unknown}; known: {sorted(TEACHER_KEYS)}")
+    root = Path(spec["dir"])
+    out = {}
+    for name, model in (spec.get("models") or {}).items():
+        model = dict(model or {})
+        wanted = model.pop("experiments", None)
+        if wanted is not None and experiment not in wanted:
+            continue
+        out[name] = _prepare_one(recipe, spec, root, name, dict(model or {}), student_shards, progress)
+    return out
+
+
+def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, student_shards: Path,
+                 progress: bool) -> dict:
+    from cxrdr.experiments.recipes import ensure_shards, evaluate_run, run_training
+
+    build = dict(spec.get("build") or {})
+    build["source_options"] = {**(build.get("source_options") or {}), "seed": int(model.pop("source_seed", 1))}
+    shards = ensure_shards({"dir": str(root / name / "shards"), "build": build}, progress)
+    cfg = _teacher_config(recipe, spec, model, shards, root / name / "run")
+    typer.echo(f"[teachers] {name}: {cfg.model}, {cfg.steps} steps on its own phantom set "
+               f"(source seed {build['source_options']['seed']})", err=True)
+    summary = run_training(cfg, recipe.get("reuse_runs", True))
+    ckpt = root / f"{name}.pt"
+    last = Path(cfg.out) / "last.pt"
+    if not ckpt.is_file() or ckpt.stat().st_mtime < last.stat().st_mtime:
+        _refuse_stale(student_shards, name)
+        shutil.copyfile(last, ckpt)
+    quality = {"own_test": _quality(recipe, Path(cfg.out), shards, "own"),
+               "student_test": _quality(recipe, Path(cfg.out), student_shards, "students")}
+    seconds = add_teacher_once(student_shards, name, ckpt, int(spec.get("add_teacher_batch_size", 64)),
+                               progress)
+    return {"shard_name": teacher_shard_name(name), "checkpoint": str(ckpt), "model": cfg.model,
+            "source_seed": build["source_options"]["seed"], "steps": cfg.steps,
+            "train_wall_s": summary.get("wall_s"), "train_step_ms": summary.get("mean_step_ms"),
+            "add_teacher_seconds": seconds, **quality}
+
+
+def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Path):
+    from cxrdr.train.config import TrainConfig
+
+    data = {**(spec.get("train") or {}), **model, "shards": str(shards), "out": str(out), "mode": "plain"}
+    if recipe.get("device"):
+        data.setdefault("device", recipe["device"])
+    data.setdefault("progress", False)  # not part of what is trained: --quiet or not, the cached teacher is reused
+    return TrainConfig.load(None, **data)
+
+
+def _quality(recipe: dict, run_dir: Path, shards: Path, tag: str) -> dict:
+    """Retrieval/AUC summary of the teacher on one shard folder's test split (no cost measurement)."""
+    from cxrdr.train.evaluation.runner import evaluate
+
+    opts = {k: v for k, v in (recipe.get("eval") or {}).items() if k not in ("split", "efficiency", "efficiency_batch")}
+    out_dir = run_dir / f"eval-{tag}-test"
+    done = out_dir / "eval.json"
+    if done.is_file() and done.stat().st_mtime >= (run_dir / "last.pt").stat().st_mtime:
+        return json.loads(done.read_text())["summary"]
+    results = evaluate(str(run_dir / "last.pt"), shards, "test", out_dir, progress=False, quiet=True,
+                       efficiency=False, **opts)
+    return results["summary"]
+
+
+def _refuse_stale(student_shards: Path, name: str) -> None:
+    """A (re)trained teacher whose older embeddings are already in the shards would silently disagree
+    with its checkpoint (online arm, evaluation): refuse, the shards must be rebuilt."""
+    info = json.loads((Path(student_shards) / "dataset.json").read_text())
+    if teacher_shard_name(name) in {t["name"] for t in info.get("teachers", [])}:
+        raise ValueError(f"teacher {name} was retrained but {student_shards} holds embeddings of its earlier "
+                         f"checkpoint; rebuild the students' shards (shards.rebuild: true)")
+
+
+def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: int, progress: bool) -> float | None:
+    """``reinforce add-teacher ckpt:CKPT`` unless the shards already hold it; the one-off seconds it took
+    (from dataset.json's teacher_additions, also for an earlier addition), None if unrecorded."""
+    from cxrdr.reinforce.add_teacher import add_teachers
+
+    info = json.loads((Path(student_shards) / "dataset.json").read_text())
+    shard_name = teacher_shard_name(name)
+    if shard_name not in {t["name"] for t in info.get("teachers", [])}:
+        typer.echo(f"[teachers] add-teacher ckpt:{ckpt} -> {student_shards}", err=True)
+        info = add_teachers(Path(student_shards), f"ckpt:{ckpt}", device="cpu", batch_size=batch_size,
+                            progress=progress)
+    return teacher_seconds(info, [shard_name])
+
+
+def teacher_seconds(info: dict, names: list[str]) -> float | None:
+    """One-off seconds spent embedding with ``names`` (dataset.json's teacher_additions; the build's own
+    teacher time is shared by all its teachers and counted once by the caller)."""
+    total, found = 0.0, False
+    for addition in info.get("teacher_additions") or []:
+        if set(addition.get("teachers", [])) & set(names):
+            total += float(addition.get("seconds") or 0.0)
+            found = True
+    return total if found else None

@@ -1,0 +1,126 @@
+"""The phantom as a Source (records rendered lazily by workers) and as files on disk."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Iterator
+
+import typer
+from PIL import Image
+
+from cxrdr.reinforce.phantom.cases import DEVICE, NORMAL_P, Case, sample_case
+from cxrdr.reinforce.phantom.render import finding_boxes, render_case
+from cxrdr.reinforce.phantom.report import make_report, make_triples
+from cxrdr.reinforce.records import Record, SkipLog
+
+PHANTOM_VERSION = 1  # bump when the pictures or the text change for the same seed
+RECORD_FIELDS = ("id", "subject_id", "study_id", "split", "view", "report", "findings", "impression",
+                 "labels", "triples", "boxes", "image", "extra")
+
+
+def split_for_subject(subject_id: str) -> str:
+    """Patient-disjoint 80/10/10 split, the same rule as the shared data's README."""
+    bucket = int(hashlib.sha1(f"split:{subject_id}".encode()).hexdigest(), 16) % 100
+    return "train" if bucket < 80 else "val" if bucket < 90 else "test"
+
+
+def render_phantom(seed: int, index: int, size: int = 256) -> Image.Image:
+    """The image of phantom study ``index`` (module level, so ``functools.partial`` of it pickles)."""
+    return render_case(sample_case(seed, index), size)
+
+
+def phantom_record(seed: int, index: int, size: int = 256) -> Record:
+    """Record of study ``index`` without rendering; ``image`` renders it when called."""
+    case = sample_case(seed, index)
+    findings, impression, labels = make_report(case)
+    return Record(
+        id=case.id, subject_id=case.subject_id, study_id=case.study_id,
+        split=split_for_subject(case.subject_id), view=case.view,
+        report=f"{findings} {impression}".strip(), findings=findings, impression=impression,
+        image=functools.partial(render_phantom, seed, index, size),
+        labels=labels, triples=make_triples(case), boxes=finding_boxes(case, size),
+        extra={"source": "phantom", "phantom": _case_extra(case, size)})
+
+
+def _case_extra(case: Case, size: int) -> dict:
+    return {"version": PHANTOM_VERSION, "seed": case.seed, "index": case.index, "size": size,
+            "study_number": case.study_number, "ctr": round(case.geometry.ctr, 3),
+            "findings": [f.to_json() for f in case.findings],
+            "devices": [f.device for f in case.findings if f.kind == DEVICE]}
+
+
+class PhantomSource:
+    """``phantom[:N]``: N generated studies, deterministic in (seed, index), rendered on demand."""
+
+    requires_images = True
+
+    def __init__(self, n: int, seed: int = 0, size: int = 256):
+        if n < 0:
+            raise ValueError(f"phantom: n must be >= 0, got {n}")
+        if size < 16:
+            raise ValueError(f"phantom: size must be >= 16 px, got {size}")
+        self.n, self.seed, self.size = int(n), int(seed), int(size)
+        self.name = f"phantom:{self.n}"
+        self.skipped = SkipLog()  # generated records are never bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[Record]:
+        for index in range(self.n):
+            yield phantom_record(self.seed, index, self.size)
+
+    def describe(self) -> dict:
+        return {"kind": "phantom", "name": self.name, "n": self.n, "seed": self.seed, "size": self.size,
+                "version": PHANTOM_VERSION, "normal_fraction_target": NORMAL_P,
+                "boxes": "one per finding in rendered-image pixels, with its side; bilateral findings get one box per lung"}
+
+
+def record_row(record: Record, image_path: str) -> dict:
+    """A records.jsonl row: Record field names, image as a path relative to the jsonl."""
+    row = {name: getattr(record, name) for name in RECORD_FIELDS}
+    row["image"] = image_path
+    row["triples"] = [list(t) for t in record.triples]
+    return row
+
+
+def write_phantom_dataset(n: int, out_dir: str | Path, seed: int = 0, size: int = 256,
+                          progress: bool = True) -> Path:
+    """Write ``out_dir/images/<id>.png`` and ``out_dir/records.jsonl``; returns the jsonl path.
+
+    Byte-identical for the same (n, seed, size): PNGs are encoded with fixed settings and
+    jsonl rows are dumped with sorted keys.
+    """
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    source = PhantomSource(n, seed=seed, size=size)
+    jsonl = out / "records.jsonl"
+    with open(jsonl, "w", encoding="utf-8") as fh:
+        for record in tqdm(source, total=n, desc="phantom", unit="img", disable=not progress):
+            rel = f"images/{record.id}.png"
+            record.image().save(out / rel, format="PNG", optimize=False, compress_level=6)
+            fh.write(json.dumps(record_row(record, rel), sort_keys=True, ensure_ascii=False) + "\n")
+    return jsonl
+
+
+def cli_phantom(
+    n: Annotated[int, typer.Option("--n", min=1, help="Number of studies (images) to generate.")] = 200,
+    out: Annotated[Path, typer.Option("--out", help="Output folder: gets images/<id>.png and records.jsonl.",
+                                      file_okay=False)] = Path("phantom"),
+    seed: Annotated[int, typer.Option("--seed", help="Generator seed; the same seed gives byte-identical files.")] = 0,
+    size: Annotated[int, typer.Option("--size", min=16, help="Image side in pixels (square, grayscale).")] = 256,
+) -> None:
+    """Generate phantom chest X-rays with reports, triples, labels and boxes (the embedded default data).
+
+    Each study shows 0-3 findings of known kind, side, zone and severity; about 30% are normal.
+    Kinds: cardiomegaly, pleural effusion, pneumothorax, nodule, mass, consolidation, lung opacity,
+    atelectasis, edema, and support devices (tube, line, ECG leads).
+    Subjects have 1-4 studies; the split is 80/10/10 by subject (patient-disjoint).
+    Read the files back with --source jsonl:OUT/records.jsonl, or skip the files with --source phantom:N.
+    """
+    jsonl = write_phantom_dataset(n, out, seed=seed, size=size)
+    typer.echo(f"wrote {n} phantom studies ({size}px, seed {seed}) to {jsonl.parent} (records: {jsonl})")

@@ -1,0 +1,274 @@
+"""`reinforce verify DIR`: check every shard against dataset.json, manifest.parquet and sizes.json.
+
+Checks: every tar listed in dataset.json exists, reads to its end-of-archive marker (so a
+truncated tar is caught even when it was cut between two members) and matches the size its
+stats file recorded; every sample has all its parts; embedding shapes and dtypes match
+dataset.json (K, S, D per teacher, int8 scales), values are finite and rows L2-normalised;
+metadata agrees with its shard (key, split, K params, S captions, image size); stored images
+decode; every member's bytes match the CRC-32 the build recorded in the shard's stats (bit rot); the manifest lists exactly the tars' keys in order and sizes.json their counts.
+Any problem -> exit 1, one line per problem naming the shard and key.
+"""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from cxrdr.common.checksums import checksum_problems
+from cxrdr.common.errors import UserError
+from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext,
+                                   int8_row_dtype, npy_load, sample_embeddings, scale_ext, teacher_ext)
+
+NORM_TOLERANCE = {"float32": 1e-3, "float16": 5e-3, "int8": 5e-2}
+
+
+def iter_tar_samples(path: Path):
+    """Yield (key, {ext: bytes}) in tar order; raises tarfile.ReadError/EOFError on damage.
+
+    After the last sample, checks that the archive ends with its zero end-of-archive blocks,
+    which a tar cut at a member boundary lacks (tarfile itself stops silently there).
+    """
+    with open(path, "rb") as raw:
+        tf = tarfile.open(fileobj=raw, mode="r:")
+        key, parts = None, {}
+        for member in tf:
+            if not member.isfile():
+                continue
+            data = tf.extractfile(member).read()
+            if len(data) != member.size:
+                raise tarfile.ReadError(f"member {member.name} is truncated")
+            name = member.name.rsplit("/", 1)[-1]
+            k, _, ext = name.partition(".")
+            if k != key:
+                if key is not None:
+                    yield key, parts
+                key, parts = k, {}
+            if ext in parts:
+                raise tarfile.ReadError(f"member {member.name} appears twice")
+            parts[ext] = data
+        end = tf.offset
+        if key is not None:
+            yield key, parts
+        raw.seek(end)
+        tail = raw.read(1024)
+        if len(tail) < 1024 or any(tail):
+            raise tarfile.ReadError(f"truncated: no end-of-archive marker at byte {end}")
+
+
+def teacher_shapes(info: dict, t: dict) -> dict[str, tuple]:
+    """part -> decoded shape of one teacher's embeddings in this build."""
+    K, S, D = info["n_aug"], info["n_captions"], t["embed_dim"]
+    shapes = {"syn": (S, D), "txt": (D,)}
+    if info.get("images", True) and t["kind"] == "clip":
+        shapes = {"img": (K, D), **shapes}
+    return shapes
+
+
+def expected_parts(info: dict) -> dict[str, tuple | None]:
+    """ext -> expected stored shape (None for non-embedding parts)."""
+    parts: dict[str, tuple | None] = {"txt": None, "json": None}
+    if info.get("images", True):
+        parts[info["image_format"]] = None
+    for t in info["teachers"]:
+        shapes = teacher_shapes(info, t)
+        if info.get("schema_version", 1) >= 2:
+            rows = sum(shape[0] if len(shape) > 1 else 1 for shape in shapes.values())
+            parts[teacher_ext(t["name"])] = (rows,) if info["emb_dtype"] == "int8" else (rows, t["embed_dim"])
+            continue
+        for part, shape in shapes.items():
+            parts[emb_ext(t["name"], part)] = shape
+            if info["emb_dtype"] == "int8":
+                parts[scale_ext(t["name"], part)] = shape[:-1] if len(shape) > 1 else (1,)
+    return parts
+
+
+def _stored_dtype(info: dict, t: dict) -> np.dtype:
+    if info["emb_dtype"] == "int8" and info.get("schema_version", 1) >= 2:
+        return int8_row_dtype(t["embed_dim"])
+    return np.dtype(info["emb_dtype"])
+
+
+def _check_stored(where: str, sample: dict, info: dict, t: dict, expected: dict) -> list[str]:
+    """Shapes and dtypes of the stored arrays of one teacher (before decoding)."""
+    if info.get("schema_version", 1) >= 2:
+        members = {teacher_ext(t["name"]): _stored_dtype(info, t)}
+    else:
+        members = {emb_ext(t["name"], p): _stored_dtype(info, t) for p in teacher_shapes(info, t)}
+        if info["emb_dtype"] == "int8":
+            members.update({scale_ext(t["name"], p): np.dtype(np.float32) for p in teacher_shapes(info, t)})
+    for ext, dtype in members.items():
+        try:
+            arr = npy_load(sample[ext])
+        except ValueError as exc:
+            return [f"{where}: {ext} is not a readable .npy ({exc})"]
+        if arr.shape != expected[ext]:
+            return [f"{where}: {ext} has shape {arr.shape}, expected {expected[ext]}"]
+        if arr.dtype != dtype:
+            return [f"{where}: {ext} has dtype {arr.dtype}, expected {dtype}"]
+    return []
+
+
+def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict) -> list[str]:
+    where = f"{shard['name']}: key {key}"
+    problems = [f"{where}: missing {ext}" for ext in expected if ext not in sample]
+    problems += [f"{where}: unexpected member {key}.{ext}" for ext in sample if ext not in expected]
+    if problems:
+        return problems
+    dtype = info["emb_dtype"]
+    for t in info["teachers"]:
+        stored = _check_stored(where, sample, info, t, expected)
+        if stored:
+            problems += stored
+            continue
+        parts = sample_embeddings(sample, t["name"], info["n_aug"] if info.get("images", True) else 0,
+                                  info["n_captions"])
+        for part, values in parts.items():
+            ext = f"{t['name']}.{part}"
+            if not np.isfinite(values).all():
+                problems.append(f"{where}: {ext} contains NaN or inf")
+                continue
+            norms = np.linalg.norm(values.reshape(-1, values.shape[-1]), axis=1)
+            if np.abs(norms - 1).max() > NORM_TOLERANCE[dtype]:
+                problems.append(f"{where}: {ext} rows are not L2-normalised (norms {norms.min():.3f}.."
+                                f"{norms.max():.3f})")
+    try:
+        meta = json.loads(sample["json"])
+    except ValueError as exc:
+        return problems + [f"{where}: json is not valid ({exc})"]
+    if meta.get("key") != key:
+        problems.append(f"{where}: json key is {meta.get('key')!r}")
+    if meta.get("split") != shard["split"]:
+        problems.append(f"{where}: split {meta.get('split')!r} in a {shard['split']} shard")
+    if len(meta.get("captions", [])) != info["n_captions"]:
+        problems.append(f"{where}: {len(meta.get('captions', []))} captions, expected {info['n_captions']}")
+    if len(meta.get("aug", [])) != info["n_aug"]:
+        problems.append(f"{where}: {len(meta.get('aug', []))} aug param sets, expected {info['n_aug']}")
+    if info.get("images", True):
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(sample[info["image_format"]]))
+            image.load()
+            if list(image.size) != list(meta.get("image_size") or []):
+                problems.append(f"{where}: image is {image.size}, json image_size {meta.get('image_size')}")
+            elif min(image.size) != info["store_size"]:
+                problems.append(f"{where}: image short side {min(image.size)} != store_size {info['store_size']}")
+        except Exception as exc:  # noqa: BLE001 - any decode failure is a finding
+            problems.append(f"{where}: stored image does not decode ({type(exc).__name__}: {exc})")
+    return problems
+
+
+def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
+    """All problems found (empty = valid) and a few totals."""
+    import pyarrow.parquet as pq
+
+    from cxrdr.reinforce.build import read_dataset_info
+    from cxrdr.reinforce.writer import stats_path
+
+    shards_dir = Path(shards_dir)
+    try:
+        info = read_dataset_info(shards_dir)
+    except UserError as exc:
+        return [str(exc)], {}
+    problems: list[str] = []
+    sizes, manifest_rows = {}, None
+    try:
+        sizes = json.loads((shards_dir / SIZES_JSON).read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(f"{SIZES_JSON}: unreadable ({exc})")
+    try:
+        manifest_rows = pq.read_table(shards_dir / MANIFEST).to_pylist()
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"{MANIFEST}: unreadable ({exc})")
+    by_shard: dict[str, list[dict]] = OrderedDict()
+    for row in manifest_rows or []:
+        by_shard.setdefault(row["shard"], []).append(row)
+
+    expected = expected_parts(info)
+    listed = {s["name"] for s in info["shards"]}
+    on_disk = {p.name for p in shards_dir.glob("*.tar") if SHARD_RE.match(p.name)}
+    problems += [f"{name}: tar on disk but not listed in {DATASET_JSON}" for name in sorted(on_disk - listed)]
+    seen_keys: dict[str, str] = {}
+    total, counts = 0, {}
+    for shard in info["shards"]:
+        name, path = shard["name"], shards_dir / shard["name"]
+        if on_shard:
+            on_shard(name)
+        if not path.is_file():
+            problems.append(f"{name}: tar missing")
+            continue
+        if sizes and sizes.get(name) != shard["samples"]:
+            problems.append(f"{name}: {SIZES_JSON} says {sizes.get(name)} samples, {DATASET_JSON} "
+                            f"says {shard['samples']}")
+        index = int(SHARD_RE.match(name).group(1))
+        spath = stats_path(shards_dir, index)
+        checksums = None
+        if spath.is_file():
+            stats = json.loads(spath.read_text())
+            recorded, checksums = stats.get("tar_bytes"), stats.get("checksums")
+            if recorded is not None and recorded != path.stat().st_size:
+                problems.append(f"{name}: file is {path.stat().st_size} bytes, the build wrote {recorded} "
+                                f"(truncated or modified)")
+        keys, last = [], None
+        try:
+            for key, sample in iter_tar_samples(path):
+                last = key
+                keys.append(key)
+                if key in seen_keys:
+                    problems.append(f"{name}: key {key}: duplicate (also in {seen_keys[key]})")
+                seen_keys[key] = name
+                problems += check_sample(shard, key, sample, info, expected)
+                problems += checksum_problems(f"{name}: key {key}", key, sample, checksums)
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            after = f" after key {last}" if last else ""
+            problems.append(f"{name}: unreadable tar{after} ({exc})")
+        if len(keys) != shard["samples"]:
+            problems.append(f"{name}: holds {len(keys)} samples, {DATASET_JSON} says {shard['samples']}")
+        if manifest_rows is not None:
+            mkeys = [r["key"] for r in by_shard.get(name, [])]
+            if mkeys != keys:
+                missing = sorted(set(mkeys) - set(keys))[:3]
+                extra = sorted(set(keys) - set(mkeys))[:3]
+                problems.append(f"{name}: manifest keys differ from the tar (manifest-only {missing}, "
+                                f"tar-only {extra}{', order differs' if not missing and not extra else ''})")
+            bad_split = [r["key"] for r in by_shard.get(name, []) if r["split"] != shard["split"]]
+            if bad_split:
+                problems.append(f"{name}: key {bad_split[0]}: manifest split differs from shard split "
+                                f"{shard['split']}")
+        total += len(keys)
+        counts[shard["split"]] = counts.get(shard["split"], 0) + len(keys)
+    if manifest_rows is not None:
+        unknown = sorted(set(by_shard) - listed)
+        problems += [f"{MANIFEST}: rows for unknown shard {n}" for n in unknown]
+    if {k: v for k, v in counts.items() if v} != {k: v for k, v in info.get("counts", {}).items() if v}:
+        problems.append(f"{DATASET_JSON}: counts {info.get('counts')} but the tars hold {counts}")
+    return problems, {"shards": len(info["shards"]), "samples": total, "counts": counts}
+
+
+def cli_verify(
+    shards_dir: Annotated[Path, typer.Argument(help="Shard folder written by `reinforce build`.")],
+    max_problems: Annotated[int, typer.Option(help="Print at most this many problems.")] = 50,
+) -> None:
+    """Check every shard against dataset.json, manifest.parquet and sizes.json (exit 1 on any problem)."""
+    from tqdm import tqdm
+
+    if not shards_dir.is_dir():
+        raise UserError(f"shard folder not found: {shards_dir}")
+    bar = tqdm(unit="shard", desc="verify", leave=False)
+    problems, totals = verify(shards_dir, on_shard=lambda name: bar.update(1))
+    bar.close()
+    if problems:
+        for line in problems[:max_problems]:
+            typer.echo(f"FAIL {line}")
+        if len(problems) > max_problems:
+            typer.echo(f"... and {len(problems) - max_problems} more")
+        typer.echo(f"verify: {len(problems)} problem(s) in {shards_dir}")
+        raise typer.Exit(code=1)
+    typer.echo(f"verify: OK - {totals['shards']} shards, {totals['samples']} samples {totals['counts']} "
+               f"in {shards_dir}")

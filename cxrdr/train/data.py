@@ -1,0 +1,441 @@
+"""Stream reinforced shards into training batches (and plain/eval views of the same shards).
+
+One WebDataset pipeline over the shard folder written by ``reinforce build``:
+
+    shard list (only the requested split's tars, from dataset.json)
+      -> resampled (step-based training) or shuffled/ordered shard list
+      -> split_by_node -> split_by_worker -> tar samples
+      -> filter on the sample json's split -> sample shuffle buffer
+      -> per-sample view (replay one stored augmentation or a fresh one) -> batched + collated in workers
+
+Modes:
+- ``reinforced``: pick one of the K stored augmentation parameter sets (at random, or
+  ``epoch % K`` with ``pick='sequential'``), replay it with :func:`cxrdr.common.augment.replay` at the
+  student's resolution, pick one of the S stored synthetic captions the same way, and carry the
+  teachers' stored embeddings of exactly that crop and caption (plus the report's). This is
+  MobileCLIP's B_real (aug image, report) and B_syn (aug image, synthetic caption).
+- ``plain``: the same shards, no teacher embeddings, a fresh augmentation sampled from the
+  dataset's own AugConfig with a per-worker/per-epoch RNG, then replayed by the same function,
+  so "reinforced vs plain" differs only in what the experiment compares.
+- ``eval`` (:func:`make_eval_loader`): no shuffle, deterministic, the full stored image.
+
+Tokenisation happens in the collate function inside the workers. Workers are forked on Linux;
+the tokenizer callable is taken from the student (see :func:`student_tokenizer`).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from cxrdr.common import augment
+from cxrdr.common import shards as sf
+from cxrdr.train.integrity import CheckedTarSamples, CorruptPolicy, Guarded, check_embedding
+
+MODES = ("reinforced", "plain")
+PICKS = ("random", "sequential")
+IMAGE_EXTS = ("png", "jpg", "jpeg")
+
+
+# --------------------------------------------------------------------------- dataset info
+
+
+def read_info(shards_dir: str | Path) -> dict:
+    """dataset.json of a shard folder (through the build helper's reader when it exists)."""
+    shards_dir = Path(shards_dir)
+    try:
+        from cxrdr.reinforce.build import read_dataset_info
+    except ImportError:  # build module not there yet: read the file ourselves
+        read_dataset_info = None
+    if read_dataset_info is not None:
+        return read_dataset_info(shards_dir)
+    path = shards_dir / sf.DATASET_JSON
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {sf.DATASET_JSON}; is {shards_dir} a `reinforce build` output?")
+    return json.loads(path.read_text())
+
+
+def split_shards(shards_dir: str | Path, split: str, info: dict | None = None) -> tuple[list[str], int]:
+    """Tar paths holding ``split`` and their sample count (shards never mix splits)."""
+    shards_dir = Path(shards_dir)
+    info = info if info is not None else read_info(shards_dir)
+    entries = info.get("shards")
+    if entries:
+        chosen = [e for e in entries if e.get("split") == split]
+        urls = [str(shards_dir / e["name"]) for e in chosen]
+        count = sum(int(e.get("samples", 0)) for e in chosen)
+    else:  # older/partial dataset.json: take every tar, the per-sample filter does the rest
+        urls = sorted(str(p) for p in shards_dir.glob("shard-*.tar"))
+        count = int(info.get("counts", {}).get(split, 0))
+    missing = [u for u in urls if not Path(u).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{missing[0]}: shard listed in {sf.DATASET_JSON} is missing")
+    return urls, count
+
+
+def teacher_names(info: dict) -> list[str]:
+    return [t["name"] for t in info.get("teachers", [])]
+
+
+def select_teachers(info: dict, names: str | list[str] | None) -> list[str]:
+    """The shards' teachers, or the requested subset (error naming what the shards hold)."""
+    available = teacher_names(info)
+    if names is None or names == "" or names == []:
+        return available
+    wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    unknown = [n for n in wanted if n not in available]
+    if unknown:
+        raise ValueError(f"teacher(s) {', '.join(unknown)} not in the shards; they hold: "
+                         f"{', '.join(available) or 'none'}")
+    return wanted
+
+
+def teacher_scales(info: dict, names: list[str]) -> dict[str, float]:
+    """Each teacher's logit scale as stored in dataset.json (default 100, CLIP's usual value)."""
+    by_name = {t["name"]: t for t in info.get("teachers", [])}
+    return {n: float(by_name.get(n, {}).get("logit_scale") or 100.0) for n in names}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def student_tokenizer(student) -> Callable[[list[str]], dict]:
+    """A picklable callable texts -> {input_ids, attention_mask} for the student's text tower.
+
+    PatchIBStudent keeps its (picklable, fixed-length) TextTokenizer as ``.tokenizer``; we hand
+    that to the workers rather than the bound ``tokenize`` method, which would drag the model along.
+    """
+    tokenizer = getattr(student, "tokenizer", None)
+    return tokenizer if callable(tokenizer) else student.tokenize
+
+
+# --------------------------------------------------------------------------- per-sample view
+
+
+def _worker_rng(seed: int, epoch: int) -> np.random.Generator:
+    """An RNG distinct per (seed, epoch, rank, worker) so workers never draw the same views."""
+    info = torch.utils.data.get_worker_info()
+    worker = info.id if info is not None else 0
+    rank = int(os.environ.get("RANK", 0))
+    return np.random.default_rng(augment.stable_seed("view", seed, epoch, rank, worker))
+
+
+@dataclass
+class SampleView:
+    """Turns one raw WebDataset sample (bytes per extension) into a training/eval example."""
+
+    split: str
+    image_size: int
+    mode: str = "reinforced"
+    teachers: list[str] = field(default_factory=list)
+    pick: str = "random"
+    epoch: int = 0
+    seed: int = 0
+    aug_config: augment.AugConfig | None = None
+    teacher_image_size: int | None = None  # also return the crop at this size (online teacher)
+    full_image: bool = False  # evaluation: whole stored image, no randomness
+    return_boxes: bool = False
+    aug_limit: int | None = None  # use only the first k of the K stored views (ablation of K)
+    caption_sources: tuple | None = None  # use only captions of these sources (rdf, normal, report)
+    _rng: np.random.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown data mode {self.mode!r}; expected one of {MODES}")
+        if self.pick not in PICKS:
+            raise ValueError(f"unknown pick {self.pick!r}; expected one of {PICKS}")
+
+    @property
+    def rng(self) -> np.random.Generator:
+        if self._rng is None:  # created lazily, i.e. inside the worker process
+            self._rng = _worker_rng(self.seed, self.epoch)
+        return self._rng
+
+    def _index(self, n: int) -> int:
+        if n <= 0:
+            raise ValueError("sample has no stored augmentations/captions to pick from")
+        if self.pick == "sequential":
+            return self.epoch % n
+        return int(self.rng.integers(n))
+
+    def _caption(self, captions: list, sample: dict, meta: dict) -> tuple[int, str]:
+        """One stored caption (its index into the stored rows); a sample with none of the wanted
+        sources falls back to its report (index -1: the report's own embedding)."""
+        usable = [i for i, c in enumerate(captions)
+                  if self.caption_sources is None or c.get("source") in self.caption_sources]
+        if not usable:
+            return -1, sample_report(sample, meta)
+        index = usable[self._index(len(usable))]
+        return index, captions[index]["text"]
+
+    def keep(self, sample: dict) -> bool:
+        return _meta(sample).get("split") == self.split
+
+    def __call__(self, sample: dict) -> dict:
+        meta = _meta(sample)
+        key = sample.get("__key__", meta.get("key"))
+        image = _image(sample)
+        width, height = image.size
+        teachers_out: dict = {}
+        if self.full_image:
+            aug_index, params = -1, augment.full_image_params(width, height)
+        elif self.mode == "plain":
+            aug_index = -1
+            params = augment.sample_params(self.rng, width, height, self.aug_config or augment.AugConfig())
+        else:
+            stored = meta.get("aug") or []
+            aug_index = self._index(min(len(stored), self.aug_limit or len(stored)))
+            params = stored[aug_index]
+        captions = meta.get("captions") or []
+        if self.full_image or not captions:
+            caption_index = -1
+            caption = sample_report(sample, meta)
+        else:
+            caption_index, caption = self._caption(captions, sample, meta)
+        if self.mode == "reinforced" and not self.full_image:
+            for name in self.teachers:
+                teachers_out[name] = _teacher_rows(sample, key, name, aug_index, caption_index)
+        out = {
+            "key": key,
+            "image": augment.replay(image, params, self.image_size),
+            "report_text": sample_report(sample, meta),
+            "caption_text": caption,
+            "teacher": teachers_out,
+            "labels": torch.tensor(meta.get("label_vector") or [0.0] * 14, dtype=torch.float32),
+            "subject_id": str(meta.get("subject_id", "")),
+            "study_id": str(meta.get("study_id", "")),
+            "view": meta.get("view"),
+            "aug_index": aug_index,
+            "caption_index": caption_index,
+            "aug_params": params,
+            "image_wh": (width, height),
+        }
+        if self.teacher_image_size:
+            out["teacher_image"] = augment.replay(image, params, self.teacher_image_size)
+        if self.return_boxes:
+            out["boxes"] = meta.get("boxes") or []
+        return out
+
+
+def _meta(sample: dict) -> dict:
+    meta = sample.get("json")
+    if isinstance(meta, (bytes, bytearray)):
+        meta = json.loads(meta)
+        sample["json"] = meta
+    if not isinstance(meta, dict):
+        raise ValueError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: no .json metadata")
+    return meta
+
+
+def sample_report(sample: dict, meta: dict) -> str:
+    text = sample.get("txt")
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode("utf-8")
+    return text if text is not None else (meta.get("report") or "")
+
+
+def _image(sample: dict) -> Image.Image:
+    for ext in IMAGE_EXTS:
+        if ext in sample:
+            data = sample[ext]
+            image = Image.open(io.BytesIO(data)) if isinstance(data, (bytes, bytearray)) else data
+            return image.convert("L")
+    raise ValueError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: no image "
+                     f"(.png/.jpg)")
+
+
+def _teacher_rows(sample: dict, key, name: str, aug_index: int, caption_index: int) -> dict:
+    parts = sf.sample_embeddings(sample, name) or {}
+    img, syn, txt = parts.get("img"), parts.get("syn"), parts.get("txt")
+    if txt is None or syn is None:
+        raise ValueError(f"sample {key!r}: teacher {name!r} embeddings missing ({sf.teacher_ext(name)})")
+    for part, values in (("img", img), ("syn", syn), ("txt", txt)):
+        if values is not None:
+            check_embedding(values, f"{name}.{part}")
+    # No stored captions: the "caption" is the report itself, so is its embedding.
+    syn_row = syn[caption_index] if caption_index >= 0 else txt.reshape(-1)
+    return {
+        "img": None if img is None else torch.from_numpy(np.ascontiguousarray(img[aug_index])),
+        "syn": torch.from_numpy(np.ascontiguousarray(syn_row)),
+        "txt": torch.from_numpy(np.ascontiguousarray(txt.reshape(-1))),
+    }
+
+
+# --------------------------------------------------------------------------- collate
+
+
+@dataclass
+class Collate:
+    """List of examples -> one batch dict; tokenises reports and captions (runs in workers)."""
+
+    tokenize: Callable[[list[str]], dict] | None
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch: dict = {
+            "images": torch.stack([e["image"] for e in examples]),
+            "labels": torch.stack([e["labels"] for e in examples]),
+            "aug_index": torch.tensor([e["aug_index"] for e in examples], dtype=torch.long),
+            "caption_index": torch.tensor([e["caption_index"] for e in examples], dtype=torch.long),
+        }
+        for name in ("key", "report_text", "caption_text", "subject_id", "study_id", "view",
+                     "aug_params", "image_wh"):
+            batch[name] = [e[name] for e in examples]
+        if "teacher_image" in examples[0]:
+            batch["teacher_images"] = torch.stack([e["teacher_image"] for e in examples])
+        if "boxes" in examples[0]:
+            batch["boxes"] = [e["boxes"] for e in examples]
+        teachers: dict = {}
+        for name in examples[0]["teacher"]:
+            rows = [e["teacher"][name] for e in examples]
+            teachers[name] = {part: (None if rows[0][part] is None
+                                     else torch.stack([r[part] for r in rows]))
+                              for part in ("img", "txt", "syn")}
+        batch["teacher"] = teachers
+        if self.tokenize is not None:
+            report = self.tokenize(batch["report_text"])
+            caption = self.tokenize(batch["caption_text"])
+            batch["report_ids"], batch["report_mask"] = report["input_ids"], report["attention_mask"]
+            batch["caption_ids"], batch["caption_mask"] = caption["input_ids"], caption["attention_mask"]
+        return batch
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _shuffled_shards(urls: list[str], seed: int, epoch: int) -> list[str]:
+    urls = list(urls)
+    random.Random(augment.stable_seed("shards", seed, epoch)).shuffle(urls)
+    return urls
+
+
+def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resampled: bool,
+                   shuffle: bool, shuffle_buffer: int, seed: int, epoch: int,
+                   collate: Collate, node_split: bool = True, drop_last: bool = True,
+                   policy: CorruptPolicy | None = None):
+    """The WebDataset pipeline (a torch IterableDataset yielding collated batches).
+    ``policy``: what a damaged shard or sample does (default: stop naming shard and key)."""
+    import webdataset as wds
+
+    policy = policy or CorruptPolicy()
+
+    if resampled:
+        # Each worker (and rank: the seed includes rank*1000+worker) draws shards with
+        # replacement forever; step-based training decides when to stop.
+        stages = [wds.ResampledShards(urls, seed=augment.stable_seed("resample", seed, epoch) % (2**31),
+                                      deterministic=True)]
+    else:
+        ordered = _shuffled_shards(urls, seed, epoch) if shuffle else list(urls)
+        stages = [wds.SimpleShardList(ordered)]
+        if node_split:
+            stages.append(wds.split_by_node)
+        stages.append(wds.split_by_worker)
+    stages.append(CheckedTarSamples(policy))
+    stages.append(wds.select(Guarded(view.keep, policy)))
+    if shuffle and shuffle_buffer > 1:
+        stages.append(wds.detshuffle(shuffle_buffer, initial=min(shuffle_buffer, 64),
+                                     seed=augment.stable_seed("samples", seed, epoch) % (2**31)))
+    stages.append(wds.map(Guarded(view, policy)))  # None (a skipped sample) is dropped by map
+    stages.append(wds.batched(batch_size, collation_fn=collate, partial=not drop_last))
+    return wds.DataPipeline(*stages)
+
+
+def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
+                mode: str = "reinforced", workers: int = 0, resampled: bool = False,
+                shuffle_buffer: int = 256, seed: int = 0, pick: str = "random", epoch: int = 0,
+                teachers: str | list[str] | None = None, teacher_image_size: int | None = None,
+                shuffle: bool = True, drop_last: bool = True, node_split: bool = True,
+                image_size: int | None = None, tokenize: Callable | None = None,
+                stored_embeddings: bool = True, on_corrupt: str = "stop", corrupt_log: str | None = None,
+                aug_limit: int | None = None, caption_sources: list[str] | None = None):
+    """A DataLoader of training batches from one split of a shard folder.
+
+    ``student`` supplies ``image_size`` and ``tokenize`` (either can be overridden). With
+    ``resampled=True`` the stream is endless (step-based training); otherwise it is one pass
+    (``epoch`` seeds the shard/sample order and, with ``pick='sequential'``, which stored view
+    and caption are used). ``teachers`` selects a subset of the shards' teachers (reinforced mode);
+    ``stored_embeddings=False`` replays the stored views but reads no embeddings (online teacher:
+    pass ``teacher_image_size`` to also get each crop at the teacher's input size).
+    ``aug_limit`` uses only the first k stored views, ``caption_sources`` only captions of those
+    sources (reinforcement ablations at train time, no rebuild).
+    Batches: see :class:`Collate`; ``teacher`` maps name -> {"img": (B,D) or None, "txt", "syn"}.
+    """
+    from torch.utils.data import DataLoader
+
+    info = read_info(shards_dir)
+    urls, count = split_shards(shards_dir, split, info)
+    if not urls:
+        raise ValueError(f"{shards_dir}: no shards hold split {split!r} "
+                         f"(counts: {info.get('counts', {})})")
+    if info.get("images") is False:
+        raise ValueError(f"{shards_dir}: a text-only build (dataset.json images: false) cannot train "
+                         f"an image-text student; rebuild with images")
+    names = (select_teachers(info, teachers) if mode == "reinforced" and stored_embeddings else [])
+    if mode == "reinforced" and stored_embeddings and not names:
+        raise ValueError(f"{shards_dir}: reinforced mode needs teacher embeddings, but the shards "
+                         f"hold none; use mode='plain'")
+    aug_cfg = augment.AugConfig.from_json(info["aug"]) if info.get("aug") else augment.AugConfig()
+    view = SampleView(split=split, image_size=int(image_size or student.image_size), mode=mode,
+                      teachers=names, pick=pick, epoch=epoch, seed=seed, aug_config=aug_cfg,
+                      teacher_image_size=teacher_image_size, aug_limit=aug_limit,
+                      caption_sources=tuple(caption_sources) if caption_sources else None)
+    collate = Collate(tokenize if tokenize is not None else
+                      (student_tokenizer(student) if student is not None else None))
+    dataset = build_pipeline(urls, view, batch_size, resampled=resampled, shuffle=shuffle,
+                             shuffle_buffer=shuffle_buffer, seed=seed, epoch=epoch, collate=collate,
+                             node_split=node_split, drop_last=drop_last,
+                             policy=CorruptPolicy(on_corrupt, corrupt_log))
+    workers = _usable_workers(workers, len(urls), resampled)
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                        persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                        prefetch_factor=2 if workers > 0 else None)
+    loader.samples_per_epoch = count  # for epoch bookkeeping in the loop
+    loader.teachers = names
+    loader.teacher_scales = teacher_scales(info, names)
+    return loader
+
+
+def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: int = 64, *,
+                     workers: int = 0, return_boxes: bool = False, image_size: int | None = None,
+                     tokenize: Callable | None = None, teacher_image_size: int | None = None,
+                     on_corrupt: str = "stop", corrupt_log: str | None = None):
+    """Deterministic one-pass loader over a split: full stored image, report text, no shuffle.
+
+    Every rank sees every sample (no node split): evaluation runs where it is called.
+    Batches also carry ``aug_params`` (the identity view) and, with ``return_boxes``, ``boxes``
+    in stored-image pixels.
+    """
+    from torch.utils.data import DataLoader
+
+    info = read_info(shards_dir)
+    urls, _ = split_shards(shards_dir, split, info)
+    if not urls:
+        raise ValueError(f"{shards_dir}: no shards hold split {split!r}")
+    view = SampleView(split=split, image_size=int(image_size or student.image_size), mode="plain",
+                      full_image=True, return_boxes=return_boxes,
+                      teacher_image_size=teacher_image_size)
+    collate = Collate(tokenize if tokenize is not None else
+                      (student_tokenizer(student) if student is not None else None))
+    dataset = build_pipeline(urls, view, batch_size, resampled=False, shuffle=False,
+                             shuffle_buffer=0, seed=0, epoch=0, collate=collate, node_split=False,
+                             drop_last=False, policy=CorruptPolicy(on_corrupt, corrupt_log))
+    # Ordered output needs one worker per shard at most; with several workers the order of
+    # batches interleaves across shards (still deterministic for a fixed worker count).
+    workers = _usable_workers(workers, len(urls), False)
+    return DataLoader(dataset, batch_size=None, num_workers=workers,
+                      prefetch_factor=2 if workers > 0 else None)
+
+
+def _usable_workers(workers: int, n_shards: int, resampled: bool) -> int:
+    """Never start more workers than shards for a one-pass stream (extra ones would idle)."""
+    workers = max(0, int(workers))
+    if not resampled:
+        workers = min(workers, n_shards)
+    return workers

@@ -1,0 +1,68 @@
+"""`train eval`: run the evaluation suite on a checkpoint (or any teacher spec) and write the tables."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def default_out_dir(ckpt: str | None, model: str | None, split: str) -> Path:
+    """<ckpt dir>/eval-<split>; for a non-checkpoint model spec, ./eval-<sanitised spec>-<split>."""
+    if ckpt:
+        return Path(ckpt).resolve().parent / f"eval-{split}"
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in str(model)).strip("-")
+    return Path(f"eval-{safe}-{split}")
+
+
+def cli_eval(
+    ckpt: Annotated[Optional[Path], typer.Option(help="Checkpoint written by `train run` (e.g. RUN/best.pt).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Instead of --ckpt: any model spec, ckpt:PATH, "
+                                                      "openclip:ARCH[:PRETRAINED], biomedclip (global "
+                                                      "metrics only for non-student models).")] = None,
+    shards: Annotated[Path, typer.Option(help="Shard folder written by `reinforce build`.")] = Path("shards"),
+    split: Annotated[str, typer.Option(help="Split to evaluate: test, val or train.")] = "test",
+    out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <ckpt dir>/eval-<split>).")] = None,
+    train_split: Annotated[str, typer.Option(help="Split the linear probe is fitted on.")] = "train",
+    text_section: Annotated[str, typer.Option(help="Retrieval text: both (findings + impression, falling "
+                                                   "back to the report), report, findings or impression.")] = "both",
+    prompts: Annotated[Optional[Path], typer.Option(help="Zero-shot prompt YAML (default "
+                                                         "configs/prompts.yaml).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Embedding batch size.")] = 64,
+    max_samples: Annotated[Optional[int], typer.Option(help="Use only the first N samples of the split.")] = None,
+    probe_max_train: Annotated[int, typer.Option(help="At most N train images for the linear probe "
+                                                      "(even stride over the split).")] = 10000,
+    min_positives: Annotated[int, typer.Option(help="Skip labels with fewer positives (probe, zero-shot).")] = 5,
+    n_localisation: Annotated[int, typer.Option(help="Images with boxes used for localisation.")] = 64,
+    n_faithfulness: Annotated[int, typer.Option(help="Images used for deletion/insertion and "
+                                                     "cross-view consistency.")] = 16,
+    faith_steps: Annotated[int, typer.Option(help="Points on the deletion/insertion curves.")] = 10,
+    efficiency: Annotated[bool, typer.Option("--efficiency/--no-efficiency",
+                                             help="Measure throughput, latency, memory and GFLOPs.")] = True,
+    n_plots: Annotated[int, typer.Option(help="Rows in the heatmap figure.")] = 6,
+    seed: Annotated[int, typer.Option(help="Seed of the 5x200 subset and random baselines.")] = 0,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+) -> None:
+    """Evaluate a checkpoint: retrieval, linear probe, zero-shot, localisation, faithfulness, geometry, cost."""
+    from cxrdr.common.errors import UserError
+
+    if (ckpt is None) == (model is None):
+        raise UserError("give exactly one of --ckpt PATH or --model SPEC")
+    if ckpt is not None and not ckpt.is_file():
+        raise UserError(f"--ckpt {ckpt}: checkpoint not found")
+    if not shards.is_dir():
+        raise UserError(f"--shards {shards}: not a folder")
+    if text_section not in ("both", "report", "findings", "impression"):
+        raise UserError(f"--text-section must be both, report, findings or impression, got {text_section!r}")
+    import torch
+
+    from cxrdr.train.evaluation.runner import evaluate
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = out or default_out_dir(str(ckpt) if ckpt else None, model, split)
+    evaluate(str(ckpt) if ckpt else model, shards, split, out_dir, train_split=train_split,
+             text_section=text_section, batch_size=batch_size, max_samples=max_samples,
+             probe_max_train=probe_max_train, prompts=prompts, min_positives=min_positives,
+             n_localisation=n_localisation, n_faithfulness=n_faithfulness, faith_steps=faith_steps,
+             efficiency=efficiency, n_plots=n_plots, seed=seed, device=device, progress=not quiet)

@@ -1,0 +1,176 @@
+"""Localisation against ground-truth boxes: pointing game and IoU/Dice of the top-20% heatmap.
+
+Heatmaps live on the student's patch grid (gh, gw) of the *view* the model saw. Boxes are in
+stored-image pixels, so a patch belongs to a box when its centre, mapped back into the stored
+image through the view's augmentation params (``cxrdr.common.augment.view_to_image``), falls
+inside the box; that is exact for crops and rotations alike. A box smaller than a patch gets
+the one patch containing its centre, so tiny findings are still scorable.
+
+Two heatmaps: the Patch-IB mask z (ranked by the soft scores z is made from, which orders
+patches identically but without the ties of a hard top-k), and the local-alignment attention of
+a finding's words in the report (``local_attn`` rows of the tokens spelling the box label,
+averaged).
+
+Targets follow the standard pointing game (a hit when the map's maximum falls inside any
+ground-truth box of the target): for the attention of a finding's words the target is the union
+of that label's boxes (a bilateral finding has one box per lung); for the class-agnostic mask z
+it is the union of all the image's boxes. Every score comes with the chance level of a uniformly
+random heatmap on the same grid and target (``chance_scores``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cxrdr.common.augment import image_to_view, view_to_image
+
+
+def patch_centres_uv(grid_size) -> np.ndarray:
+    """(gh*gw, 2) view coordinates (u=x, v=y in [-1, 1]) of patch centres, row-major."""
+    gh, gw = grid_size
+    v = (np.arange(gh) + 0.5) / gh * 2 - 1
+    u = (np.arange(gw) + 0.5) / gw * 2 - 1
+    vv, uu = np.meshgrid(v, u, indexing="ij")
+    return np.stack([uu.ravel(), vv.ravel()], axis=1)
+
+
+def box_patch_mask(box, params: dict, grid_size) -> np.ndarray:
+    """Bool (gh, gw): patches of the view whose centre lies inside ``box`` [x0, y0, x1, y1]."""
+    gh, gw = grid_size
+    x0, y0, x1, y1 = (float(b) for b in box)
+    xy = view_to_image(params, patch_centres_uv(grid_size))
+    inside = (xy[:, 0] >= x0) & (xy[:, 0] <= x1) & (xy[:, 1] >= y0) & (xy[:, 1] <= y1)
+    mask = inside.reshape(gh, gw)
+    if not mask.any():  # box smaller than a patch: the patch holding its centre, if in view
+        u, v = image_to_view(params, [[(x0 + x1) / 2, (y0 + y1) / 2]])[0]
+        if -1 <= u <= 1 and -1 <= v <= 1:
+            mask[min(gh - 1, int((v + 1) / 2 * gh)), min(gw - 1, int((u + 1) / 2 * gw))] = True
+    return mask
+
+
+def scatter_to_grid(values, patch_index, grid_size, fill: float = float("nan")) -> np.ndarray:
+    """Values for the kept patches (N,) -> (gh, gw) map; dropped patches get ``fill``."""
+    gh, gw = grid_size
+    grid = np.full(gh * gw, fill, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64).ravel()
+    index = np.arange(len(values)) if patch_index is None else np.asarray(patch_index).ravel()
+    grid[index] = values
+    return grid.reshape(gh, gw)
+
+
+def pointing_hit(heatmap, gt_mask) -> bool:
+    """Pointing game: is the heatmap's maximum (first one on ties; NaN ignored) inside the box?"""
+    h = np.asarray(heatmap, dtype=np.float64)
+    if not np.isfinite(h).any():
+        return False
+    return bool(np.asarray(gt_mask).ravel()[int(np.nanargmax(h.ravel()))])
+
+
+def top_fraction_mask(heatmap, fraction: float = 0.2) -> np.ndarray:
+    """Bool mask of the top ``ceil(fraction * cells)`` cells (NaN cells rank last)."""
+    h = np.nan_to_num(np.asarray(heatmap, dtype=np.float64), nan=-np.inf)
+    k = max(1, math.ceil(fraction * h.size))
+    order = np.argsort(-h.ravel(), kind="stable")[:k]
+    mask = np.zeros(h.size, dtype=bool)
+    mask[order] = True
+    return mask.reshape(h.shape)
+
+
+def iou_dice(pred, gt) -> tuple[float, float]:
+    pred, gt = np.asarray(pred, bool), np.asarray(gt, bool)
+    inter, union = float((pred & gt).sum()), float((pred | gt).sum())
+    total = float(pred.sum() + gt.sum())
+    return (inter / union if union else 0.0), (2 * inter / total if total else 0.0)
+
+
+def chance_scores(gt_mask, top_fraction: float = 0.2) -> dict:
+    """Expected pointing hit, IoU and Dice of a uniformly random heatmap on the same grid and target.
+
+    A random map's maximum is a uniform cell, so P(hit) = |target| / cells. Its top-k cells are a
+    uniform k-subset, so the overlap I with the G target cells is hypergeometric; IoU = I/(k+G-I)
+    and Dice = 2I/(k+G) are averaged over that exact distribution (no sampling noise).
+    """
+    from scipy.stats import hypergeom
+
+    gt = np.asarray(gt_mask, bool)
+    cells, g = gt.size, int(gt.sum())
+    k = max(1, math.ceil(top_fraction * cells))
+    overlap = np.arange(0, min(k, g) + 1)
+    p = hypergeom(cells, g, k).pmf(overlap)
+    union = k + g - overlap
+    return {"hit": g / cells, "iou": float((p * overlap / np.maximum(union, 1)).sum()),
+            "dice": float((p * 2 * overlap / (k + g)).sum()) if k + g else 0.0}
+
+
+def localisation_scores(heatmap, gt_mask, top_fraction: float = 0.2) -> dict:
+    """Pointing hit, IoU and Dice of the top-``top_fraction`` cells, and the same for a random map."""
+    iou, dice = iou_dice(top_fraction_mask(heatmap, top_fraction), gt_mask)
+    chance = chance_scores(gt_mask, top_fraction)
+    return {"hit": pointing_hit(heatmap, gt_mask), "iou": iou, "dice": dice,
+            "chance_hit": chance["hit"], "chance_iou": chance["iou"], "chance_dice": chance["dice"]}
+
+
+def aggregate(scores: list[dict]) -> dict:
+    """Mean pointing-game accuracy, IoU and Dice over targets, beside those of a random heatmap."""
+    keys = {"pointing_game": "hit", "iou": "iou", "dice": "dice", "chance_pointing_game": "chance_hit",
+            "chance_iou": "chance_iou", "chance_dice": "chance_dice"}
+    out = {name: (float(np.mean([s[key] for s in scores])) if scores else float("nan"))
+           for name, key in keys.items()}
+    out["n"] = len(scores)
+    out["n_boxes"] = int(sum(s.get("n_boxes", 1) for s in scores))
+    return out
+
+
+def map_similarity(maps: list) -> float:
+    """Mean pairwise cosine of heatmaps (NaN cells as 0). Near 1: the maps are the same whatever
+    the image or word (a collapsed, input-independent map); NaN with fewer than two maps."""
+    flat = [np.nan_to_num(np.asarray(m, dtype=np.float64).ravel()) for m in maps]
+    flat = [f / n for f in flat if (n := np.linalg.norm(f)) > 0]
+    if len(flat) < 2:
+        return float("nan")
+    x = np.stack(flat)
+    sim = x @ x.T
+    return float(sim[~np.eye(len(x), dtype=bool)].mean())
+
+
+def normalised_entropy(heatmap) -> float:
+    """Entropy of a non-negative map (as a distribution over its finite cells) / log(cells): 1 = uniform."""
+    h = np.asarray(heatmap, dtype=np.float64).ravel()
+    h = np.clip(h[np.isfinite(h)], 0, None)
+    if h.size < 2 or h.sum() <= 0:
+        return float("nan")
+    p = h / h.sum()
+    return float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(h.size))
+
+
+def label_phrases(label: str) -> list[str]:
+    """Phrases to look for in the report for a box label, most specific first.
+
+    'pleural_effusion' -> ['pleural effusion', 'effusion', 'pleural'].
+    """
+    phrase = label.replace("_", " ").strip().lower()
+    words = sorted({w for w in phrase.split() if len(w) > 3}, key=lambda w: (-len(w), w))
+    return [phrase] + [w for w in words if w != phrase]
+
+
+def find_subsequence(seq, sub) -> list[int]:
+    """Start positions of ``sub`` as a contiguous run in ``seq``."""
+    n, m = len(seq), len(sub)
+    return [i for i in range(n - m + 1) if m and list(seq[i:i + m]) == list(sub)]
+
+
+def phrase_positions(report_ids, phrase_ids_list) -> list[int]:
+    """Token positions of the first phrase (in order) that occurs in the report token ids."""
+    for ids in phrase_ids_list:
+        starts = find_subsequence(list(report_ids), list(ids))
+        if starts:
+            return sorted({s + j for s in starts for j in range(len(ids))})
+    return []
+
+
+def attention_heatmap(local_attn, positions) -> np.ndarray | None:
+    """Mean of the attention rows (L, N) at ``positions`` -> (N,), or None when no position."""
+    if not positions:
+        return None
+    return np.asarray(local_attn, dtype=np.float64)[positions].mean(axis=0)

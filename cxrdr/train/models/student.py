@@ -1,0 +1,254 @@
+"""PatchIBStudent: the two-tower CLIP student with the Patch-IB ladder A-E (see DESIGN "Student").
+
+A global CLIP | B + local alignment | C + sigmoid Patch-IB mask | D + hard Top-K mask (straight-through)
+| E + token dropping inside the ViT after block L1.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cxrdr.train.models.config import StudentConfig
+from cxrdr.train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, batch_idf, init_logit_scale,
+                                 sample_token_positions)
+from cxrdr.train.models.image_towers import build_image_tower
+from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
+
+
+@dataclass
+class StudentOutput:
+    image_emb: torch.Tensor  # (B, D) normalised
+    text_emb: torch.Tensor  # (B, D) normalised
+    logit_scale: torch.Tensor  # scalar, exp'd and clamped to <= logit_scale_max
+    patch_tokens: torch.Tensor | None  # (B, N, d) image-tower patch tokens (kept ones for E)
+    patch_index: torch.Tensor  # (B, N) long indices into the full grid (arange unless E)
+    grid_size: tuple[int, int]  # (gh, gw) of the full grid
+    text_tokens: torch.Tensor  # (B, L, dt) text-tower token states
+    text_mask: torch.Tensor  # (B, L) bool, True for real tokens
+    mask: torch.Tensor | None = None  # z (B, N): C sigmoid, D/E hard Top-K with straight-through; None for A/B
+    mask_scores: torch.Tensor | None = None  # (B, N) soft sigmoid scores; None for A/B
+    masked_image_emb: torch.Tensor | None = None  # (B, D) normalised proj(sum z*patch / sum z); None for A/B
+    local_visual: torch.Tensor | None = None  # (B, L, D) attention-pooled patches per text token; None for A
+    local_text: torch.Tensor | None = None  # (B, L, D) projected text tokens; None for A
+    local_attn: torch.Tensor | None = None  # (B, L, N) head-averaged attention; None for A
+    local_pair_similarity: torch.Tensor | None = None  # (B, B, T) text i's tokens pooled over image j; on request
+    local_pair_mask: torch.Tensor | None = None  # (B, T) bool, which of those T sampled tokens are real
+    local_word_similarity: torch.Tensor | None = None  # (B, T, T) word k's own-image region vs word m
+    local_pair_ids: torch.Tensor | None = None  # (B, T) token ids of the sampled words
+    keep_ratio: float = 1.0  # fraction of patches kept by token dropping
+
+    @property
+    def z(self) -> torch.Tensor | None:
+        return self.mask
+
+
+class PatchIBStudent(nn.Module):
+    """Image tower + text tower + projections + the variant's heads. Inputs: images (B, 1, H, W) in [0, 1]."""
+
+    def __init__(self, config: StudentConfig, load_pretrained: bool = True):
+        super().__init__()
+        self.config = config
+        self.image_size = int(config.image_size)
+        self.embed_dim = int(config.embed_dim)
+        self.context_length = int(config.context_length)
+        self.variant = config.variant
+
+        self.image_tower = build_image_tower(config, load_pretrained)
+        self.text_tower = build_text_tower(config.text_tower, config.context_length, config.text_pool,
+                                           config.text_kwargs, config.init_from)
+        self.tokenizer = build_tokenizer(config.text_tower, config.context_length, config.init_from)
+        if self.tokenizer.vocab_size > self.text_tower.model.config.vocab_size:
+            raise ValueError(f"tokenizer of {config.text_tower!r} has {self.tokenizer.vocab_size} tokens but the text "
+                             f"tower only {self.text_tower.model.config.vocab_size} embeddings")
+
+        # The tower's normalisation, written back to the config so a checkpoint rebuilds the same model.
+        mean = config.image_mean or list(self.image_tower.mean)
+        std = config.image_std or list(self.image_tower.std)
+        config.image_mean, config.image_std = [float(m) for m in mean], [float(s) for s in std]
+        self.register_buffer("pixel_mean", torch.tensor(config.image_mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(config.image_std).view(1, 3, 1, 1), persistent=False)
+
+        d_img, d_txt = self.image_tower.width, self.text_tower.width
+        self.image_proj = Projection(d_img, self.embed_dim)
+        self.text_proj = Projection(d_txt, self.embed_dim)
+        self.logit_scale = init_logit_scale(config.logit_scale_init)
+        self.local_align = LocalAlign(d_txt, d_img, self.embed_dim, config.local_heads) if config.use_local else None
+        if config.use_topk:
+            self.mask_head = MaskHeadTopK(d_img, config.k_ratio, config.mask_hidden, config.k_ratio_start,
+                                          config.k_anneal_steps)
+        elif config.use_mask:
+            self.mask_head = MaskHead(d_img, config.mask_hidden)
+        else:
+            self.mask_head = None
+        if config.grad_checkpointing:
+            self.set_grad_checkpointing(True)
+
+    # ---- inputs -------------------------------------------------------------------------------
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return tuple(self.image_tower.grid_size)
+
+    def tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """list[str] -> {'input_ids': (B, L) long, 'attention_mask': (B, L) long}, L = context_length."""
+        return self.tokenizer(texts)
+
+    def prepare_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 1 or 3, H, W) in [0, 1] -> normalised (B, 3, H, W) on the model's device."""
+        if images.dim() != 4 or images.shape[1] not in (1, 3):
+            raise ValueError(f"images must be (B, 1, H, W) in [0, 1], got shape {tuple(images.shape)}")
+        if tuple(images.shape[-2:]) != (self.image_size, self.image_size):
+            raise ValueError(f"images must be {self.image_size}x{self.image_size} for this student, "
+                             f"got {tuple(images.shape[-2:])}")
+        x = images.to(self.pixel_mean.device, dtype=self.pixel_mean.dtype)
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        return (x - self.pixel_mean) / self.pixel_std
+
+    # ---- encoders -----------------------------------------------------------------------------
+    def _image(self, images: torch.Tensor, step: int | None):
+        return self.image_tower(self.prepare_images(images), step=step)
+
+    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        device = self.pixel_mean.device
+        return self.text_tower(input_ids.to(device), attention_mask.to(device))
+
+    def encode_image(self, images: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        """(B, 1, H, W) in [0, 1] -> (B, D) normalised global image embedding."""
+        return F.normalize(self.image_proj(self._image(images, step).pooled), dim=-1)
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """token ids (B, L) -> (B, D) normalised text embedding."""
+        return F.normalize(self.text_proj(self._text(input_ids, attention_mask)[1]), dim=-1)
+
+    def current_logit_scale(self) -> torch.Tensor:
+        return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                step: int | None = None, local_pairs: int = 0, local_words: bool = False) -> StudentOutput:
+        """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
+        batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
+        B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
+        reports apart, where the grounding signal is. ``local_words``: also those tokens' own-image
+        regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``)."""
+        img = self._image(images, step)
+        text_tokens, text_pooled = self._text(input_ids, attention_mask)
+        text_mask = attention_mask.to(text_tokens.device).bool()
+        out = StudentOutput(
+            image_emb=F.normalize(self.image_proj(img.pooled), dim=-1),
+            text_emb=F.normalize(self.text_proj(text_pooled), dim=-1),
+            logit_scale=self.current_logit_scale(),
+            patch_tokens=img.patches, patch_index=img.patch_index, grid_size=self.grid_size,
+            text_tokens=text_tokens, text_mask=text_mask, keep_ratio=float(img.keep_ratio))
+        patches = img.patches if img.head_patches is None else img.head_patches  # what the heads read
+        if self.mask_head is not None:
+            z, soft = self.mask_head(patches, step)
+            pooled = (z.unsqueeze(-1) * patches).sum(1) / z.sum(1, keepdim=True).clamp_min(1e-6)
+            out.mask, out.mask_scores = z, soft
+            out.masked_image_emb = F.normalize(self.image_proj(pooled), dim=-1)
+        if self.local_align is not None:
+            out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, patches, text_mask)
+            if local_pairs:
+                # informative words (rare in this batch: findings, sides) carry the grounding signal
+                index = sample_token_positions(text_mask, local_pairs, batch_idf(input_ids.to(text_mask.device),
+                                                                                 text_mask))
+                tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
+                out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches)
+                if local_words:
+                    out.local_word_similarity = self.local_align.word_similarity(tokens, patches)
+                out.local_pair_mask = text_mask.gather(1, index)
+                out.local_pair_ids = input_ids.to(index.device).gather(1, index)
+        return out
+
+    # ---- convenience (no grad, eval mode, CPU results) ----------------------------------------
+    @torch.no_grad()
+    def embed_images(self, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+        """(B, 1, H, W) in [0, 1] (resized to image_size if needed) -> (B, D) normalised CPU float32."""
+        was_training = self.training
+        self.eval()
+        try:
+            outs = []
+            for chunk in images.split(batch_size):
+                if tuple(chunk.shape[-2:]) != (self.image_size, self.image_size):
+                    chunk = F.interpolate(chunk.float(), size=(self.image_size, self.image_size),
+                                          mode="bilinear", align_corners=False, antialias=True).clamp(0, 1)
+                outs.append(self.encode_image(chunk).float().cpu())
+            return torch.cat(outs) if outs else torch.zeros(0, self.embed_dim)
+        finally:
+            self.train(was_training)
+
+    @torch.no_grad()
+    def embed_texts(self, texts: list[str], batch_size: int = 64) -> torch.Tensor:
+        """list of B strings -> (B, D) normalised CPU float32."""
+        was_training = self.training
+        self.eval()
+        try:
+            outs = []
+            texts = list(texts)
+            for i in range(0, len(texts), batch_size):
+                tok = self.tokenize(texts[i:i + batch_size])
+                outs.append(self.encode_text(tok["input_ids"], tok["attention_mask"]).float().cpu())
+            return torch.cat(outs) if outs else torch.zeros(0, self.embed_dim)
+        finally:
+            self.train(was_training)
+
+    # ---- training helpers ----------------------------------------------------------------------
+    def trunk_parameters(self) -> list[nn.Parameter]:
+        """The shared trunk for loss-balance gradient norms: last image block + last text layer."""
+        params = list(self.image_tower.last_block().parameters()) + list(self.text_tower.last_layer().parameters())
+        return [p for p in params if p.requires_grad]
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing in both towers (timm's and HF's)."""
+        self.image_tower.set_grad_checkpointing(enable)
+        self.text_tower.set_grad_checkpointing(enable)
+
+    def num_layers(self) -> int:
+        """Layer ids run 0..num_layers()-1; heads (projections, mask, local, temperature) get the last id.
+
+        Towers are aligned at the top: each tower's embeddings get id (max_depth - depth), its block i
+        gets (max_depth - depth) + i + 1, its final norm max_depth + 1. LLRD: lr * decay**(num_layers()-1-id).
+        """
+        return self._max_depth() + 3
+
+    def _max_depth(self) -> int:
+        return max(self.image_tower.depth, self.text_tower.depth)
+
+    def layer_id_for(self, name: str) -> int:
+        """Layer id of a parameter name (as in named_parameters()) for layer-wise LR decay."""
+        top = self._max_depth()
+        if name.startswith("image_tower.trunk."):
+            return top - self.image_tower.depth + self.image_tower.layer_id(name[len("image_tower.trunk."):])
+        if name.startswith("text_tower.model."):
+            return top - self.text_tower.depth + self.text_tower.layer_id(name[len("text_tower.model."):])
+        return self.num_layers() - 1  # heads: projections, score/mask heads, local align, logit scale
+
+    def tower_parameters(self) -> list[nn.Parameter]:
+        """Parameters of both towers (frozen in warm-up stages); everything else is a head."""
+        return list(self.image_tower.trunk.parameters()) + list(self.text_tower.model.parameters())
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        tower = {id(p) for p in self.tower_parameters()}
+        return [p for p in self.parameters() if id(p) not in tower]
+
+
+def build_student(config: StudentConfig | dict | str | os.PathLike, init_weights: bool = True) -> PatchIBStudent:
+    """A student from a StudentConfig, a dict of its fields, or a config name/path ('D', 'tiny-E', x.yaml).
+
+    ``init_weights``: apply ``config.init_from`` (local open_clip model or cxrdr checkpoint) and packaged
+    pretrained tower weights (efficientnet_lite0); loading a checkpoint passes False because its own
+    weights replace everything anyway.
+    """
+    from cxrdr.train.models.init import initialise_student, release_open_clip_cache
+
+    config = StudentConfig.coerce(config).replace()  # a copy: the model writes resolved fields into it
+    try:
+        model = PatchIBStudent(config, load_pretrained=init_weights)
+        if init_weights and config.init_from:
+            initialise_student(model, config.init_from)
+    finally:
+        release_open_clip_cache()  # do not keep a whole open_clip model alive
+    return model

