@@ -92,7 +92,7 @@ def section_students(cfg: dict, work: Path, budget) -> dict:
 
     from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
     from cxrdr.train.models.config import StudentConfig
-    from cxrdr.train.models.student import build_student
+    from cxrdr.train.models import build_student
 
     rows, skipped = [], []
     for family, (pattern, overrides) in cfg["families"].items():

@@ -26,7 +26,7 @@ PAIRS = {"cpu": ("cpu-A", "cpu-E"), "vit-s16-224": ("A", "E")}
 
 def measure_pair(names: tuple[str, str], batch_size: int, rounds: int, device: str) -> dict:
     from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
-    from cxrdr.train.models.student import build_student
+    from cxrdr.train.models import build_student
 
     models = {name: build_student(name).to(device) for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -314,10 +314,10 @@ needs_effnet_weights = pytest.mark.skipif(importlib.util.find_spec("efficientnet
 def test_efficientnet_lite0_mapping_uses_every_tensor_once():
     import timm
 
-    from cxrdr.train.models.image_towers import (EfficientNetTower, efficientnet_lite0_weights_path,
-                                           lukemelas_to_timm_efficientnet)
+    from cxrdr.common.pretrained import efficientnet_weights_path, lukemelas_to_timm_efficientnet
+    from cxrdr.train.models.image_towers import EfficientNetTower
 
-    source = torch.load(efficientnet_lite0_weights_path(), map_location="cpu", weights_only=True)
+    source = torch.load(efficientnet_weights_path("efficientnet_lite0"), map_location="cpu", weights_only=True)
     target = timm.create_model("efficientnet_lite0", pretrained=False).state_dict()
     mapped = lukemelas_to_timm_efficientnet(source, target)
     assert len(source) == len(target) == len(mapped) == 296 and set(mapped) == set(target)
@@ -369,11 +369,13 @@ def test_efficientnet_lite0_errors(monkeypatch):
         StudentConfig.from_yaml("tiny-E", image_tower="efficientnet_lite0")
     with pytest.raises(ValueError, match="multiple of its stride 16"):
         build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0", image_size=72))
+    import cxrdr.common.pretrained as pretrained
     import cxrdr.train.models.image_towers as towers
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(towers.importlib.util, "find_spec",
-                        lambda name, *a: None if name == towers.EFFNET_LITE0_PACKAGE else real_find_spec(name, *a))
+    package = pretrained.EFFNET_PACKAGES["efficientnet_lite0"][0]
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real_find_spec(name, *a))
     with pytest.raises(ValueError, match=r"cxrdr\[offline\]"):
         towers.EfficientNetTower(64)
     assert towers.EfficientNetTower(64, pretrained=False).grid_size == (4, 4)  # random init needs no package
@@ -381,14 +383,15 @@ def test_efficientnet_lite0_errors(monkeypatch):
 
 @needs_effnet_weights
 def test_efficientnet_lite0_checkpoint_loads_without_weights_package(tmp_path, images, monkeypatch):
-    import cxrdr.train.models.image_towers as towers
+    import cxrdr.common.pretrained as pretrained
 
     torch.manual_seed(0)
     model = build_student(StudentConfig.from_yaml("tiny-A", image_tower="efficientnet_lite0")).eval()
     path = save_checkpoint(tmp_path / "eff.pt", model)
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(towers.importlib.util, "find_spec",
-                        lambda name, *a: None if name == towers.EFFNET_LITE0_PACKAGE else real_find_spec(name, *a))
+    package = pretrained.EFFNET_PACKAGES["efficientnet_lite0"][0]
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real_find_spec(name, *a))
     loaded = load_checkpoint(path)
     assert loaded.config.image_mean == [0.485, 0.456, 0.406]
     assert torch.equal(model.embed_images(images), loaded.embed_images(images))

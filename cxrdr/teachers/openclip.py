@@ -34,8 +34,9 @@ from urllib.parse import urlparse
 
 import torch
 
+from cxrdr.common.pretrained import cache_root
+
 from .base import Teacher, TeacherError, file_safe_name, weights_fingerprint
-from .minilm import cache_root
 
 BIOMEDCLIP_REPO = "microsoft/BiomedCLIP-PubMedBERT_256-vit_base_patch16_224"
 CLIP_SCALE_MAX = 100.0

@@ -1,6 +1,6 @@
 """Text-only teachers: a sentence-transformer (BERT-family) embedding texts by mean pooling.
 
-``text:minilm`` uses the all-MiniLM-L6-v2 weights shipped in a package (see ``minilm.py``);
+``text:minilm`` uses the all-MiniLM-L6-v2 weights shipped in a package (``cxrdr.common.pretrained``);
 ``text:PATH`` any local sentence-transformer / HF encoder directory. We use transformers
 directly (AutoModel + AutoTokenizer + attention-mask mean pooling, exactly what
 sentence-transformers' Pooling(mean) does) to avoid another framework in the loop.
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from cxrdr.common.pretrained import minilm_path
 
 from .base import Teacher, TeacherError, file_safe_name, weights_fingerprint
 
@@ -51,7 +53,6 @@ def load_text_teacher(arg: str, spec: str, device: str = "cpu", model_cache: str
 
     options = options or {}
     if arg == "minilm":
-        from .minilm import minilm_path
         try:
             model_dir, name = minilm_path(), "minilm"
         except FileNotFoundError as err:

@@ -3,10 +3,8 @@ __version__ = "0.1.0"
 
 
 def load_checkpoint(path, device="cpu"):
-    """Load a `train run` checkpoint as a model that embeds images and texts (eval mode).
-
-    The one public loader: `ckpt:` teachers and `train eval` both go through it.
-    """
+    """Load a `train run` checkpoint as a model that embeds images and texts (eval mode)."""
+    # Imported on call: importing the package (e.g. for `train --help`) must not load torch/timm/transformers.
     from cxrdr.train.checkpoint import load_checkpoint as _load
 
     return _load(path, device=device)

@@ -1,93 +1,22 @@
-"""Checkpoints of a student: one torch.save dict, written atomically, rebuilt from its own config.
+"""Checkpoints of a student: ``load_checkpoint`` rebuilds the model from the config it was saved with.
 
-Layout: {"model_config": StudentConfig dict, "model": state_dict, **state} where state may hold
-"optimizer", "scheduler", "scaler", "step", "rng", "train_config", "metrics", "best_score".
-Text towers from a local path are stored by path (their weights are in the state dict anyway);
-the 'tiny' tower's tokenizer is rebuilt from code.
-
-Checkpoints are read with ``torch.load(weights_only=True)``: a ``.pt`` is a pickle, and a full
-unpickler runs whatever code a crafted file names (``train eval --ckpt``, ``ckpt:`` teachers,
-a planted ``last.pt`` on ``--resume``). So everything saved must be tensors and plain Python
-types (dict, list, tuple, str, int, float, bool, None); ``plain_state`` converts the rest.
+The file format (layout, safe reading, atomic writing) is ``cxrdr.train.checkpoint_io``; its
+functions are re-exported here so callers have one checkpoint module.
 """
 from __future__ import annotations
 
 import os
-import pickle
-from pathlib import Path
 
 import torch
 
+from cxrdr.train.checkpoint_io import load_training_state, plain_state, read_checkpoint, save_checkpoint
+from cxrdr.train.models.factory import build_student
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The student inside DDP / torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
-
-
-def plain_state(value):
-    """``value`` as tensors and plain Python types only, so ``weights_only=True`` can read it back:
-    numpy arrays become tensors, numpy scalars Python numbers, other objects their ``str``."""
-    import numpy as np
-
-    if isinstance(value, (torch.Tensor, torch.dtype, bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {k: plain_state(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [plain_state(v) for v in value]
-        return tuple(items) if isinstance(value, tuple) else items
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)
-
-
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, **state) -> Path:
-    """Write {"model_config", "model", **state} to ``path`` atomically (temp file + rename)."""
-    model = _unwrap(model)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The state_dict stays as torch made it (an OrderedDict with _metadata, which weights_only reads).
-    payload = {"model_config": plain_state(model.config.to_dict()), "model": model.state_dict(),
-               **plain_state(state)}
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
-def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """The raw checkpoint dict; a clear one-line error naming the file when missing or unreadable."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        data = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:  # weights_only refused a global: code or foreign objects
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise ValueError(f"checkpoint {path} holds objects other than tensors and plain values; refused to "
-                         f"load it (loading could run code): {first}") from exc
-    except Exception as exc:  # corrupt / truncated / not a torch file
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise ValueError(f"checkpoint {path} is corrupt or not a torch checkpoint: {type(exc).__name__}: {first}") from exc
-    if not isinstance(data, dict) or "model_config" not in data or "model" not in data:
-        raise ValueError(f"checkpoint {path} is not a cxrdr student checkpoint (needs 'model_config' and 'model')")
-    return data
+__all__ = ["load_checkpoint", "load_training_state", "plain_state", "read_checkpoint", "save_checkpoint"]
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """Rebuild the student from the checkpoint's config, load its weights strictly, eval mode on ``device``."""
-    from cxrdr.train.models import build_student
-
     data = read_checkpoint(path)
     try:
         model = build_student(dict(data["model_config"]), init_weights=False)
@@ -95,9 +24,3 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"checkpoint {path}: cannot rebuild the student: {exc}") from exc
     return model.to(device).eval()
-
-
-def load_training_state(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """The whole checkpoint dict for resuming: "model" (state_dict), "model_config", and whatever state was
-    saved ("optimizer", "scheduler", "scaler", "step", "rng", ...); tensors mapped to ``map_location``."""
-    return read_checkpoint(path, map_location)

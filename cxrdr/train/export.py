@@ -31,10 +31,15 @@ import shutil
 from pathlib import Path
 from typing import Annotated
 
+import open_clip
 import torch
 import typer
+from safetensors.torch import save_file
 
 from cxrdr.common.errors import UserError
+from cxrdr.teachers.openclip import forced_offline
+from cxrdr.train.checkpoint import load_checkpoint
+from cxrdr.train.models.image_towers import TIMM_VIT_NAMES, VIT_MICRO
 
 FORMATS = ("open_clip",)
 WEIGHTS_NAME = "open_clip_model.safetensors"
@@ -43,8 +48,6 @@ CHECK_TOLERANCE = 1e-4  # max abs difference of normalised embeddings, student v
 
 def vision_config(student) -> tuple[dict, dict]:
     """(timm local-dir config.json, open_clip vision_cfg) of the student's image tower."""
-    from cxrdr.train.models.image_towers import TIMM_VIT_NAMES, VIT_MICRO
-
     config = student.config
     kwargs = dict(config.image_kwargs or {})
     name = config.image_tower
@@ -109,10 +112,6 @@ def open_clip_state_dict(student) -> dict[str, torch.Tensor]:
 
 def check_export(student, out_dir: Path) -> float:
     """Load DIR with open_clip and return the max embedding difference to the student (raises if large)."""
-    import open_clip
-
-    from cxrdr.teachers.openclip import forced_offline
-
     with forced_offline():
         model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out_dir}")
         tokenizer = open_clip.get_tokenizer(f"local-dir:{out_dir}")
@@ -136,10 +135,6 @@ def check_export(student, out_dir: Path) -> float:
 
 def export_open_clip(checkpoint: str | Path, out_dir: str | Path, check: bool = True) -> dict:
     """Write the student of ``checkpoint`` as an open_clip local-dir model; returns a summary."""
-    from safetensors.torch import save_file
-
-    from cxrdr.train.checkpoint import load_checkpoint
-
     out_dir = Path(out_dir)
     student = load_checkpoint(checkpoint)
     timm_cfg, _ = vision_config(student)  # refuses what open_clip cannot build, before writing anything

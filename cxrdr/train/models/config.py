@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping
+from cxrdr.train.models.registry import token_sequence_towers, tower_names
+
 VARIANTS = ("A", "B", "C", "D", "E")
-IMAGE_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "fastvit_mci0",
-                "efficientnet_lite0", "efficientnet_lite2",
-                "hybrid_lite0_vit")
-# Towers with a token sequence that variant E can drop tokens from.
-TOKEN_DROPPING_TOWERS = ("vit_micro", "vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "hybrid_lite0_vit")
 CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[3] / "configs" / "models"))
 
 
@@ -80,9 +78,10 @@ class StudentConfig:
         self.variant = str(self.variant).upper()
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}{where}")
-        if self.image_tower not in IMAGE_TOWERS:
-            raise ValueError(f"image_tower must be one of {IMAGE_TOWERS}, got {self.image_tower!r}{where}")
-        if self.variant == "E" and self.image_tower not in TOKEN_DROPPING_TOWERS:
+        if self.image_tower not in tower_names():
+            raise ValueError(f"image_tower must be one of {tower_names()}, got {self.image_tower!r}{where}")
+        # variant E drops tokens of a token sequence; head_layer reads an intermediate one
+        if self.variant == "E" and self.image_tower not in token_sequence_towers():
             raise ValueError(f"variant E (token dropping) needs a ViT image tower, not {self.image_tower!r}{where}")
         if not 16 <= int(self.image_size) <= 1024:
             raise ValueError(f"image_size must be in 16..1024, got {self.image_size}{where}")
@@ -92,7 +91,7 @@ class StudentConfig:
             raise ValueError(f"patch_score must be 'head' or 'cls_attn', got {self.patch_score!r}{where}")
         if self.patch_score == "cls_attn" and self.variant == "E" and self.drop_layer < 1:
             raise ValueError(f"patch_score 'cls_attn' needs drop_layer >= 1{where}")
-        if self.head_layer is not None and self.image_tower not in TOKEN_DROPPING_TOWERS:
+        if self.head_layer is not None and self.image_tower not in token_sequence_towers():
             raise ValueError(f"head_layer needs a ViT-family image tower, not {self.image_tower!r}{where}")
         if self.global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}{where}")
@@ -132,16 +131,12 @@ class StudentConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "dict") -> "StudentConfig":
-        from cxrdr.common.yamlio import check_known_fields
-
         check_known_fields(cls, data, "student config field", where=source)
         return cls(**data)
 
     @classmethod
     def from_yaml(cls, path_or_name: str | os.PathLike, **overrides: Any) -> "StudentConfig":
         """Load ``configs/models/<name>.yaml`` ('D', 'tiny-D') or a YAML path; keyword overrides win."""
-        from cxrdr.common.yamlio import read_yaml_mapping
-
         path = resolve_config_path(path_or_name)
         data = {**read_yaml_mapping(path, "student config fields"), **overrides}
         data.setdefault("name", Path(path).stem if Path(path).parent == CONFIG_DIR else str(path))

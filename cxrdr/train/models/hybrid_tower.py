@@ -15,8 +15,15 @@ from __future__ import annotations
 
 from functools import partial
 
+import timm
 import torch
 import torch.nn as nn
+from timm.layers import HybridEmbed
+from timm.models.vision_transformer import VisionTransformer
+
+from cxrdr.common.pretrained import load_efficientnet_lite
+from cxrdr.train.models.image_towers import parameters_to_buffers
+from cxrdr.train.models.registry import register_tower
 
 # Stem cut points of efficientnet_lite0 by output stride: number of its 7 stages kept.
 LITE0_STEM_STAGES = {8: 3, 16: 5}
@@ -30,8 +37,6 @@ class FrozenStem(nn.Module):
 
     def __init__(self, stem: nn.Module):
         super().__init__()
-        from cxrdr.train.models.image_towers import parameters_to_buffers
-
         parameters_to_buffers(stem)
         # channels_last: the depthwise convolutions run ~1.6x faster on CPU (oneDNN), same values
         self.stem = stem.to(memory_format=torch.channels_last)
@@ -47,16 +52,11 @@ class FrozenStem(nn.Module):
 
 def lite0_stem(stride: int, pretrained: bool, frozen: bool) -> nn.Module:
     """conv_stem + bn1 + the first stages of efficientnet_lite0, output stride ``stride``."""
-    import timm
-
-    from cxrdr.train.models.image_towers import efficientnet_lite0_weights_path, lukemelas_to_timm_efficientnet
-
     if stride not in LITE0_STEM_STAGES:
         raise ValueError(f"hybrid_lite0_vit: stem_stride must be one of {sorted(LITE0_STEM_STAGES)}, got {stride}")
     cnn = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000)
     if pretrained:
-        weights = torch.load(efficientnet_lite0_weights_path(), map_location="cpu", weights_only=True)
-        cnn.load_state_dict(lukemelas_to_timm_efficientnet(weights, cnn.state_dict()), strict=True)
+        load_efficientnet_lite(cnn, "efficientnet_lite0")
     stem = nn.Sequential(cnn.conv_stem, cnn.bn1, *cnn.blocks[:LITE0_STEM_STAGES[stride]])
     return FrozenStem(stem) if frozen else stem
 
@@ -65,9 +65,6 @@ def create_hybrid_vit(image_size: int, drop_path_rate: float = 0.0, *, stem_stri
                       depth: int = 4, num_heads: int = 4, mlp_ratio: float = 2.0, pretrained: bool = True,
                       freeze_stem: bool = True) -> nn.Module:
     """A timm VisionTransformer on the Lite0 stem's (image_size / stem_stride)^2 grid, no classifier."""
-    from timm.layers import HybridEmbed
-    from timm.models.vision_transformer import VisionTransformer
-
     if image_size % stem_stride:
         raise ValueError(f"hybrid_lite0_vit: image_size {image_size} is not a multiple of stem_stride {stem_stride}")
     stem = lite0_stem(stem_stride, pretrained, freeze_stem)
@@ -77,3 +74,11 @@ def create_hybrid_vit(image_size: int, drop_path_rate: float = 0.0, *, stem_stri
     # The stem's ImageNet normalisation is the tower's (ViTTower reads timm's pretrained_cfg).
     vit.pretrained_cfg = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}
     return vit
+
+
+@register_tower("hybrid_lite0_vit", token_sequence=True)
+def _create_hybrid(config, load_pretrained: bool) -> nn.Module:
+    """``load_pretrained=False`` skips the packaged stem weights (a checkpoint's weights replace them)."""
+    kwargs = dict(config.image_kwargs or {})
+    kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
+    return create_hybrid_vit(config.image_size, config.drop_path_rate, **kwargs)

