@@ -153,7 +153,7 @@ def test_biomedclip_missing_is_clear_and_fast(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ registry
-def test_spec_grammar_and_errors():
+def test_spec_grammar_and_errors(ckpt_registered):
     assert parse_spec("openclip:ViT-B-32:laion2b_s34b_b79k") == ("openclip", "ViT-B-32:laion2b_s34b_b79k", {})
     assert parse_spec("biomedclip?logit_scale=50") == ("biomedclip", "", {"logit_scale": "50"})
     with pytest.raises(TeacherError) as err:
@@ -256,10 +256,19 @@ class _StandInStudent(torch.nn.Module):
         return torch.nn.functional.normalize(self.text(input_ids).mean(1), dim=-1)
 
 
-def test_ckpt_teacher_with_stand_in(tmp_path, monkeypatch):
+@pytest.fixture
+def ckpt_registered(monkeypatch):
+    """``ckpt`` registered programmatically: the entry point needs cxrdr installed from this tree."""
+    import cxrdr.teachers as teachers
+    from cxrdr.train.ckpt_teacher import load_ckpt_teacher
+
+    monkeypatch.setitem(teachers._REGISTERED, "ckpt", load_ckpt_teacher)
+
+
+def test_ckpt_teacher_with_stand_in(tmp_path, monkeypatch, ckpt_registered):
     path = tmp_path / "best.pt"
     path.write_bytes(b"stand-in")
-    monkeypatch.setattr("cxrdr.teachers.ckpt._loader", lambda: lambda p, device="cpu": _StandInStudent())
+    monkeypatch.setattr("cxrdr.train.ckpt_teacher.load_checkpoint", lambda p, device="cpu": _StandInStudent())
     teacher = load_teacher(f"ckpt:{path}")
     assert teacher.name == "ckpt-best" and teacher.logit_scale == 100.0 and teacher.image_size == 32
     assert teacher.mean == (0.0, 0.0, 0.0) and teacher.notes["variant"] == "A"
@@ -269,10 +278,7 @@ def test_ckpt_teacher_with_stand_in(tmp_path, monkeypatch):
     assert teacher.encode_texts(TEXTS).shape == (3, 16)
 
 
-def test_ckpt_teacher_real_checkpoint(tmp_path):
-    train = pytest.importorskip("cxrdr.train")
-    if not hasattr(train, "load_checkpoint"):
-        pytest.skip("cxrdr.train.load_checkpoint not available yet")
+def test_ckpt_teacher_real_checkpoint(tmp_path, ckpt_registered):
     from cxrdr.train.checkpoint import save_checkpoint
     from cxrdr.train.models import build_student
     student = build_student({"variant": "A", "image_tower": "vit_micro", "image_size": 32,
@@ -284,3 +290,55 @@ def test_ckpt_teacher_real_checkpoint(tmp_path):
     img = teacher.encode_images(torch.rand(2, 1, 32, 32))
     assert img.shape == (2, 32) and _unit_norm(img) and _unit_norm(teacher.encode_texts(TEXTS))
     assert teacher.logit_scale <= 100.0
+
+
+# ------------------------------------------------------------------ plug-ins
+def _install_plugin(tmp_path, monkeypatch, kind: str, target: str) -> None:
+    """A distribution declaring ``kind`` in the cxrdr.teachers entry-point group, put on sys.path."""
+    info = tmp_path / "site" / "cxrdr_plugin_test-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cxrdr-plugin-test\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[cxrdr.teachers]\n{kind} = {target}\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+def test_entry_point_plugin_is_found_and_listed(tmp_path, monkeypatch):
+    import cxrdr.teachers as teachers
+
+    _install_plugin(tmp_path, monkeypatch, "ckpttest", "cxrdr.train.ckpt_teacher:load_ckpt_teacher")
+    assert "ckpttest" in teachers.known_kinds()
+    assert teachers._loader("ckpttest").__module__ == "cxrdr.train.ckpt_teacher"
+    with pytest.raises(TeacherError, match="checkpoint file not found"):
+        load_teacher("ckpttest:/nonexistent/model.pt")
+    with pytest.raises(TeacherError, match="needs an argument"):
+        load_teacher("ckpttest")
+    with pytest.raises(TeacherError) as err:
+        load_teacher("nosuchkind:x")
+    message = str(err.value)
+    assert "\n" not in message and "ckpttest:ARG" in message and all(spec in message for spec in VALID_SPECS)
+
+
+def test_register_teacher_programmatic(monkeypatch):
+    import cxrdr.teachers as teachers
+
+    monkeypatch.setattr(teachers, "_REGISTERED", {})
+    seen = {}
+
+    def loader(arg, spec, device="cpu", model_cache=None, options=None):
+        seen.update(arg=arg, options=options)
+        return load_teacher("random:tiny")
+
+    teachers.register_teacher("Mine", loader)
+    teacher = load_teacher("mine:abc?name=mine-1")
+    assert seen == {"arg": "abc", "options": {"name": "mine-1"}} and teacher.name == "mine-1"
+    assert "mine" in teachers.known_kinds()
+
+
+def test_teacher_registry_does_not_import_stage_2():
+    import subprocess
+    import sys
+
+    code = ("import sys, cxrdr.teachers as t; t.known_kinds(); "
+            "print([m for m in sys.modules if m.startswith('cxrdr.train')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
