@@ -232,7 +232,7 @@ def test_configs_resolve_and_validate(tmp_path):
     for name in names:
         cfg = StudentConfig.from_yaml(name)
         assert cfg.variant == name[-1] and cfg.name == name
-    assert StudentConfig.from_yaml(CONFIG_DIR / "tiny-A.yaml").image_tower == "vit_micro"
+    assert StudentConfig.from_yaml(CONFIG_DIR / "tiny.yaml").image_tower == "vit_micro"
     assert StudentConfig.coerce({"variant": "b", "text_tower": "tiny"}).variant == "B"
     bad = tmp_path / "bad.yaml"
     bad.write_text("variant: A\nbogus: 1\n")
@@ -571,3 +571,237 @@ def test_token_dropping_heads_read_the_kept_patches_at_their_layer(images):
         expected = expected.gather(1, out.patch_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
     assert out.head_patches.shape == out.patches.shape == (2, 16, 64)
     assert torch.allclose(out.head_patches, expected, atol=1e-5)
+
+
+# Every config name as it resolved when each was its own YAML file (configs/models/<name>.yaml, before
+# the family files): generated from those files, kept here so the family layering cannot drift.
+OLD_CONFIGS = {
+    'A': {'context_length': 128, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None, 'image_kwargs': {},
+        'image_mean': None, 'image_size': 224, 'image_std': None, 'image_tower': 'vit_small_patch16',
+        'init_from': None, 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'A', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'minilm', 'variant': 'A'},
+    'B': {'context_length': 128, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None, 'image_kwargs': {},
+        'image_mean': None, 'image_size': 224, 'image_std': None, 'image_tower': 'vit_small_patch16',
+        'init_from': None, 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'B', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'minilm', 'variant': 'B'},
+    'C': {'context_length': 128, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None, 'image_kwargs': {},
+        'image_mean': None, 'image_size': 224, 'image_std': None, 'image_tower': 'vit_small_patch16',
+        'init_from': None, 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'C', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'minilm', 'variant': 'C'},
+    'D': {'context_length': 128, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None, 'image_kwargs': {},
+        'image_mean': None, 'image_size': 224, 'image_std': None, 'image_tower': 'vit_small_patch16',
+        'init_from': None, 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'D', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'minilm', 'variant': 'D'},
+    'E': {'context_length': 128, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None, 'image_kwargs': {},
+        'image_mean': None, 'image_size': 224, 'image_std': None, 'image_tower': 'vit_small_patch16',
+        'init_from': None, 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'E', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'minilm', 'variant': 'E'},
+    'biomedclip-A': {'context_length': 256, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512,
+        'fuse_dropped': False, 'global_pool': 'token', 'grad_checkpointing': True, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': [0.48145466, 0.4578275, 0.40821073], 'image_size': 224,
+        'image_std': [0.26862954, 0.26130258, 0.27577711], 'image_tower': 'vit_base_patch16',
+        'init_from': '/models/biomedclip', 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9,
+        'keep_rate': 0.5, 'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'biomedclip-A', 'patch_score': 'head',
+        'text_kwargs': {}, 'text_pool': None, 'text_tower': 'biomedclip', 'variant': 'A'},
+    'biomedclip-B': {'context_length': 256, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512,
+        'fuse_dropped': False, 'global_pool': 'token', 'grad_checkpointing': True, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': [0.48145466, 0.4578275, 0.40821073], 'image_size': 224,
+        'image_std': [0.26862954, 0.26130258, 0.27577711], 'image_tower': 'vit_base_patch16',
+        'init_from': '/models/biomedclip', 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9,
+        'keep_rate': 0.5, 'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'biomedclip-B', 'patch_score': 'head',
+        'text_kwargs': {}, 'text_pool': None, 'text_tower': 'biomedclip', 'variant': 'B'},
+    'biomedclip-C': {'context_length': 256, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512,
+        'fuse_dropped': False, 'global_pool': 'token', 'grad_checkpointing': True, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': [0.48145466, 0.4578275, 0.40821073], 'image_size': 224,
+        'image_std': [0.26862954, 0.26130258, 0.27577711], 'image_tower': 'vit_base_patch16',
+        'init_from': '/models/biomedclip', 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9,
+        'keep_rate': 0.5, 'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'biomedclip-C', 'patch_score': 'head',
+        'text_kwargs': {}, 'text_pool': None, 'text_tower': 'biomedclip', 'variant': 'C'},
+    'biomedclip-D': {'context_length': 256, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512,
+        'fuse_dropped': False, 'global_pool': 'token', 'grad_checkpointing': True, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': [0.48145466, 0.4578275, 0.40821073], 'image_size': 224,
+        'image_std': [0.26862954, 0.26130258, 0.27577711], 'image_tower': 'vit_base_patch16',
+        'init_from': '/models/biomedclip', 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9,
+        'keep_rate': 0.5, 'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'biomedclip-D', 'patch_score': 'head',
+        'text_kwargs': {}, 'text_pool': None, 'text_tower': 'biomedclip', 'variant': 'D'},
+    'biomedclip-E': {'context_length': 256, 'drop_layer': 4, 'drop_path_rate': 0.1, 'embed_dim': 512,
+        'fuse_dropped': False, 'global_pool': 'token', 'grad_checkpointing': True, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': [0.48145466, 0.4578275, 0.40821073], 'image_size': 224,
+        'image_std': [0.26862954, 0.26130258, 0.27577711], 'image_tower': 'vit_base_patch16',
+        'init_from': '/models/biomedclip', 'k_anneal_steps': 2000, 'k_ratio': 0.5, 'k_ratio_start': 0.9,
+        'keep_rate': 0.5, 'keep_rate_warmup_steps': 1000, 'local_heads': 8, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'biomedclip-E', 'patch_score': 'head',
+        'text_kwargs': {}, 'text_pool': None, 'text_tower': 'biomedclip', 'variant': 'E'},
+    'cpu-A': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'depth': 4, 'freeze_stem': True, 'mlp_ratio': 2.0, 'num_heads': 4, 'stem_stride': 8, 'width': 128},
+        'image_mean': None, 'image_size': 96, 'image_std': None, 'image_tower': 'hybrid_lite0_vit',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'cpu-A', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'A'},
+    'cpu-B': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'depth': 4, 'freeze_stem': True, 'mlp_ratio': 2.0, 'num_heads': 4, 'stem_stride': 8, 'width': 128},
+        'image_mean': None, 'image_size': 96, 'image_std': None, 'image_tower': 'hybrid_lite0_vit',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'cpu-B', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'B'},
+    'cpu-C': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'depth': 4, 'freeze_stem': True, 'mlp_ratio': 2.0, 'num_heads': 4, 'stem_stride': 8, 'width': 128},
+        'image_mean': None, 'image_size': 96, 'image_std': None, 'image_tower': 'hybrid_lite0_vit',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'cpu-C', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'C'},
+    'cpu-D': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'depth': 4, 'freeze_stem': True, 'mlp_ratio': 2.0, 'num_heads': 4, 'stem_stride': 8, 'width': 128},
+        'image_mean': None, 'image_size': 96, 'image_std': None, 'image_tower': 'hybrid_lite0_vit',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'cpu-D', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'D'},
+    'cpu-E': {'context_length': 64, 'drop_layer': 1, 'drop_path_rate': 0.0, 'embed_dim': 64, 'fuse_dropped': False,
+        'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'depth': 4, 'freeze_stem': True, 'mlp_ratio': 2.0, 'num_heads': 4, 'stem_stride': 8, 'width': 128},
+        'image_mean': None, 'image_size': 96, 'image_std': None, 'image_tower': 'hybrid_lite0_vit',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'cpu-E', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'E'},
+    'teacher-lite0-A': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 128,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'freeze_stages': 3, 'stride': 16}, 'image_mean': None, 'image_size': 96,
+        'image_std': None, 'image_tower': 'efficientnet_lite0', 'init_from': None, 'k_anneal_steps': 0,
+        'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5, 'keep_rate_warmup_steps': 0, 'local_heads': 8,
+        'logit_scale_init': 14.285714285714286, 'logit_scale_max': 100.0, 'mask_hidden': None,
+        'name': 'teacher-lite0-A', 'patch_score': 'head', 'text_kwargs': {}, 'text_pool': None,
+        'text_tower': 'minilm', 'variant': 'A'},
+    'teacher-lite2-A': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 128,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'freeze_stages': 3, 'stride': 16}, 'image_mean': None, 'image_size': 96,
+        'image_std': None, 'image_tower': 'efficientnet_lite2', 'init_from': None, 'k_anneal_steps': 0,
+        'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5, 'keep_rate_warmup_steps': 0, 'local_heads': 8,
+        'logit_scale_init': 14.285714285714286, 'logit_scale_max': 100.0, 'mask_hidden': None,
+        'name': 'teacher-lite2-A', 'patch_score': 'head', 'text_kwargs': {}, 'text_pool': None,
+        'text_tower': 'minilm', 'variant': 'A'},
+    'tiny-A': {'context_length': 64, 'drop_layer': 2, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': None, 'image_size': 64, 'image_std': None, 'image_tower': 'vit_micro',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'tiny-A', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'A'},
+    'tiny-B': {'context_length': 64, 'drop_layer': 2, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': None, 'image_size': 64, 'image_std': None, 'image_tower': 'vit_micro',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'tiny-B', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'B'},
+    'tiny-C': {'context_length': 64, 'drop_layer': 2, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': None, 'image_size': 64, 'image_std': None, 'image_tower': 'vit_micro',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'tiny-C', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'C'},
+    'tiny-D': {'context_length': 64, 'drop_layer': 2, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': None, 'image_size': 64, 'image_std': None, 'image_tower': 'vit_micro',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'tiny-D', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'D'},
+    'tiny-E': {'context_length': 64, 'drop_layer': 2, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {}, 'image_mean': None, 'image_size': 64, 'image_std': None, 'image_tower': 'vit_micro',
+        'init_from': None, 'k_anneal_steps': 0, 'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5,
+        'keep_rate_warmup_steps': 0, 'local_heads': 4, 'logit_scale_init': 14.285714285714286,
+        'logit_scale_max': 100.0, 'mask_hidden': None, 'name': 'tiny-E', 'patch_score': 'head', 'text_kwargs': {},
+        'text_pool': None, 'text_tower': 'tiny', 'variant': 'E'},
+    'tiny-cnn-A': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'freeze_stages': 4, 'stride': 16}, 'image_mean': None, 'image_size': 96,
+        'image_std': None, 'image_tower': 'efficientnet_lite0', 'init_from': None, 'k_anneal_steps': 0,
+        'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5, 'keep_rate_warmup_steps': 0, 'local_heads': 4,
+        'logit_scale_init': 14.285714285714286, 'logit_scale_max': 100.0, 'mask_hidden': None,
+        'name': 'tiny-cnn-A', 'patch_score': 'head', 'text_kwargs': {}, 'text_pool': None, 'text_tower': 'tiny',
+        'variant': 'A'},
+    'tiny-cnn-B': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'freeze_stages': 4, 'stride': 16}, 'image_mean': None, 'image_size': 96,
+        'image_std': None, 'image_tower': 'efficientnet_lite0', 'init_from': None, 'k_anneal_steps': 0,
+        'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5, 'keep_rate_warmup_steps': 0, 'local_heads': 4,
+        'logit_scale_init': 14.285714285714286, 'logit_scale_max': 100.0, 'mask_hidden': None,
+        'name': 'tiny-cnn-B', 'patch_score': 'head', 'text_kwargs': {}, 'text_pool': None, 'text_tower': 'tiny',
+        'variant': 'B'},
+    'tiny-cnn-C': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'freeze_stages': 4, 'stride': 16}, 'image_mean': None, 'image_size': 96,
+        'image_std': None, 'image_tower': 'efficientnet_lite0', 'init_from': None, 'k_anneal_steps': 0,
+        'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5, 'keep_rate_warmup_steps': 0, 'local_heads': 4,
+        'logit_scale_init': 14.285714285714286, 'logit_scale_max': 100.0, 'mask_hidden': None,
+        'name': 'tiny-cnn-C', 'patch_score': 'head', 'text_kwargs': {}, 'text_pool': None, 'text_tower': 'tiny',
+        'variant': 'C'},
+    'tiny-cnn-D': {'context_length': 64, 'drop_layer': 4, 'drop_path_rate': 0.0, 'embed_dim': 64,
+        'fuse_dropped': False, 'global_pool': 'avg', 'grad_checkpointing': False, 'head_layer': None,
+        'image_kwargs': {'freeze_stages': 4, 'stride': 16}, 'image_mean': None, 'image_size': 96,
+        'image_std': None, 'image_tower': 'efficientnet_lite0', 'init_from': None, 'k_anneal_steps': 0,
+        'k_ratio': 0.5, 'k_ratio_start': None, 'keep_rate': 0.5, 'keep_rate_warmup_steps': 0, 'local_heads': 4,
+        'logit_scale_init': 14.285714285714286, 'logit_scale_max': 100.0, 'mask_hidden': None,
+        'name': 'tiny-cnn-D', 'patch_score': 'head', 'text_kwargs': {}, 'text_pool': None, 'text_tower': 'tiny',
+        'variant': 'D'},
+}
+
+
+def test_family_configs_resolve_to_the_old_per_name_configs():
+    assert available_configs() == sorted(OLD_CONFIGS)
+    for name, expected in OLD_CONFIGS.items():
+        assert StudentConfig.from_yaml(name).to_dict() == expected, name
+
+
+def test_family_names_paths_and_variant_blocks(tmp_path):
+    assert StudentConfig.from_yaml("default-D").to_dict() == {**OLD_CONFIGS["D"], "name": "default-D"}
+    assert StudentConfig.from_yaml("tiny").to_dict() == {**OLD_CONFIGS["tiny-D"], "name": "tiny"}
+    assert StudentConfig.from_yaml(CONFIG_DIR / "cpu.yaml", variant="E").drop_layer == 1  # the E block
+    assert StudentConfig.from_yaml("cpu-D", variant="E").drop_layer == 1
+    with pytest.raises(ValueError, match="no variant 'E'"):
+        StudentConfig.from_yaml("tiny-cnn-E")
+    family = tmp_path / "fam.yaml"
+    family.write_text("image_tower: vit_micro\nimage_size: 64\ntext_tower: tiny\nembed_dim: 64\n"
+                      "local_heads: 4\nvariants: {C: {k_ratio: 0.25}, D: {}}\n")
+    assert StudentConfig.from_yaml(family).k_ratio == 0.5 and StudentConfig.from_yaml(family).variant == "D"
+    assert StudentConfig.from_yaml(family, variant="C").k_ratio == 0.25
+    assert StudentConfig.from_yaml(family).name == str(family)
+    import cxrdr.train.models.config as config
+
+    config_dir = tmp_path / "configs"
+    config_dir.mkdir()
+    family.rename(config_dir / "fam.yaml")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "CONFIG_DIR", config_dir)
+        assert available_configs() == ["fam-C", "fam-D"]
+        assert StudentConfig.from_yaml("fam-C").k_ratio == 0.25

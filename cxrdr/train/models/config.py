@@ -1,8 +1,12 @@
 """StudentConfig: every knob of the Patch-IB student ladder (A-E), loadable from YAML by name.
 
-Names resolve to ``configs/models/<name>.yaml``: ``"D"`` is the GPU-sized recipe, ``"tiny-D"`` the
-CPU-sized one used by tests and the demo. A YAML file may hold any subset of the fields below;
-missing fields keep their defaults, unknown fields are an error naming the file.
+One YAML file per model family in ``configs/models/`` (``$CXRDR_MODEL_CONFIGS`` overrides the folder):
+the family's fields plus an optional ``variants:`` block, variant -> field overrides (when present it
+also lists the family's variants; absent: all of A-E, no overrides). A name is ``FAMILY-VARIANT``
+(``"tiny-D"``: tiny.yaml, variant D), a bare variant (``"D"``: the default family), or a family
+(``"tiny"``: its fields with the default variant); a YAML path is read the same way. A file may hold
+any subset of the fields below; missing fields keep their defaults, unknown fields are an error naming
+the file.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping
 from cxrdr.train.models.registry import token_sequence_towers, tower_names
 
 VARIANTS = ("A", "B", "C", "D", "E")
+DEFAULT_FAMILY = "default"  # bare variant names ('D') resolve to configs/models/default.yaml
 CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[3] / "configs" / "models"))
 
 
@@ -136,10 +141,15 @@ class StudentConfig:
 
     @classmethod
     def from_yaml(cls, path_or_name: str | os.PathLike, **overrides: Any) -> "StudentConfig":
-        """Load ``configs/models/<name>.yaml`` ('D', 'tiny-D') or a YAML path; keyword overrides win."""
-        path = resolve_config_path(path_or_name)
-        data = {**read_yaml_mapping(path, "student config fields"), **overrides}
-        data.setdefault("name", Path(path).stem if Path(path).parent == CONFIG_DIR else str(path))
+        """Load a config by name ('D', 'tiny-D', 'tiny') or YAML path; keyword overrides win."""
+        path, variant, name = resolve_config(path_or_name)
+        data = read_yaml_mapping(path, "student config fields")
+        variants = data.pop("variants", None)
+        variant = str(overrides.get("variant") or variant or data.get("variant") or cls.variant)
+        if variants is not None and variant not in variants and "variant" not in overrides:
+            raise ValueError(f"{path}: no variant {variant!r} in this family (variants: {', '.join(variants)})")
+        data = {**data, **((variants or {}).get(variant) or {}), "variant": variant, **overrides}
+        data.setdefault("name", name)
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -152,17 +162,33 @@ class StudentConfig:
         return cls.from_yaml(config)
 
 
+def _family_variants(path: Path) -> list[str]:
+    variants = read_yaml_mapping(path, "student config fields").get("variants")
+    return list(VARIANTS) if variants is None else [str(v) for v in variants]
+
+
 def available_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    """Every config name: FAMILY-VARIANT for each family file and its variants, bare A-E for the default."""
+    names = []
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+        prefix = "" if path.stem == DEFAULT_FAMILY else f"{path.stem}-"
+        names += [prefix + variant for variant in _family_variants(path)]
+    return sorted(names)
 
 
-def resolve_config_path(path_or_name: str | os.PathLike) -> Path:
-    """'D' / 'tiny-D' -> configs/models/D.yaml; an existing path is used as is."""
+def resolve_config(path_or_name: str | os.PathLike) -> tuple[Path, str | None, str]:
+    """(YAML file, variant or None, config name): an existing path as is (named by its path, or its stem
+    inside the config folder), else 'tiny' / 'tiny-D' / 'D' in the config folder."""
     path = Path(path_or_name)
     if path.is_file():
-        return path
-    named = CONFIG_DIR / f"{path_or_name}.yaml"
-    if named.is_file():
-        return named
-    raise ValueError(f"student config {str(path_or_name)!r} not found (no such file, and not a name in "
+        return path, None, path.stem if path.parent == CONFIG_DIR else str(path)
+    name = str(path_or_name)
+    family, _, variant = name.rpartition("-")
+    candidates = [(name, None), (DEFAULT_FAMILY, name) if name in VARIANTS else None,
+                  (family, variant) if family and variant in VARIANTS else None]
+    for family, variant in filter(None, candidates):
+        file = CONFIG_DIR / f"{family}.yaml"
+        if file.is_file():
+            return file, variant, name
+    raise ValueError(f"student config {name!r} not found (no such file, and not a name in "
                      f"{CONFIG_DIR}: {', '.join(available_configs()) or 'none'})")
