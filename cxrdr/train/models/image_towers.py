@@ -54,7 +54,15 @@ def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **k
 
 
 class ImageTower(nn.Module):
-    """Common bits: normalisation constants, grid size, layer ids for layer-wise LR decay."""
+    """Common bits: normalisation constants, grid size, parameter groups for layer-wise LR decay.
+
+    ``group_matcher()`` is in timm's format over the trunk's names: ``stem`` (layer 0), ``blocks``
+    (block/stage i: layer i + 1), everything unmatched after them (final norm / head: layer depth + 1).
+    timm's own ViT matcher merges the final norm into the last block; here it keeps a layer of its own.
+    """
+
+    STEM: str
+    BLOCKS: str
 
     trunk: nn.Module
     grid_size: tuple[int, int]
@@ -66,6 +74,9 @@ class ImageTower(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.trunk.set_grad_checkpointing(enable)
 
+    def group_matcher(self, coarse: bool = False) -> dict:
+        return dict(stem=self.STEM, blocks=[(self.BLOCKS, None)])
+
     @property
     def num_patches(self) -> int:
         return self.grid_size[0] * self.grid_size[1]
@@ -73,6 +84,9 @@ class ImageTower(nn.Module):
 
 class ViTTower(ImageTower):
     """A timm ViT run as is: [CLS] (or mean of patches) as the global token, all patches kept."""
+
+    STEM = r"^cls_token|reg_token|pos_embed|patch_embed|norm_pre"
+    BLOCKS = r"^blocks\.(\d+)"
 
     def __init__(self, vit: nn.Module, global_pool: str = "token", head_layer: int | None = None):
         super().__init__()
@@ -118,15 +132,6 @@ class ViTTower(ImageTower):
         out.head_patches = head_tokens(at_head_layer, n)
         return out
 
-    def layer_id(self, name: str) -> int:
-        """0: embeddings; i+1: block i; depth+1: final norm and anything after (score head)."""
-        parts = name.split(".")
-        if "blocks" in parts:
-            i = parts.index("blocks")
-            return int(parts[i + 1]) + 1
-        if any(p in ("patch_embed", "cls_token", "pos_embed", "reg_token", "norm_pre") for p in parts):
-            return 0
-        return self.depth + 1
 
     def last_block(self) -> nn.Module:
         return self.trunk.blocks[-1]
@@ -153,6 +158,9 @@ class FastViTTower(ImageTower):
     """timm ``fastvit_mci0`` (MobileCLIP's image encoder): the final-stage grid (after final_conv)
     is the patch token set, its mean is the global token. Token dropping is not possible here."""
 
+    STEM = r"^stem"
+    BLOCKS = r"^stages\.(\d+)"
+
     def __init__(self, name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs):
         super().__init__()
         if image_size % 32:
@@ -168,14 +176,6 @@ class FastViTTower(ImageTower):
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
         return grid_tokens(self.trunk.forward_features(x))
 
-    def layer_id(self, name: str) -> int:
-        """0: stem; s+1: stage s; depth+1: final_conv/head."""
-        parts = name.split(".")
-        if "stem" in parts:
-            return 0
-        if "stages" in parts:
-            return int(parts[parts.index("stages") + 1]) + 1
-        return self.depth + 1
 
     def last_block(self) -> nn.Module:
         stage = self.trunk.stages[-1]
@@ -208,6 +208,9 @@ class EfficientNetTower(ImageTower):
     The packaged weights classify matplotlib's grace_hopper.jpg as suit / military uniform / bow tie
     (top-3) in this architecture; they look TF-trained ('same' padding, BN eps 1e-3: timm's
     ``tf_efficientnet_lite0`` is a little more confident), a small shift that fine-tuning absorbs."""
+
+    STEM = r"^conv_stem|bn1"
+    BLOCKS = r"^blocks\.(\d+)"  # a stage per layer (timm's coarse grouping)
 
     def __init__(self, image_size: int, drop_path_rate: float = 0.0, pretrained: bool = True, stride: int = 16,
                  freeze_stages: int = 0, arch: str = "efficientnet_lite0", **kwargs):
@@ -248,14 +251,6 @@ class EfficientNetTower(ImageTower):
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
         return grid_tokens(self.trunk.forward_features(x))
 
-    def layer_id(self, name: str) -> int:
-        """0: stem; s+1: stage s; depth+1: conv_head/bn2."""
-        parts = name.split(".")
-        if parts[0] in ("conv_stem", "bn1"):
-            return 0
-        if parts[0] == "blocks":
-            return int(parts[1]) + 1
-        return self.depth + 1
 
     def last_block(self) -> nn.Module:
         return self.trunk.blocks[-1][-1]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, batch_idf, init_logit_scale,
@@ -207,29 +208,30 @@ class PatchIBStudent(nn.Module):
         self.text_tower.set_grad_checkpointing(enable)
 
     def num_layers(self) -> int:
-        """Layer ids run 0..num_layers()-1; heads (projections, mask, local, temperature) get the last id.
-
-        Towers are aligned at the top: each tower's embeddings get id (max_depth - depth), its block i
-        gets (max_depth - depth) + i + 1, its final norm max_depth + 1. LLRD: lr * decay**(num_layers()-1-id).
-        """
+        """Layer ids run 0..num_layers()-1; heads (projections, mask, local, temperature) get the last id."""
         return self._max_depth() + 3
 
     def _max_depth(self) -> int:
         return max(self.image_tower.depth, self.text_tower.depth)
 
-    def layer_id_for(self, name: str) -> int:
-        """Layer id of a parameter name (as in named_parameters()) for layer-wise LR decay."""
-        top = self._max_depth()
-        if name.startswith("image_tower.trunk."):
-            return top - self.image_tower.depth + self.image_tower.layer_id(name[len("image_tower.trunk."):])
-        if name.startswith("text_tower.model."):
-            return top - self.text_tower.depth + self.text_tower.layer_id(name[len("text_tower.model."):])
-        return self.num_layers() - 1  # heads: projections, score/mask heads, local align, logit scale
+    def param_layers(self) -> dict[str, int]:
+        """Layer id of every parameter name: the one layer list of layer-wise LR decay and tower freezing.
 
-    def tower_parameters(self) -> list[nn.Parameter]:
-        """Parameters of both towers (frozen in warm-up stages); everything else is a head."""
-        return list(self.image_tower.trunk.parameters()) + list(self.text_tower.model.parameters())
+        Each tower's ids come from its ``group_matcher()`` (0 embeddings, i+1 block i, depth+1 final norm);
+        towers are aligned at the top (offset max_depth - depth); everything outside the towers is a head at
+        num_layers()-1. LLRD: lr * decay**(num_layers()-1-id)."""
+        ids = {}
+        for prefix, tower, trunk in (("image_tower.trunk.", self.image_tower, self.image_tower.trunk),
+                                     ("text_tower.model.", self.text_tower, self.text_tower.model)):
+            offset = self._max_depth() - tower.depth
+            for name, layer in tower_layer_ids(trunk, tower.group_matcher()).items():
+                ids[prefix + name] = offset + layer
+        head = self.num_layers() - 1
+        return {name: ids.get(name, head) for name, _ in self.named_parameters()}
 
-    def head_parameters(self) -> list[nn.Parameter]:
-        tower = {id(p) for p in self.tower_parameters()}
-        return [p for p in self.parameters() if id(p) not in tower]
+
+def tower_layer_ids(trunk: nn.Module, matcher: dict) -> dict[str, int]:
+    """timm's layer ordinals of a tower trunk's names by its group matcher. Buffers count too, so stages
+    frozen into buffers keep their ordinal and the trainable stages after them their ids."""
+    names = [(name, None) for name in trunk.state_dict(keep_vars=True)]
+    return group_with_matcher(names, matcher, reverse=True)

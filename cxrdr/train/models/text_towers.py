@@ -202,14 +202,10 @@ class HFTextTower(nn.Module):
         else:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def layer_id(self, name: str) -> int:
-        """0 for embeddings, i+1 for encoder layer i, depth+1 after (pooler)."""
-        parts = name.split(".")
-        if "layer" in parts:
-            i = parts.index("layer")
-            if i + 1 < len(parts) and parts[i + 1].isdigit():
-                return int(parts[i + 1]) + 1
-        return 0 if "embeddings" in parts else self.depth + 1
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm-format parameter groups of the encoder (as ``ImageTower.group_matcher``): embeddings
+        layer 0, encoder layer i layer i + 1, anything after (pooler) layer depth + 1."""
+        return dict(stem=r"^embeddings", blocks=[(r"^encoder\.layer\.(\d+)", None)])
 
     def last_layer(self) -> nn.Module:
         return self.model.encoder.layer[-1]
