@@ -1,4 +1,4 @@
-"""PatchIBStudent: the two-tower CLIP student with the Patch-IB ladder A-E (see DESIGN "Student").
+"""PatchIBStudent: the two-tower CLIP student with the Patch-IB ladder A-E.
 
 A global CLIP | B + local alignment | C + sigmoid Patch-IB mask | D + hard Top-K mask (straight-through)
 | E + token dropping inside the ViT after block L1.
