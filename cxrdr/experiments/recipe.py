@@ -16,6 +16,8 @@ from cxrdr.train.config import TrainConfig
 
 TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
             "reuse_runs", "isolated_efficiency", "teachers", "reinforcement"}
+# TrainConfig dict fields that later layers update key by key instead of replacing
+MERGED_KEYS = ("model_overrides",)
 
 
 def load_recipe(path: str | Path) -> dict:
@@ -38,8 +40,8 @@ def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict,
     layered = dict((recipe.get(experiment) or {}).get("train") or {}) if experiment else {}
     layered.update(overrides or {})
     for key, value in layered.items():
-        if key == "model_overrides":
-            data.setdefault("model_overrides", {}).update(value)
+        if key in MERGED_KEYS:
+            data.setdefault(key, {}).update(value)
         else:
             data[key] = value
     return make_train_config(recipe, {**data, "shards": str(shards), "out": str(run_dir)})
