@@ -6,7 +6,7 @@ Stage 1 (`reinforce`) and stage 2 (`train`) never import each other; the experim
 from __future__ import annotations
 
 from cxrdr.common.errors import run_app
-from cxrdr.experiments.recipes import cli_experiment
+from cxrdr.experiments.cli import cli_experiment
 from cxrdr.reinforce.cli import app as reinforce_app
 from cxrdr.train.cli import app as train_app
 

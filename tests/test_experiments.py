@@ -140,7 +140,7 @@ def test_caption_sources_and_aug_limit_restrict_what_training_reads(phantom_shar
 def test_t_interval_matches_the_t_distribution():
     from scipy import stats
 
-    from cxrdr.experiments.efficiency import t_interval
+    from cxrdr.experiments.stats import t_interval
 
     values = [0.20, 0.25, 0.30]
     mean, half = t_interval(values)
@@ -151,7 +151,7 @@ def test_t_interval_matches_the_t_distribution():
 
 
 def test_samples_to_target_interpolates_the_first_crossing():
-    from cxrdr.experiments.efficiency import samples_to_target
+    from cxrdr.experiments.stats import samples_to_target
 
     xs, ys = [100, 200, 300, 400], [0.1, 0.2, 0.4, 0.3]
     assert samples_to_target(xs, ys, 0.3) == pytest.approx(250)  # halfway between 200 and 300
@@ -176,7 +176,7 @@ def test_break_even_and_bars():
 
 
 def test_recipe_errors_are_one_line(tmp_path):
-    from cxrdr.experiments.recipes import load_recipe
+    from cxrdr.experiments.recipe import load_recipe
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("shards: {dir: x}\nbogus: 1\n")

@@ -18,9 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
+
+from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
+from cxrdr.experiments.runs import ensure_shards, evaluate_run, result_row, run_training
+from cxrdr.experiments.stats import t_interval
+from cxrdr.experiments.teacher_prep import prepare_teachers
+from cxrdr.train.evaluation.report import markdown_table_sd, seed_summary, write_json
+from cxrdr.train.losses import LossConfig
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc"]
 DEFAULT_STUDIES = {
@@ -45,12 +53,6 @@ def setting_overrides(base: dict, key: str, value) -> dict:
 def _run_name(recipe: dict, shards: Path, overrides: dict) -> str:
     """Folder name of a setting: a hash of its resolved TrainConfig, so settings that resolve alike (e.g. the
     base's lambda in the lambda study and use_syn on in the B_syn study) are trained once."""
-    from cxrdr.experiments.recipes import train_config
-
-    from dataclasses import asdict
-
-    from cxrdr.train.losses import LossConfig
-
     cfg = train_config(recipe, shards, Path("."), overrides, "reinforcement").to_dict()
     cfg.pop("out", None)
     cfg["loss"] = asdict(LossConfig(**cfg.get("loss") or {}))  # defaults spelled out or not: the same loss
@@ -58,15 +60,11 @@ def _run_name(recipe: dict, shards: Path, overrides: dict) -> str:
 
 
 def reinforcement_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
-    from cxrdr.train.evaluation.report import write_json
-    from cxrdr.experiments.recipes import _set_threads, ensure_shards
-    from cxrdr.experiments.teacher_prep import prepare_teachers
-
-    _set_threads(recipe)
+    set_threads(recipe)
     shards = ensure_shards(recipe["shards"], progress)
     teachers = prepare_teachers(recipe, shards, progress, experiment="reinforcement")
     spec = recipe.get("reinforcement") or {}
-    seeds = [int(s) for s in spec.get("seeds") or [0, 1]]
+    seeds = recipe_seeds(recipe, spec, default=[0, 1])
     base = {"mode": "reinforced", **(spec.get("train") or {})}
     studies = spec.get("studies") or DEFAULT_STUDIES
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,21 +90,16 @@ def reinforcement_experiment(recipe: dict, out_dir: Path, progress: bool = True)
 
 
 def _train_setting(recipe: dict, shards: Path, run_root: Path, overrides: dict, seeds: list[int]) -> list[dict]:
-    from cxrdr.experiments.recipes import _row, evaluate_run, run_training, train_config
-
     rows = []
     for seed in seeds:
         cfg = train_config(recipe, shards, run_root / f"seed-{seed}", {**overrides, "seed": seed}, "reinforcement")
         summary = run_training(cfg, recipe.get("reuse_runs", True))
         results = evaluate_run(recipe, Path(cfg.out), shards, False, efficiency=False)
-        rows.append({**_row("", summary, results, cfg.batch_size * cfg.accum_steps), "seed": seed})
+        rows.append({**result_row("", summary, results, cfg.batch_size * cfg.accum_steps), "seed": seed})
     return rows
 
 
 def _setting_row(label: str, seed_rows: list[dict]) -> dict:
-    from cxrdr.experiments.efficiency import t_interval
-    from cxrdr.train.evaluation.report import seed_summary
-
     row = seed_summary(label, seed_rows, QUALITY + ["samples_seen"])
     for col in QUALITY:
         row[f"{col}_ci"] = t_interval(row[f"{col}_seeds"])[1]
@@ -119,8 +112,6 @@ def _short(value) -> str:
 
 
 def reinforcement_markdown(recipe, shards, seeds, base, studies, tables) -> list[str]:
-    from cxrdr.train.evaluation.report import markdown_table_sd
-
     md = [f"# Reinforcement ablation `{recipe['name']}`", "",
           f"shards `{shards}`; seeds {seeds}; base reinforced run `{json.dumps(base)}`; every setting sees the same "
           f"samples; test split, mean ± sd over seeds (95 % CI in results.json); chance = a random ranking.", ""]

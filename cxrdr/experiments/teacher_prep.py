@@ -27,13 +27,18 @@ from pathlib import Path
 
 import typer
 
+from cxrdr.experiments.recipe import make_train_config
+from cxrdr.experiments.runs import ensure_shards, run_training
+from cxrdr.reinforce.add_teacher import add_teachers
+from cxrdr.teachers.base import file_safe_name
+from cxrdr.train.config import TrainConfig
+from cxrdr.train.evaluation.runner import evaluate
+
 TEACHER_KEYS = {"dir", "build", "train", "models", "add_teacher_batch_size"}
 
 
 def teacher_shard_name(name: str) -> str:
-    """The name ``ckpt:<dir>/<name>.pt`` gets inside the shards (reinforce.teachers.ckpt)."""
-    from cxrdr.teachers.base import file_safe_name
-
+    """The name ``ckpt:<dir>/<name>.pt`` gets inside the shards (cxrdr/teachers/ckpt.py)."""
     return "ckpt-" + file_safe_name(name)
 
 
@@ -62,8 +67,6 @@ def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, 
 
 def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, student_shards: Path,
                  progress: bool) -> dict:
-    from cxrdr.experiments.recipes import ensure_shards, evaluate_run, run_training
-
     build = dict(spec.get("build") or {})
     build["source_options"] = {**(build.get("source_options") or {}), "seed": int(model.pop("source_seed", 1))}
     shards = ensure_shards({"dir": str(root / name / "shards"), "build": build}, progress)
@@ -86,20 +89,14 @@ def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, s
             "add_teacher_seconds": seconds, **quality}
 
 
-def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Path):
-    from cxrdr.train.config import TrainConfig
-
+def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Path) -> TrainConfig:
     data = {**(spec.get("train") or {}), **model, "shards": str(shards), "out": str(out), "mode": "plain"}
-    if recipe.get("device"):
-        data.setdefault("device", recipe["device"])
     data.setdefault("progress", False)  # not part of what is trained: --quiet or not, the cached teacher is reused
-    return TrainConfig.load(None, **data)
+    return make_train_config(recipe, data)
 
 
 def _quality(recipe: dict, run_dir: Path, shards: Path, tag: str) -> dict:
     """Retrieval/AUC summary of the teacher on one shard folder's test split (no cost measurement)."""
-    from cxrdr.train.evaluation.runner import evaluate
-
     opts = {k: v for k, v in (recipe.get("eval") or {}).items() if k not in ("split", "efficiency", "efficiency_batch")}
     out_dir = run_dir / f"eval-{tag}-test"
     done = out_dir / "eval.json"
@@ -122,8 +119,6 @@ def _refuse_stale(student_shards: Path, name: str) -> None:
 def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: int, progress: bool) -> float | None:
     """``reinforce add-teacher ckpt:CKPT`` unless the shards already hold it; the one-off seconds it took
     (from dataset.json's teacher_additions, also for an earlier addition), None if unrecorded."""
-    from cxrdr.reinforce.add_teacher import add_teachers
-
     info = json.loads((Path(student_shards) / "dataset.json").read_text())
     shard_name = teacher_shard_name(name)
     if shard_name not in {t["name"] for t in info.get("teachers", [])}:

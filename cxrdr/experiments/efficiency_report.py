@@ -1,0 +1,92 @@
+"""The efficiency experiment's table.md and plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_sd, plot_bars
+
+QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc"]
+TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_seen", "wall_s", "step_ms", "bench_step_ms"]
+
+
+def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str, out_dir: Path) -> None:
+    for metric, ylabel, path in (("mean_recall", f"mean recall ({curve_split})", "metric_vs_samples.png"),
+                                 ("probe_mean_auc", f"probe AUC ({curve_split}, half-subject)", "auc_vs_samples.png")):
+        plot_bands(arms, metric, ylabel, out_dir / path)
+    plot_bars({r["run"]: r.get("bench_step_ms") or r["step_ms"] for r in rows}, "ms / step",
+              "training step time (interleaved median)" if bench else "training step time (run mean)",
+              out_dir / "step_time.png")
+
+
+def plot_bands(arms: dict, metric: str, ylabel: str, path: Path) -> None:
+    """Seed-mean validation curve per arm with its 95 % t-interval band; plain's final mean as a line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.4, 3.6))
+    for name, arm in arms.items():
+        c = arm["curve_mean"] if metric == "mean_recall" else arm.get(f"curve_{metric}") or {}
+        if not c.get("xs"):
+            continue
+        ys = [float("nan") if y is None else y for y in c["mean"]]
+        line, = ax.plot(c["xs"], ys, "-o", ms=3, label=name)
+        lo = [y - (h or 0) for y, h in zip(ys, c["ci"])]
+        hi = [y + (h or 0) for y, h in zip(ys, c["ci"])]
+        ax.fill_between(c["xs"], lo, hi, alpha=0.2, color=line.get_color())
+    target = next((a["plain_final_target"] for a in arms.values() if a.get("plain_final_target")), None)
+    if metric == "mean_recall" and target is not None:
+        ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final")
+    chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
+    if metric == "mean_recall" and chance:
+        ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{metric} vs samples seen (mean ± 95% CI over seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms) -> list[str]:
+    md = [f"# Efficiency experiment `{recipe['name']}`", "",
+          f"shards `{shards}`; seeds {seeds}; every run sees the same samples. Final metrics: test split, last "
+          f"checkpoint, `train eval` suite, **mean ± 95 % CI** (t-interval over {len(seeds)} seeds); chance = a "
+          f"random ranking. Samples to plain's final: where the arm's seed-mean validation curve first reaches "
+          f"plain's final seed-mean validation mean R (linear interpolation; null: never).", "",
+          markdown_table_sd(rows, TABLE_COLS, spread="ci"), ""]
+    if teachers:
+        md += ["## Teachers (trained on their own phantom sets)", "",
+               markdown_table([{"run": n, "shard name": t["shard_name"], "model": t["model"],
+                                "steps": t["steps"], "train_wall_s": t["train_wall_s"],
+                                "own mean R": t["own_test"].get("mean_recall"),
+                                "students' test mean R": t["student_test"].get("mean_recall"),
+                                "chance": t["student_test"].get("chance_mean_recall"),
+                                "students' test i2t R@1": t["student_test"].get("i2t_R@1"),
+                                "add-teacher s": t["add_teacher_seconds"]} for n, t in teachers.items()],
+                              ["shard name", "model", "steps", "train_wall_s", "own mean R", "students' test mean R",
+                               "chance", "students' test i2t R@1", "add-teacher s"], first="run"), ""]
+    md += ["## Cost accounting", "", break_even_line(cost), "", "## Bars", ""]
+    md += [bar_line(b) for b in measured_bars]
+    md += ["", "![metric vs samples](metric_vs_samples.png)", "", "![auc vs samples](auc_vs_samples.png)", "",
+           "![step time](step_time.png)", ""]
+    return md
+
+
+def bar_line(bar: dict) -> str:
+    verdict = {True: "MET", False: "MISSED", None: "n/a"}[bar["met"]]
+    limit = "" if bar.get("limit") is None else f", limit {_num(bar['limit'])}"
+    return f"- {verdict}: {bar['bar']} (measured {_num(bar['value'])}{limit})"
+
+
+def break_even_line(cost: dict) -> str:
+    runs = cost.get("break_even_runs")
+    return (f"break-even: one-off teacher embedding {cost['total_s']:.1f} s (teachers {', '.join(cost['teachers'])}; "
+            f"build {cost['build_teacher_s']:.1f} s + add-teacher {cost['add_teacher_s']:.1f} s) / saving per "
+            f"training run {_num(cost.get('saving_per_run_s'))} s (online - stored step, x {cost.get('steps')} steps) "
+            f"= **{_num(runs)} training runs**")
+
+
+def _num(v) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"

@@ -1,0 +1,65 @@
+"""Experiment recipes: loading, validation and the training config of every run.
+
+The recipe YAML names the shards (reused when ``dataset.json`` exists, built otherwise), the shared
+training config (``cxrdr.train.config.TrainConfig`` fields), per-experiment and per-run overrides and
+the evaluation options; see configs/experiments/cpu-demo.yaml for every key, documented.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from cxrdr.common.yamlio import read_yaml_mapping
+from cxrdr.train.config import TrainConfig
+
+TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
+            "reuse_runs", "isolated_efficiency", "teachers", "reinforcement"}
+# TrainConfig dict fields that later layers update key by key instead of replacing
+MERGED_KEYS = ("model_overrides",)
+
+
+def load_recipe(path: str | Path) -> dict:
+    path = Path(path)
+    data = read_yaml_mapping(path, "experiment keys (name, shards, train, eval, efficiency, ablation)")
+    unknown = sorted(set(data) - TOP_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown experiment key(s) {unknown}; known: {sorted(TOP_KEYS)}")
+    if "shards" not in data or not isinstance(data["shards"], dict) or "dir" not in data["shards"]:
+        raise ValueError(f"{path}: 'shards: {{dir: ...}}' is required (folder to reuse or build)")
+    data.setdefault("name", path.stem)
+    data["_path"] = str(path)
+    return data
+
+
+def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict,
+                 experiment: str | None = None) -> TrainConfig:
+    """TrainConfig = recipe['train'] < recipe[experiment]['train'] < per-run overrides; shards/out forced."""
+    data = copy.deepcopy(recipe.get("train") or {})
+    layered = dict((recipe.get(experiment) or {}).get("train") or {}) if experiment else {}
+    layered.update(overrides or {})
+    for key, value in layered.items():
+        if key in MERGED_KEYS:
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return make_train_config(recipe, {**data, "shards": str(shards), "out": str(run_dir)})
+
+
+def make_train_config(recipe: dict, data: dict) -> TrainConfig:
+    """The one place a recipe's training keys become a TrainConfig (the recipe's device unless given)."""
+    if recipe.get("device"):
+        data.setdefault("device", recipe["device"])
+    return TrainConfig.load(None, **data)
+
+
+def recipe_seeds(recipe: dict, spec: dict, default: list[int] | None = None) -> list[int]:
+    """``spec['seeds']``, else ``default``, else the recipe's training seed."""
+    seeds = spec.get("seeds") or default or [(recipe.get("train") or {}).get("seed", 0)]
+    return [int(s) for s in seeds]
+
+
+def set_threads(recipe: dict) -> None:
+    if recipe.get("threads"):
+        torch.set_num_threads(int(recipe["threads"]))

@@ -1,0 +1,135 @@
+"""The units of work of every study, each reused when already done: shards, training runs, evaluations.
+
+Finished runs (RUN/summary.json + RUN/last.pt with the same config) and evaluations (same request on the
+same checkpoint) are reused, so an interrupted experiment continues where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import typer
+import yaml
+
+from cxrdr.common.augment import AugConfig
+from cxrdr.reinforce.build import BuildOptions, build
+from cxrdr.train.config import TrainConfig
+from cxrdr.train.evaluation.efficiency import measure_in_subprocess
+from cxrdr.train.evaluation.report import jsonable, write_json
+from cxrdr.train.evaluation.runner import evaluate, summary_row
+from cxrdr.train.loop import train
+
+CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
+
+
+def ensure_shards(spec: dict, progress: bool = True) -> Path:
+    """The recipe's shard folder: reused when complete, else built (or resumed) with its options."""
+    out = Path(spec["dir"])
+    if (out / "dataset.json").is_file() and not spec.get("rebuild", False):
+        return out
+    options = dict(spec.get("build") or {})
+    if not options:
+        raise ValueError(f"shards {out} do not exist and the recipe gives no 'shards.build' options")
+    if isinstance(options.get("aug"), dict):
+        options["aug"] = AugConfig.from_json(options["aug"])
+    known = set(BuildOptions.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"shards.build: unknown build option(s) {unknown}; known: {sorted(known)}")
+    resume = (out / "stats").is_dir()
+    if spec.get("rebuild") and out.exists():
+        shutil.rmtree(out)
+        resume = False
+    typer.echo(f"building shards in {out} ({options.get('source', 'phantom')}, "
+               f"teachers {options.get('teachers', 'random:tiny')})", err=True)
+    build(BuildOptions(out=out, resume=resume, progress=progress, **options))
+    return out
+
+
+def run_training(cfg: TrainConfig, reuse: bool = True) -> dict:
+    """Train (or reuse a finished identical run); returns the loop summary plus wall seconds."""
+    run_dir = Path(cfg.out)
+    summary_path = run_dir / "summary.json"
+    if reuse and _finished_alike(run_dir, cfg):
+        summary = json.loads(summary_path.read_text())
+        summary.setdefault("wall_s", None)
+        summary["reused"] = True
+        return summary
+    if run_dir.exists():  # a different or unfinished run: start it afresh
+        shutil.rmtree(run_dir)
+    started = time.perf_counter()
+    summary = train(cfg)
+    summary["wall_s"] = round(time.perf_counter() - started, 2)
+    summary_path.write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def _finished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
+    """RUN holds a finished run (summary, last checkpoint) trained with this very config."""
+    if not all((run_dir / f).is_file() for f in ("summary.json", "last.pt", "config.yaml")):
+        return False
+    previous = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return previous == yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
+    """The loop's validation records as points of metric vs samples seen."""
+    path = Path(run_dir) / "metrics.jsonl"
+    points = []
+    if not path.is_file():
+        return points
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("kind") == "eval":
+            points.append({"step": rec["step"], "samples_seen": rec["step"] * samples_per_step,
+                           **{k: rec.get(k) for k in CURVE_METRICS}})
+    return points
+
+
+def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> dict:
+    """Full evaluation of RUN/last.pt on the test split (cost measured in a fresh process on CPU,
+    and only when ``efficiency`` and the recipe's eval options allow it)."""
+    opts = dict(recipe.get("eval") or {})
+    split = opts.pop("split", "test")
+    eff_batch = int(opts.pop("efficiency_batch", 32))
+    measure = bool(opts.pop("efficiency", True)) and efficiency
+    ckpt = run_dir / "last.pt"
+    eval_dir = run_dir / f"eval-{split}"
+    request = {"split": split, "efficiency_batch": eff_batch, "efficiency": measure, "isolated": isolated, **opts}
+    previous = _previous_evaluation(eval_dir, ckpt, request)
+    if previous is not None:
+        return previous
+    use_subprocess = measure and isolated and not torch.cuda.is_available()
+    results = evaluate(str(ckpt), shards, split, eval_dir, progress=False, quiet=True,
+                       efficiency=measure and not use_subprocess, efficiency_batch=eff_batch, **opts)
+    if use_subprocess:
+        results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
+        results["summary"] = summary_row(results)
+        write_json(results, eval_dir / "eval.json")
+    write_json(request, eval_dir / "eval_request.json")
+    return results
+
+
+def _previous_evaluation(eval_dir: Path, ckpt: Path, request: dict) -> dict | None:
+    """The eval.json of an identical earlier request on this very checkpoint (a reused run), else None."""
+    done, asked = eval_dir / "eval.json", eval_dir / "eval_request.json"
+    if not (done.is_file() and asked.is_file() and ckpt.is_file()):
+        return None
+    if done.stat().st_mtime < ckpt.stat().st_mtime or json.loads(asked.read_text()) != jsonable(request):
+        return None
+    return json.loads(done.read_text())
+
+
+def result_row(name: str, summary: dict, results: dict, batch: int) -> dict:
+    """One table row of a run: its evaluation summary plus the training loop's samples, time and speed."""
+    row = {"run": name, **results["summary"]}
+    row.update({"samples_seen": summary.get("samples_seen"), "wall_s": summary.get("wall_s"),
+                "step_ms": summary.get("mean_step_ms"),
+                "train_img_per_s": (1000.0 * batch / summary["mean_step_ms"]
+                                    if summary.get("mean_step_ms") else None)})
+    return row
