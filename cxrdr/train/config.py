@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,8 +208,6 @@ def cli_fields() -> list[tuple[str, tuple[str, ...], Any, str]]:
     """(config path, flag spellings, type, help) of every `train run` flag: the scalar top-level
     fields by name (bools as switches: --resume, or --no-progress for those on by default), then
     `PROMOTED_FLAGS`. Lists, mappings and nested configs are YAML-only."""
-    import typing
-
     out = []
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):

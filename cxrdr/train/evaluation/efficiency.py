@@ -13,6 +13,7 @@ computation as a reinforced training step without needing shards.
 from __future__ import annotations
 
 import contextlib
+import copy
 import resource
 import threading
 import time
@@ -20,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train.losses import LossConfig
 from cxrdr.train.task import Task
 
@@ -146,8 +148,6 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
     ``model`` is a PatchIBStudent (needs ``forward``/``tokenize``); the model is restored to its
     original train/eval mode and parameters are not changed (the optimizer step runs on a copy).
     """
-    import copy
-
     device = model_device(model)
     was_training = model.training
     train_bs = train_batch_size or batch_size
@@ -224,8 +224,6 @@ def _main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from cxrdr.train.checkpoint import load_checkpoint
-
     baseline = _rss_mb()
     model = load_checkpoint(args.ckpt, device="cuda" if torch.cuda.is_available() else "cpu")
     result = efficiency_metrics(model, batch_size=args.batch_size, iters=args.iters)
