@@ -8,7 +8,7 @@ text queue). Per micro-batch::
     syn_txt  = student.encode_text(caption)                    # B_syn reuses the image embedding
     terms    = objective(out_real, batch, step, syn_txt)       # CLIP/distill/Patch-IB/local + total
 
-The trainer (`cxrdr.train.trainer`) runs it with the optimiser around it; the efficiency
+The trainer (`cxrdr.train.loop.Trainer`) runs it with the optimiser around it; the efficiency
 measurement (`cxrdr.train.evaluation.efficiency`) times the same Task on a synthetic batch.
 
 Online-teacher mode: the teacher ignores the stored embeddings and embeds the crop (replayed at its
