@@ -154,7 +154,7 @@ def section_table(cfg: dict, work: Path, budget, shards: str | None, students: d
     if shards is None:
         shards = str(train_step.build_phantom(work / "table-shards", 96, 128))
     base = dict(shards=shards, batch_size=s["batch_size"], workers=s["workers"], device=cfg["device"],
-                amp="bf16", steps=10_000, progress=False, eval_every=0, warmup_steps=1)
+                amp="bf16", steps=10_000, progress=False, eval_every=0, **{"optim.warmup_steps": 1})
     trainers = {v: train_step.make_trainer({**base, "out": str(work / f"table-run-{v}")}, model=pattern.format(v=v))
                 for v in VARIANTS}
     loop = {r["name"]: r for r in train_step.time_round_robin(trainers, s["steps"], s["warmup"])}

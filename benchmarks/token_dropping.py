@@ -10,8 +10,8 @@ drifting load on a shared machine hits both alike.
     python benchmarks/token_dropping.py --device cuda --batch-size 64 --json-out bench.json
 
 Inference: the image encoder on a batch (``cxrdr.train.evaluation.efficiency.image_encoder_metrics``).
-Training: one AdamW step of the student on a synthetic batch (forward, the efficiency proxy
-objective with its local and mask terms, backward, update), as ``efficiency_metrics`` measures it.
+Training: one AdamW step of the student on a synthetic batch (the trainer's Task: forward and the
+training objective, then backward and update), as ``efficiency_metrics`` measures it.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def make_trainer(base: dict, **overrides):
     from cxrdr.train.config import TrainConfig
     from cxrdr.train.loop import Trainer
 
-    trainer = Trainer(TrainConfig(**{**base, **overrides}))
+    trainer = Trainer(TrainConfig.load(None, **{**base, **overrides}))
     # time the student as trained: token dropping (E) and Top-K at their target rates, not in warm-up
     trainer.step = trainer.student.config.warmup_steps_to_target
     return trainer, trainer._batches()
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     prefix = {"cpu": "cpu-", "tiny": "tiny-", "full": ""}[args.size]
     base = dict(shards=str(shards), batch_size=args.batch_size, workers=args.workers, device=args.device,
                 amp=args.amp, steps=10_000, progress=False, out=str(Path(tmp.name) / "run"),
-                eval_every=0, warmup_steps=1)
+                eval_every=0, **{"optim.warmup_steps": 1})
 
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),

@@ -21,3 +21,5 @@ class FakeOutput:
     local_pair_similarity: torch.Tensor | None = None
     local_pair_mask: torch.Tensor | None = None
     local_attn: torch.Tensor | None = None
+    local_word_similarity: torch.Tensor | None = None
+    local_pair_ids: torch.Tensor | None = None

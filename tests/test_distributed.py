@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from cxrdr.train import distributed as dist_utils
 from tests.fakes import FakeOutput
-from cxrdr.train.losses import LossConfig, TextQueue, compute_losses
+from cxrdr.train.losses import LossConfig, Objective
 
 WORLD = 2
 SLICES = [(0, 3), (3, 5)]  # uneven on purpose: rank 0 holds 3 samples, rank 1 holds 2
@@ -63,16 +63,15 @@ def run_losses(leaves, text_mask, batch, lo, hi, gather):
     real = FakeOutput(local["image_emb"], local["text_emb"], scale, mask=local["mask"],
                       masked_image_emb=local["masked_image_emb"], local_visual=local["local_visual"],
                       local_text=local["local_text"], text_mask=text_mask[lo:hi])
-    syn = FakeOutput(local["image_emb"], local["syn_text_emb"], scale)
     local_batch = {
         "teacher": {n: {p: None if t is None else t[lo:hi] for p, t in e.items()} for n, e in batch["teacher"].items()},
         **{k: batch[k][lo:hi] for k in ("subject_id", "study_id", "report_text", "caption_text", "labels")},
     }
     values = {}
     for ci, cfg in enumerate(CONFIGS):
-        queue = TextQueue(cfg.queue_size, D) if cfg.queue_size else None
-        for run in range(2 if queue else 1):
-            terms = compute_losses(real, syn, local_batch, cfg, step=3, total_steps=10, queue=queue, gather=gather)
+        objective = Objective(cfg, embed_dim=D, gather=gather)
+        for run in range(2 if objective.queue is not None else 1):
+            terms = objective(real, local_batch, step=3, total_steps=10, syn_text_emb=local["syn_text_emb"])
             terms["total"].backward()
             values[f"{ci}.{run}"] = {k: v.item() for k, v in terms.items()}
     grads = {k: v.grad.clone() for k, v in local.items()}

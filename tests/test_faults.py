@@ -85,7 +85,7 @@ def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
 
     # A real checkpoint (with RNG states, numpy values) still round-trips under weights_only.
     import numpy as np
-    from cxrdr.train.loop import rng_state
+    from cxrdr.train.rng import rng_state
     model = build_student("tiny-A")
     path = save_checkpoint(tmp_path / "ok.pt", model, rng={"0": rng_state()},
                            metrics={"auc": np.float32(0.5)}, step=3)
@@ -452,8 +452,8 @@ def test_nested_configs_and_coercions():
     from cxrdr.train.losses import LossConfig
     from cxrdr.train.optim import OptimConfig
 
-    cfg = TrainConfig(lr="1e-3", weight_decay=0, steps=5)  # YAML 1.1 reads 1e-3 as a string
-    assert cfg.lr == 0.001 and isinstance(cfg.weight_decay, float)
+    cfg = TrainConfig(optim={"lr": "1e-3", "weight_decay": 0}, steps=5)  # YAML 1.1 reads 1e-3 as a string
+    assert cfg.optim.lr == 0.001 and isinstance(cfg.optim.weight_decay, float)
     assert OptimConfig.from_dict({"betas": [0.9, 0.95]}).betas == (0.9, 0.95)
     with pytest.raises(ValueError, match="optim option 'warmup_steps': expected an integer"):
         OptimConfig.from_dict({"warmup_steps": "10"})

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from tests.fakes import FakeOutput
 from cxrdr.train.losses import (
     LossConfig,
+    Objective,
     TextQueue,
     beta_schedule,
     clip_loss,
-    compute_losses,
     consistency_loss,
     distill_loss,
     label_soft_targets,
@@ -30,6 +30,11 @@ from cxrdr.train.losses import (
 
 
 # ----------------------------------------------------------------------------- reference helpers
+def objective_terms(real, syn, batch, cfg, **kwargs):
+    """The Objective's terms for B_real ``real`` and B_syn ``syn`` (same image, caption text; or None)."""
+    return Objective(cfg)(real, batch, syn_text_emb=None if syn is None else syn.text_emb, **kwargs)
+
+
 def unit(b, d, seed):
     g = torch.Generator().manual_seed(seed)
     return F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=1).float()
@@ -309,8 +314,8 @@ def test_attention_entropy_penalty():
     assert attention_entropy(mixed, mask).item() == pytest.approx(0.0, abs=1e-6)
     real, syn, batch = make_case()
     real.local_attn = torch.full((4, 5, 9), 1 / 9)
-    base = compute_losses(real, syn, batch, LossConfig(local_loss="cosine"))["local"]
-    penalised = compute_losses(real, syn, batch, LossConfig(local_loss="cosine", local_entropy=2.0))["local"]
+    base = objective_terms(real, syn, batch, LossConfig(local_loss="cosine"))["local"]
+    penalised = objective_terms(real, syn, batch, LossConfig(local_loss="cosine", local_entropy=2.0))["local"]
     assert (penalised - base).item() == pytest.approx(0.5 * 2.0 * 1.0, rel=1e-5)  # w_local x weight x entropy
 
 
@@ -344,7 +349,7 @@ def test_masked_pool_consistency_and_sparsity():
     assert sparsity_loss(z).item() == pytest.approx(2.0 / 6)
 
 
-# ----------------------------------------------------------------------------- compute_losses
+# ----------------------------------------------------------------------------- the objective
 
 
 def make_case(b=4, d=6, seed=30):
@@ -370,11 +375,11 @@ def make_case(b=4, d=6, seed=30):
     return real, syn, batch
 
 
-def test_compute_losses_terms_and_total():
+def test_objective_terms_and_total():
     real, syn, batch = make_case()
     cfg = LossConfig(lambda_distill=0.6, teacher_scales={"textT": 20.0}, lambda_sparse=0.1, mu_consistency=2.0,
                      w_local=0.5, w_mask_nce=0.3)
-    terms = compute_losses(real, syn, batch, cfg, step=0, total_steps=10)
+    terms = objective_terms(real, syn, batch, cfg, step=0, total_steps=10)
     assert set(terms) == {"clip", "distill", "clip_syn", "distill_syn", "mask_nce", "sparsity", "consistency",
                           "local", "total"}
     t = batch["teacher"]
@@ -396,37 +401,37 @@ def test_compute_losses_terms_and_total():
     cos = local_alignment_loss(real.local_visual, real.local_text, real.text_mask).item()
     contrastive = local_contrastive_loss(real.local_pair_similarity, real.local_pair_mask, 0.1).item()
     for mode, expected in (("cosine", cos), ("both", cos + contrastive)):
-        got = compute_losses(real, syn, batch, LossConfig(w_local=0.5, local_loss=mode))["local"].item()
+        got = objective_terms(real, syn, batch, LossConfig(w_local=0.5, local_loss=mode))["local"].item()
         assert got == pytest.approx(0.5 * expected, rel=1e-6)
     without_pairs = FakeOutput(real.image_emb, real.text_emb, real.logit_scale, local_visual=real.local_visual,
                                local_text=real.local_text, text_mask=real.text_mask)
     with pytest.raises(ValueError, match="local_pairs=True"):
-        compute_losses(without_pairs, None, batch, LossConfig(local_loss="contrastive"))
+        objective_terms(without_pairs, None, batch, LossConfig(local_loss="contrastive"))
     with pytest.raises(ValueError, match="local_words=True"):  # make_case has pairs but no word similarity
-        compute_losses(real, syn, batch, LossConfig(local_word_contrast=True))
+        objective_terms(real, syn, batch, LossConfig(local_word_contrast=True))
 
     # no teacher embeddings (plain mode): lambda -> 0, pure CLIP
     plain = dict(batch, teacher={})
-    terms = compute_losses(FakeOutput(real.image_emb, real.text_emb, real.logit_scale), None, plain, cfg)
+    terms = objective_terms(FakeOutput(real.image_emb, real.text_emb, real.logit_scale), None, plain, cfg)
     assert set(terms) == {"clip", "total"}
     assert terms["clip"].item() == pytest.approx(ref_clip(real.image_emb, real.text_emb, 10.0), rel=1e-5)
 
 
-def test_compute_losses_pair_selection_options_and_queue():
+def test_objective_pair_selection_options_and_queue():
     real, syn, batch = make_case()
-    base = compute_losses(real, None, batch, LossConfig(lambda_distill=0.0))["clip"]
-    fn = compute_losses(real, None, batch, LossConfig(lambda_distill=0.0, fn_masking="subject"))["clip"]
+    base = objective_terms(real, None, batch, LossConfig(lambda_distill=0.0))["clip"]
+    fn = objective_terms(real, None, batch, LossConfig(lambda_distill=0.0, fn_masking="subject"))["clip"]
     pos = np.eye(4)
     pos[0, 1] = pos[1, 0] = 1
     expected = ref_clip(real.image_emb, real.text_emb, 10.0, targets=pos / pos.sum(1, keepdims=True))
     assert fn.item() == pytest.approx(expected, rel=1e-5)
-    soft = compute_losses(real, None, batch, LossConfig(lambda_distill=0.0, label_soft_targets=True))["clip"]
+    soft = objective_terms(real, None, batch, LossConfig(lambda_distill=0.0, label_soft_targets=True))["clip"]
     assert soft.item() != pytest.approx(base.item())
-    queue = TextQueue(8, 6)
-    cfg = LossConfig(lambda_distill=0.0, queue_size=8)
-    first = compute_losses(real, None, batch, cfg, queue=queue)["clip"]
+    objective = Objective(LossConfig(lambda_distill=0.0, queue_size=8), embed_dim=6)
+    queue = objective.queue
+    first = objective(real, batch)["clip"]
     assert first.item() == pytest.approx(base.item(), rel=1e-6) and len(queue) == 4
-    second = compute_losses(real, None, batch, cfg, queue=queue, update_queue=False)["clip"]
+    second = objective(real, batch, update_queue=False)["clip"]
     assert second.item() > first.item() and len(queue) == 4
 
 

@@ -1,21 +1,95 @@
-"""`train` command line: each command lives beside the code it drives."""
+"""`train` command line: `run` (its flags derived from TrainConfig), `eval`, `export`."""
 from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
-from cxrdr.common.errors import run_app
+from cxrdr.common.errors import UserError, run_app
+from cxrdr.train.config import TrainConfig, cli_fields
 
 app = typer.Typer(
     help="Stage 2 of cxrdr: train the Patch-IB student from reinforced shards, evaluate it, "
          "and run the efficiency/ablation experiments.",
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 
+FINAL_EVAL_KEYS = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "probe_mean_auc", "score")
+
+
+def _param_name(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _run_parameters() -> list[inspect.Parameter]:
+    """--config, then one option per `cli_fields()` entry (switches for bools)."""
+    config = inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[Path], typer.Option("--config", help="Training YAML (TrainConfig fields; flags override it).")])
+    params = [config]
+    for _, flags, tp, help_text in cli_fields():
+        if tp is bool:
+            annotation, default = Annotated[bool, typer.Option(*flags, help=help_text)], False
+        else:
+            annotation, default = Annotated[Optional[tp], typer.Option(*flags, help=help_text)], None
+        params.append(inspect.Parameter(_param_name(flags[0]), inspect.Parameter.KEYWORD_ONLY,
+                                        default=default, annotation=annotation))
+    return params
+
+
+def _overrides(values: dict) -> dict:
+    """TrainConfig.load overrides from the parsed flags: unset options and switches left off are None;
+    a --no-X switch sets X false."""
+    out = {}
+    for path, flags, tp, _ in cli_fields():
+        value = values[_param_name(flags[0])]
+        if tp is bool:
+            value = (not flags[0].startswith("--no-")) if value else None
+        out[path] = value
+    return out
+
+
+def cli_run(**values) -> None:
+    """Train the Patch-IB student on reinforced shards (distillation from stored teacher embeddings).
+
+    Writes RUN/config.yaml, RUN/metrics.jsonl (loss terms, their gradient norms on the shared trunk,
+    lr, logit scale, step time, samples/s; validation retrieval R@K and probe AUC), RUN/last.pt (full
+    resume state), RUN/best.pt (best early-stopping score w*mean Recall + (1-w)*mean AUC) and
+    RUN/summary.json. Multi-GPU: `torchrun --nproc_per_node N -m cxrdr.train.cli run ...`.
+    """
+    from cxrdr.train import distributed as dist_utils  # lazy: torch only once a command runs
+    from cxrdr.train.loop import train
+    from cxrdr.train.runfolder import json_default
+
+    try:
+        cfg = TrainConfig.load(values.pop("config"), **_overrides(values))
+    except (TypeError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    if not Path(cfg.shards).is_dir():
+        raise UserError(f"--shards {cfg.shards}: no such folder")
+    summary = train(cfg)
+    if dist_utils.is_main():
+        typer.echo(json.dumps({k: v for k, v in summary.items() if k != "final_eval"}, indent=1,
+                              default=json_default))
+        final = summary.get("final_eval") or {}
+        if final:
+            typer.echo("validation: " + ", ".join(f"{k}={final[k]:.3f}" for k in FINAL_EVAL_KEYS
+                                                  if isinstance(final.get(k), (int, float))))
+    dist_utils.cleanup()
+
+
+_params = _run_parameters()
+cli_run.__signature__ = inspect.Signature(_params)
+cli_run.__annotations__ = {p.name: p.annotation for p in _params}
+
 
 def _register() -> None:
-    from cxrdr.train import export, loop
+    # lazy: `train --help` should not import torch through every command's module
+    from cxrdr.train import export
     from cxrdr.train.evaluation import cli as eval_cli
 
-    app.command("run")(loop.cli_run)
+    app.command("run")(cli_run)
     app.command("eval")(eval_cli.cli_eval)
     app.command("export")(export.cli_export)
 

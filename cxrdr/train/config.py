@@ -1,121 +1,227 @@
 """TrainConfig: every knob of `train run`, from defaults < a YAML file < command-line flags.
 
-The YAML may hold any subset of the fields below (unknown keys are an error naming the file);
-``loss``, ``optim`` and ``model_overrides`` are passed through to the losses helper's
-LossConfig, the optimiser config and StudentConfig respectively. The resolved config is
-written to ``RUN/config.yaml`` and stored in every checkpoint.
+Layers: the run's own fields at the top level, the optimiser and schedule under ``optim:``
+(`cxrdr.train.optim.OptimConfig`), the objective under ``loss:`` (`cxrdr.train.losses.LossConfig`),
+the student as ``model`` (a StudentConfig name or YAML path) plus ``model_overrides``. Each setting
+is defined once; unknown keys are an error naming the file. Settings whose default depends on the
+run (the warm-up length, freeze epochs, lambda in plain mode, the teachers' logit scales) stay as
+written here and are filled in by `TrainConfig.resolve`, the one place that computes them.
+
+The config as written (not resolved) goes to ``RUN/config.yaml`` and into every checkpoint.
+Flags of `train run` are derived from the fields (`cli_fields`): top-level scalars by name, the
+optim/loss settings in `PROMOTED_FLAGS` under their short names.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping, validate_fields
+from cxrdr.train.losses.config import LossConfig, teacher_scales_from_info
+from cxrdr.train.optim import OptimConfig
+
 AMP_CHOICES = ("bf16", "fp16", "none")
-# Allowed values of numeric fields (reinforce.yamlio.validate_fields checks types and these).
-RANGES = {
-    "steps": "[1, inf)", "batch_size": "[1, inf)", "lr": "(0, inf)", "weight_decay": "[0, inf)",
-    "lambda_distill": "[0, 1]", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
-    "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
-    "accum_steps": "[1, inf)", "aug_limit": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)", "freeze_steps": "[0, inf)",
-    "freeze_epochs": "[0, inf)", "head_lr_mult": "(0, inf)", "warmup_steps": "[0, inf)", "llrd": "(0, 1]",
-    "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
-}
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+CHOICES = {"mode": ("reinforced", "plain"), "amp": AMP_CHOICES, "device": DEVICE_CHOICES,
+           "pick": ("random", "sequential"), "on_corrupt": ("stop", "skip")}
+# Allowed values of numeric fields (cxrdr.common.yamlio.validate_fields checks types and these).
+RANGES = {
+    "steps": "[1, inf)", "batch_size": "[1, inf)", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
+    "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
+    "accum_steps": "[1, inf)", "aug_limit": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)",
+    "freeze_epochs": "[0, inf)", "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
+}
+# Settings of the nested configs that `train run` takes as flags: path -> (flag, help). Old aliases
+# of a flag follow it in the tuple.
+PROMOTED_FLAGS = {
+    "optim.lr": (("--lr",), "Peak learning rate."),
+    "optim.weight_decay": (("--weight-decay",), "AdamW weight decay (default 0.1)."),
+    "optim.llrd": (("--llrd",), "Layer-wise LR decay (1.0: off; default 0.85)."),
+    "optim.warmup_steps": (("--warmup-steps",), "Linear LR warm-up steps before the cosine "
+                                                "(default 5% of steps, at most 100)."),
+    "optim.freeze_steps": (("--freeze-steps",), "Staged training: steps with frozen towers "
+                                                "(heads at --frozen-head-lr-mult x LR)."),
+    "optim.frozen_head_lr_mult": (("--frozen-head-lr-mult", "--head-lr-mult"),
+                                  "Head LR factor while the towers are frozen (default 10)."),
+    "loss.lambda_distill": (("--lambda-distill",), "MobileCLIP lambda: (1-l)*CLIP + l*distill."),
+}
+# Keys that used to sit at the top level of the training config: mapped, with a warning, here only.
+MOVED_KEYS = {"lr": "optim.lr", "weight_decay": "optim.weight_decay", "llrd": "optim.llrd",
+              "warmup_steps": "optim.warmup_steps", "freeze_steps": "optim.freeze_steps",
+              "head_lr_mult": "optim.frozen_head_lr_mult", "lambda_distill": "loss.lambda_distill"}
+NESTED = {"optim": OptimConfig, "loss": LossConfig}
+
+
+def _opt(default: Any, help: str, **kwargs) -> Any:
+    """A field with its `train run --help` text."""
+    return field(default=default, metadata={"help": help}, **kwargs)
 
 
 @dataclass
 class TrainConfig:
-    shards: str = "shards"
-    model: str = "tiny-D"  # StudentConfig name ('D', 'tiny-D') or YAML path
-    out: str = "runs/run"
-    steps: int = 1000  # optimiser steps (each = accum_steps micro-batches)
-    batch_size: int = 32  # per rank, per micro-batch
-    lr: float = 5e-4
-    weight_decay: float | None = None  # None: optim helper's default (0.1)
-    lambda_distill: float = 0.7  # MobileCLIP's lambda; forced to 0 in plain mode
-    teachers: str | None = None  # comma-separated subset of the shards' teachers (None: all)
-    mode: str = "reinforced"  # reinforced | plain
-    online_teacher: str | None = None  # teacher spec run inside the loop (replaces stored embeddings)
-    eval_every: int = 0  # steps between validation passes (0: only at the end)
-    eval_split: str = "val"
-    eval_batch_size: int = 64
-    eval_max_samples: int | None = None
-    recall_weight: float = 0.5  # early-stop score = w*mean Recall + (1-w)*mean AUC
-    early_stop_patience: int = 0  # evaluations without improvement before stopping (0: off)
-    resume: bool = False
-    overwrite: bool = False  # replace the run already in `out` (refused otherwise, unless resume)
-    amp: str = "bf16"  # used on CUDA only
-    accum_steps: int = 1
-    clip_grad: float = 1.0  # max grad norm (0: off)
-    grad_checkpointing: bool = False
-    workers: int = 2
-    seed: int = 0
-    device: str = "auto"
-    freeze_steps: int = 0  # staged training: towers frozen, heads at head_lr_mult x lr
-    freeze_epochs: float = 0.0  # the same in epochs of the train split (converted to steps)
-    head_lr_mult: float = 10.0
-    warmup_steps: int | None = None  # linear LR warm-up (None: 5% of steps, at most 100)
-    llrd: float | None = None  # layer-wise LR decay (None: optim default 0.85; 1.0: off)
-    pick: str = "random"  # random | sequential (stored aug/caption = epoch % K)
-    aug_limit: int | None = None  # use only the first k of the K stored augmentations (None: all)
-    caption_sources: list | None = None  # synthetic captions of these sources only (rdf, normal, report)
-    shuffle_buffer: int = 256
-    log_every: int = 10
-    on_corrupt: str = "stop"  # a damaged shard/sample: stop naming it, or skip and count it
-    save_every: int = 100  # steps between last.pt writes besides evaluations (0: only those and the end)
-    progress: bool = True
-    loss: dict = field(default_factory=dict)  # LossConfig overrides
-    optim: dict = field(default_factory=dict)  # OptimConfig overrides
+    shards: str = _opt("shards", "Shard folder written by `reinforce build`.")
+    model: str = _opt("tiny-D", "Student config: A..E, tiny-A..tiny-E, biomedclip-D, or a YAML path.")
+    out: str = _opt("runs/run", "Run folder: config.yaml, metrics.jsonl, last.pt, best.pt, summary.json.")
+    steps: int = _opt(1000, "Optimiser steps to train to (a resumed run continues to the same number).")
+    batch_size: int = _opt(32, "Per-rank micro-batch size.")
+    teachers: str | None = _opt(None, "Comma list: subset of the shards' teachers to distil from (default all).")
+    mode: str = _opt("reinforced", "reinforced (stored views + embeddings) or plain (fresh augmentation, no teacher).")
+    online_teacher: str | None = _opt(None, "Teacher spec run inside the loop on the same crops "
+                                            "(replaces stored embeddings).")
+    eval_every: int = _opt(0, "Validate every N steps (0: only at the end).")
+    eval_split: str = _opt("val", "Split of the validation passes.")
+    eval_batch_size: int = _opt(64, "Batch size of the validation passes.")
+    eval_max_samples: int | None = _opt(None, "Validate on at most this many samples (default all).")
+    recall_weight: float = _opt(0.5, "Early-stop score = w*mean Recall + (1-w)*mean AUC.")
+    early_stop_patience: int = _opt(0, "Stop after N validations without improvement (0: off).")
+    resume: bool = _opt(False, "Continue from RUN/last.pt (settings must match the run's, except steps, "
+                               "eval/log/save intervals, workers, device).")
+    overwrite: bool = _opt(False, "Replace the run already in --out (its last.pt, best.pt, metrics.jsonl).")
+    amp: str = _opt("bf16", "bf16, fp16 or none (CUDA only).")
+    accum_steps: int = _opt(1, "Micro-batches per optimiser step.")
+    clip_grad: float = _opt(1.0, "Max gradient norm (0: off).")
+    grad_checkpointing: bool = _opt(False, "Activation checkpointing in both towers.")
+    workers: int = _opt(2, "DataLoader workers per rank.")
+    seed: int = _opt(0, "Seed of model init, data order and view picks.")
+    device: str = _opt("auto", "auto, cpu or cuda.")
+    freeze_epochs: float = _opt(0.0, "--freeze-steps in epochs of the train split (used when that is 0).")
+    pick: str = _opt("random", "random or sequential (stored view/caption = epoch % K).")
+    aug_limit: int | None = _opt(None, "Use only the first k of the K stored augmentations (default all).")
+    caption_sources: list | None = _opt(None, "Synthetic captions of these sources only (rdf, normal, report).")
+    shuffle_buffer: int = _opt(256, "Samples in the streaming shuffle buffer.")
+    log_every: int = _opt(10, "Steps between metrics.jsonl records.")
+    on_corrupt: str = _opt("stop", "A damaged shard or sample: stop (default, naming shard and key) or skip "
+                                   "(counted in RUN/skipped.jsonl and summary.json).")
+    save_every: int = _opt(100, "Steps between last.pt writes besides evaluations (0: only at evaluations "
+                                "and the end).")
+    progress: bool = _opt(True, "tqdm progress bar.")
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     model_overrides: dict = field(default_factory=dict)  # StudentConfig overrides
 
     def __post_init__(self) -> None:
-        from cxrdr.common.yamlio import validate_fields
-
+        for name, cls in NESTED.items():  # a mapping (YAML, keyword) becomes the typed config
+            value = getattr(self, name)
+            if isinstance(value, cls):
+                continue
+            if not isinstance(value, dict):
+                raise ValueError(f"training config field '{name}': expected a mapping, got {value!r}")
+            try:
+                setattr(self, name, cls.from_dict(value))
+            except ValueError as exc:
+                raise ValueError(f"training config field '{name}': {exc}") from None
         validate_fields(self, "training config field", RANGES)
-        if self.mode not in ("reinforced", "plain"):
-            raise ValueError(f"mode must be 'reinforced' or 'plain', got {self.mode!r}")
-        if self.amp not in AMP_CHOICES:
-            raise ValueError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
-        if self.device not in DEVICE_CHOICES:
-            raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
-        if self.pick not in ("random", "sequential"):
-            raise ValueError(f"pick must be 'random' or 'sequential', got {self.pick!r}")
-        for name in ("steps", "batch_size", "accum_steps", "log_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.lambda_distill <= 1.0:
-            raise ValueError(f"lambda_distill must be in [0, 1], got {self.lambda_distill}")
-        if self.on_corrupt not in ("stop", "skip"):
-            raise ValueError(f"on_corrupt must be 'stop' or 'skip', got {self.on_corrupt!r}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         if self.online_teacher and self.mode == "plain":
             raise ValueError("--online-teacher distils from a teacher: use it with --mode reinforced")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain nested dict (lists, no tuples): what RUN/config.yaml and checkpoints hold."""
+        return _plain(dataclasses.asdict(self))
 
     @classmethod
-    def load(cls, path: str | Path | None = None, **overrides: Any) -> "TrainConfig":
-        """Defaults < YAML file (when given) < overrides whose value is not None."""
-        data: dict = {}
-        if path is not None:
-            from cxrdr.common.yamlio import read_yaml_mapping
-
-            data = read_yaml_mapping(path, "training config fields")
-            data = data.get("train", data)  # an experiment recipe may nest it under 'train'
-        from cxrdr.common.yamlio import check_known_fields
-
-        check_known_fields(cls, data, "training config field", where=str(path))
-        data.update({k: v for k, v in overrides.items() if v is not None})
+    def from_dict(cls, data: dict, where: str = "", warn: bool = True) -> "TrainConfig":
+        """From a nested mapping; keys of `MOVED_KEYS` (the old flat layout) are moved to their
+        nested place with a warning (a moved key overrides the nested one; None means the default)."""
+        data = {k: (dict(v) if k in NESTED and isinstance(v, dict) else v) for k, v in data.items()}
+        for old, new in MOVED_KEYS.items():
+            if old not in data:
+                continue
+            value = data.pop(old)
+            if warn:
+                print(f"warning: {where + ': ' if where else ''}training config key '{old}' is now "
+                      f"'{new}'; the flat key will be refused in a later version", file=sys.stderr)
+            if value is not None:
+                group, name = new.split(".")
+                data.setdefault(group, {})[name] = value
+        check_known_fields(cls, data, "training config field", where=where)
         try:
             return cls(**data)
         except ValueError as exc:
-            raise ValueError(f"{path}: {exc}" if path is not None else str(exc)) from None
+            raise ValueError(f"{where}: {exc}" if where else str(exc)) from None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> "TrainConfig":
+        """Defaults < YAML file (when given) < overrides whose value is not None. Overrides take
+        field names or dotted paths into the nested configs (``optim.lr``)."""
+        data: dict = {}
+        if path is not None:
+            data = read_yaml_mapping(path, "training config fields")
+            data = data.get("train", data)  # an experiment recipe may nest it under 'train'
+        data = {k: (dict(v) if k in NESTED and isinstance(v, dict) else v) for k, v in data.items()}
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            group, dot, name = key.partition(".")
+            if dot:
+                data.setdefault(group, {})[name] = value
+            else:
+                data[key] = value
+        return cls.from_dict(data, where=str(path) if path is not None else "")
 
     def save_yaml(self, path: str | Path) -> None:
-        import yaml
-
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    def resolve(self, dataset_info: dict, steps_per_epoch: int,
+                online_teacher_scales: dict[str, float] | None = None) -> tuple[OptimConfig, LossConfig]:
+        """The run's OptimConfig and LossConfig with the defaults that depend on the run filled in:
+
+        - optim.warmup_steps None: 5% of ``steps``, at least 1, at most 100;
+        - optim.freeze_steps 0 and freeze_epochs > 0: ceil(freeze_epochs * steps_per_epoch);
+        - loss.lambda_distill: 0 in plain mode (no teacher, CLIP only);
+        - loss.teacher_scales: the logit scale each teacher recorded in the shards' dataset.json
+          (or the online teacher's), under the scales given in the config.
+        """
+        optim = dataclasses.replace(self.optim)
+        if optim.warmup_steps is None:
+            optim.warmup_steps = min(100, max(1, self.steps // 20))
+        if not optim.freeze_steps and self.freeze_epochs:
+            optim.freeze_steps = int(math.ceil(self.freeze_epochs * steps_per_epoch))
+        scales = (online_teacher_scales if online_teacher_scales is not None
+                  else teacher_scales_from_info(dataset_info))
+        loss = dataclasses.replace(self.loss, teacher_scales={**scales, **self.loss.teacher_scales})
+        if self.mode == "plain":
+            loss.lambda_distill = 0.0
+        return optim, loss
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def cli_fields() -> list[tuple[str, tuple[str, ...], Any, str]]:
+    """(config path, flag spellings, type, help) of every `train run` flag: the scalar top-level
+    fields by name (bools as switches: --resume, or --no-progress for those on by default), then
+    `PROMOTED_FLAGS`. Lists, mappings and nested configs are YAML-only."""
+    out = []
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        tp = hints[f.name]
+        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if base not in (str, int, float, bool):
+            continue
+        flag = f.name.replace("_", "-")
+        if base is bool and f.default:
+            flag = "no-" + flag
+        out.append((f.name, ("--" + flag,), base, f.metadata.get("help", "")))
+    for path, (flags, help_text) in PROMOTED_FLAGS.items():
+        group, name = path.split(".")
+        base = next((a for a in typing.get_args(typing.get_type_hints(NESTED[group])[name])
+                     if a is not type(None)), typing.get_type_hints(NESTED[group])[name])
+        out.append((path, flags, base, help_text))
+    return out

@@ -11,7 +11,8 @@ with every rank holding the global loss the averaged parameter gradient is 1/wor
 single-process gradient. Multiply the loss by `loss_scale_for_ddp()` (== world_size) before
 `backward()` to get exactly the single-process gradient (log the unscaled value). The per-sample
 terms in `cxrdr.train.losses` are built with `global_mean`, and parameters every rank uses in full (the
-logit scale) pass through `replicated`, so that the same rule holds for every parameter.
+logit scale) pass through `replicated`, so that the same rule holds for every parameter. The
+training objective (`cxrdr.train.losses.objective.Objective`) gathers each feature once.
 
 Without an initialised process group every helper is a cheap no-op (world size 1, rank 0).
 """
@@ -126,9 +127,6 @@ def replicated(x: torch.Tensor) -> torch.Tensor:
     return x.detach() + (x - x.detach()) / world_size()
 
 
-# The name used in CONTRACTS.md; same semantics (local gradient kept, others detached).
-gather_with_grad = gather_features
-
 
 def all_gather_object(obj: Any) -> list[Any]:
     """One picklable object per rank, in rank order (`[obj]` without a process group)."""
@@ -166,14 +164,3 @@ def global_mean(local_sum: torch.Tensor, local_count: torch.Tensor | float) -> t
     total = all_reduce_sum(torch.stack([local_sum.detach(), count.detach()]))
     others = total[0] - local_sum.detach()
     return (local_sum + others) / total[1].clamp_min(1e-12)
-
-
-def reduce_mean_float(value: float) -> float:
-    """Average a Python float over ranks (for logging)."""
-    if not is_dist():
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item()) / world_size()

@@ -45,10 +45,10 @@ class OptimConfig:
     eps: float = 1e-6
     llrd: float = 0.85  # 1.0 disables layer-wise decay
     head_lr_mult: float = 1.0
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # None: 5% of the run's steps, at most 100 (TrainConfig.resolve)
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of each group's LR
     freeze_steps: int = 0  # staged training: towers frozen for these first steps
-    frozen_head_lr_mult: float = 10.0  # extra head LR factor while towers are frozen
+    frozen_head_lr_mult: float = 10.0  # head LR factor while towers are frozen (on top of head_lr_mult)
 
     def __post_init__(self) -> None:
         from cxrdr.common.yamlio import validate_fields
@@ -59,8 +59,6 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if not 0 < self.llrd <= 1:
             raise ValueError(f"optim.llrd must be in (0, 1], got {self.llrd}")
-        if self.warmup_steps < 0 or self.freeze_steps < 0:
-            raise ValueError("optim.warmup_steps and optim.freeze_steps must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 

@@ -6,13 +6,14 @@ warm-up iterations, with CUDA synchronised around the clock. Peak memory is CUDA
 during the measurement (``/proc/self/status`` VmRSS; falls back to ``ru_maxrss``), which
 includes the Python process itself: compare models within one run, not across machines.
 
-The training step is forward + a proxy of the training loss that touches every output the
-real loss uses (global, masked-global and local embeddings) + backward + AdamW step, so it has
-the backward graph of the real step without needing a shard batch.
+The training step is the trainer's Task (forward of report and caption, the default objective
+with a stored teacher's embeddings) + backward + AdamW step on a synthetic batch: the same
+computation as a reinforced training step without needing shards.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import resource
 import threading
 import time
@@ -20,7 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cxrdr.train.losses import LossConfig, local_contrastive_loss
+from cxrdr.train.checkpoint import load_checkpoint
+from cxrdr.train.losses import LossConfig
+from cxrdr.train.task import Task
 
 FAR_STEP = 10**9  # past any keep-rate warm-up, so token dropping runs at its final rate
 
@@ -89,25 +92,15 @@ def synthetic_batch(model, batch_size: int, device, seed: int = 0):
     return images, tok["input_ids"].to(device), tok["attention_mask"].to(device)
 
 
-def proxy_loss(out) -> torch.Tensor:
-    """Symmetric InfoNCE on every global pair the student returns + 1-cos on local features."""
-    def clip(a, b):
-        logits = out.logit_scale * a @ b.T
-        target = torch.arange(len(a), device=a.device)
-        return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-
-    loss = clip(out.image_emb, out.text_emb)
-    if getattr(out, "masked_image_emb", None) is not None:
-        loss = loss + clip(out.masked_image_emb, out.text_emb)
-    if getattr(out, "local_pair_similarity", None) is not None:  # the default token-region contrastive term
-        loss = loss + local_contrastive_loss(out.local_pair_similarity, getattr(out, "local_pair_mask", None))
-    elif getattr(out, "local_visual", None) is not None and getattr(out, "local_text", None) is not None:
-        cos = F.cosine_similarity(out.local_visual, out.local_text, dim=-1)
-        mask = out.text_mask.float() if getattr(out, "text_mask", None) is not None else torch.ones_like(cos)
-        loss = loss + ((1 - cos) * mask).sum() / mask.sum().clamp_min(1)
-    if getattr(out, "mask_scores", None) is not None and getattr(out, "mask", None) is not None:
-        loss = loss + 0.01 * out.mask.float().mean()
-    return loss
+def synthetic_train_batch(model, batch_size: int, device, seed: int = 0) -> dict:
+    """A loader-like batch for the Task: images, report and caption tokens, and one teacher's
+    (random, normalised) image/report/caption embeddings as a reinforced shard stores them."""
+    images, ids, mask = synthetic_batch(model, batch_size, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    teacher = {part: F.normalize(torch.randn(batch_size, model.embed_dim, generator=gen), dim=-1).to(device)
+               for part in ("img", "txt", "syn")}
+    return {"images": images, "report_ids": ids, "report_mask": mask, "caption_ids": ids,
+            "caption_mask": mask, "teacher": {"synthetic": teacher}}
 
 
 def _time(fn, iters: int, warmup: int, device) -> float:
@@ -155,8 +148,6 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
     ``model`` is a PatchIBStudent (needs ``forward``/``tokenize``); the model is restored to its
     original train/eval mode and parameters are not changed (the optimizer step runs on a copy).
     """
-    import copy
-
     device = model_device(model)
     was_training = model.training
     train_bs = train_batch_size or batch_size
@@ -173,13 +164,13 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
     out["mask_kept_pct"] = 100.0 * float((z > 0.5).float().mean()) if z is not None else None
 
     trainee = copy.deepcopy(model).train()
-    local_pairs = LossConfig().local_tokens if getattr(trainee, "local_align", None) is not None else 0
+    task = Task(trainee, LossConfig(), total_steps=step + 1, device=device)
     opt = torch.optim.AdamW(trainee.parameters(), lr=1e-5)
-    images, ids, mask = synthetic_batch(trainee, train_bs, device, seed=1)
+    batch = synthetic_train_batch(trainee, train_bs, device, seed=1)
 
     def train_step():
         opt.zero_grad(set_to_none=True)
-        proxy_loss(trainee(images, ids, mask, step=step, local_pairs=local_pairs)).backward()
+        task.forward(batch, step)["total"].backward()
         opt.step()
 
     train_step()  # allocate optimizer state before measuring memory
@@ -190,7 +181,7 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
                 "step_memory_delta_mb": peak.peak_mb - peak.start_mb,  # above the state before the step
                 "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_rss",
                 "device": str(device), "threads": torch.get_num_threads()})
-    del trainee, opt
+    del trainee, task, opt
     model.train(was_training)
     return out
 
@@ -233,8 +224,6 @@ def _main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from cxrdr.train.checkpoint import load_checkpoint
-
     baseline = _rss_mb()
     model = load_checkpoint(args.ckpt, device="cuda" if torch.cuda.is_available() else "cpu")
     result = efficiency_metrics(model, batch_size=args.batch_size, iters=args.iters)

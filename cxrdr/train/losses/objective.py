@@ -1,0 +1,148 @@
+"""The training objective: every weighted term of one step, and their sum.
+
+For B in {B_real (aug image, report), B_syn (the same image, synthetic caption)}:
+(1-lambda) * CLIP(B) + lambda * Distill(B) (lambda -> 0 when the batch has no teacher embeddings),
+plus Patch-IB on B_real and w_local * local alignment. Each *weighted* contribution is returned under
+its key (LOSS_KEYS), so 'total' is their sum and `loss_balance` compares like with like.
+
+DDP: the objective gathers every feature across ranks once (`cxrdr.train.distributed.gather_features`:
+the local slice keeps its gradient) and the logit scale goes through `replicated`; contrastive and
+distillation terms then see the global batch, per-sample means use `global_mean`. On every rank each
+value equals the single-process value on the global batch, and the loop backwards
+`total * distributed.loss_scale_for_ddp()` (see train/distributed.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from cxrdr.train import distributed as dist_utils
+from cxrdr.train.losses.config import LossConfig
+from cxrdr.train.losses.contrastive import ClipLoss, TextQueue, beta_schedule
+from cxrdr.train.losses.distill import DistillLoss
+from cxrdr.train.losses.local import LocalLoss
+from cxrdr.train.losses.patch_ib import PatchIBLoss
+from cxrdr.train.losses.precision import full_precision
+from cxrdr.train.losses.targets import id_list, label_soft_targets, positive_mask
+
+
+def _identity(x):
+    return x
+
+
+class Objective(nn.Module):
+    """``forward(out, batch, step, total_steps, syn_text_emb)`` -> {term: weighted loss, 'total': sum}.
+
+    ``out``: the student's StudentOutput on B_real; ``syn_text_emb``: the captions' text embeddings
+    (B_syn reuses ``out.image_emb``), or None; ``batch``: the loader's dict (teacher, subject_id,
+    study_id, report_text, caption_text, labels). With ``cfg.queue_size`` > 0 and ``embed_dim`` given
+    the objective keeps a TextQueue of past report embeddings as extra i2t negatives of the B_real
+    CLIP term. ``gather``: all-gather features over DDP ranks (None: when a process group runs).
+    """
+
+    def __init__(self, cfg: LossConfig, embed_dim: int | None = None, device: torch.device | str = "cpu",
+                 gather: bool | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.gather = dist_utils.is_dist() if gather is None else gather
+        self.clip = ClipLoss(cfg.w_i2t, cfg.w_t2i, cfg.fn_mode)
+        self.distill = DistillLoss(cfg.distill_kind, cfg.teacher_scales, cfg.default_teacher_scale)
+        self.patch_ib = PatchIBLoss(self.clip, cfg.w_mask_nce, cfg.lambda_sparse, cfg.mu_consistency,
+                                    cfg.detach_full_similarity)
+        self.local = LocalLoss(cfg.w_local, cfg.local_loss, cfg.local_temperature, cfg.local_word_contrast,
+                               cfg.local_entropy)
+        self.queue = (TextQueue(cfg.queue_size, embed_dim, device)
+                      if cfg.queue_size > 0 and embed_dim is not None else None)
+
+    # ---- gathering (once per feature) ---------------------------------------------------------------
+    def _features(self, x):
+        return dist_utils.gather_features(x) if self.gather else x
+
+    def _ids(self, values) -> list | None:
+        values = id_list(values)
+        return dist_utils.gather_list(values) if self.gather else values
+
+    def _teachers(self, teachers: dict, device) -> dict:
+        return {name: {part: None if t is None else self._features(torch.as_tensor(t).to(device).float())
+                       for part, t in (entry or {}).items()}
+                for name, entry in teachers.items()}
+
+    def _positives(self, batch: dict, text_key: str, device) -> torch.Tensor | None:
+        criteria = self.cfg.criteria
+        if not criteria:
+            return None
+        columns = [self._ids(batch.get(k)) for k in ("subject_id", "study_id", text_key)]
+        if all(v is None for v in columns):
+            return None
+        return positive_mask(*columns, criteria, device=device)
+
+    def _soft_targets(self, batch: dict, device) -> torch.Tensor | None:
+        labels = batch.get("labels")
+        if not self.cfg.label_soft_targets or labels is None:
+            return None
+        labels = self._features(torch.as_tensor(labels, dtype=torch.float32, device=device))
+        return label_soft_targets(labels, self.cfg.label_temperature)
+
+    # ---- the terms ----------------------------------------------------------------------------------
+    def _pair_terms(self, img, txt, scale, lam, teachers, part, positives, soft, beta, extra_txt=None) -> dict:
+        """(1-lambda) * CLIP and lambda * distill of one batch (B_real: part 'txt', B_syn: 'syn')."""
+        suffix = "" if part == "txt" else "_syn"
+        terms = {}
+        if lam < 1.0:
+            terms["clip" + suffix] = (1.0 - lam) * self.clip(img, txt, scale, positives=positives,
+                                                             soft_targets=soft, beta=beta, extra_txt=extra_txt)
+        if lam > 0.0:
+            d = self.distill(img, txt, scale, teachers, part)
+            if d is not None:
+                terms["distill" + suffix] = lam * d
+        return terms
+
+    @full_precision
+    def forward(self, out, batch: dict, step: int = 0, total_steps: int = 1,
+                syn_text_emb: torch.Tensor | None = None, update_queue: bool = True) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        teachers = batch.get("teacher") or {}
+        lam = cfg.lambda_distill if teachers else 0.0
+        beta = beta_schedule(step, total_steps, cfg.beta_min, cfg.beta_max) if cfg.beta_max or cfg.beta_min else 0.0
+        img = self._features(out.image_emb.float())
+        txt = self._features(out.text_emb.float())
+        scale = dist_utils.replicated(out.logit_scale) if self.gather else out.logit_scale
+        device = img.device
+        teachers = self._teachers(teachers, device) if lam > 0.0 else teachers
+        positives, soft = self._positives(batch, "report_text", device), self._soft_targets(batch, device)
+        extra = self.queue.get() if self.queue is not None else None
+        terms = self._pair_terms(img, txt, scale, lam, teachers, "txt", positives, soft, beta, extra)
+        if cfg.use_syn and syn_text_emb is not None:
+            syn_txt = self._features(syn_text_emb.float())
+            terms.update(self._pair_terms(img, syn_txt, scale, lam, teachers, "syn",
+                                          self._positives(batch, "caption_text", device), soft, beta))
+        local = {"img": out.image_emb, "txt": out.text_emb, "masked_img": out.masked_image_emb, "mask": out.mask}
+        global_ = {"txt": txt, "masked_img": self._features(out.masked_image_emb)}
+        terms.update(self.patch_ib(local, global_, scale, positives=positives, soft_targets=soft))
+        terms.update(self.local(out))
+        if not terms:
+            raise ValueError("the objective has no active term (all weights zero or outputs missing)")
+        terms["total"] = torch.stack(list(terms.values())).sum()
+        if self.queue is not None and update_queue:
+            self.queue.enqueue(txt.detach())
+        return terms
+
+
+def loss_balance(terms: dict[str, torch.Tensor], params: Sequence[torch.nn.Parameter]) -> dict[str, float]:
+    """Gradient norm each term puts on `params` (e.g. model.trunk_parameters()); 'total' skipped,
+    terms without a graph (or not reaching the params) give 0.0. Keeps the graph for backward()."""
+    params = [p for p in params if p.requires_grad]
+    out: dict[str, float] = {}
+    for key, value in terms.items():
+        if key == "total" or not torch.is_tensor(value):
+            continue
+        if not value.requires_grad or not params:
+            out[key] = 0.0
+            continue
+        grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
+        squares = [g.detach().float().pow(2).sum() for g in grads if g is not None]
+        out[key] = math.sqrt(float(torch.stack(squares).sum())) if squares else 0.0
+    return out

@@ -1,0 +1,93 @@
+"""The run folder of `train run`: who may write it (lock, --resume/--overwrite), which settings a
+resumed run may change, and RUN/metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from cxrdr.common.locking import lock_folder, remove_stale_temp_files
+from cxrdr.train.config import TrainConfig
+
+# Settings a resumed run may change: they decide how long, where and how visibly it runs, not
+# what one training step computes (everything else must equal the checkpoint's train_config).
+RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
+                                "early_stop_patience", "workers", "device", "progress", "log_every",
+                                "save_every", "resume", "overwrite", "out", "on_corrupt"})
+RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml", "skipped.jsonl")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{'optim': {'lr': 1}} -> {'optim.lr': 1}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k in ("optim", "loss"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def resume_conflicts(saved: dict, current: dict) -> list[str]:
+    """'name saved -> current' for every setting that differs and may not change on resume. The
+    saved config is read like a YAML file (a checkpoint of the old flat layout compares alike; a
+    field the checkpoint predates is compared with its current default)."""
+    try:
+        saved = TrainConfig.from_dict(saved, warn=False).to_dict()
+    except (TypeError, ValueError):  # fields that no longer exist: compare what is there
+        saved = {**TrainConfig().to_dict(), **saved}
+    saved, current = _flat(saved), _flat(current)
+    return [f"{name} {saved.get(name)!r} -> {current[name]!r}"
+            for name in sorted(set(current) - RESUME_OVERRIDABLE) if saved.get(name) != current[name]]
+
+
+def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to replace another run's outputs unless --overwrite (then delete them first)."""
+    existing = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if not existing or resume:
+        return
+    if not overwrite:
+        raise ValueError(f"--out {out} already holds a run ({', '.join(existing)}); pass --resume to "
+                         f"continue it, --overwrite to replace it, or choose another --out")
+    for name in existing:
+        (out / name).unlink()
+
+
+def lock_run_folder(cfg: TrainConfig):
+    """Rank 0 holds an exclusive lock on the run folder while it trains (None on other ranks)."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return None
+    lock = lock_folder(cfg.out, "train run")
+    remove_stale_temp_files(cfg.out)  # checkpoint temp files of a killed run
+    return lock
+
+
+def json_default(obj):
+    """json.dumps fallback: tensors/numpy scalars as numbers, NaN as null, anything else as text."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    return str(obj)
+
+
+class MetricsLog:
+    """RUN/metrics.jsonl, one JSON object per line (rank 0 only); on resume, lines after the
+    resumed step are dropped so the file reads as one consistent run."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        if resume_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif path.exists():
+            path.unlink()
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, default=json_default) + "\n")

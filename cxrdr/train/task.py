@@ -1,0 +1,84 @@
+"""Task: what one training step computes, from a loader batch to the weighted loss terms.
+
+It owns the student, the optional online teacher, and the objective (loss config, loss modules,
+text queue). Per micro-batch::
+
+    batch = (aug image, report, synthetic caption, teachers' embeddings of exactly that view/caption)
+    out_real = student(image, report)                          # B_real
+    syn_txt  = student.encode_text(caption)                    # B_syn reuses the image embedding
+    terms    = objective(out_real, batch, step, syn_txt)       # CLIP/distill/Patch-IB/local + total
+
+The trainer (`cxrdr.train.loop.Trainer`) runs it with the optimiser around it; the efficiency
+measurement (`cxrdr.train.evaluation.efficiency`) times the same Task on a synthetic batch.
+
+Online-teacher mode: the teacher ignores the stored embeddings and embeds the crop (replayed at its
+own input size by the loader) and the report/caption inside the step, to measure what storing
+embeddings saves.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cxrdr.train.losses import LossConfig, Objective
+
+
+class StudentStep(nn.Module):
+    """One forward for B_real and B_syn, so that DDP sees one forward per backward."""
+
+    def __init__(self, student: nn.Module):
+        super().__init__()
+        self.student = student
+
+    def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None,
+                local_pairs=0, local_words=False):
+        out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs,
+                           local_words=local_words)
+        syn = None if caption_ids is None else self.student.encode_text(caption_ids, caption_mask)
+        return out, syn
+
+
+class Task:
+    """``forward(batch, step)`` -> {term: weighted loss tensor, 'total': their sum} for one micro-batch.
+
+    ``model`` is the module the forward goes through: ``StudentStep(student)``, which the trainer may
+    replace by its DDP wrapper. ``total_steps`` drives the hard-negative beta schedule.
+    """
+
+    def __init__(self, student: nn.Module, loss_cfg: LossConfig, total_steps: int, teacher=None,
+                 device: torch.device | str = "cpu", gather: bool | None = None):
+        self.student, self.loss_cfg, self.teacher = student, loss_cfg, teacher
+        self.total_steps, self.device = total_steps, torch.device(device)
+        self.objective = Objective(loss_cfg, student.embed_dim, self.device, gather=gather)
+        self.model: nn.Module = StudentStep(student)
+        # The token-region contrastive term needs every text pooled over every image of the batch.
+        contrastive = getattr(student, "local_align", None) is not None and loss_cfg.local_pairs
+        self.local_pairs = loss_cfg.local_tokens if contrastive else 0
+        self.local_words = bool(self.local_pairs) and loss_cfg.local_word_contrast
+        self.keep_ratio = 1.0  # of the last forward (token dropping), for logging
+
+    @property
+    def queue(self):
+        return self.objective.queue
+
+    @torch.no_grad()
+    def add_online_teacher(self, batch: dict) -> dict:
+        """Replace stored embeddings by the online teacher's, on the same crops and texts."""
+        t = self.teacher
+        img = t.encode_images(batch["teacher_images"]) if t.kind == "clip" else None
+        txt = t.encode_texts(batch["report_text"])
+        syn = t.encode_texts(batch["caption_text"])
+        batch["teacher"] = {t.name: {"img": img, "txt": txt, "syn": syn}}
+        return batch
+
+    def forward(self, batch: dict, step: int) -> dict[str, torch.Tensor]:
+        dev = self.device
+        args = [batch["images"].to(dev, non_blocking=True), batch["report_ids"].to(dev),
+                batch["report_mask"].to(dev)]
+        if self.loss_cfg.use_syn:
+            args += [batch["caption_ids"].to(dev), batch["caption_mask"].to(dev)]
+        out, syn_txt = self.model(*args, step=step, local_pairs=self.local_pairs, local_words=self.local_words)
+        self.keep_ratio = float(out.keep_ratio)
+        return self.objective(out, batch, step, self.total_steps, syn_text_emb=syn_txt)
+
+    __call__ = forward
