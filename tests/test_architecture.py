@@ -158,34 +158,21 @@ def long_functions(root: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> lis
 # --------------------------------------------------------------------------- the checks on cxrdr/
 
 
-@pytest.mark.xfail(strict=False, reason="cycles in files of other engineers today: reinforce.build <-> "
-                   "reinforce.ray_engine; train.models.{image_towers,hybrid_tower,token_dropping}; "
-                   "train.checkpoint -> train.models -> train.models.{student,init,text_towers} -> train.checkpoint")
 def test_no_import_cycles():
     found = cycles(imports())
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(group) for group in found)
 
 
-@pytest.mark.xfail(strict=False, reason="today: train.data -> reinforce.build, train.evaluation.probe/zeroshot "
-                   "-> reinforce.records, train.integrity -> reinforce.verify, teachers.ckpt -> train.checkpoint")
 def test_layers():
     bad = layer_violations(imports())
     assert not bad, "imports across the layers:\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=False, reason="today: function-level cxrdr imports in reinforce.{add_teacher,build,card,"
-                   "inspect,manifest,ray_engine,sources,verify}, teachers.{ckpt,text}, train (package), "
-                   "train.{checkpoint,config,data,export,integrity,loop,losses,optim,quick_eval}, "
-                   "train.evaluation (package), train.evaluation.{efficiency,runner}, "
-                   "train.models.{config,hybrid_tower,image_towers,init,student,text_towers}")
 def test_cxrdr_imports_at_module_top_outside_cli_modules():
     bad = lazy_imports(imports())
     assert not bad, "cxrdr imports inside functions (move them to module top):\n" + "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=False, reason="today: reinforce/build.py:_run_shards:107, reinforce/build.py:cli_build:95, "
-                   "reinforce/phantom/render.py:render_case:95, reinforce/verify.py:verify:85, "
-                   "train/evaluation/runner.py:localisation_and_faithfulness:128, train/loop.py:__init__:116")
 def test_no_long_functions():
     bad = long_functions()
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(bad)

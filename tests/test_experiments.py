@@ -95,7 +95,7 @@ def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):
     recipe["reinforcement"] = {"seeds": [0, 1], "train": {"mode": "reinforced"},
                                "studies": {"K": {"key": "aug_limit", "values": [1, 2]},
                                            "B_syn": {"key": "loss.use_syn", "values": [True, False]},
-                                           "lambda": {"key": "lambda_distill", "values": [0.0, 0.7]},
+                                           "lambda": {"key": "loss.lambda_distill", "values": [0.0, 0.7]},
                                            "captions": {"key": "caption_sources", "values": [["report"]]}}}
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     result = CliRunner().invoke(app, ["experiment", "reinforcement", "--config", str(path), "--quiet"])

@@ -233,7 +233,7 @@ def test_text_path_teacher(snapshots, tmp_path):
 
 # ------------------------------------------------------------------ ckpt
 class _StandInStudent(torch.nn.Module):
-    """What train.load_checkpoint returns, reduced to the contract the ckpt teacher relies on."""
+    """What cxrdr.train.checkpoint.load_checkpoint returns, reduced to the contract the ckpt teacher relies on."""
 
     def __init__(self):
         super().__init__()

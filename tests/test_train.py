@@ -1,7 +1,6 @@
 """train run: the loop on phantom shards (CLI, checkpoints, resume, variants, modes, learning)."""
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cxrdr.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +53,7 @@ def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_p
     from cxrdr.train.checkpoint import load_training_state
     state = load_training_state(run / "last.pt")
     assert state["step"] == 50 and {"optimizer", "scheduler", "rng", "train_config"} <= set(state)
-    model = importlib.import_module("cxrdr.train").load_checkpoint(run / "best.pt")
+    model = load_checkpoint(run / "best.pt")
     assert model.embed_texts(["no effusion"]).shape == (1, model.embed_dim)
 
     # --resume continues from last.pt up to the new target step.
@@ -151,7 +151,7 @@ def test_tiny_student_learns_on_phantom(phantom_shards, tmp_path):
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses
     assert summary["final_eval"]["n_eval"] >= 1  # validation ran on the val split
 
-    model = importlib.import_module("cxrdr.train").load_checkpoint(run / "last.pt")
+    model = load_checkpoint(run / "last.pt")
     loader = make_loader(phantom_shards, "train", model, 64, shuffle=False, drop_last=False, seed=1)
     img, txt = [], []
     with torch.no_grad():

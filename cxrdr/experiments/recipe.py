@@ -17,7 +17,7 @@ from cxrdr.train.config import TrainConfig
 TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
             "reuse_runs", "isolated_efficiency", "teachers", "reinforcement"}
 # TrainConfig dict fields that later layers update key by key instead of replacing
-MERGED_KEYS = ("model_overrides",)
+MERGED_KEYS = ("model_overrides", "optim", "loss")
 
 
 def load_recipe(path: str | Path) -> dict:

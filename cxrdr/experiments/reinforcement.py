@@ -7,7 +7,7 @@ MobileCLIP's ablation on the CPU phantom world: one student, a base reinforced r
     B_syn      loss.use_syn     CLIP + distillation also on (view, synthetic caption) pairs
     captions   caption_sources  RDF-template vs report-sentence synthetic captions
     teachers   teachers         1 vs 2 stored teachers (the ensemble)
-    lambda     lambda_distill   0 (reinforced data, CLIP only), 0.3, 0.7, 1.0 (distillation only)
+    lambda     loss.lambda_distill 0 (reinforced data, CLIP only), 0.3, 0.7, 1.0 (distillation only)
 
 Every setting runs for every seed in ``reinforcement.seeds`` (>= 2), quality as mean ± sd and 95 % CI over
 seeds on the test split (chance next to mean R). Identical settings (the base appears in every study) are
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -28,14 +27,13 @@ from cxrdr.experiments.runs import ensure_shards, evaluate_run, result_row, run_
 from cxrdr.experiments.stats import t_interval
 from cxrdr.experiments.teacher_prep import prepare_teachers
 from cxrdr.train.evaluation.report import markdown_table_sd, seed_summary, write_json
-from cxrdr.train.losses import LossConfig
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc"]
 DEFAULT_STUDIES = {
     "K": {"key": "aug_limit", "values": [1, 2, 4, 8]},
     "B_syn": {"key": "loss.use_syn", "values": [True, False]},
     "captions": {"key": "caption_sources", "values": [["rdf", "normal"], ["report"]]},
-    "lambda": {"key": "lambda_distill", "values": [0.0, 0.3, 0.7, 1.0]},
+    "lambda": {"key": "loss.lambda_distill", "values": [0.0, 0.3, 0.7, 1.0]},
 }
 
 
@@ -55,7 +53,6 @@ def _run_name(recipe: dict, shards: Path, overrides: dict) -> str:
     base's lambda in the lambda study and use_syn on in the B_syn study) are trained once."""
     cfg = train_config(recipe, shards, Path("."), overrides, "reinforcement").to_dict()
     cfg.pop("out", None)
-    cfg["loss"] = asdict(LossConfig(**cfg.get("loss") or {}))  # defaults spelled out or not: the same loss
     return hashlib.sha1(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cxrdr.common.yamlio import check_known_fields, validate_fields
+
 NO_DECAY_NAME_PATTERNS = (
     "pos_embed", "position_embedding", "positional_embedding", "position_embeddings",
     "cls_token", "reg_token", "mask_token", "dist_token", "logit_scale", "token_type_embeddings",
@@ -51,8 +53,6 @@ class OptimConfig:
     frozen_head_lr_mult: float = 10.0  # head LR factor while towers are frozen (on top of head_lr_mult)
 
     def __post_init__(self) -> None:
-        from cxrdr.common.yamlio import validate_fields
-
         validate_fields(self, "optim option", OPTIM_RANGES)
         self.betas = tuple(float(b) for b in self.betas)  # YAML gives lists
         if self.lr <= 0:
@@ -64,8 +64,6 @@ class OptimConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "OptimConfig":
-        from cxrdr.common.yamlio import check_known_fields
-
         data = dict(data or {})
         check_known_fields(cls, data, "optim option")
         return cls(**data)
