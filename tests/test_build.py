@@ -22,11 +22,12 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cxrdr.common.augment import replay
-from cxrdr.reinforce.build import BuildOptions, build, read_dataset_info, summary_text
+from cxrdr.common.shards import iter_tar_samples, read_dataset_info
+from cxrdr.reinforce.build import BuildOptions, build, summary_text
 from cxrdr.common.errors import UserError
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import npy_load, sample_embedding
-from cxrdr.reinforce.verify import iter_tar_samples, verify
+from cxrdr.reinforce.verify import verify
 from cxrdr.reinforce.writer import is_shard_complete
 
 N = 16

@@ -52,8 +52,8 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
 
     from cxrdr.common.checksums import checksum_record, member_checksums
     from cxrdr.common.shards import encode_teacher, merge_int8_quality, repack_v1_teacher, teacher_ext
-    from cxrdr.reinforce.verify import iter_tar_samples
-    from cxrdr.reinforce.writer import TMP_SUFFIX, part_of, read_shard_stats, stats_path, write_json_atomic
+    from cxrdr.common.shards import iter_tar_samples, part_of
+    from cxrdr.reinforce.writer import TMP_SUFFIX, read_shard_stats, stats_path, write_json_atomic
 
     index = int(shard["name"][len("shard-"):-len(".tar")])
     path = shards_dir / shard["name"]
@@ -120,7 +120,7 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
 
     ``teachers``: already loaded teachers for ``specs`` (tests reuse them); default: load them.
     """
-    from cxrdr.reinforce.build import read_dataset_info
+    from cxrdr.common.shards import read_dataset_info
     from cxrdr.common.locking import lock_folder, remove_stale_temp_files
 
     shards_dir = Path(shards_dir)

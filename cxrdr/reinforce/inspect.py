@@ -12,7 +12,7 @@ from cxrdr.common.errors import UserError
 
 def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[str, dict] | None:
     """(shard name, raw sample) of the first sample, or of ``key`` when given."""
-    from cxrdr.reinforce.verify import iter_tar_samples
+    from cxrdr.common.shards import iter_tar_samples
 
     for shard in info["shards"]:
         if not shard["samples"]:
@@ -105,7 +105,7 @@ def cli_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print dataset.json instead of the summary.")] = False,
 ) -> None:
     """Summarise a shard folder: counts, splits, teachers, bytes/sample, one sample's captions and aug params."""
-    from cxrdr.reinforce.build import read_dataset_info
+    from cxrdr.common.shards import read_dataset_info
 
     info = read_dataset_info(shards_dir)
     if as_json:

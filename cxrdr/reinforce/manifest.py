@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from cxrdr.common.errors import UserError
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import DATASET_JSON, MANIFEST, SIZES_JSON, STATS_DIR
 from cxrdr.reinforce.writer import is_shard_complete, read_shard_stats, write_json_atomic
 

@@ -1,7 +1,7 @@
 """Damaged shard input during training: name the shard and key, then stop or skip and count.
 
 Three layers, independent of how a sample's members are laid out:
-- ``CheckedTarSamples`` reads each tar strictly (``cxrdr.reinforce.verify.iter_tar_samples``): a
+- ``CheckedTarSamples`` reads each tar strictly (``cxrdr.common.shards.iter_tar_samples``): a
   truncated member, a duplicated member or a tar cut at a member boundary (no end-of-archive
   marker) is an error naming the shard and the last good key; webdataset's reader would raise a
   long traceback or stop silently, losing the samples after the cut.
@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from cxrdr.common.errors import UserError
+from cxrdr.common.shards import iter_tar_samples
 
 ON_CORRUPT = ("stop", "skip")
 # Stored rows are L2-normalised before storage; float16 keeps norms within ~1e-3, int8 within
@@ -108,8 +109,6 @@ class CheckedTarSamples:
     policy: CorruptPolicy
 
     def __call__(self, shards):
-        from cxrdr.reinforce.verify import iter_tar_samples
-
         for shard in shards:
             url, last = shard["url"], None
             try:
