@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from cxrdr.common.augment import replay
 from cxrdr.common.shards import iter_tar_samples, read_dataset_info
-from cxrdr.reinforce.build import BuildOptions, build, summary_text
+from cxrdr.reinforce.build import BuildOptions, build
+from cxrdr.reinforce.summary import summary_text
 from cxrdr.common.errors import UserError
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import npy_load, sample_embedding
@@ -73,7 +74,7 @@ def app():
     import typer
 
     from cxrdr.reinforce.add_teacher import cli_add_teacher
-    from cxrdr.reinforce.build import cli_build
+    from cxrdr.reinforce.build_cli import cli_build
     from cxrdr.reinforce.inspect import cli_inspect
     from cxrdr.reinforce.manifest import cli_merge
     from cxrdr.reinforce.verify import cli_verify
@@ -222,7 +223,7 @@ def test_verify_names_a_bad_sample(fresh, tmp_path):
 
 
 def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
-    from cxrdr.reinforce.build import SimulatedKill
+    from cxrdr.reinforce.pipeline import SimulatedKill
 
     out = tmp_path / "resumed"
     with pytest.raises(RuntimeError) as excinfo:
@@ -383,7 +384,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
 
 
 def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, monkeypatch):
-    from cxrdr.reinforce.build import resolve_rank
+    from cxrdr.reinforce.options import resolve_rank
     from cxrdr.reinforce.manifest import merge
 
     monkeypatch.setenv("RANK", "1")

@@ -205,7 +205,8 @@ def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_pa
 
 
 def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_teacher):
-    from cxrdr.reinforce.build import build, summary_text
+    from cxrdr.reinforce.build import build
+    from cxrdr.reinforce.summary import summary_text
     from cxrdr.reinforce.phantom import write_phantom_dataset
     from cxrdr.reinforce.sources import open_source
 

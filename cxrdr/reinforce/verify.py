@@ -18,13 +18,17 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
+import pyarrow.parquet as pq
 import typer
+from PIL import Image
+from tqdm import tqdm
 
 from cxrdr.common.checksums import checksum_problems
 from cxrdr.common.errors import UserError
 from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext, expected_members,
                                  int8_row_dtype, iter_tar_samples, npy_load, read_dataset_info,
                                  sample_embeddings, scale_ext, teacher_ext, teacher_shapes)
+from cxrdr.reinforce.writer import stats_path
 
 NORM_TOLERANCE = {"float32": 1e-3, "float16": 5e-3, "int8": 5e-2}
 
@@ -91,8 +95,6 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
     if len(meta.get("aug", [])) != info["n_aug"]:
         problems.append(f"{where}: {len(meta.get('aug', []))} aug param sets, expected {info['n_aug']}")
     if info.get("images", True):
-        from PIL import Image
-
         try:
             image = Image.open(io.BytesIO(sample[info["image_format"]]))
             image.load()
@@ -107,10 +109,6 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
 
 def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
     """All problems found (empty = valid) and a few totals."""
-    import pyarrow.parquet as pq
-
-    from cxrdr.reinforce.writer import stats_path
-
     shards_dir = Path(shards_dir)
     try:
         info = read_dataset_info(shards_dir)
@@ -196,8 +194,6 @@ def cli_verify(
     max_problems: Annotated[int, typer.Option(help="Print at most this many problems.")] = 50,
 ) -> None:
     """Check every shard against dataset.json, manifest.parquet and sizes.json (exit 1 on any problem)."""
-    from tqdm import tqdm
-
     if not shards_dir.is_dir():
         raise UserError(f"shard folder not found: {shards_dir}")
     bar = tqdm(unit="shard", desc="verify", leave=False)
