@@ -356,7 +356,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
     """A source with requires_images False (e.g. iu-xray without images): txt/json/syn/txt only."""
     import dataclasses
 
-    import cxrdr.reinforce.sources as reinforce_sources
+    import cxrdr.reinforce.options as build_options
     from cxrdr.reinforce.phantom import PhantomSource
 
     class TextOnly:
@@ -373,7 +373,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
         def describe(self):
             return {"name": self.name, "requires_images": False}
 
-    monkeypatch.setattr(reinforce_sources, "open_source", lambda spec, **options: TextOnly())
+    monkeypatch.setattr(build_options, "open_source", lambda spec, **options: TextOnly())
     info = build(options(tmp_path / "text"), teachers=teachers)
     assert info["images"] is False and info["n_aug"] == 0 and info["total_samples"] == 4
     assert "image" not in info["bytes_per_sample"]

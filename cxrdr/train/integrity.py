@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from cxrdr.common.errors import UserError
-from cxrdr.common.shards import iter_tar_samples
+from cxrdr.common.shards import Sample, iter_tar_samples
 
 ON_CORRUPT = ("stop", "skip")
 # Stored rows are L2-normalised before storage; float16 keeps norms within ~1e-3, int8 within
@@ -122,7 +122,8 @@ class CheckedTarSamples:
 
 @dataclass
 class Guarded:
-    """``fn(sample)``, or the policy's verdict on a sample it cannot decode (None: drop it)."""
+    """``fn(sample)`` (a raw or a decoded sample), or the policy's verdict on a sample it cannot
+    decode (None: drop it)."""
 
     fn: Callable
     policy: CorruptPolicy
@@ -133,5 +134,8 @@ class Guarded:
         except CorruptDataError:
             raise
         except SAMPLE_ERRORS as exc:
-            self.policy.handle(sample.get("__url__"), sample.get("__key__"), exc)
+            if isinstance(sample, Sample):
+                self.policy.handle(sample.url, sample.key, exc)
+            else:  # a raw sample the decoder refused
+                self.policy.handle(sample.get("__url__"), sample.get("__key__"), exc)
             return None
