@@ -64,7 +64,7 @@ def _loader(shards, split="train", **kw):
 
 
 def test_reinforced_batch_shapes_and_teacher_rows(phantom_shards):
-    from cxrdr.train.data import read_info
+    from cxrdr.common.shards import read_dataset_info as read_info
 
     info = read_info(phantom_shards)
     teacher = info["teachers"][0]["name"]
@@ -115,7 +115,8 @@ def test_plain_mode_has_no_teacher_and_fresh_views(phantom_shards):
 
 
 def test_split_selection_and_eval_loader(phantom_shards):
-    from cxrdr.train.data import make_eval_loader, read_info
+    from cxrdr.common.shards import read_dataset_info as read_info
+    from cxrdr.train.data import make_eval_loader
 
     info = read_info(phantom_shards)
     for split in ("val", "test"):

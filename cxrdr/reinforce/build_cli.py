@@ -88,14 +88,7 @@ def cli_build(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Build reinforced WebDataset shards: stored images, captions, aug params, teacher embeddings."""
-    # Only flags given override AugConfig's defaults (so a CLI build equals a default-config build).
-    given = {"scale": _pair(crop_scale, "--crop-scale") if crop_scale else None,
-             "ratio": _pair(crop_ratio, "--crop-ratio") if crop_ratio else None,
-             "max_angle": max_angle, "randaugment_n": randaugment,
-             "randaugment_magnitude": randaugment_magnitude}
-    aug = AugConfig(**{k: v for k, v in given.items() if v is not None})
-    if aug.max_angle < 0 or aug.randaugment_n < 0 or not 0 <= aug.randaugment_magnitude <= 10:
-        raise UserError("--max-angle and --randaugment must be >= 0 and --randaugment-magnitude in 0..10")
+    aug = _aug_config(crop_scale, crop_ratio, max_angle, randaugment, randaugment_magnitude)
     source_options = dict(image_root=image_root, col_id=col_id, col_image=col_image, col_report=col_report,
                           col_findings=col_findings, col_impression=col_impression, col_labels=col_labels,
                           col_split=col_split, col_subject=col_subject, col_study=col_study,
@@ -109,7 +102,22 @@ def cli_build(
                         resume=resume, rank=rank, world_size=world_size, limit=limit, aug=aug,
                         source_options=source_options, merge_timeout=merge_timeout, progress=not quiet,
                         engine=engine, ray_actors=ray_actors, ray_retries=ray_retries)
-    result = build(opts)
+    _print_result(build(opts), out)
+
+
+def _aug_config(crop_scale, crop_ratio, max_angle, randaugment, randaugment_magnitude) -> AugConfig:
+    """Only flags given override AugConfig's defaults (so a CLI build equals a default-config build)."""
+    given = {"scale": _pair(crop_scale, "--crop-scale") if crop_scale else None,
+             "ratio": _pair(crop_ratio, "--crop-ratio") if crop_ratio else None,
+             "max_angle": max_angle, "randaugment_n": randaugment,
+             "randaugment_magnitude": randaugment_magnitude}
+    aug = AugConfig(**{k: v for k, v in given.items() if v is not None})
+    if aug.max_angle < 0 or aug.randaugment_n < 0 or not 0 <= aug.randaugment_magnitude <= 10:
+        raise UserError("--max-angle and --randaugment must be >= 0 and --randaugment-magnitude in 0..10")
+    return aug
+
+
+def _print_result(result: dict, out: Path) -> None:
     if "total_samples" in result:
         typer.echo(summary_text(result))
         typer.echo(f"wrote {out}")

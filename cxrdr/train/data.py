@@ -32,6 +32,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+import webdataset as wds
+from torch.utils.data import DataLoader
 
 from cxrdr.common import augment
 from cxrdr.common.shards import Sample, decode_sample, read_dataset_info
@@ -273,8 +275,6 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
                    policy: CorruptPolicy | None = None):
     """The WebDataset pipeline (a torch IterableDataset yielding collated batches).
     ``policy``: what a damaged shard or sample does (default: stop naming shard and key)."""
-    import webdataset as wds
-
     policy = policy or CorruptPolicy()
 
     if resampled:
@@ -319,8 +319,6 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
     sources (reinforcement ablations at train time, no rebuild).
     Batches: see :class:`Collate`; ``teacher`` maps name -> {"img": (B,D) or None, "txt", "syn"}.
     """
-    from torch.utils.data import DataLoader
-
     info = read_dataset_info(shards_dir)
     urls, count = split_shards(shards_dir, split, info)
     if not urls:
@@ -364,8 +362,6 @@ def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: in
     Batches also carry ``aug_params`` (the identity view) and, with ``return_boxes``, ``boxes``
     in stored-image pixels.
     """
-    from torch.utils.data import DataLoader
-
     info = read_dataset_info(shards_dir)
     urls, _ = split_shards(shards_dir, split, info)
     if not urls:

@@ -19,6 +19,8 @@ import torch
 
 from cxrdr.common.augment import stable_seed
 from cxrdr.common.views import one_per_study
+from cxrdr.train.evaluation.probe import linear_probe
+from cxrdr.train.evaluation.retrieval import retrieval_metrics
 
 
 @torch.no_grad()
@@ -56,8 +58,6 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
 def quick_probe(emb: np.ndarray, labels: np.ndarray, subjects: list, seed: int = 0,
                 min_positives: int = 2) -> dict:
     """Linear probe fitted on half the subjects of the split and scored on the other half."""
-    from cxrdr.train.evaluation.probe import linear_probe
-
     halves = np.array([stable_seed("probe", seed, s) % 2 for s in subjects])
     if halves.all() or not halves.any():  # one subject only: split rows instead
         halves = np.arange(len(subjects)) % 2
@@ -75,8 +75,6 @@ def early_stop_score(metrics: dict, weight: float = 0.5) -> float:
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
                    max_samples: int | None = None, seed: int = 0) -> dict:
     """Retrieval (one frontal image per study) + quick probe AUC + the early-stopping score."""
-    from cxrdr.train.evaluation.retrieval import retrieval_metrics
-
     data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
     rows = one_per_study(data["key"], data["study_id"], data["view"])
     metrics = retrieval_metrics(data["img"][rows], data["txt"][rows],
