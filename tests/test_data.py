@@ -64,9 +64,9 @@ def _loader(shards, split="train", **kw):
 
 
 def test_reinforced_batch_shapes_and_teacher_rows(phantom_shards):
-    from cxrdr.common.shards import read_dataset_info as read_info
+    from cxrdr.common.shards import read_dataset_info
 
-    info = read_info(phantom_shards)
+    info = read_dataset_info(phantom_shards)
     teacher = info["teachers"][0]["name"]
     batch = next(iter(_loader(phantom_shards, seed=3)))
     b = 4
@@ -115,10 +115,10 @@ def test_plain_mode_has_no_teacher_and_fresh_views(phantom_shards):
 
 
 def test_split_selection_and_eval_loader(phantom_shards):
-    from cxrdr.common.shards import read_dataset_info as read_info
+    from cxrdr.common.shards import read_dataset_info
     from cxrdr.train.data import make_eval_loader
 
-    info = read_info(phantom_shards)
+    info = read_dataset_info(phantom_shards)
     for split in ("val", "test"):
         keys = [k for b in _loader(phantom_shards, split, batch_size=3, drop_last=False) for k in b["key"]]
         raw = _raw_samples(phantom_shards, split)
