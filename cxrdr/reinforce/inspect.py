@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 from typing import Annotated, Optional
 
-import numpy as np
 import typer
 
 from cxrdr.common.errors import UserError
