@@ -31,8 +31,8 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
     import torch
 
     from cxrdr.common.augment import replay_many
-    from cxrdr.reinforce.build import decode_stored_image, read_dataset_info
-    from cxrdr.reinforce.verify import iter_tar_samples
+    from cxrdr.common.shards import iter_tar_samples, read_dataset_info
+    from cxrdr.reinforce.prepare import decode_stored_image
 
     info = read_dataset_info(shards_dir)
     samples = [s for shard in info["shards"] for _, s in iter_tar_samples(shards_dir / shard["name"])]
@@ -69,7 +69,8 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
     """Build N phantom samples, then time the teachers alone on the same inputs; returns the figures."""
     import torch
 
-    from cxrdr.reinforce.build import BuildOptions, build, resolve_device
+    from cxrdr.reinforce.build import BuildOptions, build
+    from cxrdr.reinforce.options import resolve_device
     from cxrdr.teachers import load_teachers
 
     device = resolve_device(device)

@@ -122,7 +122,8 @@ def test_resize_short_side_keeps_aspect():
 
 @pytest.mark.parametrize("size", [64, 37, 224])
 def test_replay_many_equals_stacked_replay_calls(size):
-    """The build's batched replay gives the very bits of one replay() call per parameter set."""
+    """The build's batched replay gives the very bits of one replay() call per parameter set (what
+    stage 2 replays): a view does not depend on the other views replayed with it."""
     from cxrdr.common.augment import replay_many
 
     image = structured_image(300, 256)

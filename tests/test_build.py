@@ -22,11 +22,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cxrdr.common.augment import replay
-from cxrdr.reinforce.build import BuildOptions, build, read_dataset_info, summary_text
+from cxrdr.common.shards import iter_tar_samples, read_dataset_info
+from cxrdr.reinforce.build import BuildOptions, build
+from cxrdr.reinforce.summary import summary_text
 from cxrdr.common.errors import UserError
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import npy_load, sample_embedding
-from cxrdr.reinforce.verify import iter_tar_samples, verify
+from cxrdr.reinforce.verify import verify
 from cxrdr.reinforce.writer import is_shard_complete
 
 N = 16
@@ -72,7 +74,7 @@ def app():
     import typer
 
     from cxrdr.reinforce.add_teacher import cli_add_teacher
-    from cxrdr.reinforce.build import cli_build
+    from cxrdr.reinforce.build_cli import cli_build
     from cxrdr.reinforce.inspect import cli_inspect
     from cxrdr.reinforce.manifest import cli_merge
     from cxrdr.reinforce.verify import cli_verify
@@ -221,7 +223,7 @@ def test_verify_names_a_bad_sample(fresh, tmp_path):
 
 
 def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
-    from cxrdr.reinforce.build import SimulatedKill
+    from cxrdr.reinforce.pipeline import SimulatedKill
 
     out = tmp_path / "resumed"
     with pytest.raises(RuntimeError) as excinfo:
@@ -354,7 +356,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
     """A source with requires_images False (e.g. iu-xray without images): txt/json/syn/txt only."""
     import dataclasses
 
-    import cxrdr.reinforce.sources as reinforce_sources
+    import cxrdr.reinforce.options as build_options
     from cxrdr.reinforce.phantom import PhantomSource
 
     class TextOnly:
@@ -371,7 +373,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
         def describe(self):
             return {"name": self.name, "requires_images": False}
 
-    monkeypatch.setattr(reinforce_sources, "open_source", lambda spec, **options: TextOnly())
+    monkeypatch.setattr(build_options, "open_source", lambda spec, **options: TextOnly())
     info = build(options(tmp_path / "text"), teachers=teachers)
     assert info["images"] is False and info["n_aug"] == 0 and info["total_samples"] == 4
     assert "image" not in info["bytes_per_sample"]
@@ -382,7 +384,7 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
 
 
 def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, monkeypatch):
-    from cxrdr.reinforce.build import resolve_rank
+    from cxrdr.reinforce.options import resolve_rank
     from cxrdr.reinforce.manifest import merge
 
     monkeypatch.setenv("RANK", "1")

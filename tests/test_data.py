@@ -26,70 +26,12 @@ def build_phantom_shards(base: str) -> Path:
     out = Path(base) / "shards"
     if (out / sf.DATASET_JSON).is_file():
         return out
-    try:
-        import cxrdr.reinforce.build  # noqa: F401
-        has_build = True
-    except ImportError:
-        has_build = False
-    if has_build:
-        cmd = [PY, "-m", "cxrdr.reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
-               "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--shard-size", "12", "--workers", "0", "--out", str(out)]
-        env = dict(os.environ, CXRDR_DEBUG="1")
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(f"reinforce build failed:\n{result.stdout}\n{result.stderr}")
-        return out
-    return write_fake_shards(out)
-
-
-def write_fake_shards(out: Path, n: int = 40, dim: int = 16) -> Path:
-    """Shards per CONTRACTS without the build (used only until `reinforce build` exists)."""
-    import webdataset as wds
-    from PIL import Image
-
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    splits = ["train"] * (n - 16) + ["val"] * 8 + ["test"] * 8
-    shards, counts, index = [], {}, 0
-    cfg = augment.AugConfig()
-    for split in ("train", "val", "test"):
-        ids = [i for i, s in enumerate(splits) if s == split]
-        for start in range(0, len(ids), 12):
-            name = sf.shard_name(index)
-            index += 1
-            chunk = ids[start:start + 12]
-            with wds.TarWriter(str(out / name)) as sink:
-                for i in chunk:
-                    side = i % 2
-                    img = np.full((64, 72), 40, np.uint8)
-                    img[10:50, (8 if side else 40):(8 if side else 40) + 24] = 220
-                    buf = io.BytesIO()
-                    Image.fromarray(img).save(buf, format="PNG")
-                    report = f"{'left' if side else 'right'} pleural effusion. case {i}."
-                    labels = [0.0] * 14
-                    labels[10] = 1.0
-                    meta = {"id": f"s{i}", "key": f"s{i}", "subject_id": f"p{i // 2}",
-                            "study_id": f"st{i}", "split": split, "view": "PA",
-                            "label_vector": labels, "labels": {},
-                            "captions": [{"text": f"{'left' if side else 'right'} effusion {j}",
-                                          "source": "rdf"} for j in range(N_CAP)],
-                            "aug": augment.sample_param_sets(f"s{i}", 72, 64, N_AUG, cfg),
-                            "boxes": [], "image_size": [72, 64]}
-                    emb = lambda *shape: (lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True))(
-                        rng.normal(size=shape)).astype(np.float16)
-                    sink.write({"__key__": f"s{i}", "png": buf.getvalue(), "txt": report,
-                                "json": json.dumps(meta).encode(),
-                                "random-tiny.img.npy": sf.npy_bytes(emb(N_AUG, dim)),
-                                "random-tiny.syn.npy": sf.npy_bytes(emb(N_CAP, dim)),
-                                "random-tiny.txt.npy": sf.npy_bytes(emb(dim))})
-            shards.append({"name": name, "split": split, "samples": len(chunk)})
-            counts[split] = counts.get(split, 0) + len(chunk)
-    info = {"schema_version": 1, "teachers": [{"name": "random-tiny", "kind": "clip", "embed_dim": dim,
-                                                "logit_scale": 100.0, "image_size": 32}],
-            "aug": cfg.to_json(), "n_aug": N_AUG, "n_captions": N_CAP, "store_size": 64,
-            "counts": counts, "shards": shards}
-    (out / sf.DATASET_JSON).write_text(json.dumps(info))
-    (out / sf.SIZES_JSON).write_text(json.dumps({s["name"]: s["samples"] for s in shards}))
+    cmd = [PY, "-m", "cxrdr.reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
+           "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--shard-size", "12",
+           "--workers", "0", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CXRDR_DEBUG="1"))
+    if result.returncode != 0:
+        raise RuntimeError(f"reinforce build failed:\n{result.stdout}\n{result.stderr}")
     return out
 
 
@@ -122,9 +64,9 @@ def _loader(shards, split="train", **kw):
 
 
 def test_reinforced_batch_shapes_and_teacher_rows(phantom_shards):
-    from cxrdr.train.data import read_info
+    from cxrdr.common.shards import read_dataset_info
 
-    info = read_info(phantom_shards)
+    info = read_dataset_info(phantom_shards)
     teacher = info["teachers"][0]["name"]
     batch = next(iter(_loader(phantom_shards, seed=3)))
     b = 4
@@ -173,9 +115,10 @@ def test_plain_mode_has_no_teacher_and_fresh_views(phantom_shards):
 
 
 def test_split_selection_and_eval_loader(phantom_shards):
-    from cxrdr.train.data import make_eval_loader, read_info
+    from cxrdr.common.shards import read_dataset_info
+    from cxrdr.train.data import make_eval_loader
 
-    info = read_info(phantom_shards)
+    info = read_dataset_info(phantom_shards)
     for split in ("val", "test"):
         keys = [k for b in _loader(phantom_shards, split, batch_size=3, drop_last=False) for k in b["key"]]
         raw = _raw_samples(phantom_shards, split)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cxrdr.common.augment import full_image_params
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 from cxrdr.train.evaluation import faithfulness as faith
 from cxrdr.train.evaluation import localisation as loc
 from cxrdr.train.evaluation.geometry import distance_ratio
@@ -148,7 +148,7 @@ def test_chance_baseline_matches_random_heatmaps():
 
 
 def test_heatmap_plots_show_different_findings_first():
-    from cxrdr.train.evaluation.runner import varied_plots
+    from cxrdr.train.evaluation.student_maps import varied_plots
 
     def item(*labels):
         return {"attn": [(lab, None) for lab in labels], "boxes": [(lab, None) for lab in labels]}
@@ -315,3 +315,39 @@ def test_eval_rejects_bad_input(tiny_run, tmp_path):
     shards, run = tiny_run
     result = CliRunner().invoke(app, ["eval", "--ckpt", str(tmp_path / "missing.pt"), "--shards", str(shards)])
     assert result.exit_code != 0 and "checkpoint not found" in str(result.exception or result.output)
+
+
+def test_one_per_study_is_independent_of_row_order():
+    """Frontal first, then key order; unknown views count as frontal; lateral only as a last resort."""
+    from cxrdr.common.views import is_frontal, one_per_study
+
+    rows = [("s1-b", "s1", "AP_SUPINE"), ("s1-a", "s1", "LATERAL"), ("s1-c", "s1", "PA"),
+            ("s2-a", "s2", "LL"), ("s3-b", "s3", None), ("s3-a", "s3", "PA LLD"), ("x", "", "LATERAL")]
+    picked = set()
+    for order in (rows, rows[::-1], sorted(rows)):
+        keys, studies, views = zip(*order)
+        picked.add(frozenset(keys[i] for i in one_per_study(list(keys), list(studies), list(views))))
+    assert picked == {frozenset({"s1-b", "s2-a", "s3-a", "x"})}
+    assert is_frontal(" ap  Supine") and is_frontal("PA LLD") and not is_frontal(None) and not is_frontal("LL")
+
+
+def test_quick_eval_and_eval_pick_the_same_retrieval_rows(tiny_run):
+    """The in-training validation (loader batches) and `train eval` (load_split) choose the same
+    one-image-per-study rows from the same split, whatever order the loader yields."""
+    from cxrdr.common.views import one_per_study
+    from cxrdr.train.data import make_eval_loader
+    from cxrdr.train.evaluation.samples import load_split
+
+    shards, _ = tiny_run
+    samples = load_split(shards, "test")
+    rows = one_per_study([s.key for s in samples], [s.meta.get("study_id") for s in samples],
+                         [s.meta.get("view") for s in samples])
+    eval_keys = {samples[i].key for i in rows}
+    keys, studies, views = [], [], []
+    for batch in make_eval_loader(shards, "test", None, batch_size=5, image_size=32, workers=2):
+        keys += batch["key"]
+        studies += batch["study_id"]
+        views += batch["view"]
+    assert sorted(keys) == sorted(s.key for s in samples)
+    quick_keys = {keys[i] for i in one_per_study(keys, studies, views)}
+    assert quick_keys == eval_keys and len(eval_keys) >= 2

@@ -205,7 +205,8 @@ def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_pa
 
 
 def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_teacher):
-    from cxrdr.reinforce.build import build, summary_text
+    from cxrdr.reinforce.build import build
+    from cxrdr.reinforce.summary import summary_text
     from cxrdr.reinforce.phantom import write_phantom_dataset
     from cxrdr.reinforce.sources import open_source
 
@@ -240,7 +241,8 @@ def test_invalid_utf8_and_lone_surrogates_are_skipped_by_line(tmp_path, tiny_tea
 
 
 def test_ids_that_sanitise_alike_get_unique_keys_before_any_work(tmp_path, tiny_teacher):
-    from cxrdr.reinforce.build import assign_keys, build, check_unique_keys
+    from cxrdr.common.shards import assign_keys, check_unique_keys
+    from cxrdr.reinforce.build import build
     from cxrdr.common.errors import UserError
     from cxrdr.reinforce.phantom import write_phantom_dataset
     from cxrdr.reinforce.records import Record
@@ -273,7 +275,7 @@ def _rewrite_member(tar: Path, index: int, ext: str, change) -> str:
     """Rewrite sample ``index`` of ``tar`` with ``change(bytes) -> bytes`` applied to member ``ext``."""
     import webdataset as wds
 
-    from cxrdr.reinforce.verify import iter_tar_samples
+    from cxrdr.common.shards import iter_tar_samples
 
     samples = list(iter_tar_samples(tar))
     key = samples[index][0]

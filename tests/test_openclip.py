@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cxrdr.reinforce.build import BuildOptions, build, read_dataset_info
-from cxrdr.reinforce.verify import iter_tar_samples
+from cxrdr.common.shards import iter_tar_samples, read_dataset_info
+from cxrdr.reinforce.build import BuildOptions, build
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from cxrdr.reinforce.phantom import (PhantomSource, cli_phantom, phantom_record,
 from cxrdr.reinforce.phantom.cases import DEVICE, SEVERITIES
 from cxrdr.reinforce.phantom.report import (NEG_BONES, NEG_BOTH, NEG_CLEAR, NEG_CONSOLIDATION, NEG_EDEMA,
                                       NEG_EFFUSION, NEG_HEART, NEG_PNEUMOTHORAX)
-from cxrdr.reinforce.records import CHEXPERT14, Record
+from cxrdr.common.labels import CHEXPERT14
+from cxrdr.reinforce.records import Record
 
 # What the report must say when a label is positive (lower-case substrings, any of them).
 MENTIONS = {"Cardiomegaly": ("cardiomegaly", "enlarge"), "Pleural Effusion": ("effusion",),

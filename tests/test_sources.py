@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from cxrdr.reinforce.captions import make_captions
+import cxrdr.reinforce.sources as reinforce_sources
 from cxrdr.reinforce.records import load_image
 from cxrdr.reinforce.sources import Source, open_source, parse_source_options
 from cxrdr.reinforce.sources.mesh import coverage, mesh_to_annotations
@@ -45,16 +44,14 @@ def test_unknown_scheme_lists_valid_specs():
         open_source("jsonl:/x.jsonl", colour="red")
 
 
-def test_phantom_spec_delegates_lazily(monkeypatch):
+def test_phantom_spec_passes_count_seed_and_size(monkeypatch):
     calls = {}
 
     class FakePhantom:
         def __init__(self, n, seed=0, size=256):
             calls.update(n=n, seed=seed, size=size)
 
-    fake = types.ModuleType("cxrdr.reinforce.phantom")
-    fake.PhantomSource = FakePhantom
-    monkeypatch.setitem(sys.modules, "cxrdr.reinforce.phantom", fake)
+    monkeypatch.setattr(reinforce_sources, "PhantomSource", FakePhantom)
     open_source("phantom:7", seed=3, size=64, min_report_chars=30, image_root=None)
     assert calls == {"n": 7, "seed": 3, "size": 64}
     open_source("phantom")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -168,42 +168,22 @@ def image_to_view(params: dict, xy: np.ndarray) -> np.ndarray:
 def replay(image, params: dict, size: int) -> torch.Tensor:
     """Apply one stored parameter set: float32 tensor (1, size, size) in [0, 1].
 
-    Pure and deterministic: the same (image, params, size) always gives the same tensor.
+    Pure and deterministic: the same (image, params, size) always gives the same tensor. The
+    one-view case of :func:`replay_many`, so a view replayed alone or among others is the same bits.
     """
-    src = to_float_image(image)
-    _, height, width = src.shape
-    x0, y0, w, h = params["crop"]
-    # Anti-alias strong down-sampling by an integer box filter first; the affine grid is
-    # expressed in the pooled image's pixel units (pixel i of the pooled image covers [i*k, i*k+k)).
-    k = int(min(w, h) / size / 1.5) if size > 0 else 1
-    if k >= 2:
-        src = F.avg_pool2d(src.unsqueeze(0), kernel_size=k, stride=k).squeeze(0)
-    else:
-        k = 1
-    _, ph, pw = src.shape
-
-    # Output pixel centres in [-1, 1] (align_corners=False) -> stored-image pixels -> input grid.
-    steps = (torch.arange(size, dtype=torch.float64) + 0.5) / size * 2 - 1
-    vv, uu = torch.meshgrid(steps, steps, indexing="ij")
-    uv = torch.stack([uu.reshape(-1), vv.reshape(-1)], dim=1).numpy()
-    xy = view_to_image(params, uv) / k
-    gx = xy[:, 0] * 2 / pw - 1
-    gy = xy[:, 1] * 2 / ph - 1
-    grid = torch.from_numpy(np.stack([gx, gy], axis=1)).float().reshape(1, size, size, 2)
-    out = F.grid_sample(src.unsqueeze(0), grid, mode="bilinear", padding_mode="zeros",
-                        align_corners=False).squeeze(0)
-    return _photometric(out, params).clamp_(0.0, 1.0)
+    return replay_many(image, [params], size)[0]
 
 
 def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
-    """Replay several parameter sets on one image: (K, 1, size, size), equal (``torch.equal``) to
-    ``torch.stack([replay(image, p, size) for p in params_list])``.
+    """Replay several parameter sets on one image: (K, 1, size, size) float32 in [0, 1].
 
-    Cheaper because the work shared by the K views is done once: the image is converted and
-    box-filtered once per pooling factor, all K sampling grids are computed in one numpy pass
-    and resampled by one batched ``grid_sample``. Every step is the same elementwise arithmetic
-    as :func:`replay` (same operation order, float64 grids, ``math`` trigonometry), so the bits
-    agree; only the per-view photometric ops (whose ``mean`` is a reduction) run one view at a time.
+    Each view: crop + rotation + flip as one affine sampling grid (:func:`view_to_image`, float64)
+    read by bilinear ``grid_sample`` from the image box-filtered by an integer factor first
+    (anti-aliasing strong down-sampling; the grid is in the pooled image's pixel units), then the
+    photometric ops. Work shared by the views is done once: the image is converted and pooled
+    once per factor, the grids computed in one numpy pass and resampled by one batched
+    ``grid_sample``; the photometric ops (whose ``mean`` is a reduction) run one view at a time,
+    so a view's bits do not depend on the other views.
     """
     if size < 1:
         raise ValueError(f"replay size must be >= 1 pixel, got {size}")
@@ -215,7 +195,7 @@ def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
     groups: dict[int, list[int]] = {}
     for i, params in enumerate(params_list):
         _, _, w, h = params["crop"]
-        k = int(min(w, h) / size / 1.5) if size > 0 else 1
+        k = int(min(w, h) / size / 1.5)
         groups.setdefault(k if k >= 2 else 1, []).append(i)
     for k, members in groups.items():
         pooled = F.avg_pool2d(src.unsqueeze(0), kernel_size=k, stride=k).squeeze(0) if k >= 2 else src
@@ -224,7 +204,7 @@ def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
         batch = pooled.unsqueeze(0).expand(len(members), -1, -1, -1)
         sampled = F.grid_sample(batch, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
         for j, i in enumerate(members):
-            out[i] = _photometric(sampled[j], params_list[i], inplace=True).clamp_(0.0, 1.0)
+            out[i] = _photometric(sampled[j], params_list[i]).clamp_(0.0, 1.0)
     return out
 
 
@@ -273,18 +253,17 @@ def _grids(params_list: list[dict], uv: np.ndarray, k: int, pw: int, ph: int, si
     return torch.from_numpy(grid).float()
 
 
-def _photometric(x: torch.Tensor, params: dict, inplace: bool = False) -> torch.Tensor:
-    """Brightness, contrast, gamma, then the RandAugment-style ops. ``inplace`` does the same
-    arithmetic on the brightness product in place (replay_many's per-view loop: fewer allocations)."""
+def _photometric(x: torch.Tensor, params: dict) -> torch.Tensor:
+    """Brightness, contrast, gamma, then the RandAugment-style ops (in place after the first product)."""
     x = x * params.get("brightness", 1.0)
     contrast = params.get("contrast", 1.0)
     if contrast != 1.0:
         mean = x.mean()
-        x = x.sub_(mean).mul_(contrast).add_(mean) if inplace else (x - mean) * contrast + mean
-    x = x.clamp_(0.0, 1.0) if inplace else x.clamp(0.0, 1.0)
+        x = x.sub_(mean).mul_(contrast).add_(mean)
+    x = x.clamp_(0.0, 1.0)
     gamma = params.get("gamma", 1.0)
     if gamma != 1.0:
-        x = x.pow_(gamma) if inplace else x.pow(gamma)
+        x = x.pow_(gamma)
     for name, magnitude in params.get("ops", []):
         x = _apply_op(x, name, float(magnitude), params.get("noise_seed", 0))
     return x

@@ -20,18 +20,25 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
+import webdataset as wds
+from tqdm import tqdm
 
+from cxrdr.common.augment import replay_many
+from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.errors import UserError
+from cxrdr.common.locking import lock_folder, remove_stale_temp_files
+from cxrdr.common.shards import (SCHEMA_VERSION, encode_teacher, iter_tar_samples, merge_int8_quality, part_of,
+                                 read_dataset_info, repack_v1_teacher, teacher_ext)
+from cxrdr.reinforce import manifest
+from cxrdr.reinforce.embed import embed_batch
+from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device
+from cxrdr.reinforce.prepare import decode_stored_image, json_safe
+from cxrdr.reinforce.writer import TMP_SUFFIX, read_shard_stats, stats_path, write_json_atomic
 
 
 def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict) -> list[dict]:
-    import numpy as np
-    import torch
-
-    from cxrdr.common.augment import replay, to_float_image
-    from cxrdr.reinforce.build import decode_stored_image, embed_batch
-
     images = info.get("images", True)
     sizes = sorted({t.image_size for t in teachers if t.has_images}) if images else []
     prepared = []
@@ -40,21 +47,14 @@ def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict) 
         texts = [sample["txt"].decode("utf-8")] + [c["text"] for c in meta["captions"]]
         crops = {}
         if sizes:
-            pixels = to_float_image(np.asarray(decode_stored_image(sample[info["image_format"]])))
-            crops = {s: torch.stack([replay(pixels, p, s) for p in meta["aug"]]) for s in sizes}
+            pixels = np.asarray(decode_stored_image(sample[info["image_format"]]))
+            crops = {s: replay_many(pixels, meta["aug"], s) for s in sizes}
         prepared.append({"key": key, "texts": texts, "crops": crops})
     return embed_batch(teachers, prepared, images)
 
 
 def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_size: int) -> dict:
     """Add ``teachers`` to one shard; returns its updated stats."""
-    import webdataset as wds
-
-    from cxrdr.common.checksums import checksum_record, member_checksums
-    from cxrdr.common.shards import encode_teacher, merge_int8_quality, repack_v1_teacher, teacher_ext
-    from cxrdr.reinforce.verify import iter_tar_samples
-    from cxrdr.reinforce.writer import TMP_SUFFIX, part_of, read_shard_stats, stats_path, write_json_atomic
-
     index = int(shard["name"][len("shard-"):-len(".tar")])
     path = shards_dir / shard["name"]
     stats = read_shard_stats(shards_dir, index)
@@ -120,9 +120,6 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
 
     ``teachers``: already loaded teachers for ``specs`` (tests reuse them); default: load them.
     """
-    from cxrdr.reinforce.build import read_dataset_info
-    from cxrdr.common.locking import lock_folder, remove_stale_temp_files
-
     shards_dir = Path(shards_dir)
     info = read_dataset_info(shards_dir)  # before locking: a missing folder is not created
     with lock_folder(shards_dir, "reinforce add-teacher"):
@@ -133,19 +130,12 @@ def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache
 def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_cache: str | None,
                   batch_size: int, progress: bool, teachers: list | None) -> dict:
     """``add_teachers`` while holding the folder lock."""
-    from tqdm import tqdm
-
-    from cxrdr.reinforce import manifest
-    from cxrdr.reinforce.build import BuildOptions, _load_teachers, _json_safe, resolve_device
-    from cxrdr.common.shards import SCHEMA_VERSION
-    from cxrdr.reinforce.writer import read_shard_stats, write_json_atomic
-
     plan = manifest.read_plan(shards_dir)
     missing = manifest.missing_shards(shards_dir, plan)
     if missing:
         raise UserError(f"{shards_dir} has incomplete shards ({missing[:5]}); finish the build first")
     if teachers is None:
-        teachers = _load_teachers(BuildOptions(teachers=specs, model_cache=model_cache), resolve_device(device))
+        teachers = load_build_teachers(BuildOptions(teachers=specs, model_cache=model_cache), resolve_device(device))
     existing = {t["name"] for t in plan["teachers"]}
     clash = sorted({t.name for t in teachers} & existing)
     if clash:
@@ -157,7 +147,7 @@ def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_c
             if not names <= set(read_shard_stats(shards_dir, int(s["name"][6:12])).get("teachers", []))]
     for shard in tqdm(todo, unit="shard", desc="add-teacher", disable=not progress):
         rewrite_shard(shards_dir, shard, teachers, info, batch_size)
-    plan["teachers"] = plan["teachers"] + [_json_safe(t.describe()) for t in teachers]
+    plan["teachers"] = plan["teachers"] + [json_safe(t.describe()) for t in teachers]
     if plan.get("schema_version", 1) < SCHEMA_VERSION:  # rewrite_shard upgraded every shard
         plan.setdefault("upgraded_from_schema_version", plan.get("schema_version", 1))
         plan["schema_version"] = SCHEMA_VERSION

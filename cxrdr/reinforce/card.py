@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cxrdr.reinforce.writer import write_text_atomic
+
 CARD_NAME = "README.md"
 # license of the data each built-in source reads (Hugging Face license identifiers)
 SOURCE_LICENSES = {
@@ -97,8 +99,6 @@ def dataset_card(dataset: dict) -> str:
 
 
 def write_card(out_dir: Path, dataset: dict) -> Path:
-    from cxrdr.reinforce.writer import write_text_atomic
-
     path = Path(out_dir) / CARD_NAME
     write_text_atomic(path, dataset_card(dataset))
     return path

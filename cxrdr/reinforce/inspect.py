@@ -8,12 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from cxrdr.common.errors import UserError
+from cxrdr.common.shards import iter_tar_samples, npy_load, read_dataset_info, sample_embeddings, teacher_ext
 
 
 def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[str, dict] | None:
     """(shard name, raw sample) of the first sample, or of ``key`` when given."""
-    from cxrdr.reinforce.verify import iter_tar_samples
-
     for shard in info["shards"]:
         if not shard["samples"]:
             continue
@@ -26,10 +25,6 @@ def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[
 def storage_lines(shards_dir: Path, info: dict, raw: dict | None) -> list[str]:
     """On-disk bytes per sample (tars, headers and padding included) against the payload, and per
     teacher the stored bytes per vector of the sample shown (int8: D + 4, the scale included)."""
-    import numpy as np
-
-    from cxrdr.common.shards import npy_load, teacher_ext
-
     n = info["total_samples"]
     disk = sum((Path(shards_dir) / s["name"]).stat().st_size for s in info["shards"])
     payload = info["bytes_per_sample"].get("total", 0.0)
@@ -52,8 +47,6 @@ def storage_lines(shards_dir: Path, info: dict, raw: dict | None) -> list[str]:
 
 
 def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None, n_params: int = 3) -> str:
-    from cxrdr.common.shards import sample_embeddings
-
     lines = [f"shard folder: {shards_dir} (schema v{info['schema_version']})",
              f"source: {info['source'].get('name', info['source'])}  images: {info.get('images', True)}",
              f"samples: {info['total_samples']} in {len(info['shards'])} shards; per split: {info['counts']}",
@@ -105,8 +98,6 @@ def cli_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print dataset.json instead of the summary.")] = False,
 ) -> None:
     """Summarise a shard folder: counts, splits, teachers, bytes/sample, one sample's captions and aug params."""
-    from cxrdr.reinforce.build import read_dataset_info
-
     info = read_dataset_info(shards_dir)
     if as_json:
         typer.echo(json.dumps(info, indent=1))

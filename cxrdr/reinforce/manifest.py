@@ -16,11 +16,15 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import typer
 
 from cxrdr.common.errors import UserError
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
+from cxrdr.common.locking import lock_folder, remove_stale_temp_files
 from cxrdr.common.shards import DATASET_JSON, MANIFEST, SIZES_JSON, STATS_DIR
+from cxrdr.reinforce.card import write_card
 from cxrdr.reinforce.writer import is_shard_complete, read_shard_stats, write_json_atomic
 
 PLAN_JSON = "plan.json"
@@ -83,8 +87,6 @@ def wait_for_shards(out_dir: Path, plan: dict, timeout: float, poll: float = 2.0
 
 def manifest_table(rows: list[dict]):
     """The manifest as a pyarrow Table with a fixed schema (labels as nullable int8)."""
-    import pyarrow as pa
-
     fields = [("key", pa.string()), ("id", pa.string()), ("shard", pa.string()),
               ("index_in_shard", pa.int32()), ("split", pa.string()), ("subject_id", pa.string()),
               ("study_id", pa.string()), ("view", pa.string())]
@@ -140,8 +142,6 @@ def _build_timing(out_dir: Path) -> dict:
 
 def merge(out_dir: Path, wait_timeout: float = 0.0) -> dict:
     """Write manifest.parquet, sizes.json and dataset.json from the plan and per-shard stats."""
-    import pyarrow.parquet as pq
-
     out_dir = Path(out_dir)
     plan = read_plan(out_dir)
     wait_for_shards(out_dir, plan, wait_timeout)
@@ -191,7 +191,6 @@ def merge(out_dir: Path, wait_timeout: float = 0.0) -> dict:
         "build": _build_timing(out_dir),
     }
     write_json_atomic(out_dir / DATASET_JSON, dataset)
-    from cxrdr.reinforce.card import write_card
 
     write_card(out_dir, dataset)  # README.md: the dataset card, regenerated with every merge
     return dataset
@@ -204,7 +203,6 @@ def cli_merge(
     """Merge per-shard stats of a (multi-rank) build into manifest.parquet, sizes.json and dataset.json."""
     if not out_dir.is_dir():
         raise UserError(f"shard folder not found: {out_dir}")
-    from cxrdr.common.locking import lock_folder, remove_stale_temp_files
 
     with lock_folder(out_dir, "reinforce merge"):
         remove_stale_temp_files(out_dir)

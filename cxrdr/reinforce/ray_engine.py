@@ -9,7 +9,7 @@ What runs where
   (``--resume``). It loads the teachers on CPU only to describe them in the plan.
 - Ray Data actors (``ActorPoolStrategy``, ``--ray-actors N``) each load the teachers once, on
   one GPU per actor (``num_gpus=1``) when the cluster has GPUs, else on CPU. An actor builds
-  whole shards with the local engine's own ``cxrdr.reinforce.build._run_shards`` (DataLoader workers
+  whole shards with the local engine's own ``cxrdr.reinforce.pipeline.run_shards`` (DataLoader workers
   prepare, the actor embeds, a thread writes the tar), so tars and stats are the same bytes.
 - One shard = one Ray Data block = one task: the unit of scheduling, retry and resume. Ray's
   streaming executor hands the next shard to whichever actor is free (no fixed i % world).
@@ -41,9 +41,16 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import typer
+from tqdm import tqdm
 
 from cxrdr.common.errors import UserError
+from cxrdr.reinforce.options import load_build_teachers
+from cxrdr.reinforce.pipeline import run_shards
+from cxrdr.reinforce.prepare import json_safe
+from cxrdr.reinforce.records import SkipLog
+from cxrdr.reinforce.writer import is_shard_complete, stats_path, write_json_atomic
 
 INSTALL_HINT = 'pip install "cxrdr[ray]" (or pip install "ray[data]")'
 # Test hook: "INDEX:N[,INDEX:N]" makes the first N attempts at shard INDEX raise (retry tests).
@@ -51,6 +58,7 @@ FAULTS_ENV = "CXRDR_RAY_FAULTS"
 
 
 def import_ray():
+    """Ray and Ray Data, imported on use: an optional dependency (the ``ray`` extra)."""
     try:
         import ray
         import ray.data  # noqa: F401 - the engine needs Ray Data, not only Ray core
@@ -60,8 +68,6 @@ def import_ray():
 
 
 def error_path(out_dir: Path, index: int) -> Path:
-    from cxrdr.reinforce.writer import stats_path
-
     path = stats_path(out_dir, index)
     return path.with_name(path.stem + ".error.json")
 
@@ -79,13 +85,11 @@ class ShardBuilder:
     """A Ray Data actor: teachers loaded once, then whole shards built by the local engine's code."""
 
     def __init__(self, opts, spec, device: str, expected_teachers: list, cwd: str, faults: dict):
-        from cxrdr.reinforce.build import _json_safe, _load_teachers
-
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative source paths mean what they meant on the driver
         self.opts, self.spec, self.device, self.faults = opts, spec, device, faults
-        self.teachers = _load_teachers(opts, device)
-        got = [_json_safe(t.describe()) for t in self.teachers]
+        self.teachers = load_build_teachers(opts, device)
+        got = [json_safe(t.describe()) for t in self.teachers]
         if json.loads(json.dumps(got)) != expected_teachers:
             # Another model cache or package version on this node would silently mix teachers.
             raise UserError(f"--teachers {opts.teachers}: the teachers loaded on {socket.gethostname()} differ "
@@ -93,17 +97,11 @@ class ShardBuilder:
                             "--model-cache and packages")
 
     def __call__(self, batch: dict) -> dict:
-        import numpy as np
-
         results = [self.build_shard(pickle.loads(payload)) for payload in batch["plan"]]
         return {"index": np.array([r["index"] for r in results]),
                 "result": np.array([json.dumps(r) for r in results], dtype=object)}
 
     def build_shard(self, shard) -> dict:
-        from cxrdr.reinforce.build import _run_shards
-        from cxrdr.reinforce.records import SkipLog
-        from cxrdr.reinforce.writer import write_json_atomic
-
         out_dir = Path(self.opts.out)
         err = error_path(out_dir, shard.index)
         attempt = 1 + (json.loads(err.read_text())["attempt"] if err.is_file() else 0)
@@ -112,7 +110,7 @@ class ShardBuilder:
         try:
             if attempt <= self.faults.get(shard.index, 0):
                 raise RuntimeError(f"injected fault ({FAULTS_ENV}) in attempt {attempt}")
-            result = _run_shards([shard], self.teachers, self.spec, self.opts, out_dir, skiplog, None, 0)
+            result = run_shards([shard], self.teachers, self.spec, self.opts, out_dir, skiplog, None, 0)
         except Exception as exc:
             write_json_atomic(err, {"shard": shard.name, "attempt": attempt, "host": socket.gethostname(),
                                     "error": f"{type(exc).__name__}: {exc}"})
@@ -137,11 +135,7 @@ def _placement(ray, opts) -> tuple[bool, int, int]:
 
 
 def run_shards_ray(todo: list, teachers: list, spec, opts, out_dir: Path, skiplog) -> dict:
-    """Build ``todo`` (ShardPlans) on a Ray actor pool; returns the rank-stats dict of ``_run_shards``."""
-    from tqdm import tqdm
-
-    from cxrdr.reinforce.build import _json_safe
-
+    """Build ``todo`` (ShardPlans) on a Ray actor pool; returns the rank-stats dict of ``run_shards``."""
     ray = import_ray()
     if not todo:
         return {"samples_built": 0, "pipeline_seconds": 0.0, "engine": "ray",
@@ -169,7 +163,7 @@ def run_shards_ray(todo: list, teachers: list, spec, opts, out_dir: Path, skiplo
             warnings.simplefilter("ignore", DeprecationWarning)
             ds = _actor_pool_map(ray, rows, actors, use_gpu, cpus_per_actor, opts.ray_retries, dict(
                 opts=actor_opts, spec=spec, device="cuda" if use_gpu else "cpu",
-                expected_teachers=json.loads(json.dumps([_json_safe(t.describe()) for t in teachers])),
+                expected_teachers=json.loads(json.dumps([json_safe(t.describe()) for t in teachers])),
                 cwd=os.getcwd(), faults=_parse_faults(os.environ.get(FAULTS_ENV))))
         if opts.progress:
             typer.echo(f"ray: {len(todo)} shards on {actors} actor(s), {'1 GPU' if use_gpu else 'CPU'} and "
@@ -213,8 +207,6 @@ def _actor_pool_map(ray, rows: list, actors: int, use_gpu: bool, cpus: int, retr
 
 
 def _raise_for_failed_shards(out_dir: Path, todo: list, retries: int) -> None:
-    from cxrdr.reinforce.writer import is_shard_complete
-
     failed = [s for s in todo if not is_shard_complete(out_dir, s.index)]
     if not failed:
         return

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,25 +15,9 @@ from typing import Callable, Iterator, Union
 
 from PIL import Image
 
-log = logging.getLogger(__name__)
+from cxrdr.common.labels import CHEXPERT14
 
-# CheXpert-14 label names, in the order used everywhere a label vector is needed.
-CHEXPERT14: tuple[str, ...] = (
-    "No Finding",
-    "Enlarged Cardiomediastinum",
-    "Cardiomegaly",
-    "Lung Opacity",
-    "Lung Lesion",
-    "Edema",
-    "Consolidation",
-    "Pneumonia",
-    "Atelectasis",
-    "Pneumothorax",
-    "Pleural Effusion",
-    "Pleural Other",
-    "Fracture",
-    "Support Devices",
-)
+log = logging.getLogger(__name__)
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 
@@ -100,15 +83,6 @@ def load_image(record: Record) -> Image.Image:
         background = Image.new("RGBA", image.size, (0, 0, 0, 255))
         image = Image.alpha_composite(background, image.convert("RGBA"))
     return image.convert("L")
-
-
-_KEY_BAD_CHARS = re.compile(r"[^A-Za-z0-9_-]+")
-
-
-def safe_key(record_id: str) -> str:
-    """A WebDataset-safe sample key: no dots (they separate key and extension) or slashes."""
-    key = _KEY_BAD_CHARS.sub("_", record_id).strip("_")
-    return key or "sample"
 
 
 @dataclass

@@ -18,74 +18,19 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
+import pyarrow.parquet as pq
 import typer
+from PIL import Image
+from tqdm import tqdm
 
 from cxrdr.common.checksums import checksum_problems
 from cxrdr.common.errors import UserError
-from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext,
-                                   int8_row_dtype, npy_load, sample_embeddings, scale_ext, teacher_ext)
+from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext, expected_members,
+                                 int8_row_dtype, iter_tar_samples, npy_load, read_dataset_info,
+                                 sample_embeddings, scale_ext, teacher_ext, teacher_shapes)
+from cxrdr.reinforce.writer import stats_path
 
 NORM_TOLERANCE = {"float32": 1e-3, "float16": 5e-3, "int8": 5e-2}
-
-
-def iter_tar_samples(path: Path):
-    """Yield (key, {ext: bytes}) in tar order; raises tarfile.ReadError/EOFError on damage.
-
-    After the last sample, checks that the archive ends with its zero end-of-archive blocks,
-    which a tar cut at a member boundary lacks (tarfile itself stops silently there).
-    """
-    with open(path, "rb") as raw:
-        tf = tarfile.open(fileobj=raw, mode="r:")
-        key, parts = None, {}
-        for member in tf:
-            if not member.isfile():
-                continue
-            data = tf.extractfile(member).read()
-            if len(data) != member.size:
-                raise tarfile.ReadError(f"member {member.name} is truncated")
-            name = member.name.rsplit("/", 1)[-1]
-            k, _, ext = name.partition(".")
-            if k != key:
-                if key is not None:
-                    yield key, parts
-                key, parts = k, {}
-            if ext in parts:
-                raise tarfile.ReadError(f"member {member.name} appears twice")
-            parts[ext] = data
-        end = tf.offset
-        if key is not None:
-            yield key, parts
-        raw.seek(end)
-        tail = raw.read(1024)
-        if len(tail) < 1024 or any(tail):
-            raise tarfile.ReadError(f"truncated: no end-of-archive marker at byte {end}")
-
-
-def teacher_shapes(info: dict, t: dict) -> dict[str, tuple]:
-    """part -> decoded shape of one teacher's embeddings in this build."""
-    K, S, D = info["n_aug"], info["n_captions"], t["embed_dim"]
-    shapes = {"syn": (S, D), "txt": (D,)}
-    if info.get("images", True) and t["kind"] == "clip":
-        shapes = {"img": (K, D), **shapes}
-    return shapes
-
-
-def expected_parts(info: dict) -> dict[str, tuple | None]:
-    """ext -> expected stored shape (None for non-embedding parts)."""
-    parts: dict[str, tuple | None] = {"txt": None, "json": None}
-    if info.get("images", True):
-        parts[info["image_format"]] = None
-    for t in info["teachers"]:
-        shapes = teacher_shapes(info, t)
-        if info.get("schema_version", 1) >= 2:
-            rows = sum(shape[0] if len(shape) > 1 else 1 for shape in shapes.values())
-            parts[teacher_ext(t["name"])] = (rows,) if info["emb_dtype"] == "int8" else (rows, t["embed_dim"])
-            continue
-        for part, shape in shapes.items():
-            parts[emb_ext(t["name"], part)] = shape
-            if info["emb_dtype"] == "int8":
-                parts[scale_ext(t["name"], part)] = shape[:-1] if len(shape) > 1 else (1,)
-    return parts
 
 
 def _stored_dtype(info: dict, t: dict) -> np.dtype:
@@ -150,8 +95,6 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
     if len(meta.get("aug", [])) != info["n_aug"]:
         problems.append(f"{where}: {len(meta.get('aug', []))} aug param sets, expected {info['n_aug']}")
     if info.get("images", True):
-        from PIL import Image
-
         try:
             image = Image.open(io.BytesIO(sample[info["image_format"]]))
             image.load()
@@ -166,11 +109,6 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
 
 def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
     """All problems found (empty = valid) and a few totals."""
-    import pyarrow.parquet as pq
-
-    from cxrdr.reinforce.build import read_dataset_info
-    from cxrdr.reinforce.writer import stats_path
-
     shards_dir = Path(shards_dir)
     try:
         info = read_dataset_info(shards_dir)
@@ -190,7 +128,7 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
     for row in manifest_rows or []:
         by_shard.setdefault(row["shard"], []).append(row)
 
-    expected = expected_parts(info)
+    expected = expected_members(info)
     listed = {s["name"] for s in info["shards"]}
     on_disk = {p.name for p in shards_dir.glob("*.tar") if SHARD_RE.match(p.name)}
     problems += [f"{name}: tar on disk but not listed in {DATASET_JSON}" for name in sorted(on_disk - listed)]
@@ -256,8 +194,6 @@ def cli_verify(
     max_problems: Annotated[int, typer.Option(help="Print at most this many problems.")] = 50,
 ) -> None:
     """Check every shard against dataset.json, manifest.parquet and sizes.json (exit 1 on any problem)."""
-    from tqdm import tqdm
-
     if not shards_dir.is_dir():
         raise UserError(f"shard folder not found: {shards_dir}")
     bar = tqdm(unit="shard", desc="verify", leave=False)

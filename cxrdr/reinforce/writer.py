@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from cxrdr.common.checksums import checksum_record, member_checksums
-from cxrdr.common.shards import STATS_DIR, shard_name
+from cxrdr.common.shards import STATS_DIR, part_of, shard_name
 
 TMP_SUFFIX = ".tmp"
 
@@ -62,17 +62,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f"{TMP_SUFFIX}{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-
-
-def part_of(ext: str) -> str:
-    """Accounting bucket of a sample file: 'image', 'text', 'json' or the teacher's name."""
-    if ext in ("jpg", "jpeg", "png"):
-        return "image"
-    if ext == "txt":
-        return "text"
-    if ext == "json":
-        return "json"
-    return ext.split(".", 1)[0]  # '<teacher>.<part>[.scale].npy'
 
 
 class ShardFile:

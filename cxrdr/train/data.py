@@ -24,8 +24,6 @@ the tokenizer callable is taken from the student (see :func:`student_tokenizer`)
 """
 from __future__ import annotations
 
-import io
-import json
 import os
 import random
 from dataclasses import dataclass, field
@@ -34,50 +32,33 @@ from typing import Callable
 
 import numpy as np
 import torch
-from PIL import Image
+import webdataset as wds
+from torch.utils.data import DataLoader
 
 from cxrdr.common import augment
-from cxrdr.common import shards as sf
+from cxrdr.common.shards import Sample, decode_sample, read_dataset_info
 from cxrdr.train.integrity import CheckedTarSamples, CorruptPolicy, Guarded, check_embedding
 
 MODES = ("reinforced", "plain")
 PICKS = ("random", "sequential")
-IMAGE_EXTS = ("png", "jpg", "jpeg")
 
 
 # --------------------------------------------------------------------------- dataset info
 
 
-def read_info(shards_dir: str | Path) -> dict:
-    """dataset.json of a shard folder (through the build helper's reader when it exists)."""
-    shards_dir = Path(shards_dir)
-    try:
-        from cxrdr.reinforce.build import read_dataset_info
-    except ImportError:  # build module not there yet: read the file ourselves
-        read_dataset_info = None
-    if read_dataset_info is not None:
-        return read_dataset_info(shards_dir)
-    path = shards_dir / sf.DATASET_JSON
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no {sf.DATASET_JSON}; is {shards_dir} a `reinforce build` output?")
-    return json.loads(path.read_text())
+read_info = read_dataset_info  # the name the training loop reads dataset.json by
 
 
 def split_shards(shards_dir: str | Path, split: str, info: dict | None = None) -> tuple[list[str], int]:
     """Tar paths holding ``split`` and their sample count (shards never mix splits)."""
     shards_dir = Path(shards_dir)
-    info = info if info is not None else read_info(shards_dir)
-    entries = info.get("shards")
-    if entries:
-        chosen = [e for e in entries if e.get("split") == split]
-        urls = [str(shards_dir / e["name"]) for e in chosen]
-        count = sum(int(e.get("samples", 0)) for e in chosen)
-    else:  # older/partial dataset.json: take every tar, the per-sample filter does the rest
-        urls = sorted(str(p) for p in shards_dir.glob("shard-*.tar"))
-        count = int(info.get("counts", {}).get(split, 0))
+    info = info if info is not None else read_dataset_info(shards_dir)
+    chosen = [e for e in info["shards"] if e["split"] == split]
+    urls = [str(shards_dir / e["name"]) for e in chosen]
+    count = sum(int(e["samples"]) for e in chosen)
     missing = [u for u in urls if not Path(u).is_file()]
     if missing:
-        raise FileNotFoundError(f"{missing[0]}: shard listed in {sf.DATASET_JSON} is missing")
+        raise FileNotFoundError(f"{missing[0]}: shard listed in dataset.json is missing")
     return urls, count
 
 
@@ -166,23 +147,22 @@ class SampleView:
             return self.epoch % n
         return int(self.rng.integers(n))
 
-    def _caption(self, captions: list, sample: dict, meta: dict) -> tuple[int, str]:
+    def _caption(self, captions: list, report: str) -> tuple[int, str]:
         """One stored caption (its index into the stored rows); a sample with none of the wanted
         sources falls back to its report (index -1: the report's own embedding)."""
         usable = [i for i, c in enumerate(captions)
                   if self.caption_sources is None or c.get("source") in self.caption_sources]
         if not usable:
-            return -1, sample_report(sample, meta)
+            return -1, report
         index = usable[self._index(len(usable))]
         return index, captions[index]["text"]
 
-    def keep(self, sample: dict) -> bool:
-        return _meta(sample).get("split") == self.split
+    def keep(self, sample: Sample) -> bool:
+        return sample.split == self.split
 
-    def __call__(self, sample: dict) -> dict:
-        meta = _meta(sample)
-        key = sample.get("__key__", meta.get("key"))
-        image = _image(sample)
+    def __call__(self, sample: Sample) -> dict:
+        meta, key = sample.meta, sample.key
+        image = sample.image()
         width, height = image.size
         teachers_out: dict = {}
         if self.full_image:
@@ -197,16 +177,16 @@ class SampleView:
         captions = meta.get("captions") or []
         if self.full_image or not captions:
             caption_index = -1
-            caption = sample_report(sample, meta)
+            caption = sample.report
         else:
-            caption_index, caption = self._caption(captions, sample, meta)
+            caption_index, caption = self._caption(captions, sample.report)
         if self.mode == "reinforced" and not self.full_image:
             for name in self.teachers:
-                teachers_out[name] = _teacher_rows(sample, key, name, aug_index, caption_index)
+                teachers_out[name] = _teacher_rows(sample, name, aug_index, caption_index)
         out = {
             "key": key,
             "image": augment.replay(image, params, self.image_size),
-            "report_text": sample_report(sample, meta),
+            "report_text": sample.report,
             "caption_text": caption,
             "teacher": teachers_out,
             "labels": torch.tensor(meta.get("label_vector") or [0.0] * 14, dtype=torch.float32),
@@ -225,38 +205,11 @@ class SampleView:
         return out
 
 
-def _meta(sample: dict) -> dict:
-    meta = sample.get("json")
-    if isinstance(meta, (bytes, bytearray)):
-        meta = json.loads(meta)
-        sample["json"] = meta
-    if not isinstance(meta, dict):
-        raise ValueError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: no .json metadata")
-    return meta
-
-
-def sample_report(sample: dict, meta: dict) -> str:
-    text = sample.get("txt")
-    if isinstance(text, (bytes, bytearray)):
-        text = text.decode("utf-8")
-    return text if text is not None else (meta.get("report") or "")
-
-
-def _image(sample: dict) -> Image.Image:
-    for ext in IMAGE_EXTS:
-        if ext in sample:
-            data = sample[ext]
-            image = Image.open(io.BytesIO(data)) if isinstance(data, (bytes, bytearray)) else data
-            return image.convert("L")
-    raise ValueError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')}: no image "
-                     f"(.png/.jpg)")
-
-
-def _teacher_rows(sample: dict, key, name: str, aug_index: int, caption_index: int) -> dict:
-    parts = sf.sample_embeddings(sample, name) or {}
+def _teacher_rows(sample: Sample, name: str, aug_index: int, caption_index: int) -> dict:
+    parts = sample.embeddings(name) or {}
     img, syn, txt = parts.get("img"), parts.get("syn"), parts.get("txt")
     if txt is None or syn is None:
-        raise ValueError(f"sample {key!r}: teacher {name!r} embeddings missing ({sf.teacher_ext(name)})")
+        raise ValueError(f"sample {sample.key!r}: teacher {name!r} embeddings missing")
     for part, values in (("img", img), ("syn", syn), ("txt", txt)):
         if values is not None:
             check_embedding(values, f"{name}.{part}")
@@ -322,8 +275,6 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
                    policy: CorruptPolicy | None = None):
     """The WebDataset pipeline (a torch IterableDataset yielding collated batches).
     ``policy``: what a damaged shard or sample does (default: stop naming shard and key)."""
-    import webdataset as wds
-
     policy = policy or CorruptPolicy()
 
     if resampled:
@@ -338,7 +289,8 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
             stages.append(wds.split_by_node)
         stages.append(wds.split_by_worker)
     stages.append(CheckedTarSamples(policy))
-    stages.append(wds.select(Guarded(view.keep, policy)))
+    stages.append(wds.map(Guarded(decode_sample, policy)))
+    stages.append(wds.select(view.keep))
     if shuffle and shuffle_buffer > 1:
         stages.append(wds.detshuffle(shuffle_buffer, initial=min(shuffle_buffer, 64),
                                      seed=augment.stable_seed("samples", seed, epoch) % (2**31)))
@@ -367,9 +319,7 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
     sources (reinforcement ablations at train time, no rebuild).
     Batches: see :class:`Collate`; ``teacher`` maps name -> {"img": (B,D) or None, "txt", "syn"}.
     """
-    from torch.utils.data import DataLoader
-
-    info = read_info(shards_dir)
+    info = read_dataset_info(shards_dir)
     urls, count = split_shards(shards_dir, split, info)
     if not urls:
         raise ValueError(f"{shards_dir}: no shards hold split {split!r} "
@@ -412,9 +362,7 @@ def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: in
     Batches also carry ``aug_params`` (the identity view) and, with ``return_boxes``, ``boxes``
     in stored-image pixels.
     """
-    from torch.utils.data import DataLoader
-
-    info = read_info(shards_dir)
+    info = read_dataset_info(shards_dir)
     urls, _ = split_shards(shards_dir, split, info)
     if not urls:
         raise ValueError(f"{shards_dir}: no shards hold split {split!r}")

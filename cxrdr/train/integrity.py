@@ -1,7 +1,7 @@
 """Damaged shard input during training: name the shard and key, then stop or skip and count.
 
 Three layers, independent of how a sample's members are laid out:
-- ``CheckedTarSamples`` reads each tar strictly (``cxrdr.reinforce.verify.iter_tar_samples``): a
+- ``CheckedTarSamples`` reads each tar strictly (``cxrdr.common.shards.iter_tar_samples``): a
   truncated member, a duplicated member or a tar cut at a member boundary (no end-of-archive
   marker) is an error naming the shard and the last good key; webdataset's reader would raise a
   long traceback or stop silently, losing the samples after the cut.
@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from cxrdr.common.errors import UserError
+from cxrdr.common.shards import Sample, iter_tar_samples
 
 ON_CORRUPT = ("stop", "skip")
 # Stored rows are L2-normalised before storage; float16 keeps norms within ~1e-3, int8 within
@@ -108,8 +109,6 @@ class CheckedTarSamples:
     policy: CorruptPolicy
 
     def __call__(self, shards):
-        from cxrdr.reinforce.verify import iter_tar_samples
-
         for shard in shards:
             url, last = shard["url"], None
             try:
@@ -123,7 +122,8 @@ class CheckedTarSamples:
 
 @dataclass
 class Guarded:
-    """``fn(sample)``, or the policy's verdict on a sample it cannot decode (None: drop it)."""
+    """``fn(sample)`` (a raw or a decoded sample), or the policy's verdict on a sample it cannot
+    decode (None: drop it)."""
 
     fn: Callable
     policy: CorruptPolicy
@@ -134,5 +134,8 @@ class Guarded:
         except CorruptDataError:
             raise
         except SAMPLE_ERRORS as exc:
-            self.policy.handle(sample.get("__url__"), sample.get("__key__"), exc)
+            if isinstance(sample, Sample):
+                self.policy.handle(sample.url, sample.key, exc)
+            else:  # a raw sample the decoder refused
+                self.policy.handle(sample.get("__url__"), sample.get("__key__"), exc)
             return None

@@ -1,7 +1,8 @@
 """The in-training validation pass: retrieval R@K and a quick linear-probe AUC, one score.
 
 Cheap on purpose (the full suite is ``train eval``): embed the split once with the full-image
-view, keep one frontal image per study with its report for retrieval, and fit the linear probe
+view, keep one frontal image per study with its report for retrieval (the rows ``train eval``
+picks: :func:`cxrdr.common.views.one_per_study`), and fit the linear probe
 on one half of the split's subjects and score it on the other half. The metric functions are
 the evaluation package's (``cxrdr.train.evaluation.retrieval`` / ``probe``) so numbers agree.
 
@@ -17,8 +18,9 @@ import numpy as np
 import torch
 
 from cxrdr.common.augment import stable_seed
-
-FRONTAL_VIEWS = {"PA", "AP", "FRONTAL", "AP AXIAL", "PA LLD", "AP LLD"}
+from cxrdr.common.views import one_per_study
+from cxrdr.train.evaluation.probe import linear_probe
+from cxrdr.train.evaluation.retrieval import retrieval_metrics
 
 
 @torch.no_grad()
@@ -53,21 +55,9 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
             "view": view, "report_text": text, "key": keys}
 
 
-def one_per_study(study_ids: list, views: list) -> list[int]:
-    """Row indices: the first frontal image of each study (or its first image when none is frontal)."""
-    chosen: dict = {}
-    for i, (study, view) in enumerate(zip(study_ids, views)):
-        frontal = view is None or str(view).upper() in FRONTAL_VIEWS
-        if study not in chosen or (frontal and not chosen[study][1]):
-            chosen[study] = (i, frontal)
-    return sorted(i for i, _ in chosen.values())
-
-
 def quick_probe(emb: np.ndarray, labels: np.ndarray, subjects: list, seed: int = 0,
                 min_positives: int = 2) -> dict:
     """Linear probe fitted on half the subjects of the split and scored on the other half."""
-    from cxrdr.train.evaluation.probe import linear_probe
-
     halves = np.array([stable_seed("probe", seed, s) % 2 for s in subjects])
     if halves.all() or not halves.any():  # one subject only: split rows instead
         halves = np.arange(len(subjects)) % 2
@@ -85,10 +75,8 @@ def early_stop_score(metrics: dict, weight: float = 0.5) -> float:
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
                    max_samples: int | None = None, seed: int = 0) -> dict:
     """Retrieval (one frontal image per study) + quick probe AUC + the early-stopping score."""
-    from cxrdr.train.evaluation.retrieval import retrieval_metrics
-
     data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
-    rows = one_per_study(data["study_id"], data["view"])
+    rows = one_per_study(data["key"], data["study_id"], data["view"])
     metrics = retrieval_metrics(data["img"][rows], data["txt"][rows],
                                 texts=[data["report_text"][i] for i in rows])
     try:

@@ -311,27 +311,53 @@ def render_case(case: Case, size: int = 256) -> Image.Image:
     """Draw one phantom study as an 8-bit grayscale ``size`` x ``size`` PIL image."""
     if size < 16:
         raise ValueError(f"phantom image size must be >= 16 px, got {size}")
-    g = case.geometry
     rng = np.random.default_rng(stable_seed("phantom-render", case.seed, case.index))
-    X, Y = _grid(size)
-    s = 1.5 / size
-    dx = X - g.cx
-    adx = np.abs(dx)
-    dome_mid = 0.5 * (g.dome_r + g.dome_l)
+    c = _Canvas(case.geometry, size)
+    img = _draw_body(c)
+    img = _draw_lungs(c, case, img, rng)
+    img = _draw_mediastinum(c, img)
+    img = _draw_findings(c, case, img)
+    img = _draw_bones(c, img)
+    if case.devices:
+        img = img + 0.3 * _device_layer(c.g, case.devices, size)
+    # Exposure and noise.
+    g = c.g
+    img = (np.clip(img, 0.0, 1.0) - 0.45) * g.contrast + 0.45 + g.brightness
+    img = np.clip(img, 0.0, 1.0) ** g.gamma
+    img = img + rng.standard_normal(img.shape, dtype=np.float32) * g.noise
+    return Image.fromarray((np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8), mode="L")
 
-    # Body: soft tissue thicker in the middle, narrowing to the neck above the shoulders.
+
+class _Canvas:
+    """The pixel grid of one drawing and the geometry every layer is placed by."""
+
+    def __init__(self, g: Geometry, size: int):
+        self.g, self.size = g, size
+        self.X, self.Y = _grid(size)
+        self.s = 1.5 / size  # edge softness: about one pixel
+        self.dx = self.X - g.cx
+        self.adx = np.abs(self.dx)
+        self.dome_mid = 0.5 * (g.dome_r + g.dome_l)
+
+
+def _draw_body(c: _Canvas) -> np.ndarray:
+    """Soft tissue thicker in the middle, narrowing to the neck above the shoulders."""
+    g, X, Y, s = c.g, c.X, c.Y, c.s
     shoulder = np.clip((Y - (g.apex_y - 0.13)) / 0.1, 0.0, 1.0)
     half = g.neck + (g.bw * (0.96 + 0.06 * Y) - g.neck) * np.sqrt(shoulder * (2.0 - shoulder))
-    thick = np.sqrt(np.clip(1.0 - (dx / g.bw) ** 2, 0.0, 1.0))
-    soft = 0.3 + 0.28 * thick + 0.05 * np.clip((Y - dome_mid - 0.04) / 0.06, 0.0, 1.0)
-    img = _lerp(np.full_like(X, AIR), soft, _ramp(half - adx, s))
+    thick = np.sqrt(np.clip(1.0 - (c.dx / g.bw) ** 2, 0.0, 1.0))
+    soft = 0.3 + 0.28 * thick + 0.05 * np.clip((Y - c.dome_mid - 0.04) / 0.06, 0.0, 1.0)
+    return _lerp(np.full_like(X, AIR), soft, _ramp(half - c.adx, s))
 
-    # Lungs with vascular markings that fade from the hila to the periphery.
+
+def _draw_lungs(c: _Canvas, case: Case, img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Lungs with vascular markings that fade from the hila to the periphery (and pneumothoraces)."""
+    g, X, Y, s = c.g, c.X, c.Y, c.s
     lung_r, lung_l = lung_mask(g, "right", X, Y, s), lung_mask(g, "left", X, Y, s)
     hil = 0.0
     for hx, hy in hila(g):
         hil = np.maximum(hil, np.exp(-(((X - hx) / 0.12) ** 2 + ((Y - hy) / 0.16) ** 2)))
-    texture = _smooth_noise(rng, size, 22) - 0.5
+    texture = _smooth_noise(rng, c.size, 22) - 0.5
     vessels = 0.08 * hil + texture * (0.05 + 0.07 * hil)
     lung_val = LUNG + vessels + 0.06 * np.clip((Y - g.apex_y) / g.height, 0.0, 1.0)
     for f in case.findings:
@@ -344,10 +370,13 @@ def render_case(case: Case, size: int = 256) -> Image.Image:
             detached = np.minimum(lateral / (2 * s), 1.0) * _ramp(_sgn(f.side) * (X - g.cx) - g.mw - 3 * s, s)
             detached = np.maximum(detached, _ramp(Y - g.apex_y - 2 * s, s) * (Y < g.apex_y + 0.1))
             lung_val = lung_val + 0.02 * collapsed + 0.3 * lung_side * detached * 4.0 * collapsed * (1.0 - collapsed)
-    img = _lerp(img, lung_val, np.minimum(lung_r + lung_l, 1.0) * 0.95)
+    return _lerp(img, lung_val, np.minimum(lung_r + lung_l, 1.0) * 0.95)
 
-    # Mediastinum, trachea, aortic knob, heart.
-    med = _ramp(g.mw * 1.05 - adx, s) * _ramp(Y - (g.apex_y - 0.12), s) * _ramp(dome_mid - Y, s)
+
+def _draw_mediastinum(c: _Canvas, img: np.ndarray) -> np.ndarray:
+    """Mediastinum, trachea, aortic knob, heart, gastric bubble."""
+    g, X, Y, s, adx = c.g, c.X, c.Y, c.s, c.adx
+    med = _ramp(g.mw * 1.05 - adx, s) * _ramp(Y - (g.apex_y - 0.12), s) * _ramp(c.dome_mid - Y, s)
     img = _lerp(img, MEDIASTINUM, med * 0.8)
     trachea = _ramp(0.014 - adx, s) * _ramp(g.carina_y - Y, 0.02) * _ramp(Y - (g.apex_y - 0.15), s)
     img = _lerp(img, 0.4, trachea * 0.5)
@@ -357,8 +386,12 @@ def render_case(case: Case, size: int = 256) -> Image.Image:
     if g.gastric_bubble:
         bubble = np.sqrt(((X - g.cx - 0.5 * g.tw) / 0.05) ** 2 + ((Y - g.dome_l - 0.065) / 0.028) ** 2)
         img = _lerp(img, 0.32, 0.7 * _ramp(1.0 - bubble, 0.15) * (Y > g.dome_l + 0.045))
+    return img
 
-    # Findings (pneumothorax already drawn into the lung texture, cardiomegaly by the CTR).
+
+def _draw_findings(c: _Canvas, case: Case, img: np.ndarray) -> np.ndarray:
+    """Findings (pneumothorax already drawn into the lung texture, cardiomegaly by the CTR)."""
+    g, X, Y, s, size = c.g, c.X, c.Y, c.s, c.size
     for f in case.findings:
         if f.kind == "pleural_effusion":
             img = _brighten(img, FLUID, 0.95 * np.minimum(effusion_mask(g, f, X, Y, s), 1.0))
@@ -377,8 +410,12 @@ def render_case(case: Case, size: int = 256) -> Image.Image:
         elif f.kind == "edema":
             mottle = _smooth_noise(np.random.default_rng(f.params["seed"]), size, 16)
             img = _brighten(img, 0.55, f.params["alpha"] * edema_mask(g, f, X, Y, s) * (0.7 + 0.6 * (mottle - 0.5)))
+    return img
 
-    # Bones: spine, posterior ribs (faint periodic arcs), clavicles.
+
+def _draw_bones(c: _Canvas, img: np.ndarray) -> np.ndarray:
+    """Spine, posterior ribs (faint periodic arcs), clavicles."""
+    g, X, Y, s, adx = c.g, c.X, c.Y, c.s, c.adx
     img = img + 0.06 * _ramp(0.03 - adx, s) * (0.7 + 0.3 * np.cos(Y * (2 * np.pi / 0.042))) * (Y > g.apex_y - 0.2)
     dn = adx / g.tw
     spacing = (g.dome_r + 0.06 - g.apex_y) / g.rib_count
@@ -392,13 +429,4 @@ def render_case(case: Case, size: int = 256) -> Image.Image:
         t = np.clip(((X - ax) * (bx - ax) + (Y - ay) * (by - ay)) / ((bx - ax) ** 2 + (by - ay) ** 2), 0.0, 1.0)
         dist2 = (X - ax - t * (bx - ax)) ** 2 + (Y - ay - t * (by - ay)) ** 2
         img = img + 0.1 * np.exp(-dist2 / 0.011 ** 2)
-
-    devices = case.devices
-    if devices:
-        img = img + 0.3 * _device_layer(g, devices, size)
-
-    # Exposure and noise.
-    img = (np.clip(img, 0.0, 1.0) - 0.45) * g.contrast + 0.45 + g.brightness
-    img = np.clip(img, 0.0, 1.0) ** g.gamma
-    img = img + rng.standard_normal(img.shape, dtype=np.float32) * g.noise
-    return Image.fromarray((np.clip(img, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8), mode="L")
+    return img

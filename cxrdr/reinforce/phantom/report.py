@@ -21,7 +21,7 @@ import numpy as np
 
 from cxrdr.common.augment import stable_seed
 from cxrdr.reinforce.phantom.cases import DEVICE, Case, Finding
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 
 CATEGORY = {"cardiomegaly": "cardiac_abnormality", "pleural_effusion": "pleural_abnormality",
             "pneumothorax": "pleural_abnormality", "nodule": "lung_lesion", "mass": "lung_lesion",

@@ -9,6 +9,7 @@ from typing import Annotated, Iterator
 
 import typer
 from PIL import Image
+from tqdm import tqdm
 
 from cxrdr.reinforce.phantom.cases import DEVICE, NORMAL_P, Case, sample_case
 from cxrdr.reinforce.phantom.render import finding_boxes, render_case
@@ -93,8 +94,6 @@ def write_phantom_dataset(n: int, out_dir: str | Path, seed: int = 0, size: int 
     Byte-identical for the same (n, seed, size): PNGs are encoded with fixed settings and
     jsonl rows are dumped with sorted keys.
     """
-    from tqdm import tqdm
-
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     source = PhantomSource(n, seed=seed, size=size)

@@ -21,7 +21,11 @@ import logging
 from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
+from cxrdr.reinforce.phantom import PhantomSource
 from cxrdr.reinforce.records import Record, SkipLog
+from cxrdr.reinforce.sources.iu_xray import IuXraySource
+from cxrdr.reinforce.sources.mimic import MimicSource
+from cxrdr.reinforce.sources.tabular import TabularSource
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +86,6 @@ def open_source(spec: str, **options) -> Source:
         if _QUIET_DEFAULTS.get(key, object()) != given[key]:
             log.info("source %s ignores option %s=%r", scheme, key, given[key])
     if scheme == "phantom":
-        from cxrdr.reinforce.phantom import PhantomSource  # written by the phantom helper; imported lazily
-
         try:
             n = int(arg) if arg else DEFAULT_PHANTOM_N
         except ValueError:
@@ -92,15 +94,9 @@ def open_source(spec: str, **options) -> Source:
             raise _bad_spec(spec, "phantom count must be positive")
         return PhantomSource(n, seed=int(used.get("seed", 0)), size=int(used.get("size", 256)))
     if scheme == "mimic":
-        from cxrdr.reinforce.sources.mimic import MimicSource
-
         return MimicSource(spec, Path(arg), **used)
     if scheme == "iu-xray":
-        from cxrdr.reinforce.sources.iu_xray import IuXraySource
-
         return IuXraySource(spec, Path(arg), **used)
-    from cxrdr.reinforce.sources.tabular import TabularSource
-
     return TabularSource(spec, Path(arg), scheme, **used)
 
 

@@ -19,8 +19,6 @@ from cxrdr.reinforce.records import SPLITS, Record, SkipLog
 
 _SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val", "validate": "val",
                   "validation": "val", "dev": "val", "test": "test", "testing": "test"}
-_FRONTAL_VIEWS = {"pa", "ap", "frontal", "ap supine", "ap_supine", "ap erect", "pa erect", "antero-posterior",
-                  "postero-anterior", "ap axial", "pa axial"}
 
 
 @dataclass
@@ -42,10 +40,6 @@ def hash_split(subject_id: str) -> str:
     """Patient-disjoint 80/10/10 split by subject, the rule the shared data used."""
     bucket = int(hashlib.sha1(f"split:{subject_id}".encode()).hexdigest(), 16) % 100
     return "train" if bucket < 80 else "val" if bucket < 90 else "test"
-
-
-def is_frontal(view) -> bool:
-    return view is not None and str(view).strip().lower() in _FRONTAL_VIEWS
 
 
 def join_report(findings: str, impression: str) -> str:

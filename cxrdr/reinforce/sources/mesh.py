@@ -44,7 +44,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from cxrdr.reinforce.records import CHEXPERT14, Triple
+from cxrdr.common.labels import CHEXPERT14
+from cxrdr.reinforce.records import Triple
 
 SPECIAL_NORMAL = "normal"
 SPECIAL_NO_INDEXING = "no indexing"

@@ -12,7 +12,7 @@ Row fields accepted (first present alias wins):
 - split: ``split`` (official: train / validate -> 'val' / test).
 - labels: a dict CheXpert name -> value; or a list of 14 values in ``label_order`` 'mimic'
   (alphabetical, the column order of mimic-cxr-2.0.0-chexpert.csv, default) or 'chexpert'
-  (``cxrdr.reinforce.records.CHEXPERT14`` order); or CheXpert-named top-level columns.
+  (``cxrdr.common.labels.CHEXPERT14`` order); or CheXpert-named top-level columns.
 Reports under ``min_report_chars`` (30) are skipped, as the master file's own filter did.
 
 Scene graphs (``scene_graphs=PATH``): Chest ImaGenome triples joined on dicom id or study id.
@@ -35,8 +35,10 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from cxrdr.reinforce.records import CHEXPERT14, Record, Triple
-from cxrdr.reinforce.sources.common import (BaseSource, Skip, is_frontal, join_report, normalize_split, read_jsonl,
+from cxrdr.common.labels import CHEXPERT14
+from cxrdr.common.views import is_frontal
+from cxrdr.reinforce.records import Record, Triple
+from cxrdr.reinforce.sources.common import (BaseSource, Skip, join_report, normalize_split, read_jsonl,
                                       require_file, resolve_image, text)
 from cxrdr.reinforce.sources.tabular import label_value
 

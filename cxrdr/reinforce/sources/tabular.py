@@ -35,8 +35,10 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from cxrdr.reinforce.records import CHEXPERT14, Record
-from cxrdr.reinforce.sources.common import (BaseSource, Skip, bad_text_skip, hash_split, is_frontal, join_report, normalize_split,
+from cxrdr.common.labels import CHEXPERT14
+from cxrdr.common.views import is_frontal
+from cxrdr.reinforce.records import Record
+from cxrdr.reinforce.sources.common import (BaseSource, Skip, bad_text_skip, hash_split, join_report, normalize_split,
                                       read_jsonl, require_file, resolve_image, text)
 
 LABEL_FORMATS = ("auto", "list", "dict", "columns")

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 
 
 def binarise(labels) -> np.ndarray:

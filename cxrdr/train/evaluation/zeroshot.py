@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cxrdr.reinforce.records import CHEXPERT14
+from cxrdr.common.labels import CHEXPERT14
 from cxrdr.train.evaluation.probe import binarise, label_skip_reason, score_label, summarise
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "configs" / "prompts.yaml"

@@ -1,54 +1,17 @@
-"""The shard contract in code: names, schema version, and embedding encode/decode.
+"""Embedding members: encode float rows for storage and decode stored arrays back to float32.
 
-``shards/FORMAT.md`` is the authority in prose; this module is the one place both stages use
-to name files and to turn stored embedding bytes back into arrays, so the two cannot drift.
-
-Schema 2 stores one member per teacher per sample, ``<teacher>.npy``: the rows img (K), syn (S),
-txt (1) stacked in that order (a text-only teacher, or a text-only build, has no img rows). float16
-and float32 are plain ``(R, D)`` arrays; int8 is a structured ``(R,)`` array of ``(q int8[D], scale
-float32)`` records, so the scales travel in the same member and a vector costs D + 4 bytes.
-Schema 1 (one member per part plus ``.scale.npy`` members for int8) is still read.
+Schema 2: one ``<teacher>.npy`` per teacher, rows img (K), syn (S), txt (1) in that order.
+float16/float32 are plain ``(R, D)`` arrays; int8 is a structured ``(R,)`` array of ``(q int8[D],
+scale float32)`` records. Schema 1 (one member per part, int8 scales in ``.scale.npy``) is read.
 """
 from __future__ import annotations
 
 import io
-import re
+import json
 
 import numpy as np
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)  # readers accept both; builds write SCHEMA_VERSION
-SHARD_PATTERN = "shard-{index:06d}.tar"
-SHARD_RE = re.compile(r"^shard-(\d{6})\.tar$")
-DATASET_JSON = "dataset.json"
-MANIFEST = "manifest.parquet"
-SIZES_JSON = "sizes.json"
-STATS_DIR = "stats"  # per-shard stats (and manifest rows) written beside the tars
-
-EMB_PARTS = ("img", "syn", "txt")  # K x D, S x D, D
-EMB_DTYPES = ("float16", "float32", "int8")
-TEACHER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-
-
-def shard_name(index: int) -> str:
-    return SHARD_PATTERN.format(index=index)
-
-
-def teacher_ext(teacher: str) -> str:
-    """Schema-2 extension of a teacher's one embedding member: '<teacher>.npy'."""
-    return f"{teacher}.npy"
-
-
-def emb_ext(teacher: str, part: str) -> str:
-    """Schema-1 extension of one teacher embedding part: '<teacher>.<part>.npy'."""
-    if part not in EMB_PARTS:
-        raise ValueError(f"unknown embedding part {part!r}; expected one of {EMB_PARTS}")
-    return f"{teacher}.{part}.npy"
-
-
-def scale_ext(teacher: str, part: str) -> str:
-    """Extension of the per-row float32 scales that accompany int8 embeddings."""
-    return f"{teacher}.{part}.scale.npy"
+from cxrdr.common.shards.members import EMB_DTYPES, EMB_PARTS, emb_ext, scale_ext, teacher_ext
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -142,8 +105,6 @@ def split_rows(rows: np.ndarray, n_aug: int, n_captions: int, where: str = "embe
 def _meta_counts(sample: dict) -> tuple[int, int]:
     meta = sample.get("json")
     if isinstance(meta, (bytes, bytearray, str)):
-        import json
-
         meta = json.loads(meta)
     if not isinstance(meta, dict):
         raise ValueError(f"sample {sample.get('__key__')!r}: no json metadata to size its embedding rows")

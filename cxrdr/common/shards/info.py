@@ -1,0 +1,31 @@
+"""``dataset.json``: what a build made and how; every reader loads it first."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cxrdr.common.errors import UserError
+from cxrdr.common.shards.members import DATASET_JSON, READABLE_SCHEMA_VERSIONS, STATS_DIR
+
+
+class MissingDatasetError(UserError, FileNotFoundError):
+    """dataset.json is missing (both a UserError for the CLI and a FileNotFoundError for callers)."""
+
+
+def read_dataset_info(shards_dir) -> dict:
+    """Load ``dataset.json`` of a shard folder; clear error when missing, invalid or of an
+    unreadable schema version."""
+    path = Path(shards_dir) / DATASET_JSON
+    if not path.is_file():
+        hint = (" (the build has not been merged yet: run `reinforce merge " f"{shards_dir}`)"
+                if (Path(shards_dir) / STATS_DIR / "plan.json").is_file() else
+                " (run `reinforce build --out " f"{shards_dir}` first)")
+        raise MissingDatasetError(f"no {DATASET_JSON} in shard folder {shards_dir}{hint}")
+    try:
+        info = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc}") from exc
+    if info.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+        raise UserError(f"{path} has schema_version {info.get('schema_version')!r}; "
+                        f"this code reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+    return info

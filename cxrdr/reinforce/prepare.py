@@ -1,0 +1,171 @@
+"""Record preparation, in DataLoader workers: the stored image (encoded, then decoded again so the
+teacher sees exactly the pixels stage 2 will decode), K augmentation parameter sets replayed at
+every teacher input size, S captions, the sample's metadata and manifest row."""
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from cxrdr.common.augment import replay_many, resize_short_side, sample_param_sets
+from cxrdr.common.labels import CHEXPERT14
+from cxrdr.reinforce.captions import make_captions
+from cxrdr.reinforce.records import load_image
+
+
+@dataclass
+class PrepareSpec:
+    """Everything a DataLoader worker needs to prepare one record (picklable)."""
+
+    images: bool
+    store_size: int
+    image_format: str
+    jpeg_quality: int
+    n_aug: int
+    n_captions: int
+    aug: object
+    seed: int
+    sizes: tuple  # distinct teacher input sizes
+
+
+def encode_image(image, image_format: str, jpeg_quality: int) -> bytes:
+    buf = io.BytesIO()
+    if image_format == "png":
+        image.save(buf, format="PNG")
+    else:
+        image.save(buf, format="JPEG", quality=jpeg_quality)
+    return buf.getvalue()
+
+
+def decode_stored_image(data: bytes):
+    """Stored image bytes -> PIL 'L', exactly as stage 2 decodes them (PIL)."""
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image.convert("L")
+
+
+def _scale_boxes(boxes, orig_size, stored_size) -> list[dict]:
+    sx, sy = stored_size[0] / orig_size[0], stored_size[1] / orig_size[1]
+    out = []
+    for b in boxes or []:
+        x0, y0, x1, y1 = b["box"]
+        out.append({**b, "box": [round(x0 * sx, 2), round(y0 * sy, 2), round(x1 * sx, 2), round(y1 * sy, 2)]})
+    return out
+
+
+def json_safe(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(value, default=str))
+
+
+def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
+    """Decode/encode/decode, sample + replay augmentations, make captions. Never raises: a record
+    that cannot be prepared comes back with ``"skip"`` (its reason)."""
+    start = time.perf_counter()
+    out = {"shard": shard, "key": key, "id": record.id}
+    # CPU seconds per step (process time: on a busy machine wall time would count other processes).
+    stages: dict[str, float] = {}
+    cpu = time.process_time()
+    view = {"image": None, "aug": [], "crops": {}, "image_size": None, "boxes": []}
+    if spec.images:
+        view = _prepare_image(key, record, spec, stages)
+        if "skip" in view:
+            return {**out, "skip": view["skip"], "prep_seconds": time.perf_counter() - start}
+    t = time.process_time()
+    captions, why = _captions(record, spec)
+    if why:
+        return {**out, "skip": why, "prep_seconds": time.perf_counter() - start}
+    stages["captions"] = time.process_time() - t
+    meta, row = _sample_meta(key, record, captions, view)
+    return {**out, "image": view["image"], "report": record.report, "meta": meta, "row": row,
+            "crops": view["crops"], "texts": [record.report] + [c["text"] for c in captions],
+            "prep_seconds": time.perf_counter() - start,
+            "stage_seconds": {**stages, "rest": time.process_time() - cpu - sum(stages.values())}}
+
+
+def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:
+    """The stored image bytes, the K parameter sets and their crops at every teacher size (or ``skip``)."""
+    cpu = time.process_time()
+    try:
+        image = load_image(record)
+    except FileNotFoundError as exc:
+        return {"skip": f"missing image: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - any decoder error means "unreadable", not a crash
+        return {"skip": f"unreadable image: {type(exc).__name__}: {exc}"}
+    orig_size = image.size
+    image = resize_short_side(image, spec.store_size)
+    t = time.process_time()
+    stages["load_resize"] = t - cpu
+    image_bytes = encode_image(image, spec.image_format, spec.jpeg_quality)
+    stored = decode_stored_image(image_bytes)
+    stages["encode_decode"] = time.process_time() - t
+    t = time.process_time()
+    size = list(stored.size)
+    params = sample_param_sets(key, size[0], size[1], spec.n_aug, spec.aug, spec.seed)
+    pixels = np.asarray(stored)  # converted once for every teacher size
+    crops = {s: replay_many(pixels, params, s) for s in spec.sizes}
+    boxes = _scale_boxes(record.boxes, orig_size, size)
+    stages["params_replay"] = time.process_time() - t
+    return {"image": image_bytes, "aug": params, "crops": crops, "image_size": size, "boxes": boxes}
+
+
+def _captions(record, spec: PrepareSpec) -> tuple[list[dict], str | None]:
+    """(S captions as JSON, None) or ([], the reason they failed)."""
+    try:
+        captions = [c.to_json() for c in make_captions(record, n=spec.n_captions, seed=spec.seed)]
+    except Exception as exc:  # noqa: BLE001
+        return [], f"captions failed: {type(exc).__name__}: {exc}"
+    if len(captions) != spec.n_captions:
+        return [], f"captions failed: got {len(captions)} captions, expected {spec.n_captions}"
+    return captions, None
+
+
+def _sample_meta(key: str, record, captions: list[dict], view: dict) -> tuple[dict, dict]:
+    """The sample's json metadata and its manifest row."""
+    labels = {name: record.labels.get(name) for name in CHEXPERT14}
+    meta = {"id": record.id, "key": key, "subject_id": str(record.subject_id),
+            "study_id": str(record.study_id), "split": record.split, "view": record.view,
+            "findings": record.findings, "impression": record.impression, "labels": labels,
+            "label_vector": record.label_vector(), "triples": [list(t) for t in record.triples],
+            "captions": captions, "aug": view["aug"], "boxes": view["boxes"], "image_size": view["image_size"]}
+    if record.extra:
+        meta["extra"] = json_safe(record.extra)
+    row = {"key": key, "id": record.id, "split": record.split, "subject_id": str(record.subject_id),
+           "study_id": str(record.study_id), "view": record.view, **labels,
+           "n_aug": len(view["aug"]), "n_captions": len(captions)}
+    return meta, row
+
+
+class PrepareDataset:
+    """Map-style dataset over (shard, key, record) for torch's DataLoader."""
+
+    def __init__(self, items, spec: PrepareSpec):
+        self.items, self.spec = items, spec
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        shard, key, record = self.items[i]
+        return prepare_record(shard, key, record, self.spec)
+
+
+def collate_prepared(batch: list[dict]) -> dict:
+    """Worker-side collate: one (sum K, 1, S, S) crop tensor per teacher size for the batch's
+    usable samples, so the main process gets one shared-memory tensor per size (not one per
+    sample) and does not have to concatenate them before the forward."""
+    ok = [b for b in batch if "skip" not in b]
+    crops = {}
+    if ok and ok[0].get("crops"):
+        crops = {size: torch.cat([b["crops"][size] for b in ok]) for size in ok[0]["crops"]}
+    for b in ok:
+        b.pop("crops", None)
+    return {"samples": batch, "crops": crops}

@@ -1,0 +1,21 @@
+"""The text ``reinforce build`` prints about a merged build."""
+from __future__ import annotations
+
+
+def summary_text(dataset: dict) -> str:
+    b = dataset.get("build") or {}
+    split = b.get("time_split_seconds", {})
+    lines = [f"{dataset['total_samples']} samples in {len(dataset['shards'])} shards {dataset['counts']}",
+             f"throughput {b.get('samples_per_second')} samples/s over {b.get('pipeline_seconds')} s "
+             f"({b.get('wall_seconds')} s with setup); time split (s): "
+             + ", ".join(f"{k} {v}" for k, v in split.items()),
+             "bytes/sample: " + ", ".join(f"{k} {v:.0f}" for k, v in dataset["bytes_per_sample"].items())]
+    if dataset.get("int8_max_abs_error"):
+        lines.append(f"int8 max abs error: {dataset['int8_max_abs_error']}; "
+                     f"min cosine to float32: {dataset.get('int8_min_cosine')}")
+    src = dataset["skipped"]["source"]
+    bld = dataset["skipped"]["build"]
+    lines.append(f"skipped by source: {src.get('count', 0)} {src.get('by_reason', {})}; "
+                 f"skipped by build: {bld['count']} {bld['by_reason']}")
+    lines += [f"  {e['id']}: {e['reason']}" for e in (src.get("records", []) + bld["records"])[:20]]
+    return "\n".join(lines)
