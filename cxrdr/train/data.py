@@ -46,7 +46,6 @@ PICKS = ("random", "sequential")
 # --------------------------------------------------------------------------- dataset info
 
 
-read_info = read_dataset_info  # the name the training loop reads dataset.json by
 
 
 def split_shards(shards_dir: str | Path, split: str, info: dict | None = None) -> tuple[list[str], int]:

@@ -29,11 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from cxrdr.common.augment import stable_seed
+from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import load_training_state, save_checkpoint
 from cxrdr.train.config import TrainConfig
-from cxrdr.train.data import make_eval_loader, make_loader, read_info, select_teachers, split_shards
+from cxrdr.train.data import make_eval_loader, make_loader, select_teachers, split_shards
 from cxrdr.train.device import amp_dtype_for, autocast, resolve_device
 from cxrdr.train.integrity import SKIP_LOG, count_skipped
 from cxrdr.train.losses import loss_balance
@@ -84,7 +85,7 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------------
     def _read_data_description(self) -> None:
         cfg = self.cfg
-        self.info = read_info(cfg.shards)
+        self.info = read_dataset_info(cfg.shards)
         _, self.n_train = split_shards(cfg.shards, "train", self.info)
         if self.n_train == 0:
             raise ValueError(f"{cfg.shards}: the train split is empty")

@@ -6,11 +6,4 @@ collects embeddings/heatmaps from shards and calls them; ``report`` writes the o
 """
 from cxrdr.train.evaluation.retrieval import retrieval_metrics
 
-__all__ = ["retrieval_metrics", "evaluate"]
-
-
-def evaluate(*args, **kwargs):
-    """See :func:`cxrdr.train.evaluation.runner.evaluate` (imported lazily: it pulls in torch models)."""
-    from cxrdr.train.evaluation.runner import evaluate as _evaluate
-
-    return _evaluate(*args, **kwargs)
+__all__ = ["retrieval_metrics"]  # `evaluate` lives in .runner (it loads the model code)
