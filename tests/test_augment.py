@@ -1,4 +1,4 @@
-"""Replayable augmentations (reinforce/augment.py): determinism, geometry, size independence."""
+"""Replayable augmentations (cxrdr/common/augment.py): determinism, geometry, size independence."""
 from __future__ import annotations
 
 import json
