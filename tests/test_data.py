@@ -35,11 +35,6 @@ def build_phantom_shards(base: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def phantom_shards(tmp_path_factory) -> Path:
-    return build_phantom_shards(str(tmp_path_factory.getbasetemp()))
-
-
 def fake_tokenize(texts):
     ids = torch.tensor([[len(w) % 50 + 1 for w in t.split()][:8] + [0] * (8 - min(8, len(t.split())))
                         for t in texts])

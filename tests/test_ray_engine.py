@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -78,6 +79,15 @@ def test_ray_build_equals_the_single_process_build(local_ray, reference, tmp_pat
     assert rank["engine"] == "ray" and rank["actors"] == 2 and rank["shards_built"] == 4
     assert sorted(s["index"] for s in rank["shards"]) == [0, 1, 2, 3]
     assert info["total_samples"] == N
+    # The actor pool is released when build returns (a second build in this process gets the CPUs).
+    assert cpus_free_within(local_ray, seconds=20) == 2
+
+
+def cpus_free_within(ray_module, seconds: float) -> float:
+    deadline = time.monotonic() + seconds
+    while ray_module.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray_module.available_resources().get("CPU", 0)
 
 
 def test_ray_resume_rebuilds_only_missing_shards_and_retries_a_failing_one(local_ray, reference, tmp_path,

@@ -33,6 +33,7 @@ from every node (a shared filesystem), as for a multi-rank torchrun build.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import pickle
@@ -170,13 +171,20 @@ def run_shards_ray(todo: list, teachers: list, spec, opts, out_dir: Path, skiplo
                        f"{cpus_per_actor} CPU(s) each", err=True)
         start = time.perf_counter()
         results = []
+        rows_out = iter(ds.iter_rows())  # a generator: close() shuts its executor down
         with tqdm(total=len(todo), unit="shard", desc="build[ray]", disable=not opts.progress) as bar:
             try:
-                for row in ds.iter_rows():
+                for row in rows_out:
                     results.append(json.loads(row["result"]))
                     bar.update(1)
             except Exception as exc:  # noqa: BLE001 - Ray wraps the actor's error; say it in one line
                 raise UserError(_ray_failure(exc, out_dir)) from exc
+            finally:
+                # Release the actor pool now, not whenever the garbage collector reaches the executor:
+                # a later build in this process (another --resume, a test) would wait for its CPUs.
+                rows_out.close()
+                del rows_out, ds
+                gc.collect()
         pipeline = time.perf_counter() - start
         _raise_for_failed_shards(out_dir, todo, opts.ray_retries)
     finally:
