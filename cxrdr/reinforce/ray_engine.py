@@ -180,8 +180,8 @@ def run_shards_ray(todo: list, teachers: list, spec, opts, out_dir: Path, skiplo
             except Exception as exc:  # noqa: BLE001 - Ray wraps the actor's error; say it in one line
                 raise UserError(_ray_failure(exc, out_dir)) from exc
             finally:
-                # Release the actor pool now, not whenever the garbage collector reaches the executor:
-                # a later build in this process (another --resume, a test) would wait for its CPUs.
+                # Ray Data frees a finished actor pool by reference counting: drop our references to
+                # its executor now rather than whenever the garbage collector reaches them.
                 rows_out.close()
                 del rows_out, ds
                 gc.collect()
