@@ -130,6 +130,30 @@ def test_pointing_iou_dice_on_synthetic_maps():
     assert agg["pointing_game"] == 0.5 and agg["n"] == 2
 
 
+def test_prior_map_baseline_scores_a_constant_map_and_not_a_looking_one():
+    """A fixed map pointing where most findings sit scores like the prior; a map that follows each
+    image's own box beats the prior; the prior leaves image i out of its own guess."""
+    grid = (4, 4)
+    targets = []
+    for i in range(6):  # five findings top-left, one bottom-right
+        gt = np.zeros(grid, dtype=bool)
+        gt[(0, 0) if i < 5 else (3, 3)] = True
+        targets.append(gt)
+    constant = np.zeros(grid)
+    constant[0, 0] = 1.0
+    constant_maps = [constant.copy() for _ in targets]
+    looking_maps = [t.astype(float) + 0.01 for t in targets]
+    assert loc.prior_pointing_game(constant_maps, targets) == pytest.approx(5 / 6)
+    # the prior of the looking maps is their leave-one-out mean: top-left wins for every image
+    assert loc.prior_pointing_game(looking_maps, targets) == pytest.approx(5 / 6)
+    assert np.mean([loc.pointing_hit(m, g) for m, g in zip(looking_maps, targets)]) == 1.0
+    # leave-one-out: with two images, each image's prior is the OTHER image's map
+    assert loc.prior_pointing_game(looking_maps[4:], targets[4:]) == 0.0
+    nan_map = np.full(grid, np.nan)
+    assert loc.prior_pointing_game([nan_map, constant], [targets[0], targets[1]]) == 0.5
+    assert np.isnan(loc.prior_pointing_game([constant], [targets[0]]))
+
+
 def test_chance_baseline_matches_random_heatmaps():
     gt = np.zeros((6, 6), bool)
     gt[1:3, 2:5] = True  # 6 of 36 cells

@@ -18,7 +18,8 @@ HEADERS = {
     "mean_recall": "mean R", "mean_recall_sametext": "mean R (same text)", "n_candidates": "N cand",
     "probe_auc": "probe AUC", "probe_ap": "probe AP", "zeroshot_auc": "0-shot AUC",
     "zeroshot_5x200_acc": "5x200 acc", "pointing_z": "PG z", "iou_z": "IoU z", "dice_z": "Dice z",
-    "pointing_attn": "PG attn", "chance_pointing_z": "PG z chance",
+    "pointing_attn": "PG attn", "chance_pointing_z": "PG z chance", "prior_pointing_z": "PG z prior",
+    "prior_pointing_attn": "PG attn prior",
     "chance_pointing_attn": "PG attn chance", "chance_mean_recall": "mean R chance", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
     "insertion_auc": "ins AUC", "sparsity": "z>0.5", "cross_view_jaccard": "xview J",
     "distance_ratio": "intra/inter", "inference_img_per_s": "infer img/s",
@@ -31,7 +32,8 @@ HEADERS = {
 }
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
                    "chance_mean_recall", "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
-                   "pointing_z", "chance_pointing_z", "iou_z", "pointing_attn", "chance_pointing_attn", "iou_attn",
+                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z", "pointing_attn", "chance_pointing_attn",
+                   "prior_pointing_attn", "iou_attn",
                    "distance_ratio"]
 COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "synthetic_train_img_per_s", "latency_ms", "peak_memory_mb",
                 "step_memory_delta_mb", "gflops_per_img", "patch_usage_pct"]
@@ -321,14 +323,16 @@ def localisation_markdown(lo: dict) -> list[str]:
            f"{lo['n_images']} images with boxes; heatmap top {int(lo['top_fraction'] * 100)}% for IoU/Dice. "
            "Pointing game: a hit when the map's maximum is inside a target box (z: any box of the image; "
            "attention: the boxes of the finding its words name). *chance*: a uniformly random heatmap "
-           "on the same grid and targets.", "",
-           "| heatmap | pointing game | chance | x chance | IoU | chance IoU | Dice | targets | boxes |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "on the same grid and targets. *prior*: the pointing game of the mean map of the other images "
+           "(the same map for every image: what a model that does not look at the image can score).", "",
+           "| heatmap | pointing game | chance | x chance | prior | IoU | chance IoU | Dice | targets | boxes |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(name, a):
         pg, ch = a.get("pointing_game"), a.get("chance_pointing_game")
         times = pg / ch if pg is not None and ch and math.isfinite(pg) else None
-        return (f"| {name} | {fmt(pg)} | {fmt(ch)} | {fmt(times)} | {fmt(a.get('iou'))} | "
+        return (f"| {name} | {fmt(pg)} | {fmt(ch)} | {fmt(times)} | {fmt(a.get('prior_pointing_game'))} | "
+                f"{fmt(a.get('iou'))} | "
                 f"{fmt(a.get('chance_iou'))} | {fmt(a.get('dice'))} | {a.get('n', 0)} | {a.get('n_boxes', 0)} |")
 
     for k in ("mask", "attention"):

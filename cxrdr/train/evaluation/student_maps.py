@@ -30,7 +30,9 @@ class _Tally:
     per_label: dict = field(default_factory=dict)
     no_tokens: list = field(default_factory=list)
     z_maps: list = field(default_factory=list)  # collapse diagnostics: z maps, attention maps per label
+    z_targets: list = field(default_factory=list)  # ... and their targets (the prior-map baseline)
     attn_maps: dict = field(default_factory=dict)
+    attn_targets: dict = field(default_factory=dict)
     entropies_attn: list = field(default_factory=list)
     word_similarity: list = field(default_factory=list)
     curves: list = field(default_factory=list)
@@ -114,6 +116,7 @@ def _score_localisation(tally: _Tally, f: _Forward, item: dict, phrase_ids: Phra
         tally.mask_scores.append({**loc.localisation_scores(f.z_heat, everything, top_fraction),
                                   "n_boxes": sum(len(m) for m in targets.values())})
         tally.z_maps.append(f.z_heat)
+        tally.z_targets.append(everything)
         for label, masks in targets.items():  # per label: is z's peak on this finding?
             tally.label(label)["mask"].append(
                 {**loc.localisation_scores(f.z_heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks)})
@@ -128,6 +131,7 @@ def _score_localisation(tally: _Tally, f: _Forward, item: dict, phrase_ids: Phra
         tally.attn_scores.append(sc)
         tally.label(label)["attention"].append(sc)
         tally.attn_maps.setdefault(label, []).append(heat)
+        tally.attn_targets.setdefault(label, []).append(np.any(masks, axis=0))
         tally.entropies_attn.append(loc.normalised_entropy(heat))
         item["attn"].append((label, heat))
     if len(item["attn"]) >= 2:
@@ -176,8 +180,10 @@ def _cross_view_jaccard(model: EvalModel, f: _Forward, views: list[dict], top_fr
 def _localisation_results(tally: _Tally, n_images: int, top_fraction: float) -> dict:
     return {
         "mask": {**loc.aggregate(tally.mask_scores), "image_similarity": loc.map_similarity(tally.z_maps),
-                 "entropy": _nanmean([loc.normalised_entropy(m) for m in tally.z_maps])},
+                 "entropy": _nanmean([loc.normalised_entropy(m) for m in tally.z_maps]),
+                 "prior_pointing_game": loc.prior_pointing_game(tally.z_maps, tally.z_targets)},
         "attention": {**loc.aggregate(tally.attn_scores),
+                      "prior_pointing_game": _attention_prior(tally),
                       "image_similarity": _nanmean([loc.map_similarity(m) for m in tally.attn_maps.values()]),
                       "word_similarity": _nanmean(tally.word_similarity),
                       "entropy": _nanmean(tally.entropies_attn)},
@@ -187,6 +193,16 @@ def _localisation_results(tally: _Tally, n_images: int, top_fraction: float) -> 
         "boxes_without_finding_tokens": tally.no_tokens,
         "heatmap_z": "soft mask scores (same order as z, no ties)",
     }
+
+
+def _attention_prior(tally: _Tally) -> float:
+    """The prior-map pointing game of the attention, per label (each label's own mean map), pooled."""
+    hits, n = 0.0, 0
+    for label, maps in tally.attn_maps.items():
+        if len(maps) >= 2:
+            hits += loc.prior_pointing_game(maps, tally.attn_targets[label]) * len(maps)
+            n += len(maps)
+    return hits / n if n else float("nan")
 
 
 def _faithfulness_results(tally: _Tally, steps: int) -> dict:
