@@ -18,8 +18,8 @@ from cxrdr.train.evaluation.report import (COST_COLUMNS, _plt, markdown_table, m
 
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
 ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc",
-                    "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z", "pointing_attn", "chance_pointing_attn",
-                    "prior_pointing_attn", "iou_attn",
+                    "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z",
+                    "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "iou_attn",
                     "deletion_auc", "insertion_auc", "sparsity", "train_img_per_s", "step_ms"]
 
 

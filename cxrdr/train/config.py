@@ -159,7 +159,6 @@ class TrainConfig:
         if path is not None:
             data = read_yaml_mapping(path, "training config fields")
             data = data.get("train", data)  # an experiment recipe may nest it under 'train'
-        data = {k: (dict(v) if k in NESTED and isinstance(v, dict) else v) for k, v in data.items()}
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -211,8 +210,7 @@ def cli_fields() -> list[tuple[str, tuple[str, ...], Any, str]]:
     out = []
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
-        tp = hints[f.name]
-        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        base = _non_optional(hints[f.name])
         if base not in (str, int, float, bool):
             continue
         flag = f.name.replace("_", "-")
@@ -221,7 +219,10 @@ def cli_fields() -> list[tuple[str, tuple[str, ...], Any, str]]:
         out.append((f.name, ("--" + flag,), base, f.metadata.get("help", "")))
     for path, (flags, help_text) in PROMOTED_FLAGS.items():
         group, name = path.split(".")
-        base = next((a for a in typing.get_args(typing.get_type_hints(NESTED[group])[name])
-                     if a is not type(None)), typing.get_type_hints(NESTED[group])[name])
-        out.append((path, flags, base, help_text))
+        out.append((path, flags, _non_optional(typing.get_type_hints(NESTED[group])[name]), help_text))
     return out
+
+
+def _non_optional(tp):
+    """``int | None`` -> ``int``; other types unchanged."""
+    return next((a for a in typing.get_args(tp) if a is not type(None)), tp)

@@ -27,7 +27,6 @@ it with open_clip and comparing embeddings with the student's.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Annotated
 

@@ -123,18 +123,19 @@ def aggregate(scores: list[dict]) -> dict:
 
 
 def prior_pointing_game(maps: list, targets: list) -> float:
-    """Pointing game of the best input-independent guess: for target i, the mean of the OTHER
-    images' maps (leave-one-out, NaN cells ignored). A model whose maps are the same for every
-    image scores about this, however far above a random heatmap it is: localisation must beat it."""
+    """Pointing game of an input-independent guess: for target i, the mean of the OTHER images'
+    maps (leave-one-out, NaN cells ignored). A model whose maps are the same for every image scores
+    about this, however far above a random heatmap it is: localisation must beat it."""
     if len(maps) < 2:
         return float("nan")
     stack = np.stack([np.asarray(m, dtype=np.float64) for m in maps])
     finite = np.isfinite(stack)
-    total, count = np.where(finite, stack, 0.0).sum(0), finite.sum(0)
+    filled = np.where(finite, stack, 0.0)
+    total, count = filled.sum(0), finite.sum(0)
     hits = []
     for i, gt in enumerate(targets):
         others = count - finite[i]
-        mean = np.where(others > 0, (total - np.where(finite[i], stack[i], 0.0)) / np.maximum(others, 1), np.nan)
+        mean = np.where(others > 0, (total - filled[i]) / np.maximum(others, 1), np.nan)
         hits.append(pointing_hit(mean, gt))
     return float(np.mean(hits))
 

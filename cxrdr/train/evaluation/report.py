@@ -19,8 +19,8 @@ HEADERS = {
     "probe_auc": "probe AUC", "probe_ap": "probe AP", "zeroshot_auc": "0-shot AUC",
     "zeroshot_5x200_acc": "5x200 acc", "pointing_z": "PG z", "iou_z": "IoU z", "dice_z": "Dice z",
     "pointing_attn": "PG attn", "chance_pointing_z": "PG z chance", "prior_pointing_z": "PG z prior",
-    "prior_pointing_attn": "PG attn prior",
-    "chance_pointing_attn": "PG attn chance", "chance_mean_recall": "mean R chance", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
+    "chance_pointing_attn": "PG attn chance", "prior_pointing_attn": "PG attn prior",
+    "chance_mean_recall": "mean R chance", "iou_attn": "IoU attn", "deletion_auc": "del AUC",
     "insertion_auc": "ins AUC", "sparsity": "z>0.5", "cross_view_jaccard": "xview J",
     "distance_ratio": "intra/inter", "inference_img_per_s": "infer img/s",
     "train_step_ms": "synth step ms", "latency_ms": "latency ms", "peak_memory_mb": "peak MB",
@@ -32,9 +32,8 @@ HEADERS = {
 }
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
                    "chance_mean_recall", "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
-                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z", "pointing_attn", "chance_pointing_attn",
-                   "prior_pointing_attn", "iou_attn",
-                   "distance_ratio"]
+                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z",
+                   "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "iou_attn", "distance_ratio"]
 COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "synthetic_train_img_per_s", "latency_ms", "peak_memory_mb",
                 "step_memory_delta_mb", "gflops_per_img", "patch_usage_pct"]
 
