@@ -14,6 +14,7 @@ class FakeOutput:
     text_emb: torch.Tensor
     logit_scale: torch.Tensor
     mask: torch.Tensor | None = None
+    mask_scores: torch.Tensor | None = None
     masked_image_emb: torch.Tensor | None = None
     local_visual: torch.Tensor | None = None
     local_text: torch.Tensor | None = None
@@ -23,3 +24,5 @@ class FakeOutput:
     local_attn: torch.Tensor | None = None
     local_word_similarity: torch.Tensor | None = None
     local_pair_ids: torch.Tensor | None = None
+    local_pair_index: torch.Tensor | None = None
+    local_pair_shared: torch.Tensor | None = None

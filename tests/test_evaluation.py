@@ -187,7 +187,9 @@ def test_collapse_diagnostics():
     same = [np.arange(16.0).reshape(4, 4)] * 3
     assert loc.map_similarity(same) == pytest.approx(1.0)
     one_hot = [np.eye(16)[i].reshape(4, 4) for i in range(3)]
-    assert loc.map_similarity(one_hot) == pytest.approx(0.0)
+    assert loc.map_similarity(one_hot) == pytest.approx(-1 / 15)  # centred one-hots: slightly anti-correlated
+    offset_peaks = [0.5 + 0.01 * m for m in one_hot]  # sigmoid-like maps, different peaks
+    assert loc.map_similarity(offset_peaks) == pytest.approx(-1 / 15)  # a plain cosine gives ~1.0
     assert np.isnan(loc.map_similarity(same[:1]))
     assert loc.normalised_entropy(np.ones((4, 4))) == pytest.approx(1.0)
     assert loc.normalised_entropy(one_hot[0]) == pytest.approx(0.0)

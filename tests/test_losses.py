@@ -463,3 +463,65 @@ def test_losses_stay_float32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = clip_loss(img, txt, 30.0)
     assert got.dtype == torch.float32 and got.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_cosine_local_align_attention_is_the_scored_similarity():
+    from cxrdr.train.models.heads import CosineLocalAlign
+
+    torch.manual_seed(4)
+    head = CosineLocalAlign(text_dim=12, patch_dim=20, embed_dim=16, temperature=0.1)
+    text, patches = torch.randn(3, 5, 12), torch.randn(3, 7, 20)
+    v, t, attn = head(text, patches)
+    t_unit, p_unit = F.normalize(head.text_proj(text), dim=-1), F.normalize(head.patch_proj(patches), dim=-1)
+    assert torch.allclose(attn, (t_unit @ p_unit.transpose(1, 2) / 0.1).softmax(-1), atol=1e-6)
+    assert torch.allclose(attn.argmax(-1), (t_unit @ p_unit.transpose(1, 2)).argmax(-1))  # looks where it matches
+    pairs = head.pair_similarity(text, patches)
+    assert torch.allclose(pairs.diagonal(0, 0, 1).T, F.cosine_similarity(v, t, dim=-1), atol=1e-5)
+    assert torch.allclose(head.pair_similarity(text[:1], patches[1:2])[0, 0], pairs[0, 1], atol=1e-5)
+    pmask = torch.ones(3, 7, dtype=torch.bool)
+    pmask[:, 5:] = False
+    assert head(text, patches, patch_mask=pmask)[2][..., 5:].abs().max() == 0
+
+
+def test_negated_tokens_cover_a_cue_to_the_end_of_its_sentence():
+    from cxrdr.train.models.heads import negated_tokens
+
+    # [CLS] small effusion . there is no edema or pneumothorax ; mild atelectasis . [SEP] [PAD]
+    ids = torch.tensor([[1, 20, 21, 9, 30, 31, 5, 22, 32, 23, 8, 24, 25, 9, 2, 0]])
+    negated = negated_tokens(ids, cue_ids=[5, 6], end_ids=[9, 8])
+    expected = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert negated[0].int().tolist() == expected
+    # two negated sentences in a row: the second cue's scope also ends at its sentence
+    ids2 = torch.tensor([[5, 21, 9, 6, 22, 9, 23, 9]])
+    assert negated_tokens(ids2, [5, 6], [9])[0].int().tolist() == [1, 1, 0, 1, 1, 0, 0, 0]
+
+
+def test_mask_follows_words_pulls_the_mask_towards_the_words_map():
+    from cxrdr.train.losses.patch_ib import mask_follows_words_loss
+
+    attn = torch.zeros(2, 3, 4)
+    attn[:, :, 2] = 1.0  # every word looks at patch 2
+    words = torch.tensor([[1, 1, 0], [0, 0, 0]]).bool()  # the second image has no words: left out
+    logits = torch.zeros(2, 4, requires_grad=True)
+    loss = mask_follows_words_loss(torch.sigmoid(logits), attn, words)
+    assert loss.item() == pytest.approx(math.log(4), rel=1e-4)  # uniform mask vs a one-patch target
+    loss.backward()
+    assert logits.grad[0].argmin() == 2 and logits.grad[1].abs().max() == 0  # descent raises patch 2 only
+    peaked = torch.tensor([[-5.0, -5.0, 5.0, -5.0], [0.0, 0.0, 0.0, 0.0]])
+    assert mask_follows_words_loss(torch.sigmoid(peaked), attn, words) < loss
+
+
+def test_local_contrast_masks_images_whose_report_names_the_same_word():
+    sim = torch.tensor([[[0.9], [0.8], [0.1]],   # text 0's word vs images 0, 1, 2
+                        [[0.2], [0.9], [0.1]],
+                        [[0.1], [0.1], [0.9]]])  # (B_text, B_image, L=1)
+    plain = local_contrastive_loss(sim, temperature=0.1)
+    shared = torch.zeros(3, 1, 3, dtype=torch.bool)
+    shared[0, 0, 1] = True  # image 1's report names text 0's word too: no negative for it
+    shared[0, 0, 0] = True  # the own image is always kept
+    masked = local_contrastive_loss(sim, temperature=0.1, shared=shared)
+    logits = sim.permute(0, 2, 1).reshape(3, 3) / 0.1
+    row0 = -torch.log_softmax(logits[0, [0, 2]], 0)[0]
+    rest = -torch.log_softmax(logits[1:], 1).diagonal(1)  # rows 1, 2 unchanged
+    assert masked.item() == pytest.approx(((row0 + rest.sum()) / 3).item(), rel=1e-5)
+    assert masked < plain

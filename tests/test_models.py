@@ -579,17 +579,24 @@ def test_token_dropping_heads_read_the_kept_patches_at_their_layer(images):
 # Every config name as it resolved when each was its own YAML file (configs/models/<name>.yaml, before
 # the family files): generated from those files, kept as a fixture so the family layering cannot drift.
 OLD_CONFIGS = json.loads((Path(__file__).parent / "fixtures" / "model_configs_before_families.json").read_text())
+# Deliberate changes since: fields added later (at their defaults), and the cpu family's local alignment
+# (issue 9: cosine word-patch attention on the embedded stem tokens).
+ADDED_FIELDS = {"local_attention": "mha", "local_attention_temperature": 0.1}
+CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0}}
 
 
 def test_family_configs_resolve_to_the_old_per_name_configs():
     assert available_configs() == sorted(OLD_CONFIGS)
-    for name, expected in OLD_CONFIGS.items():
+    for name, old in OLD_CONFIGS.items():
+        expected = {**ADDED_FIELDS, **old}
+        for prefix, changes in CHANGED.items():
+            expected.update(changes if name.startswith(prefix) else {})
         assert StudentConfig.from_yaml(name).to_dict() == expected, name
 
 
 def test_family_names_paths_and_variant_blocks(tmp_path):
-    assert StudentConfig.from_yaml("default-D").to_dict() == {**OLD_CONFIGS["D"], "name": "default-D"}
-    assert StudentConfig.from_yaml("tiny").to_dict() == {**OLD_CONFIGS["tiny-D"], "name": "tiny"}
+    assert StudentConfig.from_yaml("default-D").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"], "name": "default-D"}
+    assert StudentConfig.from_yaml("tiny").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["tiny-D"], "name": "tiny"}
     assert StudentConfig.from_yaml(CONFIG_DIR / "cpu.yaml", variant="E").drop_layer == 1  # the E block
     assert StudentConfig.from_yaml("cpu-D", variant="E").drop_layer == 1
     with pytest.raises(ValueError, match="no variant 'E'"):
@@ -609,3 +616,32 @@ def test_family_names_paths_and_variant_blocks(tmp_path):
         mp.setattr(config, "CONFIG_DIR", config_dir)
         assert available_configs() == ["fam-C", "fam-D"]
         assert StudentConfig.from_yaml("fam-C").k_ratio == 0.25
+
+
+def test_affirmed_local_words_skip_negations(images):
+    torch.manual_seed(0)
+    model = build_student("tiny-B").eval()
+    texts = ["There is no pleural effusion. Small right pneumothorax."] * images.shape[0]
+    tok = model.tokenize(texts)
+    with torch.no_grad():
+        out = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=64, local_affirmed=True)
+    words = {model.tokenizer.tokenizer.convert_ids_to_tokens(int(i))
+             for i, ok in zip(out.local_pair_ids.flatten(), out.local_pair_mask.flatten()) if ok}
+    assert {"small", "right", "pneumothorax"} <= words
+    assert not words & {"no", "pleural", "effusion"}
+    # the same report twice: each image's report affirms every drawn word of the other
+    valid = out.local_pair_mask
+    assert out.local_pair_shared.shape == (2, valid.shape[1], 2)
+    assert out.local_pair_shared[valid].all()
+    texts2 = [texts[0], "There is no pleural effusion. Heart size is normal."]
+    tok2 = model.tokenize(texts2)
+    with torch.no_grad():
+        out2 = model(images, tok2["input_ids"], tok2["attention_mask"], local_pairs=64, local_affirmed=True)
+    names = model.tokenizer.tokenizer.convert_ids_to_tokens
+    for k, (i, ok) in enumerate(zip(out2.local_pair_ids[0], out2.local_pair_mask[0])):
+        if ok and names(int(i)) == "pneumothorax":  # only the first report affirms it
+            assert out2.local_pair_shared[0, k].tolist() == [True, False]
+    with torch.no_grad():
+        every = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=64)
+    assert int(every.local_pair_mask.sum()) > int(out.local_pair_mask.sum())
+

@@ -141,9 +141,12 @@ def prior_pointing_game(maps: list, targets: list) -> float:
 
 
 def map_similarity(maps: list) -> float:
-    """Mean pairwise cosine of heatmaps (NaN cells as 0). Near 1: the maps are the same whatever
-    the image or word (a collapsed, input-independent map); NaN with fewer than two maps."""
-    flat = [np.nan_to_num(np.asarray(m, dtype=np.float64).ravel()) for m in maps]
+    """Mean pairwise correlation of heatmaps (each centred on its mean, NaN cells as that mean). Near 1:
+    the maps are the same whatever the image or word (a collapsed, input-independent map); NaN with
+    fewer than two maps. Centred because a plain cosine of maps with a common offset (the mask's
+    sigmoid scores sit near 0.5 everywhere) is near 1 even when their peaks differ."""
+    flat = [np.asarray(m, dtype=np.float64).ravel() for m in maps]
+    flat = [np.nan_to_num(f - np.nanmean(f)) for f in flat if np.isfinite(f).any()]
     flat = [f / n for f in flat if (n := np.linalg.norm(f)) > 0]
     if len(flat) < 2:
         return float("nan")

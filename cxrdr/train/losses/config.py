@@ -13,13 +13,14 @@ DISTILL_KINDS = ("kl", "ce")
 # style), "cosine" (the seeds' mean 1 - cos(v~_k, t_k), which a constant attention map satisfies), "both".
 LOCAL_LOSSES = ("contrastive", "cosine", "both")
 # Keys the objective may return (absent terms are left out), plus "total".
-LOSS_KEYS = ("clip", "distill", "clip_syn", "distill_syn", "mask_nce", "sparsity", "consistency", "local")
+LOSS_KEYS = ("clip", "distill", "clip_syn", "distill_syn", "mask_nce", "sparsity", "consistency", "mask_words",
+             "local")
 
 LOSS_RANGES = {"lambda_distill": "[0, 1]", "w_i2t": "[0, inf)", "w_t2i": "[0, inf)",
                "default_teacher_scale": "(0, inf)", "w_mask_nce": "[0, inf)", "lambda_sparse": "[0, inf)",
                "mu_consistency": "[0, inf)", "w_local": "[0, inf)", "label_temperature": "(0, inf)",
                "beta_min": "[0, inf)", "beta_max": "[0, inf)", "queue_size": "[0, inf)",
-               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)"}
+               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)", "w_mask_words": "[0, inf)"}
 
 
 @dataclass
@@ -38,10 +39,16 @@ class LossConfig:
     lambda_sparse: float = 0.01
     mu_consistency: float = 1.0
     detach_full_similarity: bool = True  # s_full is the target of the consistency MSE
+    w_mask_words: float = 0.0  # the mask z learns where the report's words look (patch_ib.mask_follows_words_loss)
     w_local: float = 0.5
     local_loss: str = "contrastive"  # LOCAL_LOSSES; chosen by the pointing game (README, Localisation)
     local_temperature: float = 0.1  # softmax temperature of the token-region contrastive term
     local_tokens: int = 16  # text tokens per report drawn each step for the contrastive term (cost ~ B^2 x this)
+    # draw those words outside negations only: grounding "effusion" of "no pleural effusion" in its image
+    # teaches the word to avoid effusions (README, Localisation)
+    local_affirmed_only: bool = True
+    # a word's negatives are only images whose reports do not name the word too (false-negative masking)
+    local_mask_shared_words: bool = False
     local_entropy: float = 0.0  # weight of the word-attention entropy penalty (attention_entropy); 0 = off
     local_word_contrast: bool = False  # also across the words of a report (word_contrastive_loss); off: it
     # made the attention flatter on the CPU ladder (README, Localisation)

@@ -28,18 +28,23 @@ def local_alignment_loss(local_visual: torch.Tensor, local_text: torch.Tensor,
 
 
 def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tensor | None = None,
-                           temperature: float = 0.1) -> torch.Tensor:
+                           temperature: float = 0.1, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Token-region InfoNCE: each text token's region pooled from its own image must beat the same
     token pooled over every other image of the batch.
 
     pair_similarity (B_text, B_image, L): cos(v~_{j<-i,k}, t_{i,k}) (``LocalAlign.pair_similarity``);
     the target of text i is image i. Mean cross-entropy over valid tokens (text_mask (B, L)).
     Negatives are this rank's images only (the attention needs the other images' patches).
+    ``shared`` (B_text, L, B_image) bool: image j's own report has word k of text i too, so its region
+    for that word is no negative (false-negative masking per word; the own image always stays).
     """
     b, b_img, length = pair_similarity.shape
     if b != b_img:
         raise ValueError(f"pair_similarity must be (B, B, L), got {tuple(pair_similarity.shape)}")
     logits = pair_similarity.float().permute(0, 2, 1) / temperature  # (B_text, L, B_image)
+    if shared is not None:
+        own = torch.eye(b, dtype=torch.bool, device=logits.device).unsqueeze(1)  # (B_text, 1, B_image)
+        logits = logits.masked_fill(shared.bool() & ~own, float("-inf"))
     target = torch.arange(b, device=logits.device).unsqueeze(1).expand(b, length)
     ce = F.cross_entropy(logits.reshape(b * length, b), target.reshape(-1), reduction="none").view(b, length)
     valid = torch.ones_like(ce) if text_mask is None else text_mask.to(ce.dtype)
@@ -82,10 +87,10 @@ class LocalLoss(nn.Module):
     the optional word contrast and attention-entropy penalty. On this rank's features."""
 
     def __init__(self, weight: float = 0.5, mode: str = "contrastive", temperature: float = 0.1,
-                 word_contrast: bool = False, entropy: float = 0.0):
+                 word_contrast: bool = False, entropy: float = 0.0, mask_shared_words: bool = False):
         super().__init__()
         self.weight, self.mode, self.temperature = weight, mode, temperature
-        self.word_contrast, self.entropy = word_contrast, entropy
+        self.word_contrast, self.entropy, self.mask_shared_words = word_contrast, entropy, mask_shared_words
 
     def forward(self, out) -> dict[str, torch.Tensor]:
         if out.local_visual is None or out.local_text is None or not self.weight:
@@ -102,7 +107,8 @@ class LocalLoss(nn.Module):
     def _contrastive(self, out) -> list[torch.Tensor]:
         if out.local_pair_similarity is None:
             raise ValueError("loss.local_loss 'contrastive' needs the student's forward(..., local_pairs=True)")
-        parts = [local_contrastive_loss(out.local_pair_similarity, out.local_pair_mask, self.temperature)]
+        shared = out.local_pair_shared if self.mask_shared_words else None
+        parts = [local_contrastive_loss(out.local_pair_similarity, out.local_pair_mask, self.temperature, shared)]
         if self.word_contrast:
             if out.local_word_similarity is None:
                 raise ValueError("loss.local_word_contrast needs the student's forward(..., local_words=True)")

@@ -24,7 +24,7 @@ from cxrdr.train.losses.config import LossConfig
 from cxrdr.train.losses.contrastive import ClipLoss, TextQueue, beta_schedule
 from cxrdr.train.losses.distill import DistillLoss
 from cxrdr.train.losses.local import LocalLoss
-from cxrdr.train.losses.patch_ib import PatchIBLoss
+from cxrdr.train.losses.patch_ib import MaskWordsLoss, PatchIBLoss
 from cxrdr.train.losses.precision import full_precision
 from cxrdr.train.losses.targets import id_list, label_soft_targets, positive_mask
 
@@ -52,8 +52,9 @@ class Objective(nn.Module):
         self.distill = DistillLoss(cfg.distill_kind, cfg.teacher_scales, cfg.default_teacher_scale)
         self.patch_ib = PatchIBLoss(self.clip, cfg.w_mask_nce, cfg.lambda_sparse, cfg.mu_consistency,
                                     cfg.detach_full_similarity)
+        self.mask_words = MaskWordsLoss(cfg.w_mask_words)
         self.local = LocalLoss(cfg.w_local, cfg.local_loss, cfg.local_temperature, cfg.local_word_contrast,
-                               cfg.local_entropy)
+                               cfg.local_entropy, cfg.local_mask_shared_words)
         self.queue = (TextQueue(cfg.queue_size, embed_dim, device)
                       if cfg.queue_size > 0 and embed_dim is not None else None)
 
@@ -122,6 +123,7 @@ class Objective(nn.Module):
         local = {"img": out.image_emb, "txt": out.text_emb, "masked_img": out.masked_image_emb, "mask": out.mask}
         global_ = {"txt": txt, "masked_img": self._features(out.masked_image_emb)}
         terms.update(self.patch_ib(local, global_, scale, positives=positives, soft_targets=soft))
+        terms.update(self.mask_words(out))
         terms.update(self.local(out))
         if not terms:
             raise ValueError("the objective has no active term (all weights zero or outputs missing)")

@@ -28,6 +28,42 @@ def consistency_loss(masked_img: torch.Tensor, full_img: torch.Tensor, txt: torc
     return dist_utils.global_mean(((s_mask - s_full) ** 2).sum(), s_mask.numel())
 
 
+def mask_follows_words_loss(mask_scores: torch.Tensor, word_attn: torch.Tensor,
+                            word_mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the mask's distribution over patches, softmax(logit z), against where the
+    report's words look: the mean attention map of its valid words, detached (a target, not a path).
+
+    mask_scores (B, N) sigmoid scores of z; word_attn (B, T, N) rows of the words' attention;
+    word_mask (B, T) which rows are real words. Rows without a word are left out.
+    Why: the mask is image-only, so at test time it cannot read the report; this teaches it to keep
+    the patches the words of reports ground to (where findings are), not whatever tells images apart.
+    """
+    valid = word_mask.to(word_attn.dtype)
+    target = (word_attn.detach().float() * valid.unsqueeze(-1)).sum(1)
+    total = target.sum(-1, keepdim=True)
+    has_words = total.squeeze(-1) > 0
+    if not bool(has_words.any()):
+        return mask_scores.sum() * 0.0
+    target = target[has_words] / total[has_words]
+    logits = torch.logit(mask_scores[has_words].float(), eps=1e-6)
+    return -(target * logits.log_softmax(-1)).sum(-1).mean()
+
+
+class MaskWordsLoss(nn.Module):
+    """Weighted 'mask_words' term (``mask_follows_words_loss``) on the words drawn for the local loss."""
+
+    def __init__(self, weight: float = 0.0):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, out) -> dict[str, torch.Tensor]:
+        index = out.local_pair_index
+        if not self.weight or out.mask_scores is None or out.local_attn is None or index is None:
+            return {}
+        rows = out.local_attn.gather(1, index.unsqueeze(-1).expand(-1, -1, out.local_attn.shape[-1]))
+        return {"mask_words": self.weight * mask_follows_words_loss(out.mask_scores, rows, out.local_pair_mask)}
+
+
 class PatchIBLoss(nn.Module):
     """Weighted Patch-IB terms: 'mask_nce' (w_mask_nce * InfoNCE of the masked pooled embedding,
     on global features), 'sparsity' (lambda_sparse * mean z) and 'consistency' (mu * MSE), both on

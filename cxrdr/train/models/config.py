@@ -62,6 +62,10 @@ class StudentConfig:
 
     # local alignment (B-E)
     local_heads: int = 8
+    # 'mha': multi-head cross-attention (the seeds'); 'cosine': attention = softmax(cos(word, patch) / T)
+    # with T = local_attention_temperature, the map that is scored (GLoRIA/FILIP; heads.CosineLocalAlign)
+    local_attention: str = "mha"
+    local_attention_temperature: float = 0.1
     # ViT towers: the mask and local-alignment heads read the patch tokens after this many transformer
     # blocks (0: the embedded patches; None: the final tokens). Final ViT tokens all carry global image
     # content, so heads on them can match texts without localising; an early layer keeps tokens local.
@@ -100,6 +104,10 @@ class StudentConfig:
             raise ValueError(f"head_layer needs a ViT-family image tower, not {self.image_tower!r}{where}")
         if self.global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool must be 'token' or 'avg', got {self.global_pool!r}{where}")
+        if self.local_attention not in ("mha", "cosine"):
+            raise ValueError(f"local_attention must be 'mha' or 'cosine', got {self.local_attention!r}{where}")
+        if not self.local_attention_temperature > 0:
+            raise ValueError(f"local_attention_temperature must be > 0, got {self.local_attention_temperature}{where}")
         if self.embed_dim % self.local_heads:
             raise ValueError(f"embed_dim {self.embed_dim} must be divisible by local_heads {self.local_heads}{where}")
 

@@ -72,6 +72,14 @@ class MaskHeadTopK(MaskHead):
         return hard - soft.detach() + soft, soft
 
 
+def zero_padded_words(text_mask: torch.Tensor | None, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (B, L, ...) tensor with the rows of padded words (text_mask False/0) set to 0."""
+    if text_mask is None:
+        return rows
+    keep = text_mask.bool().unsqueeze(-1)
+    return tuple(r * keep for r in rows)
+
+
 class LocalAlign(nn.Module):
     """Token-to-patch alignment: text tokens query the patches with multi-head cross-attention.
 
@@ -95,10 +103,7 @@ class LocalAlign(nn.Module):
         p = self.patch_proj(patches)
         key_padding = None if patch_mask is None else ~patch_mask.bool()
         v, attn = self.attn(t, p, p, key_padding_mask=key_padding, need_weights=True, average_attn_weights=True)
-        if text_mask is not None:
-            keep = text_mask.bool().unsqueeze(-1)
-            v, t, attn = v * keep, t * keep, attn * keep
-        return v, t, attn
+        return zero_padded_words(text_mask, v, t, attn)
 
     def pair_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
                         patch_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +141,66 @@ class LocalAlign(nn.Module):
         return F.normalize(v, dim=-1) @ F.normalize(t, dim=-1).transpose(1, 2)
 
 
+class CosineLocalAlign(nn.Module):
+    """Token-to-patch alignment where the attention IS the word-patch similarity (GLoRIA, FILIP):
+    attn_k = softmax_n(cos(t_k, p_n) / temperature), v~_k = sum_n attn_kn p^_n (unit patch vectors).
+
+    Same interface as ``LocalAlign``. Why a second form: in ``LocalAlign`` the attention (query-key)
+    and what is scored (value vs word) are separate projections, so a broad map over tokens that all
+    carry the image's global content scores as well as a focused one and the attention stays near
+    uniform. Here the patch a word matches best is also the patch it pools, so raising a word's score
+    on its own image means finding the patches that look like the word: a detector map per word.
+    """
+
+    def __init__(self, text_dim: int, patch_dim: int, embed_dim: int, temperature: float = 0.1):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"local attention temperature must be > 0, got {temperature}")
+        self.text_proj = nn.Linear(text_dim, embed_dim)
+        self.patch_proj = nn.Linear(patch_dim, embed_dim)
+        self.temperature = float(temperature)
+
+    def _project(self, text_tokens, patches):
+        return F.normalize(self.text_proj(text_tokens), dim=-1), F.normalize(self.patch_proj(patches), dim=-1)
+
+    def _logits(self, t, p, patch_mask):
+        logits = t @ p.transpose(-2, -1) / self.temperature
+        if patch_mask is not None:
+            logits = logits.masked_fill(~patch_mask.bool().unsqueeze(-2), float("-inf"))
+        return logits
+
+    def forward(self, text_tokens: torch.Tensor, patches: torch.Tensor, text_mask: torch.Tensor | None = None,
+                patch_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, p = self._project(text_tokens, patches)
+        attn = self._logits(t, p, patch_mask).softmax(-1)  # (B, L, N)
+        return zero_padded_words(text_mask, attn @ p, t, attn)
+
+    def pair_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
+                        patch_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """cos(v~_{j<-i,k}, t_{i,k}) for every text i, token k and image j: (B_text, B_image, L)."""
+        t, p = self._project(text_tokens, patches)  # (Bt, L, D), (Bi, N, D)
+        logits = torch.einsum("ild,jnd->ijln", t, p) / self.temperature
+        if patch_mask is not None:
+            logits = logits.masked_fill(~patch_mask.bool()[None, :, None, :], float("-inf"))
+        pooled = F.normalize(torch.einsum("ijln,jnd->ijld", logits.softmax(-1), p), dim=-1)
+        return (pooled * t.unsqueeze(1)).sum(-1)
+
+    def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        """cos(v~_{i,k}, t_{i,m}) within each pair: (B, L, L) (see ``LocalAlign.word_similarity``)."""
+        v, t, _ = self(text_tokens, patches)
+        return F.normalize(v, dim=-1) @ t.transpose(1, 2)
+
+
+def build_local_align(kind: str, text_dim: int, patch_dim: int, embed_dim: int, heads: int,
+                      temperature: float) -> nn.Module:
+    """'mha': ``LocalAlign`` (the seeds' multi-head cross-attention); 'cosine': ``CosineLocalAlign``."""
+    if kind == "mha":
+        return LocalAlign(text_dim, patch_dim, embed_dim, heads)
+    if kind == "cosine":
+        return CosineLocalAlign(text_dim, patch_dim, embed_dim, temperature)
+    raise ValueError(f"local_attention must be 'mha' or 'cosine', got {kind!r}")
+
+
 def batch_idf(input_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) inverse document frequency of each token within the batch: log(B / rows holding that id).
 
@@ -146,6 +211,24 @@ def batch_idf(input_ids: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
     same = (ids[:, :, None, None] == ids[None, None, :, :]) & mask[None, None, :, :]  # (B, L, B', L')
     rows_with_token = same.any(-1).sum(-1).clamp_min(1)  # (B, L)
     return torch.log(ids.shape[0] / rows_with_token.float()) * mask
+
+
+def negated_tokens(input_ids: torch.Tensor, cue_ids, end_ids) -> torch.Tensor:
+    """(B, L) bool: tokens in a negation's scope (NegEx-style, the rule CheXpert's labeller starts
+    from): from a cue ('no', 'without', ...) to the end of its sentence ('.', ';'), the cue included.
+
+    Why: a report names most findings only to deny them ("There is no pleural effusion."). Grounding
+    the word 'effusion' of such a sentence in its image teaches the word to avoid effusions.
+    """
+    ids = input_ids.long()
+    cue = torch.isin(ids, torch.as_tensor(list(cue_ids), dtype=torch.long, device=ids.device))
+    end = torch.isin(ids, torch.as_tensor(list(end_ids), dtype=torch.long, device=ids.device))
+    cues_before = cue.long().cumsum(1)  # cues up to and including each token
+    # cue count at the start of each token's sentence: carried forward from the last sentence end
+    at_end = torch.where(end, cues_before, torch.zeros_like(cues_before))
+    sentence_base = at_end.cummax(1).values
+    started = torch.cat([torch.zeros_like(sentence_base[:, :1]), sentence_base[:, :-1]], dim=1)
+    return ((cues_before - started) > 0) & ~end
 
 
 def sample_token_positions(text_mask: torch.Tensor, max_tokens: int,

@@ -13,10 +13,15 @@ import torch.nn.functional as F
 from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
-from cxrdr.train.models.heads import (LocalAlign, MaskHead, MaskHeadTopK, Projection, batch_idf, init_logit_scale,
-                                      sample_token_positions)
+from cxrdr.train.models.heads import (MaskHead, MaskHeadTopK, Projection, batch_idf, build_local_align, init_logit_scale,
+                                      negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
+
+
+# Negation scope of the local loss's words (``local_affirmed``): NegEx's commonest pre-negation cues.
+NEGATION_CUES = ("no", "not", "without", "negative", "free", "absent")
+SENTENCE_ENDS = (".", ";")
 
 
 @dataclass
@@ -39,6 +44,8 @@ class StudentOutput:
     local_pair_mask: torch.Tensor | None = None  # (B, T) bool, which of those T sampled tokens are real
     local_word_similarity: torch.Tensor | None = None  # (B, T, T) word k's own-image region vs word m
     local_pair_ids: torch.Tensor | None = None  # (B, T) token ids of the sampled words
+    local_pair_index: torch.Tensor | None = None  # (B, T) their positions in the text
+    local_pair_shared: torch.Tensor | None = None  # (B_text, T, B_image) image j's report also has word k of text i
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
 
     @property
@@ -77,7 +84,9 @@ class PatchIBStudent(nn.Module):
         self.image_proj = Projection(d_img, self.embed_dim)
         self.text_proj = Projection(d_txt, self.embed_dim)
         self.logit_scale = init_logit_scale(config.logit_scale_init)
-        self.local_align = LocalAlign(d_txt, d_img, self.embed_dim, config.local_heads) if config.use_local else None
+        self._negation_ids = (tokenizer.word_ids(NEGATION_CUES), tokenizer.word_ids(SENTENCE_ENDS))
+        self.local_align = build_local_align(config.local_attention, d_txt, d_img, self.embed_dim, config.local_heads,
+                                             config.local_attention_temperature) if config.use_local else None
         if config.use_topk:
             self.mask_head = MaskHeadTopK(d_img, config.k_ratio, config.mask_hidden, config.k_ratio_start,
                                           config.k_anneal_steps)
@@ -129,12 +138,14 @@ class PatchIBStudent(nn.Module):
         return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                step: int | None = None, local_pairs: int = 0, local_words: bool = False) -> StudentOutput:
+                step: int | None = None, local_pairs: int = 0, local_words: bool = False,
+                local_affirmed: bool = False) -> StudentOutput:
         """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
         batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
         B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
         reports apart, where the grounding signal is. ``local_words``: also those tokens' own-image
-        regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``)."""
+        regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``).
+        ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion")."""
         img = self._image(images, step)
         text_tokens, text_pooled = self._text(input_ids, attention_mask)
         text_mask = attention_mask.to(text_tokens.device).bool()
@@ -153,16 +164,25 @@ class PatchIBStudent(nn.Module):
         if self.local_align is not None:
             out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, patches, text_mask)
             if local_pairs:
+                ids = input_ids.to(text_mask.device)
+                drawable = text_mask & ~self._negated(ids) if local_affirmed else text_mask
                 # informative words (rare in this batch: findings, sides) carry the grounding signal
-                index = sample_token_positions(text_mask, local_pairs, batch_idf(input_ids.to(text_mask.device),
-                                                                                 text_mask))
+                index = sample_token_positions(drawable, local_pairs, batch_idf(ids, drawable))
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
                 out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches)
                 if local_words:
                     out.local_word_similarity = self.local_align.word_similarity(tokens, patches)
-                out.local_pair_mask = text_mask.gather(1, index)
-                out.local_pair_ids = input_ids.to(index.device).gather(1, index)
+                out.local_pair_mask = drawable.gather(1, index)
+                out.local_pair_ids = ids.gather(1, index)
+                out.local_pair_index = index
+                # image j's report also names word k of text i (where it may be drawn): not a negative for it
+                out.local_pair_shared = ((out.local_pair_ids[:, :, None, None] == ids[None, None])
+                                         & drawable[None, None]).any(-1)
         return out
+
+    def _negated(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, L) bool: tokens inside a negation's scope (``heads.negated_tokens``) for this tokenizer."""
+        return negated_tokens(input_ids, *self._negation_ids)
 
     # ---- convenience (no grad, eval mode, CPU results) ----------------------------------------
     @torch.no_grad()

@@ -121,6 +121,12 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    def word_ids(self, words) -> list[int]:
+        """Ids of the words that are single tokens of this vocabulary (others are left out)."""
+        unknown = self.tokenizer.unk_token_id
+        ids = [self.tokenizer.convert_tokens_to_ids(w) for w in words]
+        return sorted({i for i in ids if i is not None and i != unknown})
+
     def __call__(self, texts: list[str] | str) -> dict[str, torch.Tensor]:
         if isinstance(texts, str):
             texts = [texts]
