@@ -203,6 +203,12 @@ def test_lr_per_parameter_unchanged_for_every_config(name):
     config = StudentConfig.from_yaml(name)
     if name.startswith("biomedclip"):
         config = config.replace(text_tower="minilm", init_from=None)
+    if config.use_local and config.local_attention != "mha":  # the table predates the cosine local head (issue 9): check it apart
+        cosine = build_student(config, init_weights=False)
+        groups = param_groups(cosine, OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0))
+        local = {n for g in groups if g["is_head"] for n in g["names"] if n.startswith("local_align.")}
+        assert local == {n for n, _ in cosine.named_parameters() if n.startswith("local_align.")} != set()
+        config = config.replace(local_attention="mha")
     model = build_student(config, init_weights=False)
     cfg = OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0)
     rows = sorted((n, g["is_head"], round(g["lr"], 12), g["weight_decay"])
