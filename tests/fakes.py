@@ -25,4 +25,4 @@ class FakeOutput:
     local_word_similarity: torch.Tensor | None = None
     local_pair_ids: torch.Tensor | None = None
     local_pair_index: torch.Tensor | None = None
-    local_pair_shared: torch.Tensor | None = None
+    local_drawable_ids: torch.Tensor | None = None

@@ -525,3 +525,24 @@ def test_local_contrast_masks_images_whose_report_names_the_same_word():
     rest = -torch.log_softmax(logits[1:], 1).diagonal(1)  # rows 1, 2 unchanged
     assert masked.item() == pytest.approx(((row0 + rest.sum()) / 3).item(), rel=1e-5)
     assert masked < plain
+
+
+def test_local_loss_masks_shared_words_only_when_asked():
+    from cxrdr.train.losses.local import LocalLoss, shared_words
+
+    g = torch.Generator().manual_seed(5)
+    sim = torch.rand(3, 3, 2, generator=g)
+    pair_ids = torch.tensor([[7, 8], [7, 9], [4, 5]])  # text 0's word 7 is drawable in report 1 too
+    drawable_ids = torch.tensor([[7, 8, -1], [9, 7, -1], [4, 5, 8]])
+    drawable_ids[2, 2] = -1  # report 2 has word 8 only inside a negation: not drawable, no match
+    shared = shared_words(pair_ids, drawable_ids)
+    assert shared[0, 0].tolist() == [True, True, False] and shared[0, 1].tolist() == [True, False, False]
+    out = FakeOutput(image_emb=unit(3, 4, 1), text_emb=unit(3, 4, 2), logit_scale=torch.tensor(10.0),
+                     local_visual=torch.zeros(3, 2, 4), local_text=torch.zeros(3, 2, 4),
+                     local_pair_similarity=sim, local_pair_mask=torch.ones(3, 2, dtype=torch.bool),
+                     local_pair_ids=pair_ids, local_drawable_ids=drawable_ids)
+    masked = LocalLoss(weight=1.0, mask_shared_words=True)(out)["local"]
+    plain = LocalLoss(weight=1.0)(out)["local"]
+    assert masked.item() == pytest.approx(local_contrastive_loss(sim, None, 0.1, shared).item(), rel=1e-6)
+    assert plain.item() == pytest.approx(local_contrastive_loss(sim, None, 0.1).item(), rel=1e-6)
+    assert masked.item() != pytest.approx(plain.item())

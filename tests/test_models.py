@@ -619,6 +619,8 @@ def test_family_names_paths_and_variant_blocks(tmp_path):
 
 
 def test_affirmed_local_words_skip_negations(images):
+    from cxrdr.train.losses.local import shared_words
+
     torch.manual_seed(0)
     model = build_student("tiny-B").eval()
     texts = ["There is no pleural effusion. Small right pneumothorax."] * images.shape[0]
@@ -631,17 +633,18 @@ def test_affirmed_local_words_skip_negations(images):
     assert not words & {"no", "pleural", "effusion"}
     # the same report twice: each image's report affirms every drawn word of the other
     valid = out.local_pair_mask
-    assert out.local_pair_shared.shape == (2, valid.shape[1], 2)
-    assert out.local_pair_shared[valid].all()
+    shared = shared_words(out.local_pair_ids, out.local_drawable_ids)
+    assert shared.shape == (2, valid.shape[1], 2)
+    assert shared[valid].all()
     texts2 = [texts[0], "There is no pleural effusion. Heart size is normal."]
     tok2 = model.tokenize(texts2)
     with torch.no_grad():
         out2 = model(images, tok2["input_ids"], tok2["attention_mask"], local_pairs=64, local_affirmed=True)
     names = model.tokenizer.tokenizer.convert_ids_to_tokens
+    shared2 = shared_words(out2.local_pair_ids, out2.local_drawable_ids)
     for k, (i, ok) in enumerate(zip(out2.local_pair_ids[0], out2.local_pair_mask[0])):
         if ok and names(int(i)) == "pneumothorax":  # only the first report affirms it
-            assert out2.local_pair_shared[0, k].tolist() == [True, False]
+            assert shared2[0, k].tolist() == [True, False]
     with torch.no_grad():
         every = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=64)
     assert int(every.local_pair_mask.sum()) > int(out.local_pair_mask.sum())
-

@@ -203,7 +203,8 @@ def test_lr_per_parameter_unchanged_for_every_config(name):
     config = StudentConfig.from_yaml(name)
     if name.startswith("biomedclip"):
         config = config.replace(text_tower="minilm", init_from=None)
-    if config.use_local and config.local_attention != "mha":  # the table predates the cosine local head (issue 9): check it apart
+    # the table predates the cosine local head (issue 9): check that head apart, the rest against the table
+    if config.use_local and config.local_attention != "mha":
         cosine = build_student(config, init_weights=False)
         groups = param_groups(cosine, OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0))
         local = {n for g in groups if g["is_head"] for n in g["names"] if n.startswith("local_align.")}

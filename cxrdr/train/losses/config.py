@@ -20,7 +20,8 @@ LOSS_RANGES = {"lambda_distill": "[0, 1]", "w_i2t": "[0, inf)", "w_t2i": "[0, in
                "default_teacher_scale": "(0, inf)", "w_mask_nce": "[0, inf)", "lambda_sparse": "[0, inf)",
                "mu_consistency": "[0, inf)", "w_local": "[0, inf)", "label_temperature": "(0, inf)",
                "beta_min": "[0, inf)", "beta_max": "[0, inf)", "queue_size": "[0, inf)",
-               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)", "w_mask_words": "[0, inf)"}
+               "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)",
+               "w_mask_words": "[0, inf)"}
 
 
 @dataclass

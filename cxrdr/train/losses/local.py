@@ -27,6 +27,15 @@ def local_alignment_loss(local_visual: torch.Tensor, local_text: torch.Tensor,
     return dist_utils.global_mean(((1.0 - cos) * valid).sum(), valid.sum())
 
 
+def shared_words(pair_ids: torch.Tensor, drawable_ids: torch.Tensor) -> torch.Tensor:
+    """(B_text, T, B_image) bool: image j's report holds word k of text i where words may be drawn.
+
+    pair_ids (B, T) the drawn words' ids; drawable_ids (B, L) every report's ids, -1 where no word
+    may be drawn (``StudentOutput.local_drawable_ids``). Built only when the option asks for it.
+    """
+    return (pair_ids[:, :, None, None] == drawable_ids[None, None]).any(-1)
+
+
 def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tensor | None = None,
                            temperature: float = 0.1, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Token-region InfoNCE: each text token's region pooled from its own image must beat the same
@@ -107,7 +116,7 @@ class LocalLoss(nn.Module):
     def _contrastive(self, out) -> list[torch.Tensor]:
         if out.local_pair_similarity is None:
             raise ValueError("loss.local_loss 'contrastive' needs the student's forward(..., local_pairs=True)")
-        shared = out.local_pair_shared if self.mask_shared_words else None
+        shared = shared_words(out.local_pair_ids, out.local_drawable_ids) if self.mask_shared_words else None
         parts = [local_contrastive_loss(out.local_pair_similarity, out.local_pair_mask, self.temperature, shared)]
         if self.word_contrast:
             if out.local_word_similarity is None:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
-from cxrdr.train.models.heads import (MaskHead, MaskHeadTopK, Projection, batch_idf, build_local_align, init_logit_scale,
-                                      negated_tokens, sample_token_positions)
+from cxrdr.train.models.heads import (MaskHead, MaskHeadTopK, Projection, batch_idf, build_local_align,
+                                      init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
 
@@ -45,7 +45,7 @@ class StudentOutput:
     local_word_similarity: torch.Tensor | None = None  # (B, T, T) word k's own-image region vs word m
     local_pair_ids: torch.Tensor | None = None  # (B, T) token ids of the sampled words
     local_pair_index: torch.Tensor | None = None  # (B, T) their positions in the text
-    local_pair_shared: torch.Tensor | None = None  # (B_text, T, B_image) image j's report also has word k of text i
+    local_drawable_ids: torch.Tensor | None = None  # (B, L) ids of the words that may be drawn, -1 elsewhere
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
 
     @property
@@ -175,9 +175,7 @@ class PatchIBStudent(nn.Module):
                 out.local_pair_mask = drawable.gather(1, index)
                 out.local_pair_ids = ids.gather(1, index)
                 out.local_pair_index = index
-                # image j's report also names word k of text i (where it may be drawn): not a negative for it
-                out.local_pair_shared = ((out.local_pair_ids[:, :, None, None] == ids[None, None])
-                                         & drawable[None, None]).any(-1)
+                out.local_drawable_ids = ids.masked_fill(~drawable, -1)
         return out
 
     def _negated(self, input_ids: torch.Tensor) -> torch.Tensor:
