@@ -29,7 +29,7 @@ from cxrdr.common.errors import UserError
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import npy_load, sample_embedding
 from cxrdr.reinforce.verify import verify
-from cxrdr.reinforce.writer import is_shard_complete
+from cxrdr.reinforce.writer import TarOut, is_shard_complete
 
 N = 16
 SOURCE_SEED = 4  # phantom seed whose first 16 studies span train (12), val (2) and test (2)
@@ -97,6 +97,14 @@ def teachers():
 def fresh(tmp_path_factory, teachers) -> Path:
     out = tmp_path_factory.mktemp("fresh")
     build(options(out, workers=2), teachers=teachers)
+    return out
+
+
+@pytest.fixture(scope="session")
+def plain(tmp_path_factory, teachers) -> Path:
+    """The same build as uncompressed tars (--compression none), for byte surgery on tar members."""
+    out = tmp_path_factory.mktemp("plain")
+    build(options(out, workers=0, compression="none"), teachers=teachers)
     return out
 
 
@@ -186,27 +194,55 @@ def _last_member_end(path: Path) -> int:
     return last.offset_data + (last.size + 511) // 512 * 512
 
 
-@pytest.mark.parametrize("cut", ["half", "member-boundary"])
-def test_verify_names_a_truncated_shard(fresh, tmp_path, cut):
+@pytest.mark.parametrize("compression,cut", [("gzip", "half"), ("none", "half"), ("none", "member-boundary")])
+def test_verify_names_a_truncated_shard(fresh, plain, tmp_path, compression, cut):
     damaged = tmp_path / "damaged"
-    shutil.copytree(fresh, damaged)
-    tar = damaged / "shard-000001.tar"
+    shutil.copytree(fresh if compression == "gzip" else plain, damaged)
+    suffix = ".tar.gz" if compression == "gzip" else ".tar"
+    tar = damaged / f"shard-000001{suffix}"
     size = tar.stat().st_size // 2 if cut == "half" else _last_member_end(tar)
     with open(tar, "r+b") as f:
         f.truncate(size)
     result = CliRunner().invoke(app(), ["verify", str(damaged)])
     assert result.exit_code == 1, result.output
-    assert "shard-000001.tar" in result.output
-    assert "shard-000000.tar" not in result.output
+    assert f"shard-000001{suffix}" in result.output
+    assert "shard-000000" not in result.output
+
+
+def test_gzip_and_plain_shards_hold_the_same_samples(fresh, plain):
+    """--compression changes the file, not a byte of any member; gzip is the smaller one."""
+    gz, tar = read_dataset_info(fresh), read_dataset_info(plain)
+    assert [s["name"] for s in gz["shards"]] == [s["name"] + ".gz" for s in tar["shards"]]
+    assert (gz["compression"], tar["compression"]) == ("gzip", "none")
+    assert read_samples(fresh) == read_samples(plain)
+    assert gz["bytes_per_sample"] == tar["bytes_per_sample"]
+    gz_bytes = sum((fresh / s["name"]).stat().st_size for s in gz["shards"])
+    tar_bytes = sum((plain / s["name"]).stat().st_size for s in tar["shards"])
+    assert gz_bytes < 0.8 * tar_bytes
+    # a shard of either kind is the same tar: gunzip gives the plain shard byte for byte
+    import gzip
+
+    assert gzip.decompress((fresh / gz["shards"][0]["name"]).read_bytes()) == (plain / tar["shards"][0]["name"]).read_bytes()
+
+
+def test_a_damaged_gzip_shard_yields_the_samples_before_the_damage(fresh, tmp_path):
+    """A gzip shard cut short: the intact samples before the cut still read, then the damage is raised."""
+    tar = tmp_path / "shard-000000.tar.gz"
+    data = (fresh / "shard-000000.tar.gz").read_bytes()
+    tar.write_bytes(data[:int(len(data) * 0.9)])
+    complete = [key for key, _ in iter_tar_samples(fresh / "shard-000000.tar.gz")]
+    read = []
+    with pytest.raises(tarfile.ReadError, match="damaged gzip stream"):
+        for key, _ in iter_tar_samples(tar):
+            read.append(key)
+    assert 1 <= len(read) <= len(complete) and read == complete[:len(read)]
 
 
 def test_verify_names_a_bad_sample(fresh, tmp_path):
     """A NaN embedding (rewritten tar, consistent size) is reported with its shard and key."""
-    import webdataset as wds
-
     damaged = tmp_path / "nan"
     shutil.copytree(fresh, damaged)
-    tar = damaged / "shard-000000.tar"
+    tar = damaged / "shard-000000.tar.gz"
     samples = list(iter_tar_samples(tar))
     bad_key = samples[1][0]
     nan = np.full((5, 64), np.nan, dtype=np.float16)
@@ -214,12 +250,12 @@ def test_verify_names_a_bad_sample(fresh, tmp_path):
     np.save(buf, nan)
     samples[1][1]["random-tiny.npy"] = buf.getvalue()
     with open(tar, "wb") as f:
-        writer = wds.TarWriter(f, encoder=False, mtime=0)
+        writer = TarOut(f, "gzip")
         for key, sample in samples:
             writer.write({"__key__": key, **sample})
         writer.close()
     problems, _ = verify(damaged)
-    assert any("shard-000000.tar" in p and bad_key in p and "NaN" in p for p in problems), problems
+    assert any("shard-000000.tar.gz" in p and bad_key in p and "NaN" in p for p in problems), problems
 
 
 def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
@@ -232,7 +268,7 @@ def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
     complete = [i for i in range(5) if is_shard_complete(out, i)]
     assert complete == [0, 1]
     assert not (out / "dataset.json").exists()
-    (out / "shard-000003.tar.tmp").write_bytes(b"half a shard left by a kill")
+    (out / "shard-000003.tar.gz.tmp").write_bytes(b"half a shard left by a kill")
 
     with pytest.raises(UserError, match="--resume"):
         build(options(out), teachers=teachers)

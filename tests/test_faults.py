@@ -272,16 +272,16 @@ def test_ids_that_sanitise_alike_get_unique_keys_before_any_work(tmp_path, tiny_
 
 
 def _rewrite_member(tar: Path, index: int, ext: str, change) -> str:
-    """Rewrite sample ``index`` of ``tar`` with ``change(bytes) -> bytes`` applied to member ``ext``."""
-    import webdataset as wds
-
-    from cxrdr.common.shards import iter_tar_samples
+    """Rewrite sample ``index`` of ``tar`` with ``change(bytes) -> bytes`` applied to member ``ext``
+    (the shard keeps its compression)."""
+    from cxrdr.common.shards import iter_tar_samples, shard_compression
+    from cxrdr.reinforce.writer import TarOut
 
     samples = list(iter_tar_samples(tar))
     key = samples[index][0]
     samples[index][1][ext] = change(samples[index][1][ext])
     with open(tar, "wb") as f:
-        writer = wds.TarWriter(f, encoder=False, mtime=0)
+        writer = TarOut(f, shard_compression(tar.name))
         for k, sample in samples:
             writer.write({"__key__": k, **sample})
         writer.close()
@@ -365,12 +365,16 @@ def test_training_input_names_shard_and_key_then_stops_or_skips(damaged_shards, 
     clean = _read_all(phantom_shards)
     assert len(kept) < len(clean) - 2 and set(kept) < set(clean)
 
-    # Cut exactly at a member boundary: webdataset's reader lost the rest silently; this stops.
+    # Cut exactly at a member boundary (inside an intact gzip stream): webdataset's reader lost the rest
+    # silently; this stops.
+    import gzip
+
     cut = tmp_path / "cut"
     shutil.copytree(phantom_shards, cut)
     tar = cut / train[0]
-    with open(tar, "r+b") as f:
-        f.truncate(_last_sample_start(tar))  # the last sample and the end-of-archive marker are gone
+    assert tar.name.endswith(".tar.gz")
+    whole = gzip.decompress(tar.read_bytes())
+    tar.write_bytes(gzip.compress(whole[:_last_sample_start(tar)]))  # the last sample and the end marker are gone
     with pytest.raises(CorruptDataError, match=f"{train[0]}: key \\(unreadable tar after .*end-of-archive"):
         _read_all(cut)
 
@@ -397,7 +401,8 @@ def test_verify_catches_bit_rot_in_any_member_and_add_teacher_keeps_checksums(tm
     from cxrdr.reinforce.verify import verify
 
     out = tmp_path / "shards"
-    build(tiny_build_options(out), teachers=tiny_teacher)
+    # plain tars: a changed member then keeps the file's size, so only the checksums can tell
+    build(tiny_build_options(out, compression="none"), teachers=tiny_teacher)
     other = load_teachers("random:tiny?name=other", device="cpu")
     add_teachers(out, "random:tiny?name=other", progress=False, teachers=other)
     assert verify(out)[0] == []
@@ -518,8 +523,8 @@ def test_build_killed_with_sigkill_resumes_to_identical_shards(tmp_path, tiny_te
     info = build(tiny_build_options(out, source=f"phantom:{n}", resume=True), teachers=tiny_teacher)
     assert info["build"]["ranks"][0]["shards_skipped_as_complete"] >= 2
     assert not stale.exists()
-    tars = sorted(p.name for p in reference.glob("*.tar"))
-    assert tars == sorted(p.name for p in out.glob("*.tar")) and len(tars) == 10
+    tars = sorted(p.name for p in reference.glob("*.tar.gz"))  # gzip with mtime 0: as reproducible as a tar
+    assert tars == sorted(p.name for p in out.glob("*.tar.gz")) and len(tars) == 10
     for name in tars:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
     assert (out / "manifest.parquet").read_bytes() == (reference / "manifest.parquet").read_bytes()

@@ -91,14 +91,16 @@ def test_open_clip_train_pipeline_reads_cxrdr_shards(shards, monkeypatch):
 # ------------------------------------------------------------------ open_clip out: train export
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """tiny-A and tiny-D students (random init: the mapping, not the training, is under test) exported."""
+    """Students (random heads: the mapping, not the training, is under test) exported: tiny-A/D (timm ViT),
+    cpu-E (hybrid Lite0-ViT with token dropping) and tiny-cnn-D (stride-16 EfficientNet cut), the last
+    two as cxrdr_image_tower."""
     from cxrdr.train.checkpoint import save_checkpoint
     from cxrdr.train.export import export_open_clip
     from cxrdr.train.models import build_student
 
     root = tmp_path_factory.mktemp("export")
     out = {}
-    for name in ("tiny-A", "tiny-D"):
+    for name in ("tiny-A", "tiny-D", "cpu-E", "tiny-cnn-D"):
         torch.manual_seed(3)
         student = build_student(name)
         with torch.no_grad():
@@ -112,7 +114,7 @@ def exported(tmp_path_factory):
 TEXTS = ["no acute cardiopulmonary process", "small right pleural effusion", "the heart is enlarged"]
 
 
-@pytest.mark.parametrize("name", ["tiny-A", "tiny-D"])
+@pytest.mark.parametrize("name", ["tiny-A", "tiny-D", "cpu-E", "tiny-cnn-D"])
 def test_export_loads_in_open_clip_with_the_students_embeddings(exported, name, monkeypatch):
     import numpy as np
     import open_clip
@@ -133,7 +135,8 @@ def test_export_loads_in_open_clip_with_the_students_embeddings(exported, name, 
     model.eval()
     # preprocess: a grayscale image becomes the student's input (1 channel in [0,1] -> 3, mean/std)
     rng = np.random.default_rng(0)
-    grays = [Image.fromarray(rng.integers(0, 256, (64, 64), dtype=np.uint8), mode="L") for _ in range(3)]
+    size = student.image_size
+    grays = [Image.fromarray(rng.integers(0, 256, (size, size), dtype=np.uint8), mode="L") for _ in range(3)]
     pixels = torch.stack([torch.from_numpy(np.asarray(g, dtype=np.float32) / 255.0)[None] for g in grays])
     x = torch.stack([preprocess(g) for g in grays])
     expected_x = (pixels.expand(-1, 3, -1, -1) - torch.tensor(student.config.image_mean).view(1, 3, 1, 1)) \
@@ -161,21 +164,70 @@ def test_export_works_as_an_openclip_teacher(exported, monkeypatch):
     torch.testing.assert_close(teacher.encode_texts(TEXTS), student.embed_texts(TEXTS), atol=1e-4, rtol=0)
 
 
-def test_export_refuses_what_open_clip_cannot_build_and_checks_its_output(exported, tmp_path):
+def test_export_names_its_timm_architecture(exported):
+    """timm towers keep their timm name (loadable without cxrdr); the others are cxrdr_image_tower."""
+    import json
+
+    arch = {name: json.loads((out / "vision" / "config.json").read_text())["architecture"]
+            for name, (_, out, _) in exported.items()}
+    assert arch == {"tiny-A": "vit_tiny_patch16_224", "tiny-D": "vit_tiny_patch16_224",
+                    "cpu-E": "cxrdr_image_tower", "tiny-cnn-D": "cxrdr_image_tower"}
+    # the folder says how to load it, and that cxrdr's tower needs cxrdr imported first
+    notes = {name: (out / "README.md").read_text() for name, (_, out, _) in exported.items()}
+    assert "import cxrdr.train.models" in notes["cpu-E"] and "import cxrdr.train.models" not in notes["tiny-A"]
+    assert all(f"local-dir:{out.resolve()}" in notes[name] for name, (_, out, _) in exported.items())
+
+
+def test_exported_e_drops_tokens_as_the_student_does(exported, monkeypatch):
+    """The exported E keeps its target share of tokens: its embeddings are the dropping student's, not
+    those of the same weights with every token kept."""
+    import open_clip
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    student, out, _ = exported["cpu-E"]
+    model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    model.eval()
+    tower = model.visual.trunk.tower
+    assert tower.keep_rate == student.config.keep_rate == 0.5
+    images = torch.rand(4, 1, student.image_size, student.image_size, generator=torch.Generator().manual_seed(2))
+    x = student.prepare_images(images)
+    with torch.no_grad():
+        dropped = model.encode_image(x, normalize=True)
+        tower.keep_rate = 1.0
+        kept_all = model.encode_image(x, normalize=True)
+    torch.testing.assert_close(dropped, student.embed_images(images), atol=1e-4, rtol=0)
+    assert float((dropped - kept_all).abs().max()) > 1e-3
+
+
+def test_export_works_as_a_teacher_through_the_timm_entry_point(exported, monkeypatch):
+    """openclip:local-dir: of a cxrdr_image_tower export: the teacher loader registers the architecture
+    (entry point cxrdr.timm_models) before open_clip builds it."""
+    from importlib.metadata import entry_points
+
+    from cxrdr.teachers import load_teacher
+
+    assert [ep.value for ep in entry_points(group="cxrdr.timm_models")] == ["cxrdr.train.models.timm_adapter"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    student, out, _ = exported["tiny-cnn-D"]
+    teacher = load_teacher(f"openclip:local-dir:{out}")
+    crops = torch.rand(2, 1, 96, 96, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(teacher.encode_images(crops), student.embed_images(crops), atol=1e-4, rtol=0)
+
+
+def test_export_refuses_bad_input_and_checks_its_output(exported, tmp_path):
     from typer.testing import CliRunner
 
-    from cxrdr.train.checkpoint import save_checkpoint
     from cxrdr.train.cli import app
     from cxrdr.train.export import check_export
     from cxrdr.train.models import build_student
 
-    save_checkpoint(tmp_path / "e.pt", build_student("tiny-E"))
-    result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "e")])
-    assert result.exit_code != 0 and "variant E" in str(result.output) + str(result.exception)
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "e")])
+    assert result.exit_code != 0 and "checkpoint not found" in str(result.output) + str(result.exception)
     assert not (tmp_path / "e").exists()
-    result = CliRunner().invoke(app, ["export", str(tmp_path / "e.pt"), "--out", str(tmp_path / "x"),
+    _, out, _ = exported["tiny-A"]
+    result = CliRunner().invoke(app, ["export", str(out.parent / "tiny-A.pt"), "--out", str(tmp_path / "x"),
                                       "--format", "onnx"])
-    assert result.exit_code != 0
+    assert result.exit_code != 0 and "--format must be one of open_clip" in str(result.output) + str(result.exception)
 
     student, out, _ = exported["tiny-A"]
     other = build_student("tiny-A")  # different weights: the check must notice

@@ -34,7 +34,7 @@ def options(out, **overrides) -> BuildOptions:
 
 
 def tar_bytes(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.glob("shard-*.tar"))}
+    return {p.name: p.read_bytes() for p in sorted(out.glob("shard-*.tar.gz"))}
 
 
 def shard_stats(out: Path) -> dict[str, dict]:
@@ -70,7 +70,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 def assert_same_build(out: Path, ref: Path) -> None:
-    assert tar_bytes(out) == tar_bytes(ref)  # byte-identical tars
+    assert tar_bytes(ref) and tar_bytes(out) == tar_bytes(ref)  # byte-identical shards (and some)
     assert pq.read_table(out / "manifest.parquet").equals(pq.read_table(ref / "manifest.parquet"))
     assert shard_stats(out) == shard_stats(ref)
     assert dataset_header(out) == dataset_header(ref)
@@ -93,8 +93,8 @@ def test_ray_resume_rebuilds_only_missing_shards_and_retries_a_failing_one(local
     shutil.copytree(reference, out)
     for name in ("dataset.json", "manifest.parquet"):
         (out / name).unlink()
-    (out / "shard-000002.tar").unlink()  # as if the build had died while writing shard 2
-    kept = {i: (out / f"shard-{i:06d}.tar").stat().st_mtime_ns for i in (0, 1, 3)}
+    (out / "shard-000002.tar.gz").unlink()  # as if the build had died while writing shard 2
+    kept = {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 1, 3)}
 
     with pytest.raises(UserError, match="--resume"):
         build(options(out, engine="ray"))
@@ -103,7 +103,7 @@ def test_ray_resume_rebuilds_only_missing_shards_and_retries_a_failing_one(local
     rank = info["build"]["ranks"][0]
     assert rank["shards_built"] == 1 and rank["shards_skipped_as_complete"] == 3
     assert [(s["index"], s["attempts"]) for s in rank["shards"]] == [(2, 2)]
-    assert {i: (out / f"shard-{i:06d}.tar").stat().st_mtime_ns for i in (0, 1, 3)} == kept
+    assert {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 1, 3)} == kept
     assert not error_path(out, 2).exists()
     assert_same_build(out, reference)
 
@@ -111,7 +111,7 @@ def test_ray_resume_rebuilds_only_missing_shards_and_retries_a_failing_one(local
 def test_a_shard_failing_every_attempt_is_named_and_the_others_complete(local_ray, tmp_path, monkeypatch):
     out = tmp_path / "failing"
     monkeypatch.setenv(FAULTS_ENV, "1:5")
-    with pytest.raises(UserError, match=r"1 shard\(s\) .* failed after 2 attempt\(s\) \(shard-000001.tar: "
+    with pytest.raises(UserError, match=r"1 shard\(s\) .* failed after 2 attempt\(s\) \(shard-000001.tar.gz: "
                                         r"RuntimeError: injected fault.*--resume"):
         build(options(out, engine="ray", ray_actors=2, ray_retries=1))
     assert [is_shard_complete(out, i) for i in range(4)] == [True, False, True, True]

@@ -22,7 +22,6 @@ from typing import Annotated
 
 import numpy as np
 import typer
-import webdataset as wds
 from tqdm import tqdm
 
 from cxrdr.common.augment import replay_many
@@ -30,12 +29,12 @@ from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
 from cxrdr.common.shards import (SCHEMA_VERSION, encode_teacher, iter_tar_samples, merge_int8_quality, part_of,
-                                 read_dataset_info, repack_v1_teacher, teacher_ext)
+                                 read_dataset_info, repack_v1_teacher, shard_compression, shard_index, teacher_ext)
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.embed import embed_batch
 from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device
 from cxrdr.reinforce.prepare import decode_stored_image, json_safe
-from cxrdr.reinforce.writer import TMP_SUFFIX, read_shard_stats, stats_path, write_json_atomic
+from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_path, write_json_atomic
 
 
 def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict) -> list[dict]:
@@ -55,7 +54,7 @@ def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict) 
 
 def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_size: int) -> dict:
     """Add ``teachers`` to one shard; returns its updated stats."""
-    index = int(shard["name"][len("shard-"):-len(".tar")])
+    index = shard_index(shard["name"])
     path = shards_dir / shard["name"]
     stats = read_shard_stats(shards_dir, index)
     new_names = {t.name for t in teachers}
@@ -67,7 +66,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     part_bytes: dict[str, int] = {}
     checksums: dict[str, dict[str, str]] = {}
     with open(tmp, "wb") as f:
-        tar = wds.TarWriter(f, encoder=False, mtime=0)
+        tar = TarOut(f, shard_compression(shard["name"]))  # the shard keeps its compression
         pending: list[tuple[str, dict]] = []
 
         def flush():
@@ -144,7 +143,7 @@ def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_c
     started = time.perf_counter()
     names = {t.name for t in teachers}
     todo = [s for s in info["shards"]
-            if not names <= set(read_shard_stats(shards_dir, int(s["name"][6:12])).get("teachers", []))]
+            if not names <= set(read_shard_stats(shards_dir, shard_index(s["name"])).get("teachers", []))]
     for shard in tqdm(todo, unit="shard", desc="add-teacher", disable=not progress):
         rewrite_shard(shards_dir, shard, teachers, info, batch_size)
     plan["teachers"] = plan["teachers"] + [json_safe(t.describe()) for t in teachers]

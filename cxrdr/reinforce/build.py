@@ -73,7 +73,7 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
     source = open_source_of(opts)
     records = list(itertools.islice(iter(source), opts.limit))
     images = bool(getattr(source, "requires_images", True))
-    shards = cut_shards(assign_keys(records), opts.shard_size)
+    shards = cut_shards(assign_keys(records), opts.shard_size, opts.compression)
     if not shards:
         raise UserError(f"--source {opts.source} yielded no usable records "
                         f"({getattr(source, 'skipped', SkipLog()).summary()})")
@@ -146,6 +146,7 @@ def _plan(opts: BuildOptions, source, images: bool, teachers, aug, records: list
         "emb_dtype": opts.emb_dtype,
         "seed": opts.seed,
         "shard_size": opts.shard_size,
+        "compression": opts.compression,
         "limit": opts.limit,
         "records": len(records),
         "shards": [s.describe() for s in shards],

@@ -37,6 +37,7 @@ def cli_build(
     emb_dtype: Annotated[str, typer.Option(help="Embedding storage: float16, int8 (per-row scale) "
                                                 "or float32.")] = "float16",
     shard_size: Annotated[int, typer.Option(help="Samples (records) per shard.")] = 1000,
+    compression: Annotated[str, typer.Option(help="Shard files: gzip (.tar.gz, compact) or none (.tar).")] = "gzip",
     seed: Annotated[int, typer.Option(help="Seed of augmentation and caption sampling.")] = 0,
     workers: Annotated[int, typer.Option(help="DataLoader workers decoding and augmenting.")] = 2,
     batch_size: Annotated[int, typer.Option(help="Records per teacher batch (K*B crops per image "
@@ -48,8 +49,7 @@ def cli_build(
     world_size: Annotated[Optional[int], typer.Option(help="Number of ranks (default: $WORLD_SIZE or 1); "
                                                            "shard i is built by rank i % world.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N records of the source.")] = None,
-    merge_timeout: Annotated[float, typer.Option(help="Seconds rank 0 waits for other ranks before "
-                                                      "merging.")] = 3600.0,
+    merge_timeout: Annotated[float, typer.Option(help="Seconds rank 0 waits for other ranks to merge.")] = 3600.0,
     crop_scale: Annotated[Optional[str], typer.Option(help="RandomResizedCrop area fraction MIN,MAX "
                                                            "[default: 0.6,1.0].")] = None,
     crop_ratio: Annotated[Optional[str], typer.Option(help="RandomResizedCrop aspect ratio w/h MIN,MAX "
@@ -97,8 +97,8 @@ def cli_build(
                           size=phantom_size, seed=source_seed)
     opts = BuildOptions(source=source, teachers=teachers, out=out, n_aug=n_aug, n_captions=n_captions,
                         store_size=store_size, image_format=image_format.lower().replace("jpeg", "jpg"),
-                        jpeg_quality=jpeg_quality, emb_dtype=emb_dtype, shard_size=shard_size, seed=seed,
-                        workers=workers, batch_size=batch_size, device=device, model_cache=model_cache,
+                        jpeg_quality=jpeg_quality, emb_dtype=emb_dtype, shard_size=shard_size, compression=compression,
+                        seed=seed, workers=workers, batch_size=batch_size, device=device, model_cache=model_cache,
                         resume=resume, rank=rank, world_size=world_size, limit=limit, aug=aug,
                         source_options=source_options, merge_timeout=merge_timeout, progress=not quiet,
                         engine=engine, ray_actors=ray_actors, ray_retries=ray_retries)

@@ -53,7 +53,8 @@ def dataset_card(dataset: dict) -> str:
     source = dataset.get("source") or {}
     body = [
         f"# Reinforced chest X-ray shards ({source.get('name', 'unknown source')})", "",
-        "Written by `reinforce build` (cxrdr). WebDataset tars, schema version "
+        "Written by `reinforce build` (cxrdr). WebDataset tars (`.tar.gz`: gzip-compressed; webdataset and "
+        "open_clip_train read them as they are), schema version "
         f"{dataset.get('schema_version')} (see cxrdr's shards/FORMAT.md); `dataset.json` has every detail.", "",
         "## Source", "",
         f"- source: `{source.get('spec', source.get('name'))}`",
@@ -72,7 +73,8 @@ def dataset_card(dataset: dict) -> str:
              f"- K = {dataset.get('n_aug')} stored augmentations per image, S = {dataset.get('n_captions')} "
              f"captions per sample; embeddings {dataset.get('emb_dtype')}",
              f"- images: {'stored ' + str(dataset.get('image_format')) + ', short side ' + str(dataset.get('store_size')) if images else 'none (text-only build)'}",
-             f"- seed {dataset.get('seed')}, shard size {dataset.get('shard_size')}",
+             f"- seed {dataset.get('seed')}, shard size {dataset.get('shard_size')}, "
+             f"compression {dataset.get('compression', 'none')}",
              f"- augmentation: `{json.dumps(dataset.get('aug'))}`",
              f"- captions: `{json.dumps(dataset.get('captions'))}`",
              "- bytes per sample (payload): " + ", ".join(f"{k} {v:.0f}" for k, v in

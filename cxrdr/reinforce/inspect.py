@@ -29,9 +29,11 @@ def storage_lines(shards_dir: Path, info: dict, raw: dict | None) -> list[str]:
     disk = sum((Path(shards_dir) / s["name"]).stat().st_size for s in info["shards"])
     payload = info["bytes_per_sample"].get("total", 0.0)
     members = len([e for e in raw if not e.startswith("__")]) if raw else None
+    compression = info.get("compression", "none")  # folders from before the option are plain tars
+    layout = (f"{members} members/sample, each with a 512-byte tar header and padding to 512"
+              + ("; the tar gzip-compressed" if compression == "gzip" else ""))
     lines = [f"on disk: {disk / n if n else 0:.0f} bytes/sample for {payload:.0f} bytes/sample of payload "
-             f"(x{disk / n / payload if n and payload else 0:.3f}; {members} members/sample, each with a "
-             f"512-byte tar header and padding to 512)"]
+             f"(x{disk / n / payload if n and payload else 0:.3f}; {layout})"]
     cosines = info.get("int8_min_cosine") or {}
     for t in info["teachers"]:
         data = (raw or {}).get(teacher_ext(t["name"]))
@@ -51,7 +53,8 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
              f"source: {info['source'].get('name', info['source'])}  images: {info.get('images', True)}",
              f"samples: {info['total_samples']} in {len(info['shards'])} shards; per split: {info['counts']}",
              f"K={info['n_aug']} aug sets, S={info['n_captions']} captions, store_size={info['store_size']}, "
-             f"image_format={info['image_format']}, emb_dtype={info['emb_dtype']}, seed={info['seed']}",
+             f"image_format={info['image_format']}, emb_dtype={info['emb_dtype']}, seed={info['seed']}, "
+             f"compression={info.get('compression', 'none')}",
              "teachers:"]
     for t in info["teachers"]:
         flag = "  [TEST ONLY]" if t.get("test_only") else ""

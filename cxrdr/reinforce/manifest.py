@@ -59,6 +59,7 @@ def write_plan(out_dir: Path, plan: dict, resume: bool) -> None:
     plan = json.loads(json.dumps(plan))  # tuples -> lists, as a reread plan has them
     if path.is_file():
         old = json.loads(path.read_text())
+        old.setdefault("compression", "none")  # plans from before the option wrote plain .tar shards
         diff = plan_differences(old, plan)
         if diff:
             raise UserError(f"{out_dir} already holds a build made with different settings "

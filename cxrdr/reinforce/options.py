@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from cxrdr.common.errors import UserError
-from cxrdr.common.shards import EMB_DTYPES, TEACHER_NAME_RE
+from cxrdr.common.shards import EMB_DTYPES, SHARD_SUFFIXES, TEACHER_NAME_RE
 from cxrdr.reinforce.sources import open_source
 from cxrdr.teachers import load_teachers
 
@@ -29,6 +29,7 @@ class BuildOptions:
     jpeg_quality: int = 95
     emb_dtype: str = "float16"
     shard_size: int = 1000
+    compression: str = "gzip"  # gzip: shard-NNNNNN.tar.gz; none: shard-NNNNNN.tar
     seed: int = 0
     workers: int = 2
     batch_size: int = 32
@@ -106,6 +107,8 @@ def validate_options(opts: BuildOptions) -> None:
         (opts.emb_dtype in EMB_DTYPES, f"--emb-dtype must be one of {', '.join(EMB_DTYPES)} "
                                        f"(got {opts.emb_dtype!r})"),
         (opts.shard_size >= 1, f"--shard-size must be >= 1 (got {opts.shard_size})"),
+        (opts.compression in SHARD_SUFFIXES, f"--compression must be one of {', '.join(sorted(SHARD_SUFFIXES))} "
+                                             f"(got {opts.compression!r})"),
         (opts.workers >= 0, f"--workers must be >= 0 (got {opts.workers})"),
         (opts.batch_size >= 1, f"--batch-size must be >= 1 (got {opts.batch_size})"),
         (opts.limit is None or opts.limit >= 1, f"--limit must be >= 1 (got {opts.limit})"),

@@ -106,7 +106,7 @@ class _ShardLoop:
         self.current = None
         self.built = 0
         self.writer = BackgroundWriter(out_dir, maxsize=max(64, 4 * opts.batch_size),
-                                       on_shard_done=self._on_shard_done)
+                                       on_shard_done=self._on_shard_done, compression=opts.compression)
 
     def _on_shard_done(self, stats) -> None:
         self.shards_done += 1
@@ -141,7 +141,7 @@ class _ShardLoop:
         else:
             sample = assemble_sample(b, emb_of[b["key"]], self.spec.image_format, self.opts.emb_dtype,
                                      self.errors.setdefault(shard, {}), self.cosines.setdefault(shard, {}))
-            self.writer.add(sample, {**b["row"], "shard": shard_name(shard),
+            self.writer.add(sample, {**b["row"], "shard": shard_name(shard, self.opts.compression),
                                      "index_in_shard": self.position.get(shard, 0)})
             self.position[shard] = self.position.get(shard, 0) + 1
             self.built += 1

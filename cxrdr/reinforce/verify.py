@@ -130,7 +130,7 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
 
     expected = expected_members(info)
     listed = {s["name"] for s in info["shards"]}
-    on_disk = {p.name for p in shards_dir.glob("*.tar") if SHARD_RE.match(p.name)}
+    on_disk = {p.name for p in shards_dir.glob("shard-*") if SHARD_RE.match(p.name)}
     problems += [f"{name}: tar on disk but not listed in {DATASET_JSON}" for name in sorted(on_disk - listed)]
     seen_keys: dict[str, str] = {}
     total, counts = 0, {}

@@ -1,6 +1,6 @@
 """Shard writing: one tar per shard under a temp name, renamed with its stats file when complete.
 
-A shard is *complete* when both ``shard-NNNNNN.tar`` and ``stats/shard-NNNNNN.json`` exist and
+A shard is *complete* when both ``shard-NNNNNN.tar[.gz]`` and ``stats/shard-NNNNNN.json`` exist and
 the tar's size equals the size recorded in the stats (``is_shard_complete``). Everything else
 (a ``.tmp`` tar left by a killed build, a tar without stats) is rebuilt by ``--resume``.
 
@@ -12,6 +12,7 @@ forwards in the main process never wait for the disk (and the disk never waits f
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.shards import STATS_DIR, part_of, shard_name
 
 TMP_SUFFIX = ".tmp"
+GZIP_LEVEL = 1
 
 
 def stats_path(out_dir: Path, index: int) -> Path:
@@ -34,13 +36,13 @@ def read_shard_stats(out_dir: Path, index: int) -> dict:
 
 
 def is_shard_complete(out_dir: Path, index: int) -> bool:
-    """True when the shard's tar and stats were both renamed into place and agree on size."""
-    tar, stats = Path(out_dir) / shard_name(index), stats_path(out_dir, index)
-    if not (tar.is_file() and stats.is_file()):
-        return False
+    """True when the shard's tar (named in its stats) and stats were both renamed into place and
+    agree on size."""
     try:
-        return read_shard_stats(out_dir, index).get("tar_bytes") == tar.stat().st_size
-    except (OSError, ValueError):
+        stats = read_shard_stats(out_dir, index)
+        tar = Path(out_dir) / stats["name"]
+        return tar.is_file() and stats.get("tar_bytes") == tar.stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
@@ -64,18 +66,44 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class ShardFile:
-    """One shard being written to ``shard-NNNNNN.tar.tmp``."""
+class TarOut:
+    """A webdataset TarWriter onto an open file, through a gzip stream when ``compression`` is gzip.
 
-    def __init__(self, out_dir: Path, index: int, split: str, records: int):
+    Our own GzipFile, not ``TarWriter(compress=True)`` (tarfile's "w|gz" stamps the time and the file
+    name into the gzip header): mtime 0 and no name, so identical inputs give identical bytes. Level 1:
+    the headers and padding it exists to remove shrink as much as at level 9, and JPEG and float16
+    payloads hardly compress at any level.
+    """
+
+    def __init__(self, file, compression: str):
         import webdataset as wds
 
+        self._gzip = (gzip.GzipFile(fileobj=file, mode="wb", compresslevel=GZIP_LEVEL, mtime=0, filename="")
+                      if compression == "gzip" else None)
+        # mtime=0 and no encoder: byte-identical tars for identical inputs (resume == fresh build).
+        self._tar = wds.TarWriter(self._gzip or file, encoder=False, mtime=0)
+
+    def write(self, sample: dict) -> None:
+        self._tar.write(sample)
+
+    def close(self) -> None:
+        """End the tar (and the gzip stream); the file itself stays open."""
+        try:
+            self._tar.close()
+        finally:
+            if self._gzip is not None:
+                self._gzip.close()
+
+
+class ShardFile:
+    """One shard being written to ``shard-NNNNNN.tar[.gz].tmp``."""
+
+    def __init__(self, out_dir: Path, index: int, split: str, records: int, compression: str = "gzip"):
         self.out_dir, self.index, self.split, self.records = Path(out_dir), index, split, records
-        self.path = self.out_dir / shard_name(index)
+        self.path = self.out_dir / shard_name(index, compression)
         self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
         self._file = open(self.tmp, "wb")
-        # mtime=0 and no encoder: byte-identical tars for identical inputs (resume == fresh build).
-        self._tar = wds.TarWriter(self._file, encoder=False, mtime=0)
+        self._tar = TarOut(self._file, compression)
         self.rows: list[dict] = []
         self.bytes: dict[str, int] = {}
         self.skipped: list[dict] = []
@@ -123,8 +151,9 @@ class ShardFile:
 class BackgroundWriter:
     """Feeds ShardFiles from a thread. Messages arrive in order: begin, add/skip..., end."""
 
-    def __init__(self, out_dir: Path, maxsize: int = 64, on_shard_done=None):
+    def __init__(self, out_dir: Path, maxsize: int = 64, on_shard_done=None, compression: str = "gzip"):
         self.out_dir = Path(out_dir)
+        self.compression = compression
         self.on_shard_done = on_shard_done  # called in the writer thread with the stats dict
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
@@ -198,7 +227,7 @@ class BackgroundWriter:
     def _handle(self, message) -> None:
         kind = message[0]
         if kind == "begin":
-            self._current = ShardFile(self.out_dir, *message[1:])
+            self._current = ShardFile(self.out_dir, *message[1:], compression=self.compression)
         elif kind == "add":
             self._current.add(message[1], message[2])
         elif kind == "skip":

@@ -28,6 +28,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -43,6 +44,7 @@ CLIP_SCALE_MAX = 100.0
 CHECKPOINT_NAMES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
                     "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
 RANDOM_INIT_SEED = 0
+TIMM_PLUGIN_GROUP = "cxrdr.timm_models"
 
 
 @dataclass
@@ -125,9 +127,17 @@ def teacher_from_model(model, tokenizer, *, name: str, spec: str, device: str, n
     return teacher
 
 
+def register_timm_plugins() -> None:
+    """Import the modules that register timm architectures (entry points ``cxrdr.timm_models``): an
+    open_clip model exported by ``train export`` may name cxrdr's own image tower as its timm model."""
+    for entry_point in entry_points(group=TIMM_PLUGIN_GROUP):
+        entry_point.load()
+
+
 def _create(model_name: str, device: str, pretrained: str | None = None,
             cache_dir: str | None = None, **model_kwargs):
     import open_clip
+    register_timm_plugins()
     model = open_clip.create_model(model_name, pretrained=pretrained, device=device,
                                    cache_dir=cache_dir, **model_kwargs)
     tokenizer = open_clip.get_tokenizer(model_name, cache_dir=cache_dir)

@@ -19,10 +19,13 @@ The student feeds 1-channel images in [0, 1] expanded to 3 channels and normalis
 mean/std; open_clip's preprocess converts to RGB (three equal channels), scales to [0, 1] and
 normalises with ``preprocess_cfg`` mean/std, which are the student's: the same tensor.
 
-Only the global CLIP part is exported (no mask head, local alignment or token dropping). Towers
-open_clip cannot build from a config are refused: variant E (token dropping inside the ViT) and
-efficientnet_lite0 cut at stride 16 (a truncated timm model). Every export is checked by loading
-it with open_clip and comparing embeddings with the student's.
+Only the global CLIP part is exported (no mask head, local alignment). An image tower that is a
+timm architecture as it is (ViT, fastvit_mci0, stride-32 efficientnet_lite0) is exported under its timm
+name; any other (the CPU ladder's hybrid Lite0-ViT, a stride-16 EfficientNet cut, variant E with its
+token dropping) as ``cxrdr_image_tower`` (``cxrdr.train.models.timm_adapter``), which timm knows once
+``cxrdr.train.models`` is imported: ``import cxrdr.train.models`` before open_clip builds such an
+export (cxrdr's ``openclip:`` teacher does it itself). Every export is checked by loading it with
+open_clip and comparing embeddings with the student's.
 """
 from __future__ import annotations
 
@@ -39,36 +42,42 @@ from cxrdr.common.errors import UserError
 from cxrdr.teachers.openclip import forced_offline
 from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train.models.image_towers import TIMM_VIT_NAMES, VIT_MICRO
+from cxrdr.train.models.timm_adapter import ARCHITECTURE
 
 FORMATS = ("open_clip",)
 WEIGHTS_NAME = "open_clip_model.safetensors"
 CHECK_TOLERANCE = 1e-4  # max abs difference of normalised embeddings, student vs exported model
 
 
-def vision_config(student) -> tuple[dict, dict]:
-    """(timm local-dir config.json, open_clip vision_cfg) of the student's image tower."""
-    config = student.config
+def native_timm_tower(config) -> tuple[str, dict, str] | None:
+    """(timm architecture, model_args, pool) when the image tower is a timm model as it is, else None."""
     kwargs = dict(config.image_kwargs or {})
     name = config.image_tower
     if config.use_token_dropping:
-        raise UserError(f"variant E drops tokens inside the ViT, which open_clip cannot express; "
-                        f"export a variant A-D student")
+        return None
     if name == "vit_micro" or name in TIMM_VIT_NAMES:
         # timm applies the final norm to every token and then pools when fc_norm is off, as the student does
         arch = "vit_tiny_patch16_224" if name == "vit_micro" else TIMM_VIT_NAMES[name]
         args = {**(VIT_MICRO if name == "vit_micro" else {}), **kwargs, "img_size": config.image_size,
                 "num_classes": 0, "global_pool": config.global_pool, "fc_norm": False}
-        pool = config.global_pool
-    elif name == "fastvit_mci0":
-        arch, args, pool = name, {**kwargs, "num_classes": 0}, "avg"
-    elif name == "efficientnet_lite0":
-        if int(kwargs.get("stride", 16)) != 32:
-            raise UserError("efficientnet_lite0 at stride 16 is a truncated timm model that open_clip cannot "
-                            "build from a config; only stride-32 efficientnet_lite0 students export")
+        return arch, args, config.global_pool
+    if name == "fastvit_mci0":
+        return name, {**kwargs, "num_classes": 0}, "avg"
+    if name == "efficientnet_lite0" and int(kwargs.get("stride", 16)) == 32:
         args = {k: v for k, v in kwargs.items() if k not in ("pretrained", "stride", "freeze_stages")}
-        arch, args, pool = name, {**args, "num_classes": 0}, "avg"
+        return name, {**args, "num_classes": 0}, "avg"
+    return None
+
+
+def vision_config(student) -> tuple[dict, dict]:
+    """(timm local-dir config.json, open_clip vision_cfg) of the student's image tower: its timm
+    architecture when it is one, else ``cxrdr_image_tower`` built from the student's config."""
+    config = student.config
+    native = native_timm_tower(config)
+    if native is None:
+        arch, args, pool = ARCHITECTURE, {"student": config.to_dict()}, ""
     else:
-        raise UserError(f"image tower {name!r} has no open_clip export")
+        arch, args, pool = native
     timm_cfg = {"architecture": arch, "num_classes": 0, "global_pool": pool, "model_args": args,
                 "pretrained_cfg": {"input_size": [3, config.image_size, config.image_size],
                                    "mean": config.image_mean, "std": config.image_std}}
@@ -99,7 +108,9 @@ def open_clip_config(student, out_dir: Path) -> dict:
 def open_clip_state_dict(student) -> dict[str, torch.Tensor]:
     """Student parameter names -> open_clip CustomTextCLIP names (TimmModel + HFTextEncoder)."""
     state = student.state_dict()
-    renames = [("image_tower.trunk.", "visual.trunk."), ("image_proj.proj.", "visual.head.proj."),
+    image = (("image_tower.trunk.", "visual.trunk.") if native_timm_tower(student.config) is not None
+             else ("image_tower.", "visual.trunk.tower."))  # TimmImageTower holds the whole cxrdr tower
+    renames = [image, ("image_proj.proj.", "visual.head.proj."),
                ("text_tower.model.", "text.transformer."), ("text_proj.proj.", "text.proj.")]
     out = {"logit_scale": state["logit_scale"]}
     for key, value in state.items():
@@ -132,11 +143,28 @@ def check_export(student, out_dir: Path) -> float:
     return diff
 
 
+def loading_note(student, out_dir: Path, architecture: str) -> str:
+    """DIR/README.md: what the folder is and how to load it."""
+    needs_cxrdr = architecture == ARCHITECTURE
+    return "\n".join([
+        f"# open_clip export of cxrdr student {student.config.name or student.variant}", "",
+        f"Image tower: `{student.config.image_tower}` as timm `{architecture}`; text tower: "
+        f"`{student.config.text_tower}` (transformers, `text/`); embedding dimension {student.embed_dim}.", "",
+        "```python",
+        *(["import cxrdr.train.models  # registers cxrdr_image_tower with timm"] if needs_cxrdr else []),
+        "import open_clip",
+        f"model, _, preprocess = open_clip.create_model_and_transforms('local-dir:{out_dir.resolve()}')",
+        f"tokenizer = open_clip.get_tokenizer('local-dir:{out_dir.resolve()}')",
+        "```", "",
+        f"As a cxrdr teacher: `reinforce build --teachers openclip:local-dir:{out_dir.resolve()} ...`.",
+        "The paths in open_clip_config.json are absolute: export again after moving this folder.", ""])
+
+
 def export_open_clip(checkpoint: str | Path, out_dir: str | Path, check: bool = True) -> dict:
     """Write the student of ``checkpoint`` as an open_clip local-dir model; returns a summary."""
     out_dir = Path(out_dir)
     student = load_checkpoint(checkpoint)
-    timm_cfg, _ = vision_config(student)  # refuses what open_clip cannot build, before writing anything
+    timm_cfg, _ = vision_config(student)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "vision").mkdir(exist_ok=True)
     (out_dir / "vision" / "config.json").write_text(json.dumps(timm_cfg, indent=1))
@@ -147,6 +175,7 @@ def export_open_clip(checkpoint: str | Path, out_dir: str | Path, check: bool = 
     for folder in (text_dir, out_dir):  # open_clip reads a local-dir model's tokenizer from DIR itself
         hf_tokenizer.save_pretrained(folder)
     (out_dir / "open_clip_config.json").write_text(json.dumps(open_clip_config(student, out_dir), indent=1))
+    (out_dir / "README.md").write_text(loading_note(student, out_dir, timm_cfg["architecture"]))
     save_file(open_clip_state_dict(student), str(out_dir / WEIGHTS_NAME),
               metadata={"format": "pt", "source": f"cxrdr student {student.config.name or ''}".strip()})
     summary = {"out": str(out_dir), "variant": student.variant, "image_tower": student.config.image_tower,

@@ -1,6 +1,7 @@
 """Train with open_clip's own trainer (``open_clip_train``) on cxrdr shards, whatever the webdataset version.
 
-cxrdr shards are plain WebDataset tars with an image member (``jpg``/``png``) and a text member
+cxrdr shards are WebDataset tars (``.tar.gz`` by default: webdataset's tar expander opens gzip
+streams itself) with an image member (``jpg``/``png``) and a text member
 (``txt``, the report), which is all ``open_clip_train --dataset-type webdataset`` reads. Since
 webdataset 0.2.96 the tar expander ends every shard with a marker dict that has no ``fname``
 (``{}`` in 1.x); open_clip_train's own ``group_by_keys_nothrow`` (used for training, not eval)
@@ -10,7 +11,7 @@ the markers are dropped before grouping. cxrdr keys are unique within a shard fo
 never straddles two shards and dropping the marker loses nothing; with webdataset < 0.2.96 there
 are no markers and the wrapper changes nothing.
 
-    python -m cxrdr.train.openclip_train --dataset-type webdataset --train-data 'shards/shard-{000000..000009}.tar' \\
+    python -m cxrdr.train.openclip_train --dataset-type webdataset --train-data 'shards/shard-{000000..000009}.tar.gz' \\
         --train-num-samples N --model ViT-S-32 ...      # same flags as python -m open_clip_train.main
 """
 from __future__ import annotations

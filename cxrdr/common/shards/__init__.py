@@ -3,8 +3,8 @@
 Both stages name files, assign keys, encode/decode embeddings and read tars only through this
 package, so writer and readers cannot drift. ``shards/FORMAT.md`` says the same in prose.
 
-Folder (``members``): ``shard-NNNNNN.tar`` (WebDataset tars, numbered from 0, never mixing
-splits), ``dataset.json`` (read with :func:`read_dataset_info`), ``manifest.parquet`` (one row
+Folder (``members``): ``shard-NNNNNN.tar.gz`` (WebDataset tars as one gzip stream, the default) or
+``shard-NNNNNN.tar`` (``--compression none``), numbered from 0, never mixing splits; ``dataset.json`` (read with :func:`read_dataset_info`), ``manifest.parquet`` (one row
 per sample), ``sizes.json`` ({tar: samples}), ``README.md`` (dataset card) and ``stats/`` (the
 build's bookkeeping: plan, per-shard stats with CRC-32 of every member, rank timings).
 
@@ -36,16 +36,17 @@ from cxrdr.common.shards.info import MissingDatasetError, read_dataset_info
 from cxrdr.common.shards.keys import assign_keys, check_unique_keys, safe_key
 from cxrdr.common.shards.members import (DATASET_JSON, EMB_DTYPES, EMB_PARTS, IMAGE_EXTS, MANIFEST,
                                          READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SHARD_PATTERN, SHARD_RE,
-                                         SIZES_JSON, STATS_DIR, TEACHER_NAME_RE, emb_ext, expected_members,
-                                         part_of, scale_ext, shard_name, teacher_ext, teacher_shapes)
+                                         SHARD_SUFFIXES, SIZES_JSON, STATS_DIR, TEACHER_NAME_RE, emb_ext, expected_members,
+                                         part_of, scale_ext, shard_compression, shard_index, shard_name,
+                                         teacher_ext, teacher_shapes)
 from cxrdr.common.shards.reader import Sample, decode_sample, iter_raw_samples, iter_tar_samples
 
 __all__ = [
     "DATASET_JSON", "EMB_DTYPES", "EMB_PARTS", "IMAGE_EXTS", "MANIFEST", "READABLE_SCHEMA_VERSIONS",
-    "SCHEMA_VERSION", "SHARD_PATTERN", "SHARD_RE", "SIZES_JSON", "STATS_DIR", "TEACHER_NAME_RE",
+    "SCHEMA_VERSION", "SHARD_PATTERN", "SHARD_RE", "SHARD_SUFFIXES", "SIZES_JSON", "STATS_DIR", "TEACHER_NAME_RE",
     "MissingDatasetError", "Sample", "assign_keys", "check_unique_keys", "decode_embedding", "decode_sample",
     "emb_ext", "encode_embedding", "encode_rows", "encode_teacher", "expected_members", "int8_row_dtype",
     "iter_raw_samples", "iter_tar_samples", "merge_int8_quality", "npy_bytes", "npy_load", "part_of",
     "read_dataset_info", "repack_v1_teacher", "safe_key", "sample_embedding", "sample_embeddings",
-    "scale_ext", "shard_name", "split_rows", "stack_parts", "teacher_ext", "teacher_shapes",
+    "scale_ext", "shard_compression", "shard_index", "shard_name", "split_rows", "stack_parts", "teacher_ext", "teacher_shapes",
 ]

@@ -5,8 +5,9 @@ from cxrdr.train.models.heads import LocalAlign, MaskHead, MaskHeadTopK, Project
 from cxrdr.train.models.registry import register_tower
 from cxrdr.train.models.student import PatchIBStudent, StudentOutput
 from cxrdr.train.models.text_towers import TextTokenizer, build_tokenizer
+from cxrdr.train.models.timm_adapter import TimmImageTower  # registers cxrdr_image_tower with timm
 from cxrdr.train.models.token_dropping import TokenDroppingViT
 
 __all__ = ["StudentConfig", "available_configs", "build_image_tower", "build_student", "create_student",
            "PatchIBStudent", "StudentOutput", "MaskHead", "MaskHeadTopK", "LocalAlign", "Projection",
-           "TokenDroppingViT", "TextTokenizer", "build_tokenizer", "register_tower"]
+           "TokenDroppingViT", "TextTokenizer", "TimmImageTower", "build_tokenizer", "register_tower"]
