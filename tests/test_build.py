@@ -225,6 +225,14 @@ def test_gzip_and_plain_shards_hold_the_same_samples(fresh, plain):
     assert gzip.decompress((fresh / gz["shards"][0]["name"]).read_bytes()) == (plain / tar["shards"][0]["name"]).read_bytes()
 
 
+def test_resuming_with_another_compression_is_refused_with_the_one_it_was_built_with(plain, teachers, tmp_path):
+    out = tmp_path / "plain"
+    shutil.copytree(plain, out)
+    with pytest.raises(UserError, match=r"\(compression, shards\); use another --out folder \(or pass --compression none"):
+        build(options(out, resume=True), teachers=teachers)  # the default is gzip
+    assert not list(out.glob("*.tar.gz"))
+
+
 def test_a_damaged_gzip_shard_yields_the_samples_before_the_damage(fresh, tmp_path):
     """A gzip shard cut short: the intact samples before the cut still read, then the damage is raised."""
     tar = tmp_path / "shard-000000.tar.gz"

@@ -62,8 +62,10 @@ def write_plan(out_dir: Path, plan: dict, resume: bool) -> None:
         old.setdefault("compression", "none")  # plans from before the option wrote plain .tar shards
         diff = plan_differences(old, plan)
         if diff:
+            hint = (f" (or pass --compression {old['compression']}, as it was built)"
+                    if "compression" in diff and set(diff) <= {"compression", "shards"} else "")  # shard names
             raise UserError(f"{out_dir} already holds a build made with different settings "
-                            f"({', '.join(diff)}); use another --out folder")
+                            f"({', '.join(diff)}); use another --out folder{hint}")
     write_json_atomic(path, plan)
 
 
