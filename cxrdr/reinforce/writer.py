@@ -12,6 +12,7 @@ forwards in the main process never wait for the disk (and the disk never waits f
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -143,6 +144,8 @@ class ShardFile:
     def abort(self) -> None:
         """Drop a half-written shard (a killed build leaves the same ``.tmp``; resume redoes it)."""
         try:
+            with contextlib.suppress(Exception):  # end the gzip stream before its file goes (no close at GC)
+                self._tar.close()
             self._file.close()
         finally:
             self.tmp.unlink(missing_ok=True)
