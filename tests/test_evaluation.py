@@ -204,6 +204,11 @@ def test_box_mask_through_view_params():
     crop = {"crop": [32.0, 0.0, 32.0, 32.0], "angle": 0.0}  # right half only
     assert not loc.box_patch_mask([0, 0, 16, 16], crop, (4, 4)).any()  # box out of view
     assert loc.box_patch_mask([40, 8, 41, 9], crop, (4, 4)).sum() == 1  # tiny box -> one patch
+    # a thin line (no patch centre inside: centres at y 4, 12, 20, 28) -> every patch it crosses
+    line = loc.box_patch_mask([34, 14, 62, 15], crop, (4, 4))
+    assert line[1].all() and line.sum() == 4
+    wide = loc.box_patch_mask([34, 10, 62, 15], crop, (4, 4))  # holds centres (y 12): those patches only
+    assert wide[1].all() and wide.sum() == 4
     grid = loc.scatter_to_grid([5.0, 7.0], [3, 0], (2, 2))
     assert grid[0, 0] == 7.0 and grid[1, 1] == 5.0 and math.isnan(grid[0, 1])
 

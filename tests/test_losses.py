@@ -481,6 +481,15 @@ def test_cosine_local_align_attention_is_the_scored_similarity():
     pmask = torch.ones(3, 7, dtype=torch.bool)
     pmask[:, 5:] = False
     assert head(text, patches, patch_mask=pmask)[2][..., 5:].abs().max() == 0
+    # values: the attention stays the one computed on the patches; the region pools the values instead
+    values = torch.randn(3, 7, 20)
+    v2, _, attn2 = head(text, patches, values=values)
+    assert torch.allclose(attn2, attn)
+    assert torch.allclose(v2, attn @ F.normalize(head.patch_proj(values), dim=-1), atol=1e-6)
+    pairs2 = head.pair_similarity(text, patches, values=values)
+    assert torch.allclose(pairs2.diagonal(0, 0, 1).T, F.cosine_similarity(v2, t, dim=-1), atol=1e-5)
+    with pytest.raises(ValueError, match="values"):
+        head(text, patches, values=values[:, :5])
 
 
 def test_negated_tokens_cover_a_cue_to_the_end_of_its_sentence():
@@ -509,6 +518,12 @@ def test_mask_follows_words_pulls_the_mask_towards_the_words_map():
     assert logits.grad[0].argmin() == 2 and logits.grad[1].abs().max() == 0  # descent raises patch 2 only
     peaked = torch.tensor([[-5.0, -5.0, 5.0, -5.0], [0.0, 0.0, 0.0, 0.0]])
     assert mask_follows_words_loss(torch.sigmoid(peaked), attn, words) < loss
+    # weighted words (IDF): a word of weight 0 ('the', in every report) does not move the target
+    attn[0, 1] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # the second word looks at patch 0
+    idf = torch.tensor([[2.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    at_patch_two = torch.tensor([[-5.0, -5.0, 5.0, -5.0], [0.0] * 4])
+    assert mask_follows_words_loss(torch.sigmoid(at_patch_two), attn, words, idf).item() < 0.01
+    assert mask_follows_words_loss(torch.sigmoid(at_patch_two), attn, words).item() > 1.0  # unweighted: half at 0
 
 
 def test_local_contrast_masks_images_whose_report_names_the_same_word():

@@ -251,6 +251,14 @@ def test_tiny_tokenizer_is_offline_and_knows_report_words():
     assert "[UNK]" not in pieces and "effusion" in pieces and "cardiomegaly" in pieces
     enc = model_tok(TEXTS)
     assert enc["input_ids"].shape == enc["attention_mask"].shape == (2, 64)
+    # every word of the phantom's reports is one token: the local alignment grounds words, not letters
+    import re
+
+    from cxrdr.reinforce.sources import open_source
+
+    words = {w for r in open_source("phantom:400") for w in re.findall(r"[a-z]+", r.report.lower())}
+    split = {w for w in words if len(model_tok.tokenizer.tokenize(w)) != 1}
+    assert not split, sorted(split)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None, reason="MiniLM package not installed")
@@ -321,7 +329,7 @@ def test_efficientnet_lite0_mapping_uses_every_tensor_once():
     from cxrdr.train.models.image_towers import EfficientNetTower
 
     source = torch.load(efficientnet_weights_path("efficientnet_lite0"), map_location="cpu", weights_only=True)
-    target = timm.create_model("efficientnet_lite0", pretrained=False).state_dict()
+    target = timm.create_model("tf_efficientnet_lite0", pretrained=False).state_dict()
     mapped = lukemelas_to_timm_efficientnet(source, target)
     assert len(source) == len(target) == len(mapped) == 296 and set(mapped) == set(target)
     assert len({id(v) for v in mapped.values()}) == len(source)  # each source tensor used exactly once
@@ -497,6 +505,34 @@ def test_hybrid_stem_carries_the_packaged_imagenet_weights():
     assert torch.equal(stem.stem[4][0].conv_pwl.weight, cnn.blocks[2][0].conv_pwl.weight)
 
 
+@needs_effnet_weights
+@pytest.mark.parametrize("stem", ["hybrid-8", "efficientnet-16"])
+def test_pretrained_stem_features_sit_on_their_pixels(stem):
+    """A bright dot changes the pretrained stem's features most in the grid cell that holds it, and (stride
+    8) the response's centroid is within a fifth of a cell of the dot. (Built with symmetric padding, the
+    TF-trained weights put it ~0.95 of a cell below and right: every heatmap one patch off.)"""
+    from cxrdr.train.models.hybrid_tower import lite0_stem
+    from cxrdr.train.models.image_towers import EfficientNetTower
+
+    net, stride = ((lite0_stem(8, pretrained=True, frozen=True), 8) if stem == "hybrid-8" else
+                   (EfficientNetTower(128, pretrained=True, stride=16).eval().trunk.forward_features, 16))
+    base = torch.zeros(1, 3, 128, 128)
+    with torch.no_grad():
+        ref = net(base)
+        for y, x in [(20, 20), (36, 52), (76, 92), (100, 44)]:
+            img = base.clone()
+            img[..., y - 2:y + 2, x - 2:x + 2] = 2.0
+            change = (net(img) - ref).abs().sum(1)[0]
+            g = change.shape[0]
+            assert divmod(int(change.argmax()), g) == ((y - 1) // stride, (x - 1) // stride)
+            if stride != 8:  # a stage-4 response spreads over most of an 8x8 grid: its peak is the test
+                continue
+            rows, cols = change.sum(1), change.sum(0)
+            centroid = [float((w * torch.arange(g)).sum() / w.sum()) for w in (rows, cols)]
+            expected = [(y - 0.5) / stride - 0.5, (x - 0.5) / stride - 0.5]  # the dot's centre in cell units
+            assert max(abs(c - e) for c, e in zip(centroid, expected)) < 0.2, (y, x, centroid, expected)
+
+
 def test_local_pairs_sample_tokens_and_match_own_image(images):
     from cxrdr.train.models.heads import batch_idf, sample_token_positions
 
@@ -563,7 +599,9 @@ def test_head_layer_gives_the_heads_local_tokens(variant, images):
         StudentConfig.from_yaml("tiny-cnn-D", head_layer=1)
 
 
-def test_token_dropping_heads_read_the_kept_patches_at_their_layer(images):
+def test_token_dropping_heads_read_the_whole_grid_before_the_drop(images):
+    """E's heads at a layer up to the drop read every patch (their maps cover the image, as D's); at a
+    later layer they read the kept patches. StudentOutput.head_index says which."""
     torch.manual_seed(0)
     model = build_student(StudentConfig.from_yaml("tiny-E", head_layer=1, drop_layer=2, keep_rate=0.25)).eval()
     tower = model.image_tower
@@ -571,18 +609,28 @@ def test_token_dropping_heads_read_the_kept_patches_at_their_layer(images):
         out = tower(model.prepare_images(images))
         x = tower.trunk.blocks[0](tower.embed(model.prepare_images(images)))  # tokens after block 1
         expected = torch.nn.functional.layer_norm(x[:, 1:], x.shape[-1:])
-        expected = expected.gather(1, out.patch_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-    assert out.head_patches.shape == out.patches.shape == (2, 16, 64)
+        student_out = _forward(model, images)
+    assert out.patches.shape == (2, 16, 64) and out.head_patches.shape == (2, 64, 64)
     assert torch.allclose(out.head_patches, expected, atol=1e-5)
+    assert torch.equal(out.head_index, torch.arange(64).expand(2, 64))
+    assert student_out.mask.shape == (2, 64) and torch.equal(student_out.head_index, out.head_index)
+
+    torch.manual_seed(0)
+    late = build_student(StudentConfig.from_yaml("tiny-E", head_layer=3, drop_layer=2, keep_rate=0.25)).eval()
+    with torch.no_grad():
+        out = late.image_tower(late.prepare_images(images))
+    assert out.head_patches.shape == out.patches.shape == (2, 16, 64)
+    assert torch.equal(out.head_index, out.patch_index)
 
 
 # Every config name as it resolved when each was its own YAML file (configs/models/<name>.yaml, before
 # the family files): generated from those files, kept as a fixture so the family layering cannot drift.
 OLD_CONFIGS = json.loads((Path(__file__).parent / "fixtures" / "model_configs_before_families.json").read_text())
 # Deliberate changes since: fields added later (at their defaults), and the cpu family's local alignment
-# (issue 9: cosine word-patch attention on the embedded stem tokens).
-ADDED_FIELDS = {"local_attention": "mha", "local_attention_temperature": 0.1}
-CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0}}
+# (issue 9: cosine word-patch attention on the embedded stem tokens through a head conv, word-level text).
+ADDED_FIELDS = {"local_attention": "mha", "local_attention_temperature": 0.1, "head_conv_depth": 0,
+                "head_conv_kernel": 3, "local_pool_embedded": False, "local_text_layer": None}
+CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0}}
 
 
 def test_family_configs_resolve_to_the_old_per_name_configs():
@@ -648,3 +696,79 @@ def test_affirmed_local_words_skip_negations(images):
     with torch.no_grad():
         every = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=64)
     assert int(every.local_pair_mask.sum()) > int(out.local_pair_mask.sum())
+
+
+def test_head_conv_sees_only_its_neighbourhood(images):
+    """head_conv_depth 1 (one 3x3 ConvNeXt block on the 8x8 grid of the embedded patches): changing
+    patch 0 moves the heads' features of patches 0, 1, 8, 9 and of no other."""
+    torch.manual_seed(0)
+    model = build_student(StudentConfig.from_yaml("tiny-D", head_layer=0, head_conv_depth=1)).eval()
+    changed = images.clone()
+    changed[0, 0, :8, :8] = 1.0 - changed[0, 0, :8, :8]
+    with torch.no_grad():
+        scores = [_forward(model, imgs).mask_scores[0] for imgs in (images, changed)]
+    moved = ~torch.isclose(scores[0], scores[1], atol=1e-6)
+    assert set(torch.nonzero(moved).flatten().tolist()) == {0, 1, 8, 9}
+    assert sum(p.numel() for p in model.head_conv.parameters()) > 0
+    assert build_student("tiny-A").head_conv is None  # no heads, nothing to feed
+    with pytest.raises(ValueError, match="head_conv_depth"):
+        StudentConfig.from_yaml("tiny-D", head_conv_depth=-1)
+    from cxrdr.train.models.heads import PatchGridConv
+    with pytest.raises(ValueError, match="full 8x8 grid"):
+        PatchGridConv(64, (8, 8), 1)(torch.zeros(1, 10, 64))
+
+
+def test_local_text_layer_zero_reads_each_word_on_its_own(images):
+    """local_text_layer 0: the local heads read the embedding layer's word states, so a word's state
+    does not change when the rest of the report does; the final states (None) do."""
+    def word_states(layer, text):
+        torch.manual_seed(0)
+        model = build_student(StudentConfig.from_yaml("tiny-B", local_text_layer=layer)).eval()
+        tok = model.tokenize([text] * 2)
+        with torch.no_grad():
+            return _forward_texts(model, images, tok).text_tokens[0]
+
+    a, b = "small left pleural effusion.", "small left pleural effusion. severe cardiomegaly."
+    assert torch.allclose(word_states(0, a)[:6], word_states(0, b)[:6], atol=1e-6)
+    assert not torch.allclose(word_states(None, a)[:6], word_states(None, b)[:6], atol=1e-4)
+    torch.manual_seed(0)
+    model = build_student(StudentConfig.from_yaml("tiny-B", local_text_layer=0)).eval()
+    tok = model.tokenize([a])
+    with torch.no_grad():
+        expected = model.text_tower.model.embeddings(input_ids=tok["input_ids"])
+        states, pooled = model.text_tower(tok["input_ids"], tok["attention_mask"], 0)
+        _, pooled_last = model.text_tower(tok["input_ids"], tok["attention_mask"])
+    assert torch.allclose(states, expected, atol=1e-6) and torch.allclose(pooled, pooled_last)
+    with pytest.raises(ValueError, match="token_layer"):
+        model.text_tower(tok["input_ids"], tok["attention_mask"], 5)
+    with pytest.raises(ValueError, match="local_text_layer"):
+        StudentConfig.from_yaml("tiny-B", local_text_layer=-1)
+
+
+def _forward_texts(model, images, tok):
+    return model(images, tok["input_ids"], tok["attention_mask"])
+
+
+def test_local_pool_embedded_pools_the_patches_before_the_head_conv(images):
+    """local_pool_embedded: where a word looks comes from the head conv's features, what its region holds
+    from the embedded patches themselves, so a map next to a finding pools the neighbour's content."""
+    torch.manual_seed(0)
+    cfg = StudentConfig.from_yaml("tiny-D", head_layer=0, head_conv_depth=1, local_attention="cosine",
+                                  local_pool_embedded=True)
+    model = build_student(cfg).eval()
+    tok = model.tokenize(TEXTS)
+    with torch.no_grad():
+        out = model(images, tok["input_ids"], tok["attention_mask"], local_pairs=4)
+        tower = model.image_tower(model.prepare_images(images))
+        embedded = tower.head_patches
+        context = model.head_conv(embedded)
+        _, _, attn = model.local_align(out.text_tokens, context, out.text_mask)
+        pooled = attn @ torch.nn.functional.normalize(model.local_align.patch_proj(embedded), dim=-1)
+    assert torch.allclose(out.local_attn, attn, atol=1e-6)
+    valid = out.text_mask.unsqueeze(-1)
+    assert torch.allclose(out.local_visual, pooled * valid, atol=1e-5)
+    assert out.local_pair_similarity.shape == (2, 2, out.local_pair_index.shape[1])
+    for bad in ({"head_conv_depth": 0}, {"local_attention": "mha"}):
+        fields = {"head_layer": 0, "head_conv_depth": 1, "local_attention": "cosine", **bad}
+        with pytest.raises(ValueError, match="local_pool_embedded"):
+            StudentConfig.from_yaml("tiny-D", local_pool_embedded=True, **fields)

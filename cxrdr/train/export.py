@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 
 from cxrdr.common.errors import UserError
 from cxrdr.teachers.openclip import forced_offline
+from cxrdr.common.pretrained import TIMM_ARCH
 from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train.models.image_towers import TIMM_VIT_NAMES, VIT_MICRO
 from cxrdr.train.models.timm_adapter import ARCHITECTURE
@@ -65,7 +66,7 @@ def native_timm_tower(config) -> tuple[str, dict, str] | None:
         return name, {**kwargs, "num_classes": 0}, "avg"
     if name == "efficientnet_lite0" and int(kwargs.get("stride", 16)) == 32:
         args = {k: v for k, v in kwargs.items() if k not in ("pretrained", "stride", "freeze_stages")}
-        return name, {**args, "num_classes": 0}, "avg"
+        return TIMM_ARCH[name], {**args, "num_classes": 0}, "avg"
     return None
 
 

@@ -3,8 +3,8 @@
 Heatmaps live on the student's patch grid (gh, gw) of the *view* the model saw. Boxes are in
 stored-image pixels, so a patch belongs to a box when its centre, mapped back into the stored
 image through the view's augmentation params (``cxrdr.common.augment.view_to_image``), falls
-inside the box; that is exact for crops and rotations alike. A box smaller than a patch gets
-the one patch containing its centre, so tiny findings are still scorable.
+inside the box; that is exact for crops and rotations alike. A box that holds no patch centre
+(thinner than a patch) gets the patches it overlaps, so thin and tiny findings are still scorable.
 
 Two heatmaps: the Patch-IB mask z (ranked by the soft scores z is made from, which orders
 patches identically but without the ties of a hard top-k), and the local-alignment attention of
@@ -35,17 +35,29 @@ def patch_centres_uv(grid_size) -> np.ndarray:
     return np.stack([uu.ravel(), vv.ravel()], axis=1)
 
 
-def box_patch_mask(box, params: dict, grid_size) -> np.ndarray:
-    """Bool (gh, gw): patches of the view whose centre lies inside ``box`` [x0, y0, x1, y1]."""
+def box_patch_mask(box, params: dict, grid_size, samples: int = 4) -> np.ndarray:
+    """Bool (gh, gw): patches of the view whose centre lies inside ``box`` [x0, y0, x1, y1].
+
+    A box that holds no patch centre (thinner than a patch: a line of plate atelectasis, a small
+    nodule) gets every patch it overlaps instead, tested on a ``samples`` x ``samples`` grid of points
+    per patch mapped through the view's augmentation: at patch resolution a map cannot point more
+    finely than that, and one patch holding the box centre would make a thin box a coin toss between
+    the patches it crosses.
+    """
     gh, gw = grid_size
     x0, y0, x1, y1 = (float(b) for b in box)
-    xy = view_to_image(params, patch_centres_uv(grid_size))
-    inside = (xy[:, 0] >= x0) & (xy[:, 0] <= x1) & (xy[:, 1] >= y0) & (xy[:, 1] <= y1)
-    mask = inside.reshape(gh, gw)
-    if not mask.any():  # box smaller than a patch: the patch holding its centre, if in view
-        u, v = image_to_view(params, [[(x0 + x1) / 2, (y0 + y1) / 2]])[0]
-        if -1 <= u <= 1 and -1 <= v <= 1:
-            mask[min(gh - 1, int((v + 1) / 2 * gh)), min(gw - 1, int((u + 1) / 2 * gw))] = True
+
+    def inside(xy):
+        return (xy[:, 0] >= x0) & (xy[:, 0] <= x1) & (xy[:, 1] >= y0) & (xy[:, 1] <= y1)
+
+    mask = inside(view_to_image(params, patch_centres_uv(grid_size))).reshape(gh, gw)
+    if not mask.any():
+        offsets = ((np.arange(samples) + 0.5) / samples - 0.5) * 2  # within one patch, in patch units
+        du, dv = np.meshgrid(offsets / gw, offsets / gh)
+        centres = patch_centres_uv(grid_size)  # (N, 2)
+        points = centres[:, None, :] + np.stack([du.ravel(), dv.ravel()], axis=1)[None]  # (N, S, 2)
+        hits = inside(view_to_image(params, points.reshape(-1, 2))).reshape(len(centres), -1)
+        mask = hits.any(1).reshape(gh, gw)
     return mask
 
 

@@ -12,7 +12,9 @@ def grid_of(out) -> tuple[int, int]:
 
 
 def _patch_index(out, b: int, n: int):
-    index = getattr(out, "patch_index", None)
+    """Grid indices of the patches the heads' maps (mask, attention) refer to."""
+    index = getattr(out, "head_index", None)
+    index = getattr(out, "patch_index", None) if index is None else index
     return np.arange(n) if index is None else index[b].cpu().numpy()
 
 

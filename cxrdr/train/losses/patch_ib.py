@@ -29,16 +29,20 @@ def consistency_loss(masked_img: torch.Tensor, full_img: torch.Tensor, txt: torc
 
 
 def mask_follows_words_loss(mask_scores: torch.Tensor, word_attn: torch.Tensor,
-                            word_mask: torch.Tensor) -> torch.Tensor:
+                            word_mask: torch.Tensor, word_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of the mask's distribution over patches, softmax(logit z), against where the
     report's words look: the mean attention map of its valid words, detached (a target, not a path).
 
     mask_scores (B, N) sigmoid scores of z; word_attn (B, T, N) rows of the words' attention;
-    word_mask (B, T) which rows are real words. Rows without a word are left out.
+    word_mask (B, T) which rows are real words; word_weight (B, T) optional weights of the words in
+    that mean (the in-batch IDF: a finding named by few reports counts, 'the' does not). Rows without
+    a (weighted) word are left out.
     Why: the mask is image-only, so at test time it cannot read the report; this teaches it to keep
     the patches the words of reports ground to (where findings are), not whatever tells images apart.
     """
     valid = word_mask.to(word_attn.dtype)
+    if word_weight is not None:
+        valid = valid * word_weight.to(word_attn.dtype)
     target = (word_attn.detach().float() * valid.unsqueeze(-1)).sum(1)
     total = target.sum(-1, keepdim=True)
     has_words = total.squeeze(-1) > 0
@@ -61,7 +65,8 @@ class MaskWordsLoss(nn.Module):
         if not self.weight or out.mask_scores is None or out.local_attn is None or index is None:
             return {}
         rows = out.local_attn.gather(1, index.unsqueeze(-1).expand(-1, -1, out.local_attn.shape[-1]))
-        return {"mask_words": self.weight * mask_follows_words_loss(out.mask_scores, rows, out.local_pair_mask)}
+        return {"mask_words": self.weight * mask_follows_words_loss(out.mask_scores, rows, out.local_pair_mask,
+                                                                    out.local_pair_idf)}
 
 
 class PatchIBLoss(nn.Module):

@@ -70,6 +70,20 @@ class StudentConfig:
     # blocks (0: the embedded patches; None: the final tokens). Final ViT tokens all carry global image
     # content, so heads on them can match texts without localising; an early layer keeps tokens local.
     head_layer: int | None = None
+    # ConvNeXt blocks (3x3, timm) on the heads' patch grid before the mask and local heads: local context
+    # and non-linearity ("bright AND at the lung base") without the global mixing of attention. 0: off.
+    head_conv_depth: int = 0
+    head_conv_kernel: int = 3  # 1: a per-patch MLP (non-linear, no neighbours)
+    # With a head conv, the region a word pools is made of the embedded patches themselves (the conv's
+    # context only decides where the word looks): a map shifted next to a finding then pools the
+    # wrong patch's content and scores worse, so the maps stay on the findings (cosine attention only).
+    local_pool_embedded: bool = False
+    # Text side of the same rule: the local heads read the word states after this many text-tower layers
+    # (0: the embedding layer, each word on its own; None: the final, contextual states). Final states
+    # mix the whole report into every word, so each word's map can chase whatever tells the reports
+    # apart (the maps of one report's words grew alike with training); a word on its own can only
+    # look for what it names.
+    local_text_layer: int | None = None
 
     # token dropping (E)
     drop_layer: int = 4  # L1: blocks run on all tokens before dropping
@@ -108,6 +122,12 @@ class StudentConfig:
             raise ValueError(f"local_attention must be 'mha' or 'cosine', got {self.local_attention!r}{where}")
         if not self.local_attention_temperature > 0:
             raise ValueError(f"local_attention_temperature must be > 0, got {self.local_attention_temperature}{where}")
+        if self.local_text_layer is not None and self.local_text_layer < 0:
+            raise ValueError(f"local_text_layer must be >= 0 or None, got {self.local_text_layer}{where}")
+        if self.local_pool_embedded and (self.local_attention != "cosine" or not self.head_conv_depth):
+            raise ValueError(f"local_pool_embedded needs local_attention 'cosine' and head_conv_depth > 0{where}")
+        if self.head_conv_depth < 0:
+            raise ValueError(f"head_conv_depth must be >= 0, got {self.head_conv_depth}{where}")
         if self.embed_dim % self.local_heads:
             raise ValueError(f"embed_dim {self.embed_dim} must be divisible by local_heads {self.local_heads}{where}")
 

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.models.convnext import ConvNeXtBlock
 
 
 class Projection(nn.Module):
@@ -70,6 +71,31 @@ class MaskHeadTopK(MaskHead):
         k = self.num_kept(logits.shape[1], step)
         hard = torch.zeros_like(soft).scatter(1, logits.detach().topk(k, dim=1).indices, 1.0)
         return hard - soft.detach() + soft, soft
+
+
+class PatchGridConv(nn.Module):
+    """ConvNeXt blocks (timm's, 3x3 depthwise) over the patch grid: (B, N, d) -> (B, N, d), N = gh * gw.
+
+    Why: the heads must localise, so they read tokens whose content is local (the embedded patches),
+    but a linear head on those can only add a position bias to a linear feature score; a few 3x3
+    blocks give each patch its neighbourhood and a non-linearity while every output still sees only
+    (2 * depth + 1)^2 patches, so a word cannot match a patch by its global content.
+    """
+
+    def __init__(self, dim: int, grid_size: tuple[int, int], depth: int, mlp_ratio: float = 2.0,
+                 kernel_size: int = 3):
+        super().__init__()
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(dim, kernel_size=kernel_size, mlp_ratio=mlp_ratio,
+                                                    ls_init_value=None) for _ in range(depth)])
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        b, n, d = patches.shape
+        gh, gw = self.grid_size
+        if n != gh * gw:
+            raise ValueError(f"PatchGridConv needs the full {gh}x{gw} grid, got {n} patches")
+        x = self.blocks(patches.transpose(1, 2).reshape(b, d, gh, gw))
+        return x.flatten(2).transpose(1, 2)
 
 
 def zero_padded_words(text_mask: torch.Tensor | None, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -169,25 +195,37 @@ class CosineLocalAlign(nn.Module):
             logits = logits.masked_fill(~patch_mask.bool().unsqueeze(-2), float("-inf"))
         return logits
 
+    def _values(self, p, values):
+        """Unit vectors the attention pools: the patches it is computed on, or ``values`` (same grid)."""
+        if values is None:
+            return p
+        if values.shape[:-1] != p.shape[:-1]:
+            raise ValueError(f"values {tuple(values.shape)} must match the patches {tuple(p.shape)} but the width")
+        return F.normalize(self.patch_proj(values), dim=-1)
+
     def forward(self, text_tokens: torch.Tensor, patches: torch.Tensor, text_mask: torch.Tensor | None = None,
-                patch_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                patch_mask: torch.Tensor | None = None,
+                values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``values`` (B, N, d): pool these patches (through the same projection) with the attention
+        computed on ``patches``; None pools ``patches`` themselves."""
         t, p = self._project(text_tokens, patches)
         attn = self._logits(t, p, patch_mask).softmax(-1)  # (B, L, N)
-        return zero_padded_words(text_mask, attn @ p, t, attn)
+        return zero_padded_words(text_mask, attn @ self._values(p, values), t, attn)
 
     def pair_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
-                        patch_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        patch_mask: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
         """cos(v~_{j<-i,k}, t_{i,k}) for every text i, token k and image j: (B_text, B_image, L)."""
         t, p = self._project(text_tokens, patches)  # (Bt, L, D), (Bi, N, D)
         logits = torch.einsum("ild,jnd->ijln", t, p) / self.temperature
         if patch_mask is not None:
             logits = logits.masked_fill(~patch_mask.bool()[None, :, None, :], float("-inf"))
-        pooled = F.normalize(torch.einsum("ijln,jnd->ijld", logits.softmax(-1), p), dim=-1)
+        pooled = F.normalize(torch.einsum("ijln,jnd->ijld", logits.softmax(-1), self._values(p, values)), dim=-1)
         return (pooled * t.unsqueeze(1)).sum(-1)
 
-    def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
+                        values: torch.Tensor | None = None) -> torch.Tensor:
         """cos(v~_{i,k}, t_{i,m}) within each pair: (B, L, L) (see ``LocalAlign.word_similarity``)."""
-        v, t, _ = self(text_tokens, patches)
+        v, t, _ = self(text_tokens, patches, values=values)
         return F.normalize(v, dim=-1) @ t.transpose(1, 2)
 
 

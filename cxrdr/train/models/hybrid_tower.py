@@ -15,20 +15,17 @@ from __future__ import annotations
 
 from functools import partial
 
-import timm
 import torch
 import torch.nn as nn
 from timm.layers import HybridEmbed
 from timm.models.vision_transformer import VisionTransformer
 
-from cxrdr.common.pretrained import load_efficientnet_lite
+from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
 from cxrdr.train.models.image_towers import parameters_to_buffers
 from cxrdr.train.models.registry import register_tower
 
 # Stem cut points of efficientnet_lite0 by output stride: number of its 7 stages kept.
 LITE0_STEM_STAGES = {8: 3, 16: 5}
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class FrozenStem(nn.Module):
@@ -54,9 +51,7 @@ def lite0_stem(stride: int, pretrained: bool, frozen: bool) -> nn.Module:
     """conv_stem + bn1 + the first stages of efficientnet_lite0, output stride ``stride``."""
     if stride not in LITE0_STEM_STAGES:
         raise ValueError(f"hybrid_lite0_vit: stem_stride must be one of {sorted(LITE0_STEM_STAGES)}, got {stride}")
-    cnn = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000)
-    if pretrained:
-        load_efficientnet_lite(cnn, "efficientnet_lite0")
+    cnn = create_efficientnet_lite("efficientnet_lite0", pretrained)
     stem = nn.Sequential(cnn.conv_stem, cnn.bn1, *cnn.blocks[:LITE0_STEM_STAGES[stride]])
     return FrozenStem(stem) if frozen else stem
 

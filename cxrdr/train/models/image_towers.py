@@ -15,7 +15,7 @@ import torch.nn as nn
 from timm.models.vision_transformer import VisionTransformer
 from torch.utils.checkpoint import checkpoint
 
-from cxrdr.common.pretrained import load_efficientnet_lite
+from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
 from cxrdr.train.models.registry import register_tower
 
 TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
@@ -31,7 +31,8 @@ class TowerOutput:
     patches: torch.Tensor  # (B, N, d) patch tokens (kept ones only after token dropping)
     patch_index: torch.Tensor  # (B, N) long indices into the full grid
     keep_ratio: float = 1.0
-    head_patches: torch.Tensor | None = None  # (B, N, d) the same patches at the heads' layer (None: ``patches``)
+    head_patches: torch.Tensor | None = None  # (B, N', d) patches at the heads' layer (None: ``patches``)
+    head_index: torch.Tensor | None = None  # (B, N') their grid indices (None: ``patch_index``)
 
 
 def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs) -> nn.Module:
@@ -205,9 +206,10 @@ class EfficientNetTower(ImageTower):
     (their weights become buffers and their BN statistics stay fixed), which skips the backward pass
     through the high-resolution layers: cheaper CPU steps. Token dropping is not possible on a CNN.
 
-    The packaged weights classify matplotlib's grace_hopper.jpg as suit / military uniform / bow tie
-    (top-3) in this architecture; they look TF-trained ('same' padding, BN eps 1e-3: timm's
-    ``tf_efficientnet_lite0`` is a little more confident), a small shift that fine-tuning absorbs."""
+    The packaged weights are TF-trained, so the trunk is timm's ``tf_efficientnet_lite*`` ('same' padding,
+    BN eps 1e-3; ``cxrdr.common.pretrained.TIMM_ARCH``): with symmetric padding its feature grid would sit
+    most of a patch off the pixels it describes. It classifies matplotlib's grace_hopper.jpg as military
+    uniform / suit / bow tie (top-3)."""
 
     STEM = r"^conv_stem|bn1"
     BLOCKS = r"^blocks\.(\d+)"  # a stage per layer (timm's coarse grouping)
@@ -220,9 +222,7 @@ class EfficientNetTower(ImageTower):
             raise ValueError(f"{arch}: stride must be one of {sorted(stages)}, got {stride}")
         if image_size % stride:
             raise ValueError(f"{arch}: image_size must be a multiple of its stride {stride}, got {image_size}")
-        trunk = timm.create_model(arch, pretrained=False, num_classes=1000, drop_path_rate=drop_path_rate, **kwargs)
-        if pretrained:
-            load_efficientnet_lite(trunk, arch)
+        trunk = create_efficientnet_lite(arch, pretrained, drop_path_rate=drop_path_rate, **kwargs)
         last, width = stages[stride]
         trunk.reset_classifier(0)  # drop the ImageNet classifier (unused parameters upset DDP)
         if stride < 32:  # unused head parameters upset DDP too
@@ -233,9 +233,7 @@ class EfficientNetTower(ImageTower):
         self.grid_size = (image_size // stride, image_size // stride)
         self.width = width
         self.depth = len(trunk.blocks)
-        cfg = getattr(trunk, "pretrained_cfg", None) or {}
-        self.mean = tuple(cfg.get("mean", (0.485, 0.456, 0.406)))  # ImageNet
-        self.std = tuple(cfg.get("std", (0.229, 0.224, 0.225)))
+        self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD  # the packaged weights' normalisation
         if not 0 <= freeze_stages < self.depth:
             raise ValueError(f"{arch}: freeze_stages must be in 0..{self.depth - 1}, got {freeze_stages}")
         self.frozen = [trunk.conv_stem, trunk.bn1, *trunk.blocks[:freeze_stages]] if freeze_stages else []

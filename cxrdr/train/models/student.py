@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
-from cxrdr.train.models.heads import (MaskHead, MaskHeadTopK, Projection, batch_idf, build_local_align,
-                                      init_logit_scale, negated_tokens, sample_token_positions)
+from cxrdr.train.models.heads import (MaskHead, MaskHeadTopK, PatchGridConv, Projection, batch_idf,
+                                      build_local_align, init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
 
@@ -30,9 +30,9 @@ class StudentOutput:
     text_emb: torch.Tensor  # (B, D) normalised
     logit_scale: torch.Tensor  # scalar, exp'd and clamped to <= logit_scale_max
     patch_tokens: torch.Tensor | None  # (B, N, d) image-tower patch tokens (kept ones for E)
-    patch_index: torch.Tensor  # (B, N) long indices into the full grid (arange unless E)
+    patch_index: torch.Tensor  # (B, N) long indices of patch_tokens into the full grid (arange unless E)
     grid_size: tuple[int, int]  # (gh, gw) of the full grid
-    text_tokens: torch.Tensor  # (B, L, dt) text-tower token states
+    text_tokens: torch.Tensor  # (B, L, dt) text-tower token states the local heads read (local_text_layer)
     text_mask: torch.Tensor  # (B, L) bool, True for real tokens
     mask: torch.Tensor | None = None  # z (B, N): C sigmoid, D/E hard Top-K with straight-through; None for A/B
     mask_scores: torch.Tensor | None = None  # (B, N) soft sigmoid scores; None for A/B
@@ -45,8 +45,10 @@ class StudentOutput:
     local_word_similarity: torch.Tensor | None = None  # (B, T, T) word k's own-image region vs word m
     local_pair_ids: torch.Tensor | None = None  # (B, T) token ids of the sampled words
     local_pair_index: torch.Tensor | None = None  # (B, T) their positions in the text
+    local_pair_idf: torch.Tensor | None = None  # (B, T) their in-batch IDF (0: a word every report has)
     local_drawable_ids: torch.Tensor | None = None  # (B, L) ids of the words that may be drawn, -1 elsewhere
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
+    head_index: torch.Tensor | None = None  # (B, N') grid indices of the patches the heads read (None: patch_index)
 
     @property
     def z(self) -> torch.Tensor | None:
@@ -87,6 +89,9 @@ class PatchIBStudent(nn.Module):
         self._negation_ids = (tokenizer.word_ids(NEGATION_CUES), tokenizer.word_ids(SENTENCE_ENDS))
         self.local_align = build_local_align(config.local_attention, d_txt, d_img, self.embed_dim, config.local_heads,
                                              config.local_attention_temperature) if config.use_local else None
+        self.head_conv = (PatchGridConv(d_img, self.image_tower.grid_size, config.head_conv_depth,
+                                        kernel_size=config.head_conv_kernel)
+                          if config.head_conv_depth and (config.use_local or config.use_mask) else None)
         if config.use_topk:
             self.mask_head = MaskHeadTopK(d_img, config.k_ratio, config.mask_hidden, config.k_ratio_start,
                                           config.k_anneal_steps)
@@ -122,9 +127,9 @@ class PatchIBStudent(nn.Module):
     def _image(self, images: torch.Tensor, step: int | None):
         return self.image_tower(self.prepare_images(images), step=step)
 
-    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None):
         device = self.pixel_mean.device
-        return self.text_tower(input_ids.to(device), attention_mask.to(device))
+        return self.text_tower(input_ids.to(device), attention_mask.to(device), token_layer)
 
     def encode_image(self, images: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """(B, 1, H, W) in [0, 1] -> (B, D) normalised global image embedding."""
@@ -147,34 +152,44 @@ class PatchIBStudent(nn.Module):
         regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``).
         ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion")."""
         img = self._image(images, step)
-        text_tokens, text_pooled = self._text(input_ids, attention_mask)
+        # the word states the local heads read (local_text_layer), and the global text vector
+        text_tokens, text_pooled = self._text(input_ids, attention_mask,
+                                              self.config.local_text_layer if self.local_align is not None else None)
         text_mask = attention_mask.to(text_tokens.device).bool()
         out = StudentOutput(
             image_emb=F.normalize(self.image_proj(img.pooled), dim=-1),
             text_emb=F.normalize(self.text_proj(text_pooled), dim=-1),
             logit_scale=self.current_logit_scale(),
             patch_tokens=img.patches, patch_index=img.patch_index, grid_size=self.grid_size,
-            text_tokens=text_tokens, text_mask=text_mask, keep_ratio=float(img.keep_ratio))
+            text_tokens=text_tokens, text_mask=text_mask, keep_ratio=float(img.keep_ratio),
+            head_index=img.head_index)
         patches = img.patches if img.head_patches is None else img.head_patches  # what the heads read
+        # local_pool_embedded: the words' regions pool the embedded patches themselves, while the head
+        # conv's context only decides where to look (``kw`` of the local alignment calls)
+        kw = {"values": patches} if self.config.local_pool_embedded else {}
+        if self.head_conv is not None:
+            patches = self.head_conv(patches)
         if self.mask_head is not None:
             z, soft = self.mask_head(patches, step)
             pooled = (z.unsqueeze(-1) * patches).sum(1) / z.sum(1, keepdim=True).clamp_min(1e-6)
             out.mask, out.mask_scores = z, soft
             out.masked_image_emb = F.normalize(self.image_proj(pooled), dim=-1)
         if self.local_align is not None:
-            out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, patches, text_mask)
+            out.local_visual, out.local_text, out.local_attn = self.local_align(text_tokens, patches, text_mask, **kw)
             if local_pairs:
                 ids = input_ids.to(text_mask.device)
                 drawable = text_mask & ~self._negated(ids) if local_affirmed else text_mask
                 # informative words (rare in this batch: findings, sides) carry the grounding signal
-                index = sample_token_positions(drawable, local_pairs, batch_idf(ids, drawable))
+                idf = batch_idf(ids, drawable)
+                index = sample_token_positions(drawable, local_pairs, idf)
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
-                out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches)
+                out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches, **kw)
                 if local_words:
-                    out.local_word_similarity = self.local_align.word_similarity(tokens, patches)
+                    out.local_word_similarity = self.local_align.word_similarity(tokens, patches, **kw)
                 out.local_pair_mask = drawable.gather(1, index)
                 out.local_pair_ids = ids.gather(1, index)
                 out.local_pair_index = index
+                out.local_pair_idf = idf.gather(1, index)
                 out.local_drawable_ids = ids.masked_fill(~drawable, -1)
         return out
 

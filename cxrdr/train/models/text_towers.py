@@ -74,6 +74,9 @@ limited technique low lung volumes inspiration poor rotated rotation motion arti
 findings: impression: comparison: indication: technique: one two three four five
 first second third fourth level above below near adjacent along between both each either
 side sided side-by-side more less most least much many few several some other only
+limits displaced intrathoracic single hazy haziness band over suggested stomach cardiothoracic ratio
+meniscus moderately visible visceral courses into carina bibasilar superior vena cava svc monitoring place ecg
+overlie ray shows regions hemithoraces active unremarkable
 """.split()
 
 
@@ -189,14 +192,22 @@ class HFTextTower(nn.Module):
         self.width = int(model.config.hidden_size)
         self.depth = int(model.config.num_hidden_layers)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token states, pooled). The token states are those after ``token_layer`` encoder layers
+        (0: the embedding layer's output; None: the last layer); the pooled vector is always the last's."""
+        if token_layer is not None and not 0 <= token_layer <= self.depth:
+            raise ValueError(f"token_layer must be in 0..{self.depth}, got {token_layer}")
+        wanted = token_layer is not None and token_layer < self.depth
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=wanted)
+        tokens = out.last_hidden_state
+        layer_tokens = out.hidden_states[token_layer] if wanted else tokens
         if self.pool == "mean":
             m = attention_mask.unsqueeze(-1).to(tokens.dtype)
             pooled = (tokens * m).sum(1) / m.sum(1).clamp_min(1.0)
         else:
             pooled = tokens[:, 0]
-        return tokens, pooled
+        return layer_tokens, pooled
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         # transformers >= 5 renamed gradient_checkpointing_* to activation_checkpointing_*

@@ -10,6 +10,9 @@ straight-through factor (value 1, gradient of the score) so the head learns from
 ``cls_attn`` — the head-averaged [CLS] attention of block L1-1 (EViT / MGCA), no parameters.
 Options: keep rate warmed up from 1.0 to its target over the first ``warmup_steps`` (EViT), and
 ``fuse_dropped`` — the dropped tokens fused into one extra token (score-weighted mean) appended last.
+
+Heads (mask, local alignment) at a ``head_layer`` up to L1 read every patch as it was at that layer,
+so E's heatmaps cover the whole image as D's do; at a later layer they read the kept patches.
 """
 from __future__ import annotations
 
@@ -95,13 +98,16 @@ class TokenDroppingViT(ViTTower):
             index = torch.arange(n, device=x.device).expand(b, n)
             if self.patch_score == "head":
                 x = torch.cat([x[:, :1], patches * (1.0 + scores - scores.detach()).unsqueeze(-1)], dim=1)
-        if at_head_layer is not None:  # heads read the kept patches, as they were at the heads' layer
-            at_head_layer = torch.cat([at_head_layer[:, :1], at_head_layer[:, 1:].gather(
-                1, index.unsqueeze(-1).expand(-1, -1, d))], dim=1)
+        # heads at a layer before the drop read every patch (a grid: their maps cover the whole image);
+        # heads after it read the kept patches
+        head_index = None
+        if at_head_layer is not None:
+            head_index = torch.arange(n, device=x.device).expand(b, n)
         for i, block in enumerate(blocks[self.drop_layer:], start=self.drop_layer):
             x = self.run_block(block, x)
             if self.head_layer == i + 1:
-                at_head_layer = x
+                at_head_layer, head_index = x, index
         out = self.finish(x, index, k, k / n)
-        out.head_patches = head_tokens(at_head_layer, k)
+        if head_index is not None:
+            out.head_patches, out.head_index = head_tokens(at_head_layer, head_index.shape[1]), head_index
         return out
