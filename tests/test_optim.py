@@ -203,13 +203,15 @@ def test_lr_per_parameter_unchanged_for_every_config(name):
     config = StudentConfig.from_yaml(name)
     if name.startswith("biomedclip"):
         config = config.replace(text_tower="minilm", init_from=None)
-    # the table predates the cosine local head (issue 9): check that head apart, the rest against the table
-    if config.use_local and config.local_attention != "mha":
-        cosine = build_student(config, init_weights=False)
-        groups = param_groups(cosine, OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0))
-        local = {n for g in groups if g["is_head"] for n in g["names"] if n.startswith("local_align.")}
-        assert local == {n for n, _ in cosine.named_parameters() if n.startswith("local_align.")} != set()
-        config = config.replace(local_attention="mha")
+    # the table predates the cosine local head and the heads' patch-grid convs (issue 9): check that
+    # those are heads apart, the rest against the table
+    new_heads = ("local_align.", "head_conv.")
+    student = build_student(config, init_weights=False)
+    groups = param_groups(student, OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0))
+    heads = {n for g in groups if g["is_head"] for n in g["names"] if n.startswith(new_heads)}
+    assert heads == {n for n, _ in student.named_parameters() if n.startswith(new_heads)}
+    assert bool(heads) == (student.local_align is not None or student.head_conv is not None)
+    config = config.replace(local_attention="mha", head_conv_depth=0)
     model = build_student(config, init_weights=False)
     cfg = OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0)
     rows = sorted((n, g["is_head"], round(g["lr"], 12), g["weight_decay"])
