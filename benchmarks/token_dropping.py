@@ -54,6 +54,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    from cxrdr.common.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the train CLI does
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     results = {}

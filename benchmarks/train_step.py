@@ -98,6 +98,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    from cxrdr.common.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the train CLI does
     if args.device in ("auto", "cpu") and not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="cxrdr-bench-")

@@ -5,6 +5,7 @@ Stage 1 (`reinforce`) and stage 2 (`train`) never import each other; the experim
 """
 from __future__ import annotations
 
+from cxrdr.common.allocator import keep_freed_memory
 from cxrdr.common.errors import run_app
 from cxrdr.experiments.cli import cli_experiment
 from cxrdr.reinforce.cli import app as reinforce_app
@@ -14,10 +15,12 @@ train_app.command("experiment")(cli_experiment)
 
 
 def reinforce_main() -> None:
+    keep_freed_memory()
     run_app(reinforce_app)
 
 
 def train_main() -> None:
+    keep_freed_memory()
     run_app(train_app)
 
 

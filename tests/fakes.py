@@ -26,3 +26,4 @@ class FakeOutput:
     local_pair_ids: torch.Tensor | None = None
     local_pair_index: torch.Tensor | None = None
     local_drawable_ids: torch.Tensor | None = None
+    local_word_idf: torch.Tensor | None = None

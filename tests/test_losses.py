@@ -505,6 +505,55 @@ def test_negated_tokens_cover_a_cue_to_the_end_of_its_sentence():
     assert negated_tokens(ids2, [5, 6], [9])[0].int().tolist() == [1, 1, 0, 1, 1, 0, 0, 0]
 
 
+def test_cued_sentence_tokens_cover_every_word_of_a_sentence_that_states_normal_anatomy():
+    from cxrdr.train.models.heads import cued_sentence_tokens
+
+    # [CLS] heart size is normal . small effusion ; lungs are clear . [SEP]   (cue 7 last in its sentence)
+    ids = torch.tensor([[1, 20, 21, 22, 7, 9, 30, 31, 8, 23, 24, 6, 9, 2, 0]])
+    normal = cued_sentence_tokens(ids, cue_ids=[6, 7], end_ids=[9, 8])
+    assert normal[0].int().tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert not cued_sentence_tokens(ids, cue_ids=[99], end_ids=[9, 8]).any()
+
+
+def test_skip_normal_keeps_normal_statements_out_of_the_drawn_words():
+    from cxrdr.train.models import build_student
+
+    torch.manual_seed(0)
+    student = build_student("tiny-B", init_weights=False)
+    text = "The heart is normal. The lungs are clear. Small right effusion."
+    tok = student.tokenize([text] * 2)
+    images = torch.rand(2, 1, student.image_size, student.image_size)
+    ids = tok["input_ids"]
+    vocab = student.tokenizer.tokenizer.get_vocab()
+    normal_words = {vocab[w] for w in ("heart", "lungs", "clear", "normal")}
+    for skip in (False, True):
+        out = student(images, ids, tok["attention_mask"], local_pairs=64, local_affirmed=True, local_skip_normal=skip)
+        drawable = set(out.local_drawable_ids[out.local_drawable_ids >= 0].tolist())
+        assert vocab["effusion"] in drawable
+        assert (normal_words & drawable) == (set() if skip else normal_words)
+
+
+def test_mask_words_term_follows_every_drawable_word_by_its_idf():
+    from cxrdr.train.losses.patch_ib import MaskWordsLoss
+
+    from tests.fakes import FakeOutput
+
+    scores = torch.tensor([[0.2, 0.7, 0.4, 0.6]], requires_grad=True)
+    attn = torch.tensor([[[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]])
+    idf = torch.tensor([[2.0, 0.0, 1.0]])  # word 1 may not be drawn (or is in every report)
+    out = FakeOutput(image_emb=None, text_emb=None, logit_scale=None, mask_scores=scores, local_attn=attn,
+                     local_word_idf=idf)
+    loss = MaskWordsLoss(0.5)(out)["mask_words"]
+    target = torch.tensor([0.0, 2.0, 1.0, 0.0]) / 3
+    expected = -(target * torch.logit(scores[0]).log_softmax(-1)).sum()
+    assert torch.allclose(loss, 0.5 * expected)
+    out.local_attn = attn.clone()
+    out.local_attn[0, 1] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # a zero-weight word changes nothing
+    assert torch.allclose(MaskWordsLoss(0.5)(out)["mask_words"], loss)
+    out.local_word_idf = None
+    assert MaskWordsLoss(0.5)(out) == {}
+
+
 def test_mask_follows_words_pulls_the_mask_towards_the_words_map():
     from cxrdr.train.losses.patch_ib import mask_follows_words_loss
 

@@ -623,6 +623,29 @@ def test_token_dropping_heads_read_the_whole_grid_before_the_drop(images):
     assert torch.equal(out.head_index, out.patch_index)
 
 
+def test_mask_scored_dropping_keeps_the_patches_z_keeps(images):
+    """E with patch_score 'mask': the Top-K of the Patch-IB mask, scored on the embedded patches, are the
+    tokens the blocks see; the global embedding's gradient reaches the mask head through the gate, and
+    the heads still read the whole grid. The config asks for heads on the embedded patches."""
+    torch.manual_seed(0)
+    config = StudentConfig.from_yaml("tiny-E", patch_score="mask", head_layer=0, drop_layer=0,
+                                     keep_rate=0.25, k_ratio=0.25)
+    model = build_student(config)
+    assert model.drops_by_mask and not hasattr(model.image_tower, "score_head")
+    out = _forward(model, images, step=10**6)
+    assert out.patch_tokens.shape[1] == 16 and out.mask.shape == (2, 64)
+    for b in range(2):
+        assert set(out.patch_index[b].tolist()) == set(torch.nonzero(out.mask[b] > 0.5).flatten().tolist())
+    assert torch.equal(out.head_index, torch.arange(64).expand(2, 64))
+    model.zero_grad()
+    model.encode_image(images, step=10**6).sum().backward()
+    assert float(model.mask_head.mlp[-1].weight.grad.abs().sum()) > 0
+    with pytest.raises(ValueError, match="head_layer 0"):
+        StudentConfig.from_yaml("tiny-E", patch_score="mask", head_layer=1)
+    with pytest.raises(ValueError, match="scores from the caller"):
+        model.image_tower(model.prepare_images(images))
+
+
 # Every config name as it resolved when each was its own YAML file (configs/models/<name>.yaml, before
 # the family files): generated from those files, kept as a fixture so the family layering cannot drift.
 OLD_CONFIGS = json.loads((Path(__file__).parent / "fixtures" / "model_configs_before_families.json").read_text())

@@ -163,3 +163,15 @@ def test_tiny_student_learns_on_phantom(phantom_shards, tmp_path):
     chance_recall = np.mean([min(k, n) / n for k in (1, 5, 10)])
     assert metrics["mean_recall"] > chance_recall + 0.1, (metrics, chance_recall)
     assert metrics["i2t_median_rank"] < (n + 1) / 2
+
+
+def test_keep_freed_memory_applies_on_glibc_and_leaves_other_platforms_alone(monkeypatch):
+    import platform
+
+    from cxrdr.common import allocator
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert allocator.keep_freed_memory() is True
+        assert allocator.keep_freed_memory(1 << 40) is True  # beyond a C int: clamped
+    monkeypatch.setattr(allocator.sys, "platform", "darwin")
+    assert allocator.keep_freed_memory() is False

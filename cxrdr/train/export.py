@@ -113,6 +113,8 @@ def open_clip_state_dict(student) -> dict[str, torch.Tensor]:
              else ("image_tower.", "visual.trunk.tower."))  # TimmImageTower holds the whole cxrdr tower
     renames = [image, ("image_proj.proj.", "visual.head.proj."),
                ("text_tower.model.", "text.transformer."), ("text_proj.proj.", "text.proj.")]
+    if student.drops_by_mask:  # the mask heads choose E's tokens: TimmImageTower carries them
+        renames += [("head_conv.", "visual.trunk.head_conv."), ("mask_head.", "visual.trunk.mask_head.")]
     out = {"logit_scale": state["logit_scale"]}
     for key, value in state.items():
         for old, new in renames:

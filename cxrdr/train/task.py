@@ -31,9 +31,10 @@ class StudentStep(nn.Module):
         self.student = student
 
     def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None,
-                local_pairs=0, local_words=False, local_affirmed=False):
+                local_pairs=0, local_words=False, local_affirmed=False, local_skip_normal=False):
         out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs,
-                           local_words=local_words, local_affirmed=local_affirmed)
+                           local_words=local_words, local_affirmed=local_affirmed,
+                           local_skip_normal=local_skip_normal)
         syn = None if caption_ids is None else self.student.encode_text(caption_ids, caption_mask)
         return out, syn
 
@@ -78,7 +79,8 @@ class Task:
         if self.loss_cfg.use_syn:
             args += [batch["caption_ids"].to(dev), batch["caption_mask"].to(dev)]
         out, syn_txt = self.model(*args, step=step, local_pairs=self.local_pairs, local_words=self.local_words,
-                                  local_affirmed=self.loss_cfg.local_affirmed_only)
+                                  local_affirmed=self.loss_cfg.local_affirmed_only,
+                                  local_skip_normal=self.loss_cfg.local_skip_normal)
         self.keep_ratio = float(out.keep_ratio)
         return self.objective(out, batch, step, self.total_steps, syn_text_emb=syn_txt)
 

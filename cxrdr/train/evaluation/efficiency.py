@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cxrdr.common.allocator import keep_freed_memory
 from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train.losses import LossConfig
 from cxrdr.train.task import Task
@@ -222,6 +223,7 @@ def _main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the train CLI does: the same allocator behaviour as the training it measures
     if args.threads:
         torch.set_num_threads(args.threads)
     baseline = _rss_mb()

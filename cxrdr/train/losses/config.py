@@ -48,6 +48,9 @@ class LossConfig:
     # draw those words outside negations only: grounding "effusion" of "no pleural effusion" in its image
     # teaches the word to avoid effusions (README, Localisation)
     local_affirmed_only: bool = True
+    # nor from sentences that state normal anatomy ("Heart size is normal.", "The lungs are clear."): they
+    # name no finding to ground, and the mask that follows the words should not learn the normal heart
+    local_skip_normal: bool = False
     # a word's negatives are only images whose reports do not name the word too (false-negative masking)
     local_mask_shared_words: bool = False
     local_entropy: float = 0.0  # weight of the word-attention entropy penalty (attention_entropy); 0 = off

@@ -54,19 +54,19 @@ def mask_follows_words_loss(mask_scores: torch.Tensor, word_attn: torch.Tensor,
 
 
 class MaskWordsLoss(nn.Module):
-    """Weighted 'mask_words' term (``mask_follows_words_loss``) on the words drawn for the local loss."""
+    """Weighted 'mask_words' term (``mask_follows_words_loss``) on every word the local loss may draw
+    (affirmed, outside normal statements), weighted by its in-batch IDF: the target does not depend on
+    which few words the token-region contrast drew this step."""
 
     def __init__(self, weight: float = 0.0):
         super().__init__()
         self.weight = weight
 
     def forward(self, out) -> dict[str, torch.Tensor]:
-        index = out.local_pair_index
-        if not self.weight or out.mask_scores is None or out.local_attn is None or index is None:
+        idf = out.local_word_idf
+        if not self.weight or out.mask_scores is None or out.local_attn is None or idf is None:
             return {}
-        rows = out.local_attn.gather(1, index.unsqueeze(-1).expand(-1, -1, out.local_attn.shape[-1]))
-        return {"mask_words": self.weight * mask_follows_words_loss(out.mask_scores, rows, out.local_pair_mask,
-                                                                    out.local_pair_idf)}
+        return {"mask_words": self.weight * mask_follows_words_loss(out.mask_scores, out.local_attn, idf > 0, idf)}
 
 
 class PatchIBLoss(nn.Module):

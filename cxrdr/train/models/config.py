@@ -89,7 +89,9 @@ class StudentConfig:
     drop_layer: int = 4  # L1: blocks run on all tokens before dropping
     keep_rate: float = 0.5  # fraction of patches kept after block L1
     keep_rate_warmup_steps: int = 0  # keep rate goes 1.0 -> keep_rate over these steps (EViT)
-    patch_score: str = "head"  # 'head' (learned score head) | 'cls_attn' ([CLS] attention of block L1)
+    # 'head' (learned score head) | 'cls_attn' ([CLS] attention of block L1) | 'mask' (the Patch-IB mask's
+    # scores of the embedded patches: E's blocks see the patches z keeps; needs head_layer 0)
+    patch_score: str = "head"
     fuse_dropped: bool = False  # fuse dropped tokens into one extra token (score-weighted mean)
 
     # initialisation (local only): open_clip model dir / 'openclip:ARCH:PATH' / cxrdr checkpoint
@@ -110,8 +112,10 @@ class StudentConfig:
             raise ValueError(f"image_size must be in 16..1024, got {self.image_size}{where}")
         if not 0.0 < self.k_ratio <= 1.0 or not 0.0 < self.keep_rate <= 1.0:
             raise ValueError(f"k_ratio and keep_rate must be in (0, 1]{where}")
-        if self.patch_score not in ("head", "cls_attn"):
-            raise ValueError(f"patch_score must be 'head' or 'cls_attn', got {self.patch_score!r}{where}")
+        if self.patch_score not in ("head", "cls_attn", "mask"):
+            raise ValueError(f"patch_score must be 'head', 'cls_attn' or 'mask', got {self.patch_score!r}{where}")
+        if self.patch_score == "mask" and self.variant == "E" and self.head_layer != 0:
+            raise ValueError(f"patch_score 'mask' needs head_layer 0 (the mask scores the embedded patches){where}")
         if self.patch_score == "cls_attn" and self.variant == "E" and self.drop_layer < 1:
             raise ValueError(f"patch_score 'cls_attn' needs drop_layer >= 1{where}")
         if self.head_layer is not None and self.image_tower not in token_sequence_towers():

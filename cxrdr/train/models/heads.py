@@ -98,6 +98,21 @@ class PatchGridConv(nn.Module):
         return x.flatten(2).transpose(1, 2)
 
 
+def build_patch_heads(config, dim: int, grid_size) -> tuple[nn.Module | None, nn.Module | None]:
+    """(head_conv, mask_head) of a StudentConfig on patches of width ``dim``: the patch-grid convs the
+    local and mask heads read (None without them), and the variant's Patch-IB mask head (None for A/B)."""
+    needs_heads = config.use_local or config.use_mask
+    head_conv = (PatchGridConv(dim, grid_size, config.head_conv_depth, kernel_size=config.head_conv_kernel)
+                 if config.head_conv_depth and needs_heads else None)
+    if config.use_topk:
+        mask_head = MaskHeadTopK(dim, config.k_ratio, config.mask_hidden, config.k_ratio_start, config.k_anneal_steps)
+    elif config.use_mask:
+        mask_head = MaskHead(dim, config.mask_hidden)
+    else:
+        mask_head = None
+    return head_conv, mask_head
+
+
 def zero_padded_words(text_mask: torch.Tensor | None, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each (B, L, ...) tensor with the rows of padded words (text_mask False/0) set to 0."""
     if text_mask is None:
@@ -214,12 +229,21 @@ class CosineLocalAlign(nn.Module):
 
     def pair_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
                         patch_mask: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
-        """cos(v~_{j<-i,k}, t_{i,k}) for every text i, token k and image j: (B_text, B_image, L)."""
+        """cos(v~_{j<-i,k}, t_{i,k}) for every text i, token k and image j: (B_text, B_image, L).
+
+        Every text token attends over each image in one fused ``scaled_dot_product_attention`` call
+        (scale 1/temperature on unit vectors: the cosine softmax of ``forward``), so the
+        (B_text, B_image, L, N) attention is never materialised: ~1.5x faster on CPU than einsums."""
         t, p = self._project(text_tokens, patches)  # (Bt, L, D), (Bi, N, D)
-        logits = torch.einsum("ild,jnd->ijln", t, p) / self.temperature
-        if patch_mask is not None:
-            logits = logits.masked_fill(~patch_mask.bool()[None, :, None, :], float("-inf"))
-        pooled = F.normalize(torch.einsum("ijln,jnd->ijld", logits.softmax(-1), self._values(p, values)), dim=-1)
+        (b_txt, length, width), b_img = t.shape, p.shape[0]
+        q = t.reshape(1, 1, b_txt * length, width).expand(b_img, -1, -1, -1)
+        bias = None
+        if patch_mask is not None:  # padded patches get no attention
+            bias = torch.zeros(patch_mask.shape, dtype=q.dtype, device=q.device)
+            bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
+        pooled = F.scaled_dot_product_attention(q, p.unsqueeze(1), self._values(p, values).unsqueeze(1),
+                                                attn_mask=bias, scale=1.0 / self.temperature)
+        pooled = F.normalize(pooled[:, 0].reshape(b_img, b_txt, length, width).transpose(0, 1), dim=-1)
         return (pooled * t.unsqueeze(1)).sum(-1)
 
     def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
@@ -267,6 +291,23 @@ def negated_tokens(input_ids: torch.Tensor, cue_ids, end_ids) -> torch.Tensor:
     sentence_base = at_end.cummax(1).values
     started = torch.cat([torch.zeros_like(sentence_base[:, :1]), sentence_base[:, :-1]], dim=1)
     return ((cues_before - started) > 0) & ~end
+
+
+def cued_sentence_tokens(input_ids: torch.Tensor, cue_ids, end_ids) -> torch.Tensor:
+    """(B, L) bool: every token of a sentence (ended by '.' or ';') that holds one of the cues.
+
+    Why: a report states normal anatomy in whole sentences whose cue may come last ("Heart size is
+    normal.", "The lungs are clear."); CheXpert's labeller reads them as negative mentions. Their words
+    name no finding in the image, so they are no grounding signal either. Sentence ends are left out, as
+    in ``negated_tokens``.
+    """
+    ids = input_ids.long()
+    cue = torch.isin(ids, torch.as_tensor(list(cue_ids), dtype=torch.long, device=ids.device))
+    end = torch.isin(ids, torch.as_tensor(list(end_ids), dtype=torch.long, device=ids.device))
+    sentence = end.long().cumsum(1) - end.long()  # a sentence's end belongs to it
+    has_cue = torch.zeros(ids.shape[0], ids.shape[1] + 1, dtype=torch.long, device=ids.device)
+    has_cue.scatter_add_(1, sentence, cue.long())
+    return (has_cue.gather(1, sentence) > 0) & ~end
 
 
 def sample_token_positions(text_mask: torch.Tensor, max_tokens: int,

@@ -13,15 +13,18 @@ import torch.nn.functional as F
 from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
-from cxrdr.train.models.heads import (MaskHead, MaskHeadTopK, PatchGridConv, Projection, batch_idf,
-                                      build_local_align, init_logit_scale, negated_tokens, sample_token_positions)
+from cxrdr.train.models.heads import (Projection, batch_idf, build_local_align, build_patch_heads,
+                                      cued_sentence_tokens, init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
+from cxrdr.train.models.token_dropping import mask_selected_forward
 
 
 # Negation scope of the local loss's words (``local_affirmed``): NegEx's commonest pre-negation cues.
 NEGATION_CUES = ("no", "not", "without", "negative", "free", "absent")
 SENTENCE_ENDS = (".", ";")
+# Sentences that state normal anatomy ("Heart size is normal.", "The lungs are clear."; ``local_skip_normal``).
+NORMAL_CUES = ("normal", "clear", "unremarkable")
 
 
 @dataclass
@@ -45,7 +48,7 @@ class StudentOutput:
     local_word_similarity: torch.Tensor | None = None  # (B, T, T) word k's own-image region vs word m
     local_pair_ids: torch.Tensor | None = None  # (B, T) token ids of the sampled words
     local_pair_index: torch.Tensor | None = None  # (B, T) their positions in the text
-    local_pair_idf: torch.Tensor | None = None  # (B, T) their in-batch IDF (0: a word every report has)
+    local_word_idf: torch.Tensor | None = None  # (B, L) in-batch IDF of every drawable word, 0 elsewhere
     local_drawable_ids: torch.Tensor | None = None  # (B, L) ids of the words that may be drawn, -1 elsewhere
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
     head_index: torch.Tensor | None = None  # (B, N') grid indices of the patches the heads read (None: patch_index)
@@ -87,18 +90,10 @@ class PatchIBStudent(nn.Module):
         self.text_proj = Projection(d_txt, self.embed_dim)
         self.logit_scale = init_logit_scale(config.logit_scale_init)
         self._negation_ids = (tokenizer.word_ids(NEGATION_CUES), tokenizer.word_ids(SENTENCE_ENDS))
+        self._normal_cue_ids = tokenizer.word_ids(NORMAL_CUES)
         self.local_align = build_local_align(config.local_attention, d_txt, d_img, self.embed_dim, config.local_heads,
                                              config.local_attention_temperature) if config.use_local else None
-        self.head_conv = (PatchGridConv(d_img, self.image_tower.grid_size, config.head_conv_depth,
-                                        kernel_size=config.head_conv_kernel)
-                          if config.head_conv_depth and (config.use_local or config.use_mask) else None)
-        if config.use_topk:
-            self.mask_head = MaskHeadTopK(d_img, config.k_ratio, config.mask_hidden, config.k_ratio_start,
-                                          config.k_anneal_steps)
-        elif config.use_mask:
-            self.mask_head = MaskHead(d_img, config.mask_hidden)
-        else:
-            self.mask_head = None
+        self.head_conv, self.mask_head = build_patch_heads(config, d_img, self.image_tower.grid_size)
         if config.grad_checkpointing:
             self.set_grad_checkpointing(True)
 
@@ -124,8 +119,31 @@ class PatchIBStudent(nn.Module):
         return (x - self.pixel_mean) / self.pixel_std
 
     # ---- encoders -----------------------------------------------------------------------------
+    @property
+    def drops_by_mask(self) -> bool:
+        """E whose kept tokens are the Top-K of its Patch-IB mask (patch_score 'mask')."""
+        return self.config.use_token_dropping and self.config.patch_score == "mask"
+
     def _image(self, images: torch.Tensor, step: int | None):
+        """The tower's output alone (the global embedding needs no heads, unless the mask picks E's tokens)."""
+        if self.drops_by_mask:
+            return self._image_and_heads(images, step)[0]
         return self.image_tower(self.prepare_images(images), step=step)
+
+    def _image_and_heads(self, images: torch.Tensor, step: int | None):
+        """(tower output, the heads' patches after ``head_conv``, z, soft scores); z and soft are None
+        without a mask head. With ``drops_by_mask`` the mask is computed first and chooses E's tokens."""
+        x = self.prepare_images(images)
+        if self.drops_by_mask:
+            return mask_selected_forward(self.image_tower, self.head_conv, self.mask_head, x, step)
+        img = self.image_tower(x, step=step)
+        patches = img.patches if img.head_patches is None else img.head_patches  # what the heads read
+        if self.head_conv is not None:
+            patches = self.head_conv(patches)
+        z = soft = None
+        if self.mask_head is not None:
+            z, soft = self.mask_head(patches, step)
+        return img, patches, z, soft
 
     def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None):
         device = self.pixel_mean.device
@@ -144,14 +162,15 @@ class PatchIBStudent(nn.Module):
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 step: int | None = None, local_pairs: int = 0, local_words: bool = False,
-                local_affirmed: bool = False) -> StudentOutput:
+                local_affirmed: bool = False, local_skip_normal: bool = False) -> StudentOutput:
         """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
         batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
         B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
         reports apart, where the grounding signal is. ``local_words``: also those tokens' own-image
         regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``).
-        ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion")."""
-        img = self._image(images, step)
+        ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion");
+        ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.")."""
+        img, patches, z, soft = self._image_and_heads(images, step)
         # the word states the local heads read (local_text_layer), and the global text vector
         text_tokens, text_pooled = self._text(input_ids, attention_mask,
                                               self.config.local_text_layer if self.local_align is not None else None)
@@ -163,14 +182,11 @@ class PatchIBStudent(nn.Module):
             patch_tokens=img.patches, patch_index=img.patch_index, grid_size=self.grid_size,
             text_tokens=text_tokens, text_mask=text_mask, keep_ratio=float(img.keep_ratio),
             head_index=img.head_index)
-        patches = img.patches if img.head_patches is None else img.head_patches  # what the heads read
         # local_pool_embedded: the words' regions pool the embedded patches themselves, while the head
         # conv's context only decides where to look (``kw`` of the local alignment calls)
-        kw = {"values": patches} if self.config.local_pool_embedded else {}
-        if self.head_conv is not None:
-            patches = self.head_conv(patches)
-        if self.mask_head is not None:
-            z, soft = self.mask_head(patches, step)
+        embedded = img.patches if img.head_patches is None else img.head_patches
+        kw = {"values": embedded} if self.config.local_pool_embedded else {}
+        if z is not None:
             pooled = (z.unsqueeze(-1) * patches).sum(1) / z.sum(1, keepdim=True).clamp_min(1e-6)
             out.mask, out.mask_scores = z, soft
             out.masked_image_emb = F.normalize(self.image_proj(pooled), dim=-1)
@@ -179,6 +195,8 @@ class PatchIBStudent(nn.Module):
             if local_pairs:
                 ids = input_ids.to(text_mask.device)
                 drawable = text_mask & ~self._negated(ids) if local_affirmed else text_mask
+                if local_skip_normal:
+                    drawable = drawable & ~cued_sentence_tokens(ids, self._normal_cue_ids, self._negation_ids[1])
                 # informative words (rare in this batch: findings, sides) carry the grounding signal
                 idf = batch_idf(ids, drawable)
                 index = sample_token_positions(drawable, local_pairs, idf)
@@ -189,7 +207,7 @@ class PatchIBStudent(nn.Module):
                 out.local_pair_mask = drawable.gather(1, index)
                 out.local_pair_ids = ids.gather(1, index)
                 out.local_pair_index = index
-                out.local_pair_idf = idf.gather(1, index)
+                out.local_word_idf = idf
                 out.local_drawable_ids = ids.masked_fill(~drawable, -1)
         return out
 

@@ -6,7 +6,8 @@ Towers that are timm architectures as they are (ViTs, ``fastvit_mci0``, a stride
 the CPU ladder, a stride-16 EfficientNet cut, variant E's token-dropping ViT — are exported as
 ``cxrdr_image_tower``, registered here in timm's registry: its ``model_args`` are the student's
 config, and it builds the same tower cxrdr trains (E drops tokens at its target keep rate, as the
-student does at evaluation) and returns the pooled global token, which open_clip projects.
+student does at evaluation; an E whose Patch-IB mask picks the tokens carries that mask's heads)
+and returns the pooled global token, which open_clip projects.
 
 Importing ``cxrdr.train.models`` registers it; open_clip users import that first, and cxrdr's own
 ``openclip:local-dir:`` teacher finds it through the ``cxrdr.timm_models`` entry point.
@@ -19,6 +20,8 @@ from timm.models import register_model
 
 from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.factory import build_image_tower
+from cxrdr.train.models.heads import build_patch_heads
+from cxrdr.train.models.token_dropping import mask_selected_forward
 
 ARCHITECTURE = "cxrdr_image_tower"
 # timm's create_model hands every entrypoint these; the tower's weights come from the export instead
@@ -30,9 +33,12 @@ class TimmImageTower(nn.Module):
     """A cxrdr ``ImageTower`` behind timm's model interface: ``forward`` returns the pooled global token
     (B, width); no classifier (``num_classes`` 0), as open_clip's ``TimmModel`` asks for."""
 
-    def __init__(self, tower: nn.Module, image_size: int, mean, std):
+    def __init__(self, tower: nn.Module, image_size: int, mean, std, head_conv: nn.Module | None = None,
+                 mask_head: nn.Module | None = None):
         super().__init__()
         self.tower = tower
+        # E with patch_score 'mask': the student's mask heads choose the tokens (mask_selected_forward)
+        self.head_conv, self.mask_head = head_conv, mask_head
         self.num_classes = 0
         self.num_features = int(tower.width)
         self.pretrained_cfg = self.default_cfg = {"input_size": (3, image_size, image_size),
@@ -46,6 +52,8 @@ class TimmImageTower(nn.Module):
                              f"not {global_pool!r}")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask_head is not None:
+            return mask_selected_forward(self.tower, self.head_conv, self.mask_head, x)[0].pooled
         return self.tower(x).pooled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +74,9 @@ def cxrdr_image_tower(pretrained: bool = False, student: dict | None = None, **k
         raise ValueError(f"{ARCHITECTURE} has no classifier (num_classes must be 0)")
     config = StudentConfig.from_dict(student, source=ARCHITECTURE)
     tower = build_image_tower(config, load_pretrained=False)
-    model = TimmImageTower(tower, config.image_size, tower.mean, tower.std)
+    heads = (None, None)
+    if config.use_token_dropping and config.patch_score == "mask":
+        heads = build_patch_heads(config, tower.width, tower.grid_size)
+    model = TimmImageTower(tower, config.image_size, tower.mean, tower.std, *heads)
     model.reset_classifier(0, kwargs.get("global_pool"))
     return model.eval()

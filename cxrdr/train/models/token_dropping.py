@@ -8,6 +8,9 @@ tokens, which is where the compute saving comes from.
 Scores: ``head`` — a LayerNorm+Linear score head; its sigmoid gates the kept tokens through a
 straight-through factor (value 1, gradient of the score) so the head learns from the task loss.
 ``cls_attn`` — the head-averaged [CLS] attention of block L1-1 (EViT / MGCA), no parameters.
+``mask`` — scores given by the caller (``forward(x, step, scores=...)``): the student's Patch-IB mask
+scores of the embedded patches, so the patches z keeps are the tokens the blocks see (Top-K selection
+and token dropping are one decision; ``mask_selected_forward``). Gated like ``head``.
 Options: keep rate warmed up from 1.0 to its target over the first ``warmup_steps`` (EViT), and
 ``fuse_dropped`` — the dropped tokens fused into one extra token (score-weighted mean) appended last.
 
@@ -31,6 +34,8 @@ class TokenDroppingViT(ViTTower):
             raise ValueError(f"drop_layer must be in 0..{self.depth - 1} for a {self.depth}-block ViT, got {drop_layer}")
         if patch_score == "cls_attn" and drop_layer < 1:
             raise ValueError("patch_score 'cls_attn' needs drop_layer >= 1 (the attention of block L1-1)")
+        if patch_score not in ("head", "cls_attn", "mask"):
+            raise ValueError(f"patch_score must be 'head', 'cls_attn' or 'mask', got {patch_score!r}")
         if not 0.0 < keep_rate <= 1.0:
             raise ValueError(f"keep_rate must be in (0, 1], got {keep_rate}")
         self.drop_layer = int(drop_layer)
@@ -61,8 +66,15 @@ class TokenDroppingViT(ViTTower):
         weights = ((q[:, :, :1] * attn.scale) @ k.transpose(-2, -1)).softmax(-1)  # (B, H, 1, T)
         return weights.mean(1)[:, 0, 1:]
 
-    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        x = self.embed(x)
+    def forward(self, x: torch.Tensor, step: int | None = None, scores: torch.Tensor | None = None) -> TowerOutput:
+        """``scores`` (B, N) in [0, 1]: the patch scores of patch_score 'mask' (higher is kept)."""
+        return self.forward_tokens(self.embed(x), step, scores)
+
+    def forward_tokens(self, x: torch.Tensor, step: int | None = None,
+                       scores: torch.Tensor | None = None) -> TowerOutput:
+        """The blocks on embedded tokens (B, 1+N, d) (``embed``), dropping after block ``drop_layer``."""
+        if (scores is None) != (self.patch_score != "mask"):
+            raise ValueError("patch_score 'mask' takes the scores from the caller, and only it does")
         b, t, d = x.shape
         n = t - 1
         blocks = self.trunk.blocks
@@ -77,14 +89,15 @@ class TokenDroppingViT(ViTTower):
 
         k = self.num_kept(n, step)
         patches = x[:, 1:]
+        gated = self.patch_score in ("head", "mask")  # learned scores: the kept tokens carry their gradient
         if self.patch_score == "head":
             scores = torch.sigmoid(self.score_head(patches).squeeze(-1))  # (B, N)
-        else:
+        elif self.patch_score == "cls_attn":
             scores = cls_scores
         if k < n:
             index = scores.detach().topk(k, dim=1).indices.sort(dim=1).values  # (B, K) in grid order
             kept = patches.gather(1, index.unsqueeze(-1).expand(-1, -1, d))
-            if self.patch_score == "head":
+            if gated:
                 gate = scores.gather(1, index)
                 kept = kept * (1.0 + gate - gate.detach()).unsqueeze(-1)  # value unchanged, grad to the score head
             parts = [x[:, :1], kept]
@@ -96,7 +109,7 @@ class TokenDroppingViT(ViTTower):
             x = torch.cat(parts, dim=1)
         else:  # nothing dropped (keep-rate warm-up): still gate, so the score head always takes part (DDP)
             index = torch.arange(n, device=x.device).expand(b, n)
-            if self.patch_score == "head":
+            if gated:
                 x = torch.cat([x[:, :1], patches * (1.0 + scores - scores.detach()).unsqueeze(-1)], dim=1)
         # heads at a layer before the drop read every patch (a grid: their maps cover the whole image);
         # heads after it read the kept patches
@@ -111,3 +124,20 @@ class TokenDroppingViT(ViTTower):
         if head_index is not None:
             out.head_patches, out.head_index = head_tokens(at_head_layer, head_index.shape[1]), head_index
         return out
+
+
+def mask_selected_forward(tower: TokenDroppingViT, head_conv: nn.Module | None, mask_head: nn.Module,
+                          x: torch.Tensor, step: int | None = None):
+    """E with patch_score 'mask': the Patch-IB mask, computed on the embedded patches, chooses the tokens
+    the blocks see. Returns (tower output, the heads' patches (after ``head_conv``), z, soft scores);
+    the output's ``head_patches`` are the embedded patches of the whole grid, as the heads read them.
+    Shared by the student and its open_clip export, so both drop the same tokens."""
+    tokens = tower.embed(x)
+    n = tokens.shape[1] - 1
+    embedded = head_tokens(tokens, n)
+    patches = embedded if head_conv is None else head_conv(embedded)
+    z, soft = mask_head(patches, step)
+    out = tower.forward_tokens(tokens, step, scores=soft)
+    out.head_patches = embedded
+    out.head_index = torch.arange(n, device=tokens.device).expand(tokens.shape[0], n)
+    return out, patches, z, soft
