@@ -217,3 +217,24 @@ def test_ablation_over_seeds_reports_mean_sd_and_chance_and_reuses_runs(micro_re
     assert again.exit_code == 0, again.output
     assert eval_json.stat().st_mtime == stamp
     assert json.loads((out / "results.json").read_text())["table"][0]["mean_recall"] == data["table"][0]["mean_recall"]
+
+
+def test_a_run_claimed_by_another_process_is_left_alone(tmp_path):
+    """Two copies of an experiment share its runs: a run folder another process holds is not cleared or
+    trained; claim_run(wait=False) says so, and clearing a claimed folder keeps the lock file (deleting it
+    would let a second process lock a fresh file of the same name and write into the same folder)."""
+    from cxrdr.common.locking import FOLDER_LOCK, lock_folder
+    from cxrdr.experiments.runs import _clear_run_folder, claim_run
+
+    run = tmp_path / "variant-A" / "seed-0"
+    (run / "eval-test").mkdir(parents=True)
+    (run / "last.pt").write_bytes(b"partial")
+    other = lock_folder(run, "train experiment")  # another process (its own open file)
+    assert claim_run(run, wait=False) is None
+    other.release()
+    mine = claim_run(run, wait=False)
+    assert mine is not None
+    _clear_run_folder(run)
+    assert [p.name for p in run.iterdir()] == [FOLDER_LOCK]
+    assert claim_run(run, wait=False) is None  # still held by this claim, through the same file
+    mine.release()

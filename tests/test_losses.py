@@ -314,8 +314,8 @@ def test_attention_entropy_penalty():
     assert attention_entropy(mixed, mask).item() == pytest.approx(0.0, abs=1e-6)
     real, syn, batch = make_case()
     real.local_attn = torch.full((4, 5, 9), 1 / 9)
-    base = objective_terms(real, syn, batch, LossConfig(local_loss="cosine"))["local"]
-    penalised = objective_terms(real, syn, batch, LossConfig(local_loss="cosine", local_entropy=2.0))["local"]
+    base = objective_terms(real, syn, batch, LossConfig(local_loss="cosine", w_local=0.5))["local"]
+    penalised = objective_terms(real, syn, batch, LossConfig(local_loss="cosine", w_local=0.5, local_entropy=2.0))["local"]
     assert (penalised - base).item() == pytest.approx(0.5 * 2.0 * 1.0, rel=1e-5)  # w_local x weight x entropy
 
 

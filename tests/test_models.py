@@ -653,7 +653,11 @@ OLD_CONFIGS = json.loads((Path(__file__).parent / "fixtures" / "model_configs_be
 # (issue 9: cosine word-patch attention on the embedded stem tokens through a head conv, word-level text).
 ADDED_FIELDS = {"local_attention": "mha", "local_attention_temperature": 0.1, "head_conv_depth": 0,
                 "head_conv_kernel": 3, "local_pool_embedded": False, "local_text_layer": None}
-CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0}}
+# Then (issue 9, token dropping at the CPU size) six blocks, and an E whose Patch-IB mask picks its tokens.
+CPU_TOWER = {"stem_stride": 8, "width": 128, "depth": 6, "num_heads": 4, "mlp_ratio": 2.0, "freeze_stem": True}
+CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0,
+                    "image_kwargs": CPU_TOWER},
+           "cpu-E": {"drop_layer": 0, "patch_score": "mask", "keep_rate": 0.4, "k_ratio": 0.4}}
 
 
 def test_family_configs_resolve_to_the_old_per_name_configs():
@@ -668,8 +672,8 @@ def test_family_configs_resolve_to_the_old_per_name_configs():
 def test_family_names_paths_and_variant_blocks(tmp_path):
     assert StudentConfig.from_yaml("default-D").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"], "name": "default-D"}
     assert StudentConfig.from_yaml("tiny").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["tiny-D"], "name": "tiny"}
-    assert StudentConfig.from_yaml(CONFIG_DIR / "cpu.yaml", variant="E").drop_layer == 1  # the E block
-    assert StudentConfig.from_yaml("cpu-D", variant="E").drop_layer == 1
+    assert StudentConfig.from_yaml(CONFIG_DIR / "cpu.yaml", variant="E").patch_score == "mask"  # the E block
+    assert StudentConfig.from_yaml("cpu-D", variant="E").patch_score == "mask"
     with pytest.raises(ValueError, match="no variant 'E'"):
         StudentConfig.from_yaml("tiny-cnn-E")
     family = tmp_path / "fam.yaml"

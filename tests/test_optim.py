@@ -212,6 +212,10 @@ def test_lr_per_parameter_unchanged_for_every_config(name):
     assert heads == {n for n, _ in student.named_parameters() if n.startswith(new_heads)}
     assert bool(heads) == (student.local_align is not None or student.head_conv is not None)
     config = config.replace(local_attention="mha", head_conv_depth=0)
+    if name.startswith("cpu-"):  # the table's CPU ladder: 4 blocks, E scored by its own head after block 1
+        config = config.replace(image_kwargs={**config.image_kwargs, "depth": 4})
+        if config.variant == "E":
+            config = config.replace(patch_score="head", drop_layer=1, keep_rate=0.5, k_ratio=0.5)
     model = build_student(config, init_weights=False)
     cfg = OptimConfig(lr=1.0, llrd=0.85, head_lr_mult=2.0)
     rows = sorted((n, g["is_head"], round(g["lr"], 12), g["weight_decay"])

@@ -12,7 +12,7 @@ import torch
 import typer
 
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import ensure_shards, evaluate_run, result_row, run_training
+from cxrdr.experiments.runs import claim_run, ensure_shards, evaluate_run, result_row, run_training
 from cxrdr.train.evaluation.report import (COST_COLUMNS, _plt, markdown_table, markdown_table_sd, plot_bars,
                                            seed_summary, write_json)
 
@@ -29,15 +29,30 @@ def _train_and_evaluate_seeds(recipe: dict, shards: Path, run_root: Path, model:
     since it is a property of the architecture. Returns (per-seed rows, per-seed run records)."""
     reuse = recipe.get("reuse_runs", True)
     isolated = recipe.get("isolated_efficiency", True)
+    done: dict[int, tuple] = {}
+    # first the seeds no other copy of this experiment is working on, then wait for those (and reuse them)
+    for wait in (False, True):
+        for seed in seeds:
+            if seed in done:
+                continue
+            overrides = {"model": model, "seed": int(seed)}
+            if model_overrides:
+                overrides["model_overrides"] = model_overrides
+            cfg = train_config(recipe, shards, run_root / f"seed-{seed}", overrides, "ablation")
+            lock = claim_run(Path(cfg.out), wait=wait)
+            if lock is None:
+                typer.echo(f"[ablation] {label}: seed {seed} is being trained by another process; later", err=True)
+                continue
+            try:
+                typer.echo(f"[ablation] {label}: {model} seed {seed}, {cfg.steps} steps", err=True)
+                summary = run_training(cfg, reuse, lock=lock)
+                results = evaluate_run(recipe, Path(cfg.out), shards, isolated, efficiency=seed == seeds[0])
+            finally:
+                lock.release()
+            done[seed] = (cfg, summary, results)
     rows, runs = [], []
     for seed in seeds:
-        overrides = {"model": model, "seed": int(seed)}
-        if model_overrides:
-            overrides["model_overrides"] = model_overrides
-        cfg = train_config(recipe, shards, run_root / f"seed-{seed}", overrides, "ablation")
-        typer.echo(f"[ablation] {label}: {model} seed {seed}, {cfg.steps} steps", err=True)
-        summary = run_training(cfg, reuse)
-        results = evaluate_run(recipe, Path(cfg.out), shards, isolated, efficiency=seed == seeds[0])
+        cfg, summary, results = done[seed]
         rows.append(result_row(label, summary, results, cfg.batch_size * cfg.accum_steps))
         runs.append({"seed": int(seed), "train_summary": summary, "final": results["summary"]})
     return rows, runs

@@ -1,7 +1,9 @@
 """The units of work of every study, each reused when already done: shards, training runs, evaluations.
 
 Finished runs (RUN/summary.json + RUN/last.pt with the same config) and evaluations (same request on the
-same checkpoint) are reused, so an interrupted experiment continues where it stopped.
+same checkpoint) are reused, so an interrupted experiment continues where it stopped. A run folder is
+claimed (its folder lock) for its training and evaluation, so two copies of an experiment never work on
+one run: the other copy waits for it, or does another run first (``claim_run(wait=False)``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import typer
 import yaml
 
 from cxrdr.common.augment import AugConfig
+from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.evaluation.efficiency import measure_in_subprocess
@@ -49,22 +52,51 @@ def ensure_shards(spec: dict, progress: bool = True) -> Path:
     return out
 
 
-def run_training(cfg: TrainConfig, reuse: bool = True) -> dict:
-    """Train (or reuse a finished identical run); returns the loop summary plus wall seconds."""
+def claim_run(run_dir: Path, wait: bool = True, poll_s: float = 5.0) -> FolderLock | None:
+    """The run folder's lock, for training and evaluating it. While another process holds it: wait for it
+    (``wait``) or return None, so the caller can do other runs first."""
+    while True:
+        try:
+            return lock_folder(run_dir, "train experiment")
+        except FolderBusyError:
+            if not wait:
+                return None
+            time.sleep(poll_s)
+
+
+def _clear_run_folder(run_dir: Path) -> None:
+    """Everything in RUN but its lock file, which the caller holds (deleting it would let a second
+    process lock a new file of the same name and write into the same folder)."""
+    for entry in run_dir.iterdir():
+        if entry.name == FOLDER_LOCK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None = None) -> dict:
+    """Train (or reuse a finished identical run); returns the loop summary plus wall seconds. ``lock``:
+    the run folder's lock if the caller holds it (``claim_run``); else it is claimed here, waiting."""
     run_dir = Path(cfg.out)
-    summary_path = run_dir / "summary.json"
-    if reuse and _finished_alike(run_dir, cfg):
-        summary = json.loads(summary_path.read_text())
-        summary.setdefault("wall_s", None)
-        summary["reused"] = True
+    own = claim_run(run_dir) if lock is None else None
+    try:
+        summary_path = run_dir / "summary.json"
+        if reuse and _finished_alike(run_dir, cfg):
+            summary = json.loads(summary_path.read_text())
+            summary.setdefault("wall_s", None)
+            summary["reused"] = True
+            return summary
+        _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
+        started = time.perf_counter()
+        summary = train(cfg, lock=own or lock)
+        summary["wall_s"] = round(time.perf_counter() - started, 2)
+        summary_path.write_text(json.dumps(summary, indent=1, default=str))
         return summary
-    if run_dir.exists():  # a different or unfinished run: start it afresh
-        shutil.rmtree(run_dir)
-    started = time.perf_counter()
-    summary = train(cfg)
-    summary["wall_s"] = round(time.perf_counter() - started, 2)
-    summary_path.write_text(json.dumps(summary, indent=1, default=str))
-    return summary
+    finally:
+        if own is not None:
+            own.release()
 
 
 def _finished_alike(run_dir: Path, cfg: TrainConfig) -> bool:

@@ -390,11 +390,14 @@ class Trainer:
         return summary
 
 
-def train(cfg: TrainConfig | dict) -> dict:
-    """Train a student as ``cfg`` says; returns (and writes to RUN/summary.json) the summary."""
+def train(cfg: TrainConfig | dict, lock=None) -> dict:
+    """Train a student as ``cfg`` says; returns (and writes to RUN/summary.json) the summary.
+
+    ``lock``: the run folder's lock when the caller already holds it (an experiment claims a run for its
+    training and evaluation); otherwise the run takes it itself, for the run's duration."""
     if isinstance(cfg, dict):
         cfg = TrainConfig.from_dict(cfg)
-    lock = lock_run_folder(cfg)
+    lock = lock_run_folder(cfg) if lock is None else None
     try:
         trainer = Trainer(cfg)
         try:
