@@ -179,8 +179,9 @@ def test_export_names_its_timm_architecture(exported):
 
 
 def test_exported_e_drops_tokens_as_the_student_does(exported, monkeypatch):
-    """The exported E keeps its target share of tokens: its embeddings are the dropping student's, not
-    those of the same weights with every token kept."""
+    """The exported E keeps its target share of tokens, picked by its Patch-IB mask heads, which travel
+    with the tower: its embeddings are the dropping student's, not those of the same weights with every
+    token kept."""
     import open_clip
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -188,7 +189,8 @@ def test_exported_e_drops_tokens_as_the_student_does(exported, monkeypatch):
     model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{out}")
     model.eval()
     tower = model.visual.trunk.tower
-    assert tower.keep_rate == student.config.keep_rate == 0.5
+    assert tower.keep_rate == student.config.keep_rate == 0.4
+    assert student.drops_by_mask and model.visual.trunk.mask_head is not None  # the mask picks the tokens
     images = torch.rand(4, 1, student.image_size, student.image_size, generator=torch.Generator().manual_seed(2))
     x = student.prepare_images(images)
     with torch.no_grad():

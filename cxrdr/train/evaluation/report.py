@@ -238,7 +238,8 @@ def _draw_boxes(ax, boxes, colour="lime"):
 
 
 def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
-    """One row per image: image + GT boxes, mask z, attention of each finding's words."""
+    """One row per image: image + GT boxes, mask z's scores, attention of each finding's words; each map's
+    peak (what the pointing game scores) is marked with a white cross."""
     plt = _plt()
     ncols = 2 + max(1, min(max_attn, max((len(it["attn"]) for it in items), default=0)))
     fig, axes = plt.subplots(len(items), ncols, figsize=(2.2 * ncols, 2.2 * len(items)), squeeze=False)
@@ -246,7 +247,7 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
         img = it["image"]
         size = img.shape[-1]
         extent = (0, size, size, 0)
-        panels = [("image", None), ("mask z", it.get("z"))] + [
+        panels = [("image", None), ("mask z scores", it.get("z"))] + [
             (f"attn: {lab}", heat) for lab, heat in it["attn"][:max_attn]]
         for c in range(ncols):
             ax = axes[r][c]
@@ -256,8 +257,9 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
             title, heat = panels[c]
             ax.imshow(img, cmap="gray", extent=extent, vmin=0, vmax=1)
             if heat is not None:
-                ax.imshow(np.nan_to_num(heat, nan=0.0), cmap="jet", alpha=0.45, extent=extent,
+                ax.imshow(np.nan_to_num(heat, nan=np.nanmin(heat)), cmap="jet", alpha=0.45, extent=extent,
                           interpolation="nearest")
+                _mark_peak(ax, heat, size)
             elif c == 1:
                 title = "mask z: none"
             _draw_boxes(ax, it["boxes"])
@@ -265,6 +267,16 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _mark_peak(ax, heat, size: int) -> None:
+    """A white cross on the centre of the map's highest patch (NaN: dropped patches, ignored)."""
+    heat = np.asarray(heat, dtype=np.float64)
+    if not np.isfinite(heat).any():
+        return
+    row, col = np.unravel_index(int(np.nanargmax(heat)), heat.shape)
+    gh, gw = heat.shape
+    ax.plot([(col + 0.5) * size / gw], [(row + 0.5) * size / gh], marker="x", color="white", ms=6, mew=1.5)
 
 
 def plot_deletion_insertion(curves: dict, path: Path) -> None:

@@ -74,8 +74,9 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[Sample], texts
     for i in tqdm(sorted(set(with_boxes) | set(faith_rows)), desc="localisation/faithfulness",
                   disable=not progress, leave=False):
         f = _forward(model, samples[i], texts[i])
-        item = {"key": f.sample.key, "image": f.view[0].numpy(),
-                "z": mask_z(f.out, 0) if f.z_heat is not None else None, "boxes": [], "attn": []}
+        # the plot shows z's soft scores, the map its pointing game scores (the hard Top-K of the same
+        # order keeps a fixed share of patches and looks alike across images whatever it ranks first)
+        item = {"key": f.sample.key, "image": f.view[0].numpy(), "z": f.z_heat, "boxes": [], "attn": []}
         if i in with_boxes:
             _score_localisation(tally, f, item, phrase_ids, model.image_size, top_fraction)
         if i in faith_rows:
