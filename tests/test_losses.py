@@ -610,3 +610,25 @@ def test_local_loss_masks_shared_words_only_when_asked():
     assert masked.item() == pytest.approx(local_contrastive_loss(sim, None, 0.1, shared).item(), rel=1e-6)
     assert plain.item() == pytest.approx(local_contrastive_loss(sim, None, 0.1).item(), rel=1e-6)
     assert masked.item() != pytest.approx(plain.item())
+
+
+def test_affinity_loss_matches_the_teachers_similarities_and_is_a_weighted_term():
+    from cxrdr.train.losses.distill import affinity_loss
+
+    torch.manual_seed(0)
+    img, txt = F.normalize(torch.randn(6, 8), dim=-1), F.normalize(torch.randn(6, 8), dim=-1)
+    t_img, t_txt = torch.randn(6, 16), torch.randn(6, 16)  # another width: no projection needed
+    assert float(affinity_loss(img, txt, [img], [txt])) == pytest.approx(0.0, abs=1e-10)  # its own geometry
+    loss = affinity_loss(img, txt, [t_img], [t_txt])
+    tn_img, tn_txt = F.normalize(t_img, dim=-1), F.normalize(t_txt, dim=-1)
+    expected = torch.stack([F.mse_loss(txt @ txt.T, tn_txt @ tn_txt.T), F.mse_loss(img @ txt.T, tn_img @ tn_txt.T),
+                            F.mse_loss(img @ img.T, tn_img @ tn_img.T)]).mean()
+    assert torch.allclose(loss, expected)
+    text_only = affinity_loss(img, txt, [None], [t_txt])  # a text-only teacher: text-text alone
+    assert torch.allclose(text_only, F.mse_loss(txt @ txt.T, tn_txt @ tn_txt.T))
+    real, syn, batch = make_case()
+    base = objective_terms(real, syn, batch, LossConfig())
+    weighted = objective_terms(real, syn, batch, LossConfig(w_affinity=2.0))
+    assert "affinity" not in base and float(weighted["affinity"]) > 0
+    assert float(weighted["total"] - base["total"]) == pytest.approx(
+        float(weighted["affinity"] + weighted.get("affinity_syn", 0.0)), rel=1e-5)

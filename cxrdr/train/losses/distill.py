@@ -81,6 +81,29 @@ def distill_loss(
     return 0.5 * (_soft_divergence(logits, p_i2t, kind) + _soft_divergence(logits.T, p_t2i, kind))
 
 
+@full_precision
+def affinity_loss(student_img: torch.Tensor, student_txt: torch.Tensor,
+                  teacher_img_list: Sequence[torch.Tensor | None], teacher_txt_list: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Relational distillation: mean squared difference between the student's and the teachers' cosine
+    similarities within the batch — image-text, image-image and text-text (text-text alone for a text-only
+    teacher) — averaged over teachers. No projection between embedding widths is needed.
+
+    Why beside the KL: the KL passes on the teacher's image-text ranking after a softmax; this also passes
+    on how similar the batch's images are to each other, and its text to each other, value for value
+    (CLIP-KD, Yang et al. 2024: mimicking the teacher's geometry is what transfers best)."""
+    img = F.normalize(student_img.float(), dim=-1)
+    txt = F.normalize(student_txt.float(), dim=-1)
+    parts = []
+    for t_img, t_txt in zip(teacher_img_list, teacher_txt_list):
+        t_txt = F.normalize(t_txt.detach().float().to(img.device), dim=-1)
+        pairs = [(txt @ txt.T, t_txt @ t_txt.T)]
+        if t_img is not None:
+            t_img = F.normalize(t_img.detach().float().to(img.device), dim=-1)
+            pairs += [(img @ txt.T, t_img @ t_txt.T), (img @ img.T, t_img @ t_img.T)]
+        parts += [F.mse_loss(s, t) for s, t in pairs]
+    return torch.stack(parts).mean()
+
+
 class DistillLoss(nn.Module):
     """Distillation of one batch (B_real or B_syn) from the teachers present in it
     (cf. open_clip's DistillClipLoss, with several teachers and stored embeddings).
@@ -96,7 +119,12 @@ class DistillLoss(nn.Module):
         self.kind, self.default_scale = kind, float(default_scale)
         self.teacher_scales = dict(teacher_scales or {})
 
-    def forward(self, img, txt, logit_scale, teachers: dict, part: str) -> torch.Tensor | None:
+    def affinity(self, img, txt, teachers: dict, part: str) -> torch.Tensor | None:
+        """``affinity_loss`` against the teachers present for ``part`` (None when there is none)."""
+        t_imgs, t_txts, _ = self._teachers(teachers, part)
+        return affinity_loss(img, txt, t_imgs, t_txts) if t_txts else None
+
+    def _teachers(self, teachers: dict, part: str) -> tuple[list, list, list]:
         t_imgs, t_txts, scales = [], [], []
         for name in sorted(teachers):
             entry = teachers[name] or {}
@@ -106,6 +134,10 @@ class DistillLoss(nn.Module):
             t_imgs.append(t_img)
             t_txts.append(entry[part])
             scales.append(float(self.teacher_scales.get(name, self.default_scale)))
+        return t_imgs, t_txts, scales
+
+    def forward(self, img, txt, logit_scale, teachers: dict, part: str) -> torch.Tensor | None:
+        t_imgs, t_txts, scales = self._teachers(teachers, part)
         if not t_txts:
             return None
         return distill_loss(img, txt, logit_scale, t_imgs, t_txts, scales, kind=self.kind)

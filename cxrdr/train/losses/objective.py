@@ -99,6 +99,10 @@ class Objective(nn.Module):
             d = self.distill(img, txt, scale, teachers, part)
             if d is not None:
                 terms["distill" + suffix] = lam * d
+        if self.cfg.w_affinity and teachers:
+            a = self.distill.affinity(img, txt, teachers, part)
+            if a is not None:
+                terms["affinity" + suffix] = self.cfg.w_affinity * a
         return terms
 
     @full_precision
