@@ -238,3 +238,30 @@ def test_a_run_claimed_by_another_process_is_left_alone(tmp_path):
     assert [p.name for p in run.iterdir()] == [FOLDER_LOCK]
     assert claim_run(run, wait=False) is None  # still held by this claim, through the same file
     mine.release()
+
+
+def test_claimed_in_turn_does_the_free_runs_first_then_waits_for_the_busy_one(tmp_path):
+    """Two copies of an experiment split its runs: the folder another process holds is skipped on the first
+    pass (on_busy hears of it) and done once that process lets go, each run's work holding its lock."""
+    from cxrdr.common.locking import lock_folder
+    from cxrdr.experiments.runs import claim_run, claimed_in_turn
+
+    runs = [tmp_path / name for name in ("a", "b", "c")]
+    for run in runs:
+        run.mkdir()
+    other = lock_folder(runs[1], "train experiment")  # another copy is training run b
+    order, busy = [], []
+
+    def work(run, lock):
+        assert claim_run(run, wait=False) is None  # held while the work runs
+        order.append(run.name)
+        return run.name.upper()
+
+    def on_busy(run):
+        busy.append(run.name)
+        other.release()  # the other copy finishes run b
+
+    done = claimed_in_turn(runs, work, on_busy)
+    assert order == ["a", "c", "b"] and busy == ["b"]
+    assert done == {runs[0]: "A", runs[1]: "B", runs[2]: "C"}
+    assert claim_run(runs[1], wait=False) is not None  # released after its work

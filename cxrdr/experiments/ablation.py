@@ -12,7 +12,7 @@ import torch
 import typer
 
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import claim_run, ensure_shards, evaluate_run, result_row, run_training
+from cxrdr.experiments.runs import claimed_in_turn, ensure_shards, evaluate_run, result_row, run_training
 from cxrdr.train.evaluation.report import (COST_COLUMNS, _plt, markdown_table, markdown_table_sd, plot_bars,
                                            seed_summary, write_json)
 
@@ -29,27 +29,26 @@ def _train_and_evaluate_seeds(recipe: dict, shards: Path, run_root: Path, model:
     since it is a property of the architecture. Returns (per-seed rows, per-seed run records)."""
     reuse = recipe.get("reuse_runs", True)
     isolated = recipe.get("isolated_efficiency", True)
-    done: dict[int, tuple] = {}
-    # first the seeds no other copy of this experiment is working on, then wait for those (and reuse them)
-    for wait in (False, True):
-        for seed in seeds:
-            if seed in done:
-                continue
-            overrides = {"model": model, "seed": int(seed)}
-            if model_overrides:
-                overrides["model_overrides"] = model_overrides
-            cfg = train_config(recipe, shards, run_root / f"seed-{seed}", overrides, "ablation")
-            lock = claim_run(Path(cfg.out), wait=wait)
-            if lock is None:
-                typer.echo(f"[ablation] {label}: seed {seed} is being trained by another process; later", err=True)
-                continue
-            try:
-                typer.echo(f"[ablation] {label}: {model} seed {seed}, {cfg.steps} steps", err=True)
-                summary = run_training(cfg, reuse, lock=lock)
-                results = evaluate_run(recipe, Path(cfg.out), shards, isolated, efficiency=seed == seeds[0])
-            finally:
-                lock.release()
-            done[seed] = (cfg, summary, results)
+    configs = {}
+    for seed in seeds:
+        overrides = {"model": model, "seed": int(seed)}
+        if model_overrides:
+            overrides["model_overrides"] = model_overrides
+        cfg = train_config(recipe, shards, run_root / f"seed-{seed}", overrides, "ablation")
+        configs[Path(cfg.out)] = (seed, cfg)
+
+    def train_and_evaluate(run_dir: Path, lock) -> tuple:
+        seed, cfg = configs[run_dir]
+        typer.echo(f"[ablation] {label}: {model} seed {seed}, {cfg.steps} steps", err=True)
+        summary = run_training(cfg, reuse, lock=lock)
+        return cfg, summary, evaluate_run(recipe, run_dir, shards, isolated, efficiency=seed == seeds[0])
+
+    def busy(run_dir: Path) -> None:
+        typer.echo(f"[ablation] {label}: seed {configs[run_dir][0]} is being trained by another process; later",
+                   err=True)
+
+    finished = claimed_in_turn(list(configs), train_and_evaluate, busy)
+    done = {configs[run_dir][0]: result for run_dir, result in finished.items()}
     rows, runs = [], []
     for seed in seeds:
         cfg, summary, results = done[seed]

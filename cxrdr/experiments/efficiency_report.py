@@ -31,9 +31,15 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path) -> None:
         lo = [y - (h or 0) for y, h in zip(ys, c["ci"])]
         hi = [y + (h or 0) for y, h in zip(ys, c["ci"])]
         ax.fill_between(c["xs"], lo, hi, alpha=0.2, color=line.get_color())
+        crossing, target = arm.get("samples_to_plain_final"), arm.get("plain_final_target")
+        if metric == "mean_recall" and crossing is not None and target is not None and name != "plain":
+            ax.plot([crossing], [target], "v", ms=8, color=line.get_color(), markeredgecolor="black", zorder=5)
     target = next((a["plain_final_target"] for a in arms.values() if a.get("plain_final_target")), None)
     if metric == "mean_recall" and target is not None:
-        ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final")
+        ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (v: where an arm reaches it)")
+        plain_xs = (arms.get("plain") or {}).get("curve_mean", {}).get("xs")
+        if plain_xs:  # the bar: plain's final within a third of plain's samples
+            ax.axvline(plain_xs[-1] / 3, ls="-.", lw=0.8, color="gray", label="1/3 of plain's samples")
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
     if metric == "mean_recall" and chance:
         ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")

@@ -8,11 +8,12 @@ MobileCLIP's ablation on the CPU phantom world: one student, a base reinforced r
     captions   caption_sources  RDF-template vs report-sentence synthetic captions
     teachers   teachers         1 vs 2 stored teachers (the ensemble)
     lambda     loss.lambda_distill 0 (reinforced data, CLIP only), 0.3, 0.7, 1.0 (distillation only)
+    (any other TrainConfig key the recipe names, e.g. loss.w_affinity for the relational distillation)
 
 Every setting runs for every seed in ``reinforcement.seeds`` (>= 2), quality as mean ± sd and 95 % CI over
 seeds on the test split (chance next to mean R). Identical settings (the base appears in every study) are
-trained once. Outputs: results.json (per study, per value: final_mean_recall list and the mean row),
-table.md.
+trained once; two copies of the command split the runs (each claims a run folder). Outputs: results.json
+(per study, per value: final_mean_recall list and the mean row), table.md.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import typer
 
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import ensure_shards, evaluate_run, result_row, run_training
+from cxrdr.experiments.runs import claimed_in_turn, ensure_shards, evaluate_run, result_row, run_training
 from cxrdr.experiments.stats import t_interval
 from cxrdr.experiments.teacher_prep import prepare_teachers
 from cxrdr.train.evaluation.report import markdown_table_sd, seed_summary, write_json
@@ -65,18 +66,38 @@ def reinforcement_experiment(recipe: dict, out_dir: Path, progress: bool = True)
     base = {"mode": "reinforced", **(spec.get("train") or {})}
     studies = spec.get("studies") or DEFAULT_STUDIES
     out_dir.mkdir(parents=True, exist_ok=True)
-    done: dict = {}
-    tables = {}
+    settings = {}  # (study, value) -> its run folders, one per seed; identical settings (the base recurs in
+    configs = {}   # every study) share them. run folder -> (label, seed, TrainConfig)
     for study, s in studies.items():
-        rows = []
         for value in s["values"]:
             overrides = setting_overrides(base, s["key"], value)
             name = _run_name(recipe, shards, overrides)
-            if name not in done:
-                typer.echo(f"[reinforcement] {study} {s['key']}={value}", err=True)
-                done[name] = _train_setting(recipe, shards, out_dir / "runs" / name, overrides, seeds)
-            rows.append(_setting_row(f"{s['key']}={_short(value)}", done[name]))
-        tables[study] = rows
+            settings[study, _short(value)] = []
+            for seed in seeds:
+                cfg = train_config(recipe, shards, out_dir / "runs" / name / f"seed-{seed}",
+                                   {**overrides, "seed": seed}, "reinforcement")
+                configs.setdefault(Path(cfg.out), (f"{study} {s['key']}={_short(value)}", seed, cfg))
+                settings[study, _short(value)].append(Path(cfg.out))
+    reuse = recipe.get("reuse_runs", True)
+
+    def train_and_evaluate(run_dir: Path, lock) -> dict:
+        label, seed, cfg = configs[run_dir]
+        typer.echo(f"[reinforcement] {label} seed {seed}", err=True)
+        summary = run_training(cfg, reuse, lock=lock)
+        results = evaluate_run(recipe, run_dir, shards, False, efficiency=False)
+        return {**result_row("", summary, results, cfg.batch_size * cfg.accum_steps), "seed": seed}
+
+    def busy(run_dir: Path) -> None:
+        typer.echo(f"[reinforcement] {configs[run_dir][0]} seed {configs[run_dir][1]}: another process has "
+                   f"it; later", err=True)
+
+    # two copies of the command split the runs (each claims a run folder for training and evaluation)
+    done = claimed_in_turn(list(configs), train_and_evaluate, busy)
+    tables = {}
+    for study, s in studies.items():
+        tables[study] = [
+            _setting_row(f"{s['key']}={_short(value)}", [done[run_dir] for run_dir in settings[study, _short(value)]])
+            for value in s["values"]]
     result = {"experiment": "reinforcement", "recipe": recipe, "shards": str(shards), "seeds": seeds,
               "base": base, "teachers": teachers, "studies": tables}
     write_json(result, out_dir / "results.json")
@@ -84,16 +105,6 @@ def reinforcement_experiment(recipe: dict, out_dir: Path, progress: bool = True)
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
-
-
-def _train_setting(recipe: dict, shards: Path, run_root: Path, overrides: dict, seeds: list[int]) -> list[dict]:
-    rows = []
-    for seed in seeds:
-        cfg = train_config(recipe, shards, run_root / f"seed-{seed}", {**overrides, "seed": seed}, "reinforcement")
-        summary = run_training(cfg, recipe.get("reuse_runs", True))
-        results = evaluate_run(recipe, Path(cfg.out), shards, False, efficiency=False)
-        rows.append({**result_row("", summary, results, cfg.batch_size * cfg.accum_steps), "seed": seed})
-    return rows
 
 
 def _setting_row(label: str, seed_rows: list[dict]) -> dict:

@@ -11,6 +11,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import typer
@@ -25,6 +26,7 @@ from cxrdr.train.evaluation.report import jsonable, write_json
 from cxrdr.train.evaluation.runner import evaluate, summary_row
 from cxrdr.train.loop import train
 
+T = TypeVar("T")
 CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
 
 
@@ -62,6 +64,28 @@ def claim_run(run_dir: Path, wait: bool = True, poll_s: float = 5.0) -> FolderLo
             if not wait:
                 return None
             time.sleep(poll_s)
+
+
+def claimed_in_turn(run_dirs: Sequence[Path], work: Callable[[Path, FolderLock], T],
+                    on_busy: Callable[[Path], None] | None = None) -> dict[Path, T]:
+    """``work(run_dir, lock)`` for every run folder, each while holding its lock: first the folders no other
+    copy of the experiment holds, then, waiting, the rest (by then usually finished there: reused). So two
+    copies of one experiment split its runs instead of training them twice or queueing on the same one."""
+    done: dict[Path, T] = {}
+    for wait in (False, True):
+        for run_dir in run_dirs:
+            if run_dir in done:
+                continue
+            lock = claim_run(run_dir, wait=wait)
+            if lock is None:
+                if on_busy is not None:
+                    on_busy(run_dir)
+                continue
+            try:
+                done[run_dir] = work(run_dir, lock)
+            finally:
+                lock.release()
+    return done
 
 
 def _clear_run_folder(run_dir: Path) -> None:
