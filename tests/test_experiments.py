@@ -265,3 +265,28 @@ def test_claimed_in_turn_does_the_free_runs_first_then_waits_for_the_busy_one(tm
     assert order == ["a", "c", "b"] and busy == ["b"]
     assert done == {runs[0]: "A", runs[1]: "B", runs[2]: "C"}
     assert claim_run(runs[1], wait=False) is not None  # released after its work
+
+
+def test_a_second_copy_waits_for_the_teachers_the_first_prepares(tmp_path):
+    """prepare_teachers holds the teachers folder: a second copy of the experiment waits for the first to
+    finish (then reuses its teachers) instead of training them alongside."""
+    import threading
+
+    from cxrdr.common.locking import lock_folder
+    from cxrdr.experiments.teacher_prep import prepare_teachers
+
+    root = tmp_path / "teachers"
+    first = lock_folder(root, "train experiment")  # the first copy, busy preparing
+    released = threading.Event()
+
+    def finish():
+        released.set()
+        first.release()
+
+    timer = threading.Timer(0.5, finish)
+    timer.start()
+    try:
+        assert prepare_teachers({"teachers": {"dir": str(root), "models": {}}}, tmp_path / "shards") == {}
+    finally:
+        timer.cancel()
+    assert released.is_set()  # it returned only after the first copy let go

@@ -28,7 +28,7 @@ from pathlib import Path
 import typer
 
 from cxrdr.experiments.recipe import make_train_config
-from cxrdr.experiments.runs import ensure_shards, run_training
+from cxrdr.experiments.runs import claim_run, ensure_shards, run_training
 from cxrdr.reinforce.add_teacher import add_teachers
 from cxrdr.teachers.base import file_safe_name
 from cxrdr.train.config import TrainConfig
@@ -55,14 +55,23 @@ def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, 
     if unknown:
         raise ValueError(f"teachers: unknown key(s) {unknown}; known: {sorted(TEACHER_KEYS)}")
     root = Path(spec["dir"])
-    out = {}
-    for name, model in (spec.get("models") or {}).items():
-        model = dict(model or {})
-        wanted = model.pop("experiments", None)
-        if wanted is not None and experiment not in wanted:
-            continue
-        out[name] = _prepare_one(recipe, spec, root, name, dict(model or {}), student_shards, progress)
-    return out
+    # one process prepares the teachers; a second copy of the experiment waits, then reuses them (else
+    # it would train the same teacher alongside, or find the shards locked by the first one's add-teacher)
+    lock = claim_run(root, wait=False)
+    if lock is None:
+        typer.echo(f"[teachers] another process is preparing the teachers in {root}; waiting", err=True)
+        lock = claim_run(root)
+    try:
+        out = {}
+        for name, model in (spec.get("models") or {}).items():
+            model = dict(model or {})
+            wanted = model.pop("experiments", None)
+            if wanted is not None and experiment not in wanted:
+                continue
+            out[name] = _prepare_one(recipe, spec, root, name, dict(model or {}), student_shards, progress)
+        return out
+    finally:
+        lock.release()
 
 
 def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, student_shards: Path,
