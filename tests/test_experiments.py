@@ -175,6 +175,25 @@ def test_break_even_and_bars():
                    "stored step <= 1.05x no-teacher step": True, "online step >= 3x stored step": False}
 
 
+def test_curve_plot_marks_where_each_arm_reaches_plain_and_the_samples_limit(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from cxrdr.experiments.efficiency_report import plot_bands
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at what was drawn
+    curve = {"xs": [100, 200, 300], "mean": [0.1, 0.2, 0.3], "ci": [0.01, 0.01, 0.01]}
+    arms = {"plain": {"curve_mean": curve, "plain_final_target": 0.3, "samples_to_plain_final": 300},
+            "reinforced": {"curve_mean": curve, "plain_final_target": 0.3, "samples_to_plain_final": 250}}
+    plot_bands(arms, "mean_recall", "mean recall", tmp_path / "curves.png", samples_limit=100.0)
+    assert (tmp_path / "curves.png").is_file()
+    lines = figures[0].axes[0].get_lines()
+    crossings = [ln for ln in lines if ln.get_marker() == "v"]
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in crossings] == [([250], [0.3])]  # not plain's
+    limit = [ln for ln in lines if ln.get_label() == "1/3 of plain's samples"]
+    assert len(limit) == 1 and list(limit[0].get_xdata()) == [100.0, 100.0]
+
+
 def test_recipe_errors_are_one_line(tmp_path):
     from cxrdr.experiments.recipe import load_recipe
 

@@ -9,17 +9,19 @@ QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc
 TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_seen", "wall_s", "step_ms", "bench_step_ms"]
 
 
-def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str, out_dir: Path) -> None:
+def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str, out_dir: Path,
+                    samples_limit: float | None = None) -> None:
     for metric, ylabel, path in (("mean_recall", f"mean recall ({curve_split})", "metric_vs_samples.png"),
                                  ("probe_mean_auc", f"probe AUC ({curve_split}, half-subject)", "auc_vs_samples.png")):
-        plot_bands(arms, metric, ylabel, out_dir / path)
+        plot_bands(arms, metric, ylabel, out_dir / path, samples_limit)
     plot_bars({r["run"]: r.get("bench_step_ms") or r["step_ms"] for r in rows}, "ms / step",
               "training step time (interleaved median)" if bench else "training step time (run mean)",
               out_dir / "step_time.png")
 
 
-def plot_bands(arms: dict, metric: str, ylabel: str, path: Path) -> None:
-    """Seed-mean validation curve per arm with its 95 % t-interval band; plain's final mean as a line."""
+def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None) -> None:
+    """Seed-mean validation curve per arm with its 95 % t-interval band; plain's final mean as a line, where
+    each arm reaches it, and the samples bar's limit."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     for name, arm in arms.items():
@@ -37,9 +39,8 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path) -> None:
     target = next((a["plain_final_target"] for a in arms.values() if a.get("plain_final_target")), None)
     if metric == "mean_recall" and target is not None:
         ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (v: where an arm reaches it)")
-        plain_xs = (arms.get("plain") or {}).get("curve_mean", {}).get("xs")
-        if plain_xs:  # the issue's bar: plain's final within a third of plain's samples
-            ax.axvline(plain_xs[-1] / 3, ls="-.", lw=0.8, color="gray", label="1/3 of plain's samples")
+        if samples_limit is not None:
+            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label="1/3 of plain's samples")
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
     if metric == "mean_recall" and chance:
         ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")

@@ -68,7 +68,7 @@ def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, 
             wanted = model.pop("experiments", None)
             if wanted is not None and experiment not in wanted:
                 continue
-            out[name] = _prepare_one(recipe, spec, root, name, dict(model or {}), student_shards, progress)
+            out[name] = _prepare_one(recipe, spec, root, name, model, student_shards, progress)
         return out
     finally:
         lock.release()

@@ -397,7 +397,7 @@ def train(cfg: TrainConfig | dict, lock=None) -> dict:
     training and evaluation); otherwise the run takes it itself, for the run's duration."""
     if isinstance(cfg, dict):
         cfg = TrainConfig.from_dict(cfg)
-    lock = lock_run_folder(cfg) if lock is None else None
+    own = lock_run_folder(cfg) if lock is None else None
     try:
         trainer = Trainer(cfg)
         try:
@@ -405,5 +405,5 @@ def train(cfg: TrainConfig | dict, lock=None) -> dict:
         finally:
             dist_utils.barrier()
     finally:
-        if lock is not None:
-            lock.release()
+        if own is not None:
+            own.release()
