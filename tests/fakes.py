@@ -27,3 +27,4 @@ class FakeOutput:
     local_pair_index: torch.Tensor | None = None
     local_drawable_ids: torch.Tensor | None = None
     local_word_idf: torch.Tensor | None = None
+    teacher_space: dict | None = None

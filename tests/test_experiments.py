@@ -309,3 +309,31 @@ def test_a_second_copy_waits_for_the_teachers_the_first_prepares(tmp_path):
     finally:
         timer.cancel()
     assert released.is_set()  # it returned only after the first copy let go
+
+
+def test_a_runs_loss_and_optim_overrides_add_to_the_experiments_and_old_run_configs_still_match(tmp_path):
+    from cxrdr.experiments.recipe import train_config
+    from cxrdr.experiments.runs import _finished_alike
+
+    recipe = {"train": {"model": "tiny-A", "steps": 5, "loss": {"lambda_distill": 0.7}},
+              "efficiency": {"train": {"optim": {"lr": 0.002, "warmup_steps": 3},
+                                       "loss": {"lambda_distill": 1.0, "w_affinity": 50.0}}}}
+    run = tmp_path / "run"
+    cfg = train_config(recipe, tmp_path / "shards", run, {"optim": {"lr": 0.004}, "loss": {"w_feature": 50.0}},
+                       "efficiency")
+    assert (cfg.optim.lr, cfg.optim.warmup_steps) == (0.004, 3)  # the run's lr, the experiment's warm-up
+    assert (cfg.loss.lambda_distill, cfg.loss.w_affinity, cfg.loss.w_feature) == (1.0, 50.0, 50.0)
+    # a finished run saved before loss.w_feature existed is the same run at its default (0: off)
+    plain = train_config(recipe, tmp_path / "shards", run, {"mode": "plain"}, "efficiency")
+    run.mkdir()
+    for name in ("summary.json", "last.pt"):
+        (run / name).write_text("{}")
+    saved = plain.to_dict()
+    del saved["loss"]["w_feature"]
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert _finished_alike(run, plain)
+    assert not _finished_alike(run, train_config(recipe, tmp_path / "shards", run, {"mode": "plain", "steps": 6},
+                                                 "efficiency"))
+    saved["loss"]["w_gone"] = 1.0  # a field this version does not know: not the same run
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert not _finished_alike(run, plain)

@@ -632,3 +632,34 @@ def test_affinity_loss_matches_the_teachers_similarities_and_is_a_weighted_term(
     assert "affinity" not in base and float(weighted["affinity"]) > 0
     assert float(weighted["total"] - base["total"]) == pytest.approx(
         float(weighted["affinity"] + weighted.get("affinity_syn", 0.0)), rel=1e-5)
+
+
+def test_feature_loss_is_one_minus_cosine_to_the_teacher_and_a_weighted_term():
+    from cxrdr.train.losses.distill import feature_loss
+
+    torch.manual_seed(0)
+    mapped, teacher = torch.randn(6, 16), torch.randn(6, 16)
+    assert float(feature_loss([teacher * 3.0], [teacher])) == pytest.approx(0.0, abs=1e-6)  # direction only
+    assert float(feature_loss([-teacher], [teacher])) == pytest.approx(2.0, abs=1e-6)
+    expected = 1 - F.cosine_similarity(mapped, teacher, dim=-1).mean()
+    assert torch.allclose(feature_loss([mapped], [teacher]), expected)
+    with pytest.raises(ValueError, match=r"student \(6, 8\) mapped into the teacher's space"):
+        feature_loss([mapped[:, :8]], [teacher])
+    real, syn, batch = make_case()
+    g = torch.Generator().manual_seed(1)
+    # the student's embeddings in each teacher's space (what the student's teacher heads give)
+    real.teacher_space = {name: {part: torch.randn(4, t["txt"].shape[1], generator=g) for part in ("img", "txt", "syn")}
+                          for name, t in batch["teacher"].items()}
+    base = objective_terms(real, syn, batch, LossConfig())
+    weighted = objective_terms(real, syn, batch, LossConfig(w_feature=3.0))
+    assert "feature" not in base and float(weighted["feature"]) > 0 and float(weighted["feature_syn"]) > 0
+    assert float(weighted["total"] - base["total"]) == pytest.approx(
+        float(weighted["feature"] + weighted["feature_syn"]), rel=1e-5)
+    space, teachers = real.teacher_space, batch["teacher"]
+    b_real = [(space["clipT"]["txt"], teachers["clipT"]["txt"]), (space["clipT"]["img"], teachers["clipT"]["img"]),
+              (space["textT"]["txt"], teachers["textT"]["txt"])]  # the text-only teacher has no image target
+    assert float(weighted["feature"]) == pytest.approx(3.0 * float(feature_loss(*zip(*b_real))), rel=1e-5)
+    b_syn = [(space[n]["syn"], teachers[n]["syn"]) for n in ("clipT", "textT")]  # B_syn: the captions alone
+    assert float(weighted["feature_syn"]) == pytest.approx(3.0 * float(feature_loss(*zip(*b_syn))), rel=1e-5)
+    real.teacher_space = None  # a student without teacher heads: no term, no error
+    assert "feature" not in objective_terms(real, syn, batch, LossConfig(w_feature=3.0))

@@ -187,6 +187,32 @@ def test_checkpoint_round_trip(tmp_path, images):
     assert torch.equal(init.image_tower.trunk.pos_embed, model.image_tower.trunk.pos_embed)
 
 
+def test_teacher_heads_map_embeddings_into_each_teachers_width_and_stay_out_of_the_export(tmp_path, images):
+    from cxrdr.train.export import open_clip_state_dict
+    from cxrdr.train.task import StudentStep
+
+    dims = {"ckpt-lite2.s1": 12, "biomedclip": 20}  # a '.' in a name must not break the module names
+    model = build_student(StudentConfig.from_yaml("tiny-A", teacher_dims=dims))
+    tok = model.tokenize(TEXTS)
+    out, syn = StudentStep(model)(images, tok["input_ids"], tok["attention_mask"],
+                                  tok["input_ids"], tok["attention_mask"])
+    assert {n: {k: tuple(v.shape) for k, v in e.items()} for n, e in out.teacher_space.items()} == {
+        n: {"img": (2, d), "txt": (2, d), "syn": (2, d)} for n, d in dims.items()}
+    heads = model.teacher_heads
+    i = heads.names.index("biomedclip")
+    assert torch.allclose(out.teacher_space["biomedclip"]["img"], heads.image[i](out.image_emb))
+    layers = model.param_layers()  # trained at the heads' learning rate (top layer id)
+    assert {layers[n] for n, _ in model.named_parameters() if n.startswith("teacher_heads.")} == {model.num_layers() - 1}
+    assert not any("teacher_heads" in k for k in open_clip_state_dict(model))
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "t.pt", model))  # the checkpoint rebuilds the heads
+    assert loaded.config.teacher_dims == dims
+    assert torch.equal(loaded.teacher_heads.text[i].proj.weight, heads.text[i].proj.weight)
+    plain_out, _ = StudentStep(build_student("tiny-A"))(images, tok["input_ids"], tok["attention_mask"])
+    assert plain_out.teacher_space is None
+    with pytest.raises(ValueError, match=r"teacher_dims\['t'\] must be a positive int width"):
+        StudentConfig.from_yaml("tiny-A", teacher_dims={"t": 0})
+
+
 def test_checkpoint_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         load_checkpoint(tmp_path / "nope.pt")
@@ -652,7 +678,7 @@ OLD_CONFIGS = json.loads((Path(__file__).parent / "fixtures" / "model_configs_be
 # Deliberate changes since: fields added later (at their defaults), and the cpu family's local alignment
 # (issue 9: cosine word-patch attention on the embedded stem tokens through a head conv, word-level text).
 ADDED_FIELDS = {"local_attention": "mha", "local_attention_temperature": 0.1, "head_conv_depth": 0,
-                "head_conv_kernel": 3, "local_pool_embedded": False, "local_text_layer": None}
+                "head_conv_kernel": 3, "local_pool_embedded": False, "local_text_layer": None, "teacher_dims": {}}
 # Then (issue 9, token dropping at the CPU size) six blocks, and an E whose Patch-IB mask picks its tokens.
 CPU_TOWER = {"stem_stride": 8, "width": 128, "depth": 6, "num_heads": 4, "mlp_ratio": 2.0, "freeze_stem": True}
 CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0,

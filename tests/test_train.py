@@ -110,6 +110,15 @@ def test_plain_and_online_teacher_modes(phantom_shards, tmp_path):
     keys = set().union(*[r.keys() for r in _metrics(tmp_path / "online") if r["kind"] == "train"])
     assert "loss/distill" in keys and "loss/distill_syn" in keys
     assert online["teachers"] == ["random-tiny"]
+    # feature distillation: the student gets a head into each teacher's space (width from dataset.json)
+    train(dict(out=str(tmp_path / "feature"), loss={"w_feature": 1.0}, **common))
+    keys = set().union(*[r.keys() for r in _metrics(tmp_path / "feature") if r["kind"] == "train"])
+    assert "loss/feature" in keys and "loss/feature_syn" in keys
+    info = json.loads((phantom_shards / "dataset.json").read_text())
+    assert load_checkpoint(tmp_path / "feature" / "last.pt").config.teacher_dims == {
+        t["name"]: t["embed_dim"] for t in info["teachers"]}
+    train(dict(out=str(tmp_path / "feature-online"), online_teacher="random:tiny", loss={"w_feature": 1.0}, **common))
+    assert load_checkpoint(tmp_path / "feature-online" / "last.pt").config.teacher_dims == {"random-tiny": 64}
 
 
 def test_bad_inputs_are_one_line_errors(phantom_shards, tmp_path):

@@ -37,13 +37,13 @@ def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict,
                  experiment: str | None = None) -> TrainConfig:
     """TrainConfig = recipe['train'] < recipe[experiment]['train'] < per-run overrides; shards/out forced."""
     data = copy.deepcopy(recipe.get("train") or {})
-    layered = dict((recipe.get(experiment) or {}).get("train") or {}) if experiment else {}
-    layered.update(overrides or {})
-    for key, value in layered.items():
-        if key in MERGED_KEYS:
-            data.setdefault(key, {}).update(value)
-        else:
-            data[key] = value
+    experiment_train = (recipe.get(experiment) or {}).get("train") or {} if experiment else {}
+    for layer in (experiment_train, overrides or {}):
+        for key, value in layer.items():
+            if key in MERGED_KEYS:  # a run's `loss: {w_feature: ..}` adds to the experiment's loss keys
+                data.setdefault(key, {}).update(value)
+            else:
+                data[key] = value
     return make_train_config(recipe, {**data, "shards": str(shards), "out": str(run_dir)})
 
 

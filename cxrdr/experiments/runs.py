@@ -124,11 +124,19 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
 
 
 def _finished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
-    """RUN holds a finished run (summary, last checkpoint) trained with this very config."""
+    """RUN holds a finished run (summary, last checkpoint) trained with this very config. The saved config
+    is read through TrainConfig, so a field added since (at its default, the old behaviour) still matches."""
     if not all((run_dir / f).is_file() for f in ("summary.json", "last.pt", "config.yaml")):
         return False
-    previous = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return previous == yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    try:
+        previous = TrainConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), warn=False)
+    except (TypeError, ValueError):  # a field since removed or renamed: not the same run
+        return False
+    return _as_saved(previous) == _as_saved(cfg)
+
+
+def _as_saved(cfg: TrainConfig) -> dict:
+    return yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:

@@ -84,6 +84,15 @@ def teacher_scales(info: dict, names: list[str]) -> dict[str, float]:
     return {n: float(by_name.get(n, {}).get("logit_scale") or 100.0) for n in names}
 
 
+def teacher_dims(info: dict, names: list[str]) -> dict[str, int]:
+    """Each teacher's embedding width as stored in dataset.json (error naming a teacher without one)."""
+    by_name = {t["name"]: t for t in info.get("teachers", [])}
+    missing = [n for n in names if not by_name.get(n, {}).get("embed_dim")]
+    if missing:
+        raise ValueError(f"dataset.json records no embed_dim for teacher(s) {', '.join(missing)}")
+    return {n: int(by_name[n]["embed_dim"]) for n in names}
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 

@@ -34,7 +34,7 @@ from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import load_training_state, save_checkpoint
 from cxrdr.train.config import TrainConfig
-from cxrdr.train.data import make_eval_loader, make_loader, select_teachers, split_shards
+from cxrdr.train.data import make_eval_loader, make_loader, select_teachers, split_shards, teacher_dims
 from cxrdr.train.device import amp_dtype_for, autocast, resolve_device
 from cxrdr.train.integrity import SKIP_LOG, count_skipped
 from cxrdr.train.losses import loss_balance
@@ -96,8 +96,11 @@ class Trainer:
         overrides = dict(cfg.model_overrides)
         if cfg.grad_checkpointing:
             overrides["grad_checkpointing"] = True
-        self.student = build_student(StudentConfig.from_yaml(cfg.model, **overrides)).to(self.device)
         teacher = load_teacher(cfg.online_teacher, device=str(self.device)) if cfg.online_teacher else None
+        if cfg.loss.w_feature and cfg.mode == "reinforced":  # one head into each teacher's space
+            overrides["teacher_dims"] = ({teacher.name: int(teacher.embed_dim)} if teacher is not None else
+                                         teacher_dims(self.info, select_teachers(self.info, cfg.teachers)))
+        self.student = build_student(StudentConfig.from_yaml(cfg.model, **overrides)).to(self.device)
         online_scales = None if teacher is None else {teacher.name: float(teacher.logit_scale)}
         self.optim_cfg, self.loss_cfg = cfg.resolve(self.info, self.steps_per_epoch, online_scales)
         self.task = Task(self.student, self.loss_cfg, cfg.steps, teacher=teacher, device=self.device)

@@ -36,6 +36,9 @@ class StudentStep(nn.Module):
                            local_words=local_words, local_affirmed=local_affirmed,
                            local_skip_normal=local_skip_normal)
         syn = None if caption_ids is None else self.student.encode_text(caption_ids, caption_mask)
+        heads = getattr(self.student, "teacher_heads", None)
+        if heads is not None:  # inside the forward DDP wraps, so the heads' gradients are synchronised
+            out.teacher_space = heads(out.image_emb, {"txt": out.text_emb, "syn": syn})
         return out, syn
 
 

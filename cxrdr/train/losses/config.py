@@ -13,15 +13,16 @@ DISTILL_KINDS = ("kl", "ce")
 # style), "cosine" (the seeds' mean 1 - cos(v~_k, t_k), which a constant attention map satisfies), "both".
 LOCAL_LOSSES = ("contrastive", "cosine", "both")
 # Keys the objective may return (absent terms are left out), plus "total".
-LOSS_KEYS = ("clip", "distill", "clip_syn", "distill_syn", "affinity", "affinity_syn", "mask_nce", "sparsity",
-             "consistency", "mask_words", "local")
+LOSS_KEYS = ("clip", "distill", "clip_syn", "distill_syn", "affinity", "affinity_syn", "feature", "feature_syn",
+             "mask_nce", "sparsity", "consistency", "mask_words", "local")
 
 LOSS_RANGES = {"lambda_distill": "[0, 1]", "w_i2t": "[0, inf)", "w_t2i": "[0, inf)",
                "default_teacher_scale": "(0, inf)", "w_mask_nce": "[0, inf)", "lambda_sparse": "[0, inf)",
                "mu_consistency": "[0, inf)", "w_local": "[0, inf)", "label_temperature": "(0, inf)",
                "beta_min": "[0, inf)", "beta_max": "[0, inf)", "queue_size": "[0, inf)",
                "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)",
-               "w_mask_words": "[0, inf)", "w_affinity": "[0, inf)"}
+               "w_mask_words": "[0, inf)", "w_affinity": "[0, inf)",
+               "w_feature": "[0, inf)"}
 
 
 @dataclass
@@ -36,6 +37,11 @@ class LossConfig:
     # relational distillation (distill.affinity_loss): the teachers' in-batch cosine similarities, image-text,
     # image-image and text-text, as MSE targets; 0 = off (MobileCLIP's KL alone)
     w_affinity: float = 0.0
+    # feature distillation (distill.feature_loss): 1 - cos between the student's embeddings mapped into each
+    # teacher's space (the student's teacher heads) and the teacher's stored embedding of that crop/caption;
+    # 0 = off. The trainer gives the student one head per teacher when this is > 0
+    w_feature: float = 0.0
+    w_feature: float = 0.0
     teacher_scales: dict[str, float] = field(default_factory=dict)  # per-teacher logit scale
     default_teacher_scale: float = 100.0
     # Patch-IB and local alignment

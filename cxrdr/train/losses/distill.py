@@ -104,6 +104,27 @@ def affinity_loss(student_img: torch.Tensor, student_txt: torch.Tensor,
     return torch.stack(parts).mean()
 
 
+@full_precision
+def feature_loss(student_list: Sequence[torch.Tensor], teacher_list: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Feature distillation: 1 - cosine between each student embedding mapped into a teacher's space
+    (``heads.TeacherSpaceHeads``) and that teacher's embedding of the same crop or text, averaged over
+    samples and pairs. 0 when every mapped embedding points along its teacher's.
+
+    Why beside the KL and the affinities: those pass on similarities within the batch; this hands every
+    sample its own target, and the from-scratch text tower learns the teacher's text space from the first
+    steps (CLIP-KD, Yang et al. 2024: FD was their strongest single distiller)."""
+    if len(student_list) != len(teacher_list) or not student_list:
+        raise ValueError("feature_loss: need equally long, non-empty student/teacher lists")
+    parts = []
+    for s, t in zip(student_list, teacher_list):
+        t = t.detach().float().to(s.device)
+        if s.shape != t.shape:
+            raise ValueError(f"feature_loss: student {tuple(s.shape)} mapped into the teacher's space does not "
+                             f"match the teacher's {tuple(t.shape)}")
+        parts.append(1.0 - F.cosine_similarity(s.float(), t, dim=-1).mean())
+    return torch.stack(parts).mean()
+
+
 class DistillLoss(nn.Module):
     """Distillation of one batch (B_real or B_syn) from the teachers present in it
     (cf. open_clip's DistillClipLoss, with several teachers and stored embeddings).
@@ -123,6 +144,22 @@ class DistillLoss(nn.Module):
         """``affinity_loss`` against the teachers present for ``part`` (None when there is none)."""
         t_imgs, t_txts, _ = self._teachers(teachers, part)
         return affinity_loss(img, txt, t_imgs, t_txts) if t_txts else None
+
+    def feature(self, teacher_space: dict | None, teachers: dict, part: str) -> torch.Tensor | None:
+        """``feature_loss`` of the student's embeddings mapped into each teacher's space (``teacher_space``:
+        {teacher: {"img", "txt", "syn"}}) against the teachers' own for ``part``; the image only on B_real
+        (B_syn holds the same crops). None when no teacher has both."""
+        students, targets = [], []
+        for name in sorted(teachers):
+            entry, mapped = teachers[name] or {}, (teacher_space or {}).get(name)
+            if mapped is None or entry.get(part) is None:
+                continue
+            students.append(mapped[part])
+            targets.append(entry[part])
+            if part == "txt" and entry.get("img") is not None:
+                students.append(mapped["img"])
+                targets.append(entry["img"])
+        return feature_loss(students, targets) if students else None
 
     def _teachers(self, teachers: dict, part: str) -> tuple[list, list, list]:
         t_imgs, t_txts, scales = [], [], []

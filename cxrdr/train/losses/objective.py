@@ -71,6 +71,13 @@ class Objective(nn.Module):
                        for part, t in (entry or {}).items()}
                 for name, entry in teachers.items()}
 
+    def _teacher_space(self, teacher_space: dict | None) -> dict | None:
+        """The student's embeddings mapped into each teacher's space, over the global batch."""
+        if not teacher_space:
+            return None
+        return {name: {part: None if t is None else self._features(t.float()) for part, t in entry.items()}
+                for name, entry in teacher_space.items()}
+
     def _positives(self, batch: dict, text_key: str, device) -> torch.Tensor | None:
         criteria = self.cfg.criteria
         if not criteria:
@@ -88,8 +95,10 @@ class Objective(nn.Module):
         return label_soft_targets(labels, self.cfg.label_temperature)
 
     # ---- the terms ----------------------------------------------------------------------------------
-    def _pair_terms(self, img, txt, scale, lam, teachers, part, positives, soft, beta, extra_txt=None) -> dict:
-        """(1-lambda) * CLIP and lambda * distill of one batch (B_real: part 'txt', B_syn: 'syn')."""
+    def _pair_terms(self, img, txt, scale, lam, teachers, part, positives, soft, beta, extra_txt=None,
+                    teacher_space=None) -> dict:
+        """(1-lambda) * CLIP and lambda * distill of one batch (B_real: part 'txt', B_syn: 'syn'), plus the
+        affinity and feature distillation terms when weighted."""
         suffix = "" if part == "txt" else "_syn"
         terms = {}
         if lam < 1.0:
@@ -103,6 +112,10 @@ class Objective(nn.Module):
             a = self.distill.affinity(img, txt, teachers, part)
             if a is not None:
                 terms["affinity" + suffix] = self.cfg.w_affinity * a
+        if self.cfg.w_feature and teachers and teacher_space:
+            f = self.distill.feature(teacher_space, teachers, part)
+            if f is not None:
+                terms["feature" + suffix] = self.cfg.w_feature * f
         return terms
 
     @full_precision
@@ -116,14 +129,16 @@ class Objective(nn.Module):
         txt = self._features(out.text_emb.float())
         scale = dist_utils.replicated(out.logit_scale) if self.gather else out.logit_scale
         device = img.device
-        teachers = self._teachers(teachers, device) if lam > 0.0 else teachers
+        teachers = self._teachers(teachers, device)
+        space = self._teacher_space(out.teacher_space) if cfg.w_feature and teachers else None
         positives, soft = self._positives(batch, "report_text", device), self._soft_targets(batch, device)
         extra = self.queue.get() if self.queue is not None else None
-        terms = self._pair_terms(img, txt, scale, lam, teachers, "txt", positives, soft, beta, extra)
+        terms = self._pair_terms(img, txt, scale, lam, teachers, "txt", positives, soft, beta, extra, space)
         if cfg.use_syn and syn_text_emb is not None:
             syn_txt = self._features(syn_text_emb.float())
             terms.update(self._pair_terms(img, syn_txt, scale, lam, teachers, "syn",
-                                          self._positives(batch, "caption_text", device), soft, beta))
+                                          self._positives(batch, "caption_text", device), soft, beta,
+                                          teacher_space=space))
         local = {"img": out.image_emb, "txt": out.text_emb, "masked_img": out.masked_image_emb, "mask": out.mask}
         global_ = {"txt": txt, "masked_img": self._features(out.masked_image_emb)}
         terms.update(self.patch_ib(local, global_, scale, positives=positives, soft_targets=soft))

@@ -94,6 +94,11 @@ class StudentConfig:
     patch_score: str = "head"
     fuse_dropped: bool = False  # fuse dropped tokens into one extra token (score-weighted mean)
 
+    # feature distillation (loss.w_feature): teacher name -> its embedding width; one linear map per teacher
+    # and modality from the shared space into the teacher's (heads.TeacherSpaceHeads). The trainer fills it
+    # from the shards' teachers; training only, the open_clip export leaves the heads out.
+    teacher_dims: dict = field(default_factory=dict)
+
     # initialisation (local only): open_clip model dir / 'openclip:ARCH:PATH' / cxrdr checkpoint
     init_from: str | None = None
     grad_checkpointing: bool = False
@@ -132,6 +137,9 @@ class StudentConfig:
             raise ValueError(f"local_pool_embedded needs local_attention 'cosine' and head_conv_depth > 0{where}")
         if self.head_conv_depth < 0:
             raise ValueError(f"head_conv_depth must be >= 0, got {self.head_conv_depth}{where}")
+        for teacher, width in self.teacher_dims.items():
+            if not isinstance(width, int) or width < 1:
+                raise ValueError(f"teacher_dims[{teacher!r}] must be a positive int width, got {width!r}{where}")
         if self.embed_dim % self.local_heads:
             raise ValueError(f"embed_dim {self.embed_dim} must be divisible by local_heads {self.local_heads}{where}")
 

@@ -21,6 +21,30 @@ class Projection(nn.Module):
         return self.proj(x)
 
 
+class TeacherSpaceHeads(nn.Module):
+    """Feature distillation heads (training only): per teacher, a linear map of the student's image and
+    text embeddings into that teacher's embedding space, so that ``loss.w_feature`` can regress the
+    teacher's stored embedding of the same crop and caption (CLIP-KD's FD, Yang et al. 2024). The teacher
+    spaces differ in width and basis, so the map is learned; the open_clip export drops these heads.
+
+    ``forward(image_emb, text_embs)`` -> {teacher: {"img": (B, Dt), "txt"/...: (B, Dt)}}, where
+    ``text_embs`` names the texts (e.g. {"txt": report, "syn": caption}); None entries are skipped."""
+
+    def __init__(self, embed_dim: int, teacher_dims: dict[str, int]):
+        super().__init__()
+        self.names = sorted(teacher_dims)
+        # ModuleDict keys may not hold '.': the teacher names (e.g. 'ckpt-lite2-s1') map to indices
+        self.image = nn.ModuleList(Projection(embed_dim, int(teacher_dims[n])) for n in self.names)
+        self.text = nn.ModuleList(Projection(embed_dim, int(teacher_dims[n])) for n in self.names)
+
+    def forward(self, image_emb: torch.Tensor, text_embs: dict[str, torch.Tensor | None]) -> dict[str, dict]:
+        out = {}
+        for name, to_image, to_text in zip(self.names, self.image, self.text):
+            out[name] = {"img": to_image(image_emb)}
+            out[name].update({key: to_text(emb) for key, emb in text_embs.items() if emb is not None})
+        return out
+
+
 class MaskHead(nn.Module):
     """Patch-IB mask: an MLP score per patch token, z = sigmoid(score) in [0, 1] (variant C).
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
-from cxrdr.train.models.heads import (Projection, batch_idf, build_local_align, build_patch_heads,
+from cxrdr.train.models.heads import (Projection, TeacherSpaceHeads, batch_idf, build_local_align, build_patch_heads,
                                       cued_sentence_tokens, init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
@@ -52,6 +52,9 @@ class StudentOutput:
     local_drawable_ids: torch.Tensor | None = None  # (B, L) ids of the words that may be drawn, -1 elsewhere
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
     head_index: torch.Tensor | None = None  # (B, N') grid indices of the patches the heads read (None: patch_index)
+    # {teacher: {"img", "txt", "syn": (B, Dt)}}: the embeddings mapped into each teacher's space (feature
+    # distillation; set by the training step when the student has teacher_dims)
+    teacher_space: dict | None = None
 
     @property
     def z(self) -> torch.Tensor | None:
@@ -94,6 +97,7 @@ class PatchIBStudent(nn.Module):
         self.local_align = build_local_align(config.local_attention, d_txt, d_img, self.embed_dim, config.local_heads,
                                              config.local_attention_temperature) if config.use_local else None
         self.head_conv, self.mask_head = build_patch_heads(config, d_img, self.image_tower.grid_size)
+        self.teacher_heads = TeacherSpaceHeads(self.embed_dim, config.teacher_dims) if config.teacher_dims else None
         if config.grad_checkpointing:
             self.set_grad_checkpointing(True)
 
