@@ -188,7 +188,7 @@ def test_checkpoint_round_trip(tmp_path, images):
 
 
 def test_teacher_heads_map_embeddings_into_each_teachers_width_and_stay_out_of_the_export(tmp_path, images):
-    from cxrdr.train.export import open_clip_state_dict
+    from cxrdr.train.export import open_clip_state_dict, vision_config
     from cxrdr.train.task import StudentStep
 
     dims = {"ckpt-lite2.s1": 12, "biomedclip": 20}  # a '.' in a name must not break the module names
@@ -204,6 +204,8 @@ def test_teacher_heads_map_embeddings_into_each_teachers_width_and_stay_out_of_t
     layers = model.param_layers()  # trained at the heads' learning rate (top layer id)
     assert {layers[n] for n, _ in model.named_parameters() if n.startswith("teacher_heads.")} == {model.num_layers() - 1}
     assert not any("teacher_heads" in k for k in open_clip_state_dict(model))
+    cnn = build_student(StudentConfig.from_yaml("tiny-cnn-D", teacher_dims=dims))  # exported as cxrdr_image_tower
+    assert vision_config(cnn)[0]["model_args"]["student"]["teacher_dims"] == {}
     loaded = load_checkpoint(save_checkpoint(tmp_path / "t.pt", model))  # the checkpoint rebuilds the heads
     assert loaded.config.teacher_dims == dims
     assert torch.equal(loaded.teacher_heads.text[i].proj.weight, heads.text[i].proj.weight)

@@ -76,7 +76,8 @@ def vision_config(student) -> tuple[dict, dict]:
     config = student.config
     native = native_timm_tower(config)
     if native is None:
-        arch, args, pool = ARCHITECTURE, {"student": config.to_dict()}, ""
+        # the teacher heads are training-only: the exported tower is built without them
+        arch, args, pool = ARCHITECTURE, {"student": {**config.to_dict(), "teacher_dims": {}}}, ""
     else:
         arch, args, pool = native
     timm_cfg = {"architecture": arch, "num_classes": 0, "global_pool": pool, "model_args": args,
