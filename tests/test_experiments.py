@@ -82,6 +82,12 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     table = (out / "table.md").read_text()
     assert " ± " in table and "mean R chance" in table and "break-even:" in table
     assert "training runs" in table and ("MET" in table or "MISSED" in table)
+    # a second invocation reuses the runs and measures the step benchmark afresh over its scratch folders
+    result = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    again = json.loads((out / "results.json").read_text())
+    assert again["arms"]["plain"]["final_mean_recall"] == data["arms"]["plain"]["final_mean_recall"]
+    assert set(again["bench_step_ms"]) == {"plain", "reinforced", "online"}
 
 
 def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):

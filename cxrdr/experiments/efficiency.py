@@ -74,7 +74,9 @@ def _step_benchmark(recipe: dict, shards: Path, out_dir: Path, runs: dict, seed:
         return {}
     typer.echo(f"[efficiency] interleaved step benchmark: {bench['steps']} steps per arm", err=True)
     cfgs = {r: train_config(recipe, shards, out_dir / "step-benchmark" / r,
-                            dict(runs[r] or {}, steps=10**6, eval_every=0, progress=False, seed=seed),
+                            # scratch folders: a re-run of the experiment measures afresh over them
+                            dict(runs[r] or {}, steps=10**6, eval_every=0, progress=False, seed=seed,
+                                 overwrite=True),
                             "efficiency") for r in runs}
     return interleaved_step_ms(cfgs, int(bench["steps"]), int(bench.get("warmup", 2)))
 
