@@ -8,7 +8,7 @@ DEMO_DIR ?= demo
 
 help:
 	@echo "make test   - create $(VENV) if missing, install cxrdr[dev,offline], run the test suite"
-	@echo "make demo   - create $(VENV) if missing, run the offline end-to-end demo into $(DEMO_DIR)/"
+	@echo "make demo   - create $(VENV) if missing, run the offline end-to-end demo into $(DEMO_DIR)/ (made afresh)"
 	@echo "variables: VENV=path (default .venv), DEMO_DIR=path (default demo)"
 
 venv: $(VENV)/.installed
@@ -24,7 +24,9 @@ $(VENV)/.installed: pyproject.toml
 test: venv
 	$(BIN)/python -m pytest -q
 
-demo: venv
+# A demo run starts from an empty folder: the shards of a previous run already hold its added teacher,
+# and a build refuses a folder made with other settings.
+demo: venv clean-demo
 	PATH="$(abspath $(BIN)):$$PATH" bash scripts/demo.sh $(DEMO_DIR)
 
 clean-demo:
