@@ -21,8 +21,7 @@ LOSS_RANGES = {"lambda_distill": "[0, 1]", "w_i2t": "[0, inf)", "w_t2i": "[0, in
                "mu_consistency": "[0, inf)", "w_local": "[0, inf)", "label_temperature": "(0, inf)",
                "beta_min": "[0, inf)", "beta_max": "[0, inf)", "queue_size": "[0, inf)",
                "local_temperature": "(0, inf)", "local_tokens": "[1, inf)", "local_entropy": "[0, inf)",
-               "w_mask_words": "[0, inf)", "w_affinity": "[0, inf)",
-               "w_feature": "[0, inf)"}
+               "w_mask_words": "[0, inf)", "w_affinity": "[0, inf)", "w_feature": "[0, inf)"}
 
 
 @dataclass
@@ -40,7 +39,6 @@ class LossConfig:
     # feature distillation (distill.feature_loss): 1 - cos between the student's embeddings mapped into each
     # teacher's space (the student's teacher heads) and the teacher's stored embedding of that crop/caption;
     # 0 = off. The trainer gives the student one head per teacher when this is > 0
-    w_feature: float = 0.0
     w_feature: float = 0.0
     teacher_scales: dict[str, float] = field(default_factory=dict)  # per-teacher logit scale
     default_teacher_scale: float = 100.0

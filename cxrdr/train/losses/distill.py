@@ -145,13 +145,13 @@ class DistillLoss(nn.Module):
         t_imgs, t_txts, _ = self._teachers(teachers, part)
         return affinity_loss(img, txt, t_imgs, t_txts) if t_txts else None
 
-    def feature(self, teacher_space: dict | None, teachers: dict, part: str) -> torch.Tensor | None:
+    def feature(self, teacher_space: dict, teachers: dict, part: str) -> torch.Tensor | None:
         """``feature_loss`` of the student's embeddings mapped into each teacher's space (``teacher_space``:
         {teacher: {"img", "txt", "syn"}}) against the teachers' own for ``part``; the image only on B_real
         (B_syn holds the same crops). None when no teacher has both."""
         students, targets = [], []
         for name in sorted(teachers):
-            entry, mapped = teachers[name] or {}, (teacher_space or {}).get(name)
+            entry, mapped = teachers[name] or {}, teacher_space.get(name)
             if mapped is None or entry.get(part) is None:
                 continue
             students.append(mapped[part])

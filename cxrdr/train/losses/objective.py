@@ -112,7 +112,7 @@ class Objective(nn.Module):
             a = self.distill.affinity(img, txt, teachers, part)
             if a is not None:
                 terms["affinity" + suffix] = self.cfg.w_affinity * a
-        if self.cfg.w_feature and teachers and teacher_space:
+        if teacher_space:  # set only when w_feature is on and teachers are present (forward)
             f = self.distill.feature(teacher_space, teachers, part)
             if f is not None:
                 terms["feature" + suffix] = self.cfg.w_feature * f
