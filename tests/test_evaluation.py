@@ -63,6 +63,40 @@ def test_retrieval_identical_text_variant():
     assert r2["i2t_R@1_sametext"] == r2["i2t_R@1"]
 
 
+def test_retrieval_findings_variant_and_oracle_ceiling():
+    img = torch.eye(4)
+    txt = img[[1, 0, 2, 3]]  # rows 0 and 1 swapped: strictly wrong, but they share their findings
+    findings = [(), (), (3,), (3, 5)]
+    r = retrieval_metrics(img, txt, findings=findings)
+    assert r["i2t_R@1"] == 0.5 and r["i2t_R@1_findings"] == 1.0 and r["t2i_R@1_findings"] == 1.0
+    assert r["n_finding_sets"] == 3
+    # the oracle ranks the two normal studies first in random order: R@1 1/2 for them, 1 for the others
+    assert r["oracle_mean_recall"] == pytest.approx(np.mean([(0.5 + 0.5 + 1 + 1) / 4, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="findings has 3 entries for 4"):
+        retrieval_metrics(img, txt, findings=findings[:3])
+
+
+def test_train_box_prior_is_a_fixed_map_of_train_box_frequency():
+    from cxrdr.train.evaluation.box_prior import (box_frequency_maps, fixed_map_pointing_game,
+                                                  label_prior_pointing_game)
+
+    grid = (4, 4)
+    heart = {"label": "cardiomegaly", "box": [30, 40, 70, 90]}  # the centre-bottom of a 100 px image
+    tube = {"label": "support_device", "box": [0, 0, 20, 20]}
+    maps = box_frequency_maps([(100, 100, [heart]), (100, 100, [heart, tube]), (100, 100, [])], grid)
+    assert maps["n_images"] == 2 and maps["n_images_per_label"] == {"cardiomegaly": 2, "support_device": 1}
+    assert maps["any"][2, 1] == 1.0 and maps["any"][0, 0] == 0.5  # the tube is in one of two images
+    assert maps["pathology"][0, 0] == 0.0  # devices are no pathology
+    target_heart = np.zeros(grid, bool)
+    target_heart[2:4, 1:3] = True
+    target_corner = np.zeros(grid, bool)
+    target_corner[0, 3] = True
+    assert fixed_map_pointing_game(maps["any"], [target_heart, target_corner]) == 0.5
+    pooled = label_prior_pointing_game(maps["labels"], maps["any"],
+                                       {"cardiomegaly": [target_heart], "nodule": [target_corner]})
+    assert pooled == 0.5  # nodule has no train box: it falls back to the class-agnostic map and misses
+
+
 def test_retrieval_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="pair row by row"):
         retrieval_metrics(torch.eye(3), torch.eye(4))
@@ -327,6 +361,12 @@ def test_train_eval_cli_writes_outputs(tiny_run):
         assert 0.0 < lo[heat]["chance_pointing_game"] < 1.0 and lo[heat]["n_boxes"] >= lo[heat]["n"]
         assert "image_similarity" in lo[heat] and "entropy" in lo[heat]
     assert all("chance_pointing_game" in d["mask"] for d in lo["per_label"].values())
+    for heat in ("mask", "attention"):  # the image-blind baseline from the train split's boxes
+        assert 0.0 <= lo[heat]["train_prior_pointing_game"] <= 1.0
+    assert lo["train_prior"]["n_images"] > 0 and "pathology" in lo["mask"]
+    assert "train prior" in (out / "eval.md").read_text()
+    assert 0 < data["retrieval"]["oracle_mean_recall"] <= 1.0
+    assert data["retrieval"]["mean_recall_findings"] >= data["retrieval"]["mean_recall"]
     assert 0.0 <= data["faithfulness"]["sparsity"] <= 1.0
     assert data["efficiency"]["gflops_per_img"] > 0 and data["efficiency"]["patch_usage_pct"] == 100.0
     ids = json.loads((out / "eval_ids.json").read_text())

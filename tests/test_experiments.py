@@ -173,12 +173,35 @@ def test_break_even_and_bars():
     cost = break_even(120.0, online_ms=1000.0, stored_ms=200.0, steps=300)
     assert cost["saving_per_run_s"] == pytest.approx(240.0) and cost["break_even_runs"] == pytest.approx(0.5)
     assert break_even(120.0, 200.0, 200.0, 300)["break_even_runs"] is None  # nothing saved: never pays off
+    crossing = {"ratio": 0.3, "ratio_ci": [0.25, 0.38], "samples": 1500, "plain_samples": 5000}
     arms = {"plain": {"final_mean_recall": [0.20, 0.22, 0.21]},
-            "reinforced": {"final_mean_recall": [0.30, 0.31, 0.29], "samples_to_plain_final": 1500}}
-    got = {b["bar"]: b["met"] for b in bars(arms, {"plain": 100.0, "reinforced": 104.0, "online": 300.0}, 6000)}
-    assert got == {"reinforced reaches plain's final mean R with <= 1/3 of plain's samples": True,
+            "reinforced": {"final_mean_recall": [0.30, 0.31, 0.29], "samples_to_plain_final": 1500,
+                           "crossing": crossing}}
+    measured = bars(arms, {"plain": 100.0, "reinforced": 104.0, "online": 300.0}, 6000)
+    got = {b["bar"].split(" (")[0]: b["met"] for b in measured}
+    assert got == {"reinforced reaches plain's final with <= 1/3 of plain's samples": True,
+                   "(old definition, not judged) reinforced's first crossing / plain's whole budget": None,
                    "reinforced final mean R - plain's > 2 sd of plain's seeds": True,
                    "stored step <= 1.05x no-teacher step": True, "online step >= 3x stored step": False}
+    assert measured[1]["value"] == pytest.approx(0.25)  # the old definition: 1500 / 6000
+    arms["reinforced"]["crossing"] = dict(crossing, ratio_ci=[0.25, 0.45])  # the mean passes, its interval not
+    assert bars(arms, {}, 6000)[0]["met"] is False
+
+
+def test_crossing_ratio_reads_every_arm_by_its_first_crossing():
+    from cxrdr.experiments.stats import crossing_ratio
+
+    def curve(ys):
+        return [{"samples_seen": 100 * (i + 1), "mean_recall": y} for i, y in enumerate(ys)]
+
+    plain = [curve([0.1, 0.3, 0.4, 0.4]), curve([0.1, 0.3, 0.4, 0.4])]  # reaches its final 0.4 at 300
+    fast = [curve([0.2, 0.4, 0.5, 0.5]), curve([0.2, 0.4, 0.5, 0.5])]  # reaches 0.4 at 200
+    got = crossing_ratio(fast, plain, n_boot=50)
+    assert got["target"] == pytest.approx(0.4) and got["samples"] == pytest.approx(200)
+    assert got["plain_samples"] == pytest.approx(300) and got["ratio"] == pytest.approx(2 / 3)
+    assert got["ratio_ci"] == pytest.approx([2 / 3, 2 / 3])  # identical seeds: no spread
+    never = crossing_ratio([curve([0.1, 0.2, 0.2, 0.2])] * 2, plain, n_boot=20)
+    assert never["ratio"] is None and never["ratio_ci"][1] == float("inf")
 
 
 def test_curve_plot_marks_where_each_arm_reaches_plain_and_the_samples_limit(tmp_path, monkeypatch):
@@ -195,8 +218,9 @@ def test_curve_plot_marks_where_each_arm_reaches_plain_and_the_samples_limit(tmp
     assert (tmp_path / "curves.png").is_file()
     lines = figures[0].axes[0].get_lines()
     crossings = [ln for ln in lines if ln.get_marker() == "v"]
-    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in crossings] == [([250], [0.3])]  # not plain's
-    limit = [ln for ln in lines if ln.get_label() == "1/3 of plain's samples"]
+    # every arm is marked where it first reaches plain's final, plain's own crossing included
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in crossings] == [([300], [0.3]), ([250], [0.3])]
+    limit = [ln for ln in lines if ln.get_label() == "1/3 of plain's first crossing"]
     assert len(limit) == 1 and list(limit[0].get_xdata()) == [100.0, 100.0]
 
 

@@ -75,6 +75,23 @@ def test_written_rows_match_records(tmp_path):
             assert np.array_equal(np.asarray(img), np.asarray(rec.image()))
 
 
+def test_evaluation_phantom_and_several_seeds():
+    one, other = list(PhantomSource(30, seed=0)), list(PhantomSource(30, seed=1))
+    both = list(PhantomSource(30, seed=[0, 1]))
+    assert len(both) == 60 and [r.report for r in both] == [r.report for r in one + other]
+    assert [r.id for r in both[:30]] == [r.id for r in one]  # the first seed keeps its ids
+    assert [r.id for r in both[30:]] == ["s1-" + r.id for r in other]  # later seeds are told apart
+    assert [r.split for r in both] == [r.split for r in one + other]  # each seed keeps its own split
+    assert len({r.id for r in both}) == 60
+    held_out = list(PhantomSource(30, seed=7, split="test"))
+    assert {r.split for r in held_out} == {"test"}
+    assert PhantomSource(3, seed=7, split="test").describe()["split"] == "test"
+    with pytest.raises(ValueError, match="split"):
+        PhantomSource(3, split="holdout")
+    with pytest.raises(ValueError, match="distinct"):
+        PhantomSource(3, seed=[1, 1])
+
+
 def test_records_are_lazy_and_prefix_stable():
     small, large = list(PhantomSource(20, seed=5)), list(PhantomSource(40, seed=5))
     assert [r.report for r in small] == [r.report for r in large[:20]]

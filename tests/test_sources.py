@@ -48,12 +48,14 @@ def test_phantom_spec_passes_count_seed_and_size(monkeypatch):
     calls = {}
 
     class FakePhantom:
-        def __init__(self, n, seed=0, size=256):
-            calls.update(n=n, seed=seed, size=size)
+        def __init__(self, n, seed=0, size=256, split=None):
+            calls.update(n=n, seed=seed, size=size, split=split)
 
     monkeypatch.setattr(reinforce_sources, "PhantomSource", FakePhantom)
     open_source("phantom:7", seed=3, size=64, min_report_chars=30, image_root=None)
-    assert calls == {"n": 7, "seed": 3, "size": 64}
+    assert calls == {"n": 7, "seed": 3, "size": 64, "split": None}
+    open_source("phantom:7", seed=[0, 1], split="test")
+    assert calls["seed"] == [0, 1] and calls["split"] == "test"
     open_source("phantom")
     assert calls["n"] == 200
     with pytest.raises(ValueError, match="integer"):
@@ -63,6 +65,7 @@ def test_phantom_spec_passes_count_seed_and_size(monkeypatch):
 def test_parse_source_options():
     opts = parse_source_options(["col-report=notes", "min_report_chars=10", "frontal_only=true"])
     assert opts == {"col_report": "notes", "min_report_chars": 10, "frontal_only": True}
+    assert parse_source_options(["seed=0,1", "split=test"]) == {"seed": [0, 1], "split": "test"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_source_options(["oops"])
 

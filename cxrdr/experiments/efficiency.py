@@ -26,8 +26,8 @@ import typer
 
 from cxrdr.experiments.efficiency_report import QUALITY, efficiency_markdown, plot_efficiency
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import ensure_shards, eval_curve, evaluate_run, result_row, run_training
-from cxrdr.experiments.stats import mean_curve, mean_sd, samples_to_target, t_interval
+from cxrdr.experiments.runs import ensure_shards, eval_curve, evaluate_run, report_set, result_row, run_training
+from cxrdr.experiments.stats import crossing_ratio, mean_curve, mean_sd, samples_to_target, t_interval
 from cxrdr.experiments.teacher_prep import prepare_teachers, teacher_seconds
 from cxrdr.train.evaluation.report import seed_summary, write_json
 from cxrdr.train.loop import Trainer
@@ -38,20 +38,38 @@ DEFAULT_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}
 # --------------------------------------------------------------------------- runs
 
 
+def curve_set(recipe: dict, shards: Path) -> dict:
+    """Where the curves are measured: ``efficiency.curve_split: report`` (default) = the report set, so
+    every arm's crossing is read on data no choice read; a split name = that split of the training shards
+    (``val``: the selection set, for probes that choose settings)."""
+    split = (recipe.get("efficiency") or {}).get("curve_split", "report")
+    if split != "report":
+        return {"eval_split": split}
+    report_shards, report_split = report_set(recipe)
+    separate = report_shards.resolve() != Path(shards).resolve()
+    return {"eval_split": report_split, **({"eval_shards": str(report_shards)} if separate else {})}
+
+
 def _train_arm(recipe: dict, shards: Path, out_dir: Path, name: str, overrides: dict, seeds: list[int]) -> dict:
+    """Every seed of one arm. A run's ``shards: {dir, build}`` trains it on shards of its own (e.g. plain on
+    the students' and the teacher's images); its final evaluation still reads the report set, and its probe
+    is fitted on the recipe's training shards, as every arm's is."""
     spec = recipe.get("efficiency") or {}
     every = spec.get("eval_every_samples")
-    curve_split = spec.get("curve_split", "test")
+    overrides = dict(overrides)
+    own_shards = overrides.pop("shards", None)
+    train_shards = ensure_shards(own_shards) if own_shards else shards
+    curves = curve_set(recipe, shards)
     seed_rows, records = [], []
     for seed in seeds:
         run_dir = out_dir / "runs" / name / f"seed-{seed}"
-        base = train_config(recipe, shards, run_dir, overrides, "efficiency")
+        base = train_config(recipe, train_shards, run_dir, overrides, "efficiency")
         per_step = base.batch_size * base.accum_steps
         eval_every = max(1, round(every / per_step)) if every else 0
-        cfg = train_config(recipe, shards, run_dir, {"eval_every": eval_every, "eval_split": curve_split,
-                                                     "seed": int(seed), **overrides}, "efficiency")
+        cfg = train_config(recipe, train_shards, run_dir, {"eval_every": eval_every, **curves,
+                                                           "seed": int(seed), **overrides}, "efficiency")
         typer.echo(f"[efficiency] {name} seed {seed}: {cfg.steps} steps x {per_step} samples (mode {cfg.mode}, "
-                   f"online teacher {cfg.online_teacher})", err=True)
+                   f"online teacher {cfg.online_teacher}, shards {train_shards})", err=True)
         summary = run_training(cfg, recipe.get("reuse_runs", True))
         results = evaluate_run(recipe, run_dir, shards, recipe.get("isolated_efficiency", False),
                                efficiency=seed == seeds[0])  # cost is the architecture's: one seed
@@ -77,7 +95,7 @@ def _step_benchmark(recipe: dict, shards: Path, out_dir: Path, runs: dict, seed:
                             # scratch folders: a re-run of the experiment measures afresh over them
                             dict(runs[r] or {}, steps=10**6, eval_every=0, progress=False, seed=seed,
                                  overwrite=True),
-                            "efficiency") for r in runs}
+                            "efficiency") for r in runs if not (runs[r] or {}).get("shards")}
     return interleaved_step_ms(cfgs, int(bench["steps"]), int(bench.get("warmup", 2)))
 
 
@@ -129,19 +147,30 @@ def break_even(one_off_s: float, online_ms: float | None, stored_ms: float | Non
             "break_even_runs": one_off_s / saving if saving > 0 else None}
 
 
-def samples_limit(plain_total: float) -> float:
+def samples_limit(plain_samples: float) -> float:
     """The first bar's limit: reinforced reaches plain's final within a third of plain's samples."""
-    return plain_total / 3
+    return plain_samples / 3
+
+
+RATIO_UPPER_LIMIT = 0.40  # the 95 % upper bound of the samples ratio must stay below this too
 
 
 def bars(arms: dict, bench: dict, plain_total: float) -> list[dict]:
-    """The issue-10 bars, measured: met True/False, None where a figure is missing."""
+    """The bars, measured: met True/False, None where a figure is missing. The samples bar reads the one
+    crossing rule (``stats.crossing_ratio``: each arm's first crossing, plain's included); the old
+    definition (reinforced's first crossing / plain's whole budget) is kept beside it, not judged."""
     out = []
     rein, plain = arms.get("reinforced"), arms.get("plain")
     if rein and plain:
-        s, limit = rein["samples_to_plain_final"], samples_limit(plain_total)
-        out.append({"bar": "reinforced reaches plain's final mean R with <= 1/3 of plain's samples",
-                    "value": s, "limit": limit, "met": None if s is None else s <= limit})
+        c = rein["crossing"]
+        ratio, hi = c["ratio"], c["ratio_ci"][1]
+        out.append({"bar": "reinforced reaches plain's final with <= 1/3 of plain's samples (first crossing "
+                           f"for both arms) and the ratio's 95 % upper bound <= {RATIO_UPPER_LIMIT}",
+                    "value": ratio, "ci": c["ratio_ci"], "limit": 1 / 3,
+                    "met": None if ratio is None else ratio <= 1 / 3 and hi is not None and hi <= RATIO_UPPER_LIMIT})
+        s = rein["samples_to_plain_final"]
+        out.append({"bar": "(old definition, not judged) reinforced's first crossing / plain's whole budget",
+                    "value": None if s is None else s / plain_total, "limit": 1 / 3, "met": None})
         p_mean, p_sd = mean_sd(plain["final_mean_recall"])
         r_mean, _ = mean_sd(rein["final_mean_recall"])
         gap = None if r_mean is None or p_mean is None else r_mean - p_mean
@@ -178,18 +207,37 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     used = _stored_teachers(trained, info)
     cost = one_off_teacher_seconds(info, used)
     cost.update(break_even(cost["total_s"], bench.get("online"), bench.get("reinforced"), steps))
+    cost.update(teacher_data(teachers, used, arms))
     plain_total = max((r["samples_seen"] or 0) for r in trained.get("plain", trained[next(iter(trained))])["rows"])
     measured_bars = bars(arms, bench, plain_total)
+    report_shards, report_split = report_set(recipe)
     result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards), "seeds": seeds,
-              "curve_split": spec.get("curve_split", "test"), "teachers": teachers, "arms": arms,
+              "curve_split": spec.get("curve_split", "report"),
+              "protocol": {"report_shards": str(report_shards), "report_split": report_split,
+                           "selection": recipe.get("selection") or {}}, "teachers": teachers, "arms": arms,
               "bench_step_ms": bench, "cost": cost, "bars": measured_bars, "table": rows,
               "runs": {n: t["seeds"] for n, t in trained.items()}}
     write_json(result, out_dir / "results.json")
-    plot_efficiency(arms, bench, rows, spec.get("curve_split", "test"), out_dir, samples_limit(plain_total))
-    md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms)
+    plain_x = (arms.get("plain") or {}).get("crossing", {}) or {}
+    plot_efficiency(arms, bench, rows, spec.get("curve_split", "report"), out_dir,
+                    samples_limit(plain_x.get("plain_samples") or plain_total))
+    md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"])
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
+
+
+def teacher_data(teachers: dict, used: list[str], arms: dict) -> dict:
+    """The teachers' own training samples in the accounting: a reinforced student's samples to plain's
+    final plus every sample its stored teachers were trained on, beside plain's own first crossing."""
+    samples = sum(int(t.get("train_samples") or 0) for t in teachers.values() if t.get("shard_name") in used)
+    rein, plain = arms.get("reinforced") or {}, arms.get("plain") or {}
+    c = rein.get("crossing") or {}
+    own, plain_x = c.get("samples"), c.get("plain_samples")
+    total = None if own is None else own + samples
+    return {"teacher_train_samples": samples, "reinforced_samples_with_teacher": total,
+            "reinforced_ratio_with_teacher": None if total is None or not plain_x else total / plain_x,
+            "plain_samples_to_own_final": plain_x or (plain.get("crossing") or {}).get("plain_samples")}
 
 
 def _arm_seeds(overrides: dict, seeds: list[int]) -> list[int]:
@@ -209,6 +257,7 @@ def _summarise_arms(trained: dict, bench: dict) -> tuple[dict, list[dict]]:
     curves = {n: mean_curve([s["curve"] for s in t["seeds"]]) for n, t in trained.items()}
     plain = curves.get("plain")
     target = plain["mean"][-1] if plain and plain["mean"] else None
+    plain_curves = [s["curve"] for s in trained["plain"]["seeds"]] if "plain" in trained else None
     arms, rows = {}, []
     for name, t in trained.items():
         row = _arm_row(name, t)
@@ -217,9 +266,13 @@ def _summarise_arms(trained: dict, bench: dict) -> tuple[dict, list[dict]]:
         per_seed = [samples_to_target([p["samples_seen"] for p in s["curve"]],
                                       [p["mean_recall"] for p in s["curve"]], target) if target is not None else None
                     for s in t["seeds"]]
-        row.update(samples_to_plain_final=reach, bench_step_ms=bench.get(name))
+        crossing = crossing_ratio([s["curve"] for s in t["seeds"]], plain_curves) if plain_curves else None
+        row.update(samples_to_plain_final=reach, bench_step_ms=bench.get(name),
+                   samples_ratio=crossing["ratio"] if crossing else None,
+                   samples_ratio_ci=crossing["ratio_ci"] if crossing else None)
         rows.append(row)
         arms[name] = {"final_mean_recall": row["mean_recall_seeds"], "samples_to_plain_final": reach,
+                      "crossing": crossing,
                       "curve_probe_mean_auc": mean_curve([s["curve"] for s in t["seeds"]], "probe_mean_auc"),
                       "samples_to_plain_final_per_seed": per_seed, "plain_final_target": target,
                       "chance_mean_recall": row.get("chance_mean_recall"), "curve_mean": c,

@@ -5,8 +5,10 @@ from pathlib import Path
 
 from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_sd, plot_bars
 
-QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc"]
-TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_seen", "wall_s", "step_ms", "bench_step_ms"]
+QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall", "mean_recall_findings",
+           "probe_auc", "zeroshot_auc"]
+TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_ratio", "samples_seen", "wall_s", "step_ms",
+                                      "bench_step_ms"]
 
 
 def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str, out_dir: Path,
@@ -34,13 +36,13 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
         hi = [y + (h or 0) for y, h in zip(ys, c["ci"])]
         ax.fill_between(c["xs"], lo, hi, alpha=0.2, color=line.get_color())
         crossing, target = arm.get("samples_to_plain_final"), arm.get("plain_final_target")
-        if metric == "mean_recall" and crossing is not None and target is not None and name != "plain":
+        if metric == "mean_recall" and crossing is not None and target is not None:
             ax.plot([crossing], [target], "v", ms=8, color=line.get_color(), markeredgecolor="black", zorder=5)
     target = next((a["plain_final_target"] for a in arms.values() if a.get("plain_final_target")), None)
     if metric == "mean_recall" and target is not None:
         ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (v: where an arm reaches it)")
         if samples_limit is not None:
-            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label="1/3 of plain's samples")
+            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label="1/3 of plain's first crossing")
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
     if metric == "mean_recall" and chance:
         ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")
@@ -54,13 +56,24 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
     plt.close(fig)
 
 
-def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms) -> list[str]:
+def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, protocol=None) -> list[str]:
+    protocol = protocol or {}
     md = [f"# Efficiency experiment `{recipe['name']}`", "",
-          f"shards `{shards}`; seeds {seeds}; every run sees the same samples. Final metrics: test split, last "
-          f"checkpoint, `train eval` suite, **mean ± 95 % CI** (t-interval over {len(seeds)} seeds); chance = a "
-          f"random ranking. Samples to plain's final: where the arm's seed-mean validation curve first reaches "
-          f"plain's final seed-mean validation mean R (linear interpolation; null: never).", "",
+          f"shards `{shards}`; seeds {seeds}; every run sees the same samples. Final metrics: the **report set** "
+          f"(`{protocol.get('report_shards', shards)}`, split {protocol.get('report_split', 'test')}: no setting "
+          f"was chosen on it), last checkpoint, `train eval` suite, **mean ± 95 % CI** (t-interval over seeds); "
+          f"chance = a random ranking; oracle = the strict mean R of a model that knows each study's findings "
+          f"and nothing else; 'same findings' counts a candidate with the query's finding set as correct. "
+          f"Samples to plain's final: where the arm's seed-mean curve (curves: "
+          f"{recipe.get('efficiency', {}).get('curve_split', 'report')}) first reaches plain's final seed-mean "
+          f"mean R (linear interpolation; null: never) - plain's own row is its own first crossing, and "
+          f"'samples ratio' = arm / plain under that one rule, [95 % bootstrap interval over seeds].", "",
           markdown_table_sd(rows, TABLE_COLS, spread="ci"), ""]
+    ratio_rows = [r for r in rows if r.get("samples_ratio_ci")]
+    if ratio_rows:
+        md += ["Samples ratio to plain (first crossing for every arm) with its 95 % interval: " + "; ".join(
+            f"{r['run']} {_num(r['samples_ratio'])} [{_num(r['samples_ratio_ci'][0])}, "
+            f"{_num(r['samples_ratio_ci'][1])}]" for r in ratio_rows), ""]
     if teachers:
         md += ["## Teachers (trained on their own phantom sets)", "",
                markdown_table([{"run": n, "shard name": t["shard_name"], "model": t["model"],
@@ -72,7 +85,15 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
                                 "add-teacher s": t["add_teacher_seconds"]} for n, t in teachers.items()],
                               ["shard name", "model", "steps", "train_wall_s", "own mean R", "students' test mean R",
                                "chance", "students' test i2t R@1", "add-teacher s"], first="run"), ""]
-    md += ["## Cost accounting", "", break_even_line(cost), "", "## Bars", ""]
+    md += ["## Cost accounting", "", break_even_line(cost), ""]
+    if cost.get("teacher_train_samples"):
+        md += [f"The teacher's data: its training saw {cost['teacher_train_samples']:,} samples of images the "
+               f"students never see. Counted in, reinforced needs {_num(cost.get('reinforced_samples_with_teacher'))} "
+               f"samples to plain's final = **{_num(cost.get('reinforced_ratio_with_teacher'))}x** plain's own "
+               f"first crossing ({_num(cost.get('plain_samples_to_own_final'))}). The arm trained plain on the "
+               f"students' and the teacher's images (if present above) separates what more data buys from what "
+               f"distillation buys.", ""]
+    md += ["## Bars", ""]
     md += [bar_line(b) for b in measured_bars]
     md += ["", "![metric vs samples](metric_vs_samples.png)", "", "![auc vs samples](auc_vs_samples.png)", "",
            "![step time](step_time.png)", ""]
@@ -82,7 +103,8 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
 def bar_line(bar: dict) -> str:
     verdict = {True: "MET", False: "MISSED", None: "n/a"}[bar["met"]]
     limit = "" if bar.get("limit") is None else f", limit {_num(bar['limit'])}"
-    return f"- {verdict}: {bar['bar']} (measured {_num(bar['value'])}{limit})"
+    ci = "" if not bar.get("ci") else f" [95 % {_num(bar['ci'][0])}, {_num(bar['ci'][1])}]"
+    return f"- {verdict}: {bar['bar']} (measured {_num(bar['value'])}{ci}{limit})"
 
 
 def break_even_line(cost: dict) -> str:

@@ -155,22 +155,42 @@ def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
     return points
 
 
+def report_set(recipe: dict, progress: bool = True) -> tuple[Path, str]:
+    """(shard folder, split) of the recipe's report set: the set no choice reads (``report:``).
+
+    ``report.shards`` is a shard folder of its own (reused, or built from ``report.shards.build``: for
+    the phantom an evaluation phantom drawn with its own source seed); without it the report set is
+    ``report.split`` (default ``eval.split``, else ``test``) of the training shards (real data: the test
+    split). Settings are chosen on ``selection.split`` (val) of the training shards, never here."""
+    spec = recipe.get("report") or {}
+    split = spec.get("split") or (recipe.get("eval") or {}).get("split") or "test"
+    if spec.get("shards"):
+        return ensure_shards(spec["shards"], progress), split
+    return Path(recipe["shards"]["dir"]), split
+
+
 def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> dict:
-    """Full evaluation of RUN/last.pt on the test split (cost measured in a fresh process on CPU,
-    and only when ``efficiency`` and the recipe's eval options allow it)."""
+    """Full evaluation of RUN/last.pt on the recipe's report set (``report_set``; the linear probe is
+    fitted on the training shards' train split). Cost is measured in a fresh process on CPU, and only
+    when ``efficiency`` and the recipe's eval options allow it."""
     opts = dict(recipe.get("eval") or {})
-    split = opts.pop("split", "test")
+    opts.pop("split", None)
+    report_shards, split = report_set(recipe, progress=False)
     eff_batch = int(opts.pop("efficiency_batch", 32))
     measure = bool(opts.pop("efficiency", True)) and efficiency
     ckpt = run_dir / "last.pt"
-    eval_dir = run_dir / f"eval-{split}"
+    separate = report_shards.resolve() != Path(shards).resolve()
+    eval_dir = run_dir / ("eval-report" if separate else f"eval-{split}")
     request = {"split": split, "efficiency_batch": eff_batch, "efficiency": measure, "isolated": isolated, **opts}
+    if separate:
+        request["report_shards"] = str(report_shards)
     previous = _previous_evaluation(eval_dir, ckpt, request)
     if previous is not None:
         return previous
     use_subprocess = measure and isolated and not torch.cuda.is_available()
-    results = evaluate(str(ckpt), shards, split, eval_dir, progress=False, quiet=True,
-                       efficiency=measure and not use_subprocess, efficiency_batch=eff_batch, **opts)
+    results = evaluate(str(ckpt), report_shards, split, eval_dir, progress=False, quiet=True,
+                       efficiency=measure and not use_subprocess, efficiency_batch=eff_batch,
+                       train_shards=shards, **opts)
     if use_subprocess:
         results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
         results["summary"] = summary_row(results)

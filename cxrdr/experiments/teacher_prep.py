@@ -94,6 +94,7 @@ def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, s
                                progress)
     return {"shard_name": teacher_shard_name(name), "checkpoint": str(ckpt), "model": cfg.model,
             "source_seed": build["source_options"]["seed"], "steps": cfg.steps,
+            "train_samples": summary.get("samples_seen") or cfg.steps * cfg.batch_size * cfg.accum_steps,
             "train_wall_s": summary.get("wall_s"), "train_step_ms": summary.get("mean_step_ms"),
             "add_teacher_seconds": seconds, **quality}
 

@@ -77,6 +77,8 @@ class TrainConfig:
                                             "(replaces stored embeddings).")
     eval_every: int = _opt(0, "Validate every N steps (0: only at the end).")
     eval_split: str = _opt("val", "Split of the validation passes.")
+    eval_shards: str | None = _opt(None, "Shard folder of the validation passes (default --shards), e.g. an "
+                                         "evaluation set built apart with its own source seed.")
     eval_batch_size: int = _opt(64, "Batch size of the validation passes.")
     eval_max_samples: int | None = _opt(None, "Validate on at most this many samples (default all).")
     recall_weight: float = _opt(0.5, "Early-stop score = w*mean Recall + (1-w)*mean AUC.")

@@ -112,16 +112,18 @@ class Trainer:
         self.teacher_names = ([self.teacher.name] if self.teacher is not None else
                               select_teachers(self.info, cfg.teachers) if cfg.mode == "reinforced" else [])
         self.eval_loader = None
-        eval_urls, n_eval = split_shards(cfg.shards, cfg.eval_split, self.info)
+        eval_shards = cfg.eval_shards or cfg.shards
+        eval_info = self.info if eval_shards == cfg.shards else read_dataset_info(eval_shards)
+        eval_urls, n_eval = split_shards(eval_shards, cfg.eval_split, eval_info)
         self.has_eval = bool(eval_urls and n_eval)
         if not self.main:
             return
         if self.has_eval:
-            self.eval_loader = make_eval_loader(cfg.shards, cfg.eval_split, self.student,
+            self.eval_loader = make_eval_loader(eval_shards, cfg.eval_split, self.student,
                                                 batch_size=cfg.eval_batch_size, workers=min(cfg.workers, 1),
                                                 on_corrupt=cfg.on_corrupt, corrupt_log=str(self.out / SKIP_LOG))
         else:
-            print(f"note: no {cfg.eval_split!r} split in {cfg.shards}: no validation, best.pt = last.pt",
+            print(f"note: no {cfg.eval_split!r} split in {eval_shards}: no validation, best.pt = last.pt",
                   file=sys.stderr)
 
     # ---- state ------------------------------------------------------------------------------

@@ -32,13 +32,18 @@ def render_phantom(seed: int, index: int, size: int = 256) -> Image.Image:
     return render_case(sample_case(seed, index), size)
 
 
-def phantom_record(seed: int, index: int, size: int = 256) -> Record:
-    """Record of study ``index`` without rendering; ``image`` renders it when called."""
+def phantom_record(seed: int, index: int, size: int = 256, split: str | None = None,
+                   id_prefix: str = "") -> Record:
+    """Record of study ``index`` without rendering; ``image`` renders it when called.
+
+    ``split`` puts the study in that split instead of its subject's (an evaluation phantom is all
+    ``test``); ``id_prefix`` tells the ids of another seed apart (its split still follows the
+    unprefixed subject, i.e. the split that seed's own build gives it)."""
     case = sample_case(seed, index)
     findings, impression, labels = make_report(case)
     return Record(
-        id=case.id, subject_id=case.subject_id, study_id=case.study_id,
-        split=split_for_subject(case.subject_id), view=case.view,
+        id=id_prefix + case.id, subject_id=id_prefix + case.subject_id, study_id=id_prefix + case.study_id,
+        split=split or split_for_subject(case.subject_id), view=case.view,
         report=f"{findings} {impression}".strip(), findings=findings, impression=impression,
         image=functools.partial(render_phantom, seed, index, size),
         labels=labels, triples=make_triples(case), boxes=finding_boxes(case, size),
@@ -52,29 +57,50 @@ def _case_extra(case: Case, size: int) -> dict:
             "devices": [f.device for f in case.findings if f.kind == DEVICE]}
 
 
+SPLITS = ("train", "val", "test")
+
+
 class PhantomSource:
-    """``phantom[:N]``: N generated studies, deterministic in (seed, index), rendered on demand."""
+    """``phantom[:N]``: N generated studies, deterministic in (seed, index), rendered on demand.
+
+    ``seed`` may be a list: N studies of each seed, one after the other; the studies of every seed but
+    the first get ids prefixed ``s<seed>-`` (the generator's ids do not name the seed) and keep the split
+    their own seed's build gives them, so ``seed: [0, 1]`` holds exactly the train images of a
+    ``phantom:N`` build of seed 0 and of seed 1 (the efficiency recipe's "plain on the students' and the
+    teacher's images"). ``split`` puts every study in that split: an evaluation phantom drawn with its
+    own source seed is all ``test``, a set no choice of a recipe reads.
+    """
 
     requires_images = True
 
-    def __init__(self, n: int, seed: int = 0, size: int = 256):
+    def __init__(self, n: int, seed: int | list = 0, size: int = 256, split: str | None = None):
         if n < 0:
             raise ValueError(f"phantom: n must be >= 0, got {n}")
         if size < 16:
             raise ValueError(f"phantom: size must be >= 16 px, got {size}")
-        self.n, self.seed, self.size = int(n), int(seed), int(size)
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"phantom: split must be one of {SPLITS}, got {split!r}")
+        seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else [int(seed)]
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"phantom: seeds must be distinct and at least one, got {seed!r}")
+        self.n, self.seeds, self.size, self.split = int(n), seeds, int(size), split
+        self.seed = seeds[0]
         self.name = f"phantom:{self.n}"
         self.skipped = SkipLog()  # generated records are never bad
 
     def __len__(self) -> int:
-        return self.n
+        return self.n * len(self.seeds)
 
     def __iter__(self) -> Iterator[Record]:
-        for index in range(self.n):
-            yield phantom_record(self.seed, index, self.size)
+        for position, seed in enumerate(self.seeds):
+            prefix = f"s{seed}-" if position else ""
+            for index in range(self.n):
+                yield phantom_record(seed, index, self.size, self.split, prefix)
 
     def describe(self) -> dict:
-        return {"kind": "phantom", "name": self.name, "n": self.n, "seed": self.seed, "size": self.size,
+        seed = self.seeds if len(self.seeds) > 1 else self.seed
+        split = {"split": self.split} if self.split else {}  # absent: by subject, 80/10/10
+        return {"kind": "phantom", "name": self.name, "n": self.n, "seed": seed, "size": self.size, **split,
                 "version": PHANTOM_VERSION, "normal_fraction_target": NORMAL_P,
                 "boxes": "one per finding in rendered-image pixels, with its side; bilateral findings get one box per lung"}
 

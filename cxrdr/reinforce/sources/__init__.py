@@ -9,7 +9,8 @@
 | ``iu-xray:DIR`` | Open-i IU X-ray reports + MeSH (``cxrdr.reinforce.sources.iu_xray``) |
 | ``jsonl:PATH`` / ``csv:PATH`` | generic rows, columns mapped by flags (``cxrdr.reinforce.sources.tabular``) |
 
-Options (CLI flags map 1:1; ``None`` means "not given"): image_root, seed, size (phantom),
+Options (CLI flags map 1:1; ``None`` means "not given"): image_root, seed (phantom: one or a list), size
+and split (phantom: every study in that split),
 min_report_chars (30), frontal_only, scene_graphs and label_order (mimic), col_id, col_image,
 col_report, col_findings, col_impression, col_labels, col_split, col_subject, col_study, col_view,
 col_triples, col_boxes, labels_format (jsonl/csv). An option a source does not use is ignored
@@ -35,7 +36,7 @@ _COLUMN_FLAGS = ("col_id", "col_image", "col_report", "col_findings", "col_impre
                  "col_split", "col_subject", "col_study", "col_view", "col_triples", "col_boxes")
 # Options each scheme understands, and the defaults at which an unused option is not worth a note.
 _ACCEPTS = {
-    "phantom": ("seed", "size"),
+    "phantom": ("seed", "size", "split"),
     "mimic": ("image_root", "scene_graphs", "frontal_only", "min_report_chars", "label_order"),
     "iu-xray": ("image_root", "min_report_chars", "frontal_only"),
     "jsonl": ("image_root", "min_report_chars", "labels_format", "frontal_only") + _COLUMN_FLAGS,
@@ -92,7 +93,7 @@ def open_source(spec: str, **options) -> Source:
             raise _bad_spec(spec, f"phantom count must be an integer, got {arg!r}") from None
         if n <= 0:
             raise _bad_spec(spec, "phantom count must be positive")
-        return PhantomSource(n, seed=int(used.get("seed", 0)), size=int(used.get("size", 256)))
+        return PhantomSource(n, seed=used.get("seed", 0), size=int(used.get("size", 256)), split=used.get("split"))
     if scheme == "mimic":
         return MimicSource(spec, Path(arg), **used)
     if scheme == "iu-xray":
@@ -109,7 +110,12 @@ def parse_source_options(pairs: list[str] | None) -> dict:
         if not sep or not key:
             raise ValueError(f"bad source option {pair!r}: expected KEY=VALUE")
         low = value.strip().lower()
-        if key in ("min_report_chars", "seed", "size"):
+        if key == "seed" and "," in value:  # phantom: several source seeds
+            try:
+                out[key] = [int(v) for v in value.split(",")]
+            except ValueError:
+                raise ValueError(f"bad source option {pair!r}: seed needs integers") from None
+        elif key in ("min_report_chars", "seed", "size"):
             try:
                 out[key] = int(value)
             except ValueError:

@@ -29,11 +29,17 @@ HEADERS = {
     "k_ratio": "k_ratio", "synthetic_train_img_per_s": "synth train img/s",
     "mean_recall_x_chance": "mean R / chance", "pointing_z_x_chance": "PG z / chance",
     "pointing_attn_x_chance": "PG attn / chance", "step_memory_delta_mb": "step +MB",
+    "mean_recall_findings": "mean R (same findings)", "oracle_mean_recall": "mean R oracle",
+    "train_prior_pointing_z": "PG z train prior", "train_prior_pointing_attn": "PG attn train prior",
+    "pointing_z_pathology": "PG z pathology", "train_prior_pointing_z_pathology": "PG z path. train prior",
 }
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
-                   "chance_mean_recall", "mean_recall_sametext", "n_candidates", "probe_auc", "zeroshot_auc",
-                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z",
-                   "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "iou_attn", "distance_ratio"]
+                   "chance_mean_recall", "oracle_mean_recall", "mean_recall_sametext", "mean_recall_findings",
+                   "n_candidates", "probe_auc", "zeroshot_auc",
+                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "train_prior_pointing_z", "iou_z",
+                   "pointing_z_pathology", "train_prior_pointing_z_pathology",
+                   "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "train_prior_pointing_attn",
+                   "iou_attn", "distance_ratio"]
 COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "synthetic_train_img_per_s", "latency_ms", "peak_memory_mb",
                 "step_memory_delta_mb", "gflops_per_img", "patch_usage_pct"]
 
@@ -127,6 +133,10 @@ def eval_markdown(results: dict) -> str:
     out += ["## Retrieval", "",
             f"{r.get('n_candidates')} candidates ({r.get('candidates')}); "
             f"{r.get('n_unique_texts')} distinct texts. 'same text' counts identical reports as correct.", "",
+            f"Strict mean R **{fmt(r.get('mean_recall'))}** (chance {fmt(r.get('chance_mean_recall'))}, "
+            f"findings-oracle ceiling {fmt(r.get('oracle_mean_recall'))}: a model that knows each study's "
+            f"findings and nothing else); same findings counted correct **{fmt(r.get('mean_recall_findings'))}** "
+            f"({r.get('n_finding_sets')} finding sets).", "",
             "| direction | R@1 | R@5 | R@10 | median rank | R@1 same text | R@5 same text | R@10 same text |",
             "|---|---|---|---|---|---|---|---|"]
     for d in ("i2t", "t2i"):
@@ -335,28 +345,33 @@ def localisation_markdown(lo: dict) -> list[str]:
            "Pointing game: a hit when the map's maximum is inside a target box (z: any box of the image; "
            "attention: the boxes of the finding its words name). *chance*: a uniformly random heatmap "
            "on the same grid and targets. *prior*: the pointing game of the mean map of the other images "
-           "(the same map for every image: what a model that does not look at the image can score).", "",
-           "| heatmap | pointing game | chance | x chance | prior | IoU | chance IoU | Dice | targets | boxes |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "(the same map for every image: what a model that does not look at the image can score). "
+           "*train prior*: one fixed map of how often each patch lies in a train-split box (z: any box; "
+           "attention: that finding's boxes), the strongest image-blind baseline.", "",
+           "| heatmap | pointing game | chance | x chance | prior | train prior | IoU | chance IoU | Dice | "
+           "targets | boxes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def row(name, a):
         pg, ch = a.get("pointing_game"), a.get("chance_pointing_game")
         times = pg / ch if pg is not None and ch and math.isfinite(pg) else None
         return (f"| {name} | {fmt(pg)} | {fmt(ch)} | {fmt(times)} | {fmt(a.get('prior_pointing_game'))} | "
-                f"{fmt(a.get('iou'))} | "
+                f"{fmt(a.get('train_prior_pointing_game'))} | {fmt(a.get('iou'))} | "
                 f"{fmt(a.get('chance_iou'))} | {fmt(a.get('dice'))} | {a.get('n', 0)} | {a.get('n_boxes', 0)} |")
 
-    for k in ("mask", "attention"):
-        out.append(row(k, lo[k]))
+    out.append(row("mask", lo["mask"]))
+    if lo["mask"].get("pathology", {}).get("n"):
+        out.append(row("mask, pathology boxes only", lo["mask"]["pathology"]))
+    out.append(row("attention", lo["attention"]))
     if lo.get("per_label"):
         out += ["", "Per label (z: is the mask's peak on this finding; attention: of its words):", "",
-                "| label | PG z | chance z | PG attn | chance attn | IoU attn | targets attn |",
-                "|---|---|---|---|---|---|---|"]
+                "| label | PG z | chance z | PG attn | chance attn | train prior attn | IoU attn | targets attn |",
+                "|---|---|---|---|---|---|---|---|"]
         for lab, d in lo["per_label"].items():
             m, a = d.get("mask", {}), d.get("attention", {})
             out.append(f"| {lab} | {fmt(m.get('pointing_game'))} | {fmt(m.get('chance_pointing_game'))} | "
                        f"{fmt(a.get('pointing_game'))} | {fmt(a.get('chance_pointing_game'))} | "
-                       f"{fmt(a.get('iou'))} | {a.get('n', 0)} |")
+                       f"{fmt(a.get('train_prior_pointing_game'))} | {fmt(a.get('iou'))} | {a.get('n', 0)} |")
     m, a = lo["mask"], lo["attention"]
     out += ["", "Collapse checks (mean pairwise cosine of heatmaps; near 1 = the same map whatever the input; "
             "entropy / log cells, 1 = uniform):", "",

@@ -5,6 +5,12 @@ that study's report). Normal CXR reports repeat verbatim a lot, so the strict me
 model for ranking another study's *identical* report first; the ``*_sametext`` variant counts
 any candidate whose (whitespace/case-normalised) text equals the query's own text as correct.
 
+Retrieval strictness: studies with the same findings differ only in the wording of their reports,
+which an image cannot tell apart. With ``findings`` (one hashable finding set per row, e.g. the positive
+labels) the ``*_findings`` variant counts any candidate with the query's finding set as correct, and
+``oracle_mean_recall`` is the strict mean recall of a model that knows every study's findings and
+nothing else (same-finding candidates first, in random order): the ceiling of the strict metric.
+
 Ties are broken pessimistically (a wrong candidate with the same similarity as the right one
 ranks ahead of it), so degenerate constant embeddings score chance, not 100%.
 Recalls are fractions in [0, 1]; ``n_candidates`` is the gallery size of each direction.
@@ -62,13 +68,28 @@ def _recalls(ranks: np.ndarray, ks, prefix: str, suffix: str = "") -> dict:
     return out
 
 
-def retrieval_metrics(img_emb, txt_emb, texts=None, ks=(1, 5, 10)) -> dict:
+def _group_ids(keys) -> torch.Tensor:
+    ids: dict = {}
+    return torch.tensor([ids.setdefault(k, len(ids)) for k in keys])
+
+
+def oracle_mean_recall(findings, ks=(1, 5, 10)) -> float:
+    """Expected strict mean recall of a findings oracle: the true item is uniformly placed among the g
+    candidates that share its finding set (all ranked first), so R@K = min(K, g) / g per query."""
+    groups = _group_ids(findings)
+    sizes = torch.bincount(groups)[groups].double().numpy()
+    return float(np.mean([np.mean(np.minimum(k, sizes) / sizes) for k in ks]))
+
+
+def retrieval_metrics(img_emb, txt_emb, texts=None, ks=(1, 5, 10), findings=None) -> dict:
     """Recall@K image->text (i2t) and text->image (t2i) for paired rows.
 
     Returns ``{"i2t_R@1", ..., "t2i_R@10", "i2t_median_rank", "t2i_median_rank",
     "mean_recall" (mean of all i2t/t2i R@K), "n_candidates"}``; when ``texts`` (the N
     retrieval texts) are given, also the same keys with suffix ``_sametext`` (identical
-    texts count as correct), "mean_recall_sametext" and "n_unique_texts".
+    texts count as correct), "mean_recall_sametext" and "n_unique_texts"; with ``findings`` (one
+    hashable finding set per row) the suffix ``_findings`` (same finding set counts as correct),
+    "mean_recall_findings", "oracle_mean_recall" and "n_finding_sets".
     """
     img = _as_tensor(img_emb)
     txt = _as_tensor(txt_emb)
@@ -90,13 +111,23 @@ def retrieval_metrics(img_emb, txt_emb, texts=None, ks=(1, 5, 10)) -> dict:
     if texts is not None:
         if len(texts) != n:
             raise ValueError(f"texts has {len(texts)} entries for {n} embedding pairs")
-        ids = {}
-        groups = torch.tensor([ids.setdefault(normalise_text(t), len(ids)) for t in texts])
-        same = groups[:, None] == groups[None, :]
-        out.update(_recalls(correct_ranks(sim, same), ks, "i2t", "_sametext"))
-        out.update(_recalls(correct_ranks(sim.T.contiguous(), same.T.contiguous()), ks, "t2i",
-                            "_sametext"))
-        out["mean_recall_sametext"] = float(np.mean(
-            [out[f"{d}_R@{k}_sametext"] for d in ("i2t", "t2i") for k in ks]))
-        out["n_unique_texts"] = len(ids)
+        groups = _group_ids([normalise_text(t) for t in texts])
+        out.update(_grouped_recalls(sim, groups, ks, "_sametext"))
+        out["n_unique_texts"] = int(groups.max()) + 1
+    if findings is not None:
+        if len(findings) != n:
+            raise ValueError(f"findings has {len(findings)} entries for {n} embedding pairs")
+        groups = _group_ids(findings)
+        out.update(_grouped_recalls(sim, groups, ks, "_findings"))
+        out["oracle_mean_recall"] = oracle_mean_recall(findings, ks)
+        out["n_finding_sets"] = int(groups.max()) + 1
+    return out
+
+
+def _grouped_recalls(sim: torch.Tensor, groups: torch.Tensor, ks, suffix: str) -> dict:
+    """R@K both ways where every candidate of the query's group counts as correct, and their mean."""
+    same = groups[:, None] == groups[None, :]
+    out = _recalls(correct_ranks(sim, same), ks, "i2t", suffix)
+    out.update(_recalls(correct_ranks(sim.T.contiguous(), same.T.contiguous()), ks, "t2i", suffix))
+    out[f"mean_recall{suffix}"] = float(np.mean([out[f"{d}_R@{k}{suffix}"] for d in ("i2t", "t2i") for k in ks]))
     return out

@@ -41,6 +41,7 @@ from cxrdr.train.evaluation.zeroshot import (encode_prompts, load_prompts, multi
 
 
 def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_split: str = "train",
+             train_shards=None,
              text_section: str = "both", batch_size: int = 64, max_samples: int | None = None,
              probe_max_train: int | None = 10000, prompts=None, min_positives: int = 5,
              n_5x200: int = 200, n_localisation: int = 64, n_faithfulness: int = 16,
@@ -48,6 +49,9 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
              efficiency_batch: int = 32, n_plots: int = 6, seed: int = 0, device: str | None = None,
              progress: bool = True, quiet: bool = False) -> dict:
     """Run every metric on ``split`` of ``shards_dir``; write eval.json/eval.md/PNGs to ``out_dir``.
+
+    ``train_shards`` (default ``shards_dir``) holds the ``train_split`` the linear probe is fitted on and
+    whose boxes make the train-box prior of the localisation: the report set may be a folder of its own.
 
     Returns the results dict (``results["summary"]`` is the flat row of headline numbers).
     """
@@ -74,7 +78,9 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
     _retrieval(results, ids, em, samples, texts, img, batch_size)
     ids["all"] = [s.key for s in samples]
     labels = np.asarray([s.labels for s in samples], dtype=np.float64)
-    train_rows = _train_split_embeddings(em, shards_dir, train_split, probe_max_train, batch_size, progress)
+    train_shards = shards_dir if train_shards is None else train_shards
+    results["meta"]["train_shards"] = str(train_shards)
+    train_rows = _train_split_embeddings(em, train_shards, train_split, probe_max_train, batch_size, progress)
     if train_rows is None:
         results["probe"] = {"skipped": f"no {train_split!r} split in the shards"}
     else:
@@ -89,7 +95,7 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
     if em.is_student:
         localisation, faithfulness, plots = localisation_and_faithfulness(
             em, samples, texts, n_localisation, n_faithfulness, faith_steps, top_fraction, n_plots,
-            seed, progress)
+            seed, progress, train_boxes=_train_boxes(train_shards, train_split))
         results["localisation"], results["faithfulness"] = localisation, faithfulness
         ids.update(plots.get("ids", {}))
     if efficiency:
@@ -110,9 +116,17 @@ def _retrieval(results: dict, ids: dict, em: EvalModel, samples: list, texts: li
     rows = one_per_study([s.key for s in samples], [s.meta.get("study_id") for s in samples],
                          [s.meta.get("view") for s in samples])
     txt = embed_texts(em, [texts[i] for i in rows], batch_size)
-    results["retrieval"] = retrieval_metrics(img[rows], txt, texts=[texts[i] for i in rows])
+    findings = [finding_set(samples[i].labels) for i in rows]
+    results["retrieval"] = retrieval_metrics(img[rows], txt, texts=[texts[i] for i in rows], findings=findings)
     results["retrieval"]["candidates"] = "one frontal image per study and its text"
+    results["retrieval"]["findings_equivalence"] = "same set of positive labels"
     ids["retrieval"] = [samples[i].key for i in rows]
+
+
+def finding_set(labels) -> tuple[int, ...]:
+    """A study's finding set for findings-equivalent retrieval: the indices of its positive labels."""
+    values = np.asarray(labels, dtype=np.float64)
+    return tuple(int(i) for i in np.flatnonzero(values == 1))
 
 
 def _zeroshot(results: dict, ids: dict, em: EvalModel, samples: list, img: np.ndarray, labels: np.ndarray,
@@ -148,6 +162,18 @@ def _train_split_embeddings(em, shards_dir, split, max_rows, batch_size, progres
             "keys": [s.key for s in chosen]}
 
 
+def _train_boxes(shards_dir, split: str) -> list[tuple]:
+    """(width, height, boxes) of every image of ``split`` with boxes: the train-box prior's input."""
+    if not int(read_dataset_info(shards_dir).get("counts", {}).get(split, 0) or 0):
+        return []
+    out = []
+    for s in iter_samples(shards_dir, split):
+        if s.meta.get("boxes"):
+            width, height = s.meta.get("image_size") or s.image().size
+            out.append((width, height, s.meta["boxes"]))
+    return out
+
+
 def _get(d: dict, *path, default=None):
     for p in path:
         if not isinstance(d, dict) or p not in d:
@@ -164,6 +190,8 @@ def summary_row(results: dict) -> dict:
         "t2i_R@1": r.get("t2i_R@1"), "t2i_R@5": r.get("t2i_R@5"), "t2i_R@10": r.get("t2i_R@10"),
         "mean_recall": r.get("mean_recall"), "chance_mean_recall": r.get("chance_mean_recall"),
         "mean_recall_sametext": r.get("mean_recall_sametext"),
+        "mean_recall_findings": r.get("mean_recall_findings"),
+        "oracle_mean_recall": r.get("oracle_mean_recall"),
         "n_candidates": r.get("n_candidates"),
         "probe_auc": _get(results, "probe", "mean_auc"), "probe_ap": _get(results, "probe", "mean_ap"),
         "zeroshot_auc": _get(results, "zeroshot", "mean_auc"),
@@ -173,9 +201,14 @@ def summary_row(results: dict) -> dict:
         "dice_z": _get(results, "localisation", "mask", "dice"),
         "chance_pointing_z": _get(results, "localisation", "mask", "chance_pointing_game"),
         "prior_pointing_z": _get(results, "localisation", "mask", "prior_pointing_game"),
+        "train_prior_pointing_z": _get(results, "localisation", "mask", "train_prior_pointing_game"),
+        "pointing_z_pathology": _get(results, "localisation", "mask", "pathology", "pointing_game"),
+        "train_prior_pointing_z_pathology": _get(results, "localisation", "mask", "pathology",
+                                                 "train_prior_pointing_game"),
         "pointing_attn": _get(results, "localisation", "attention", "pointing_game"),
         "chance_pointing_attn": _get(results, "localisation", "attention", "chance_pointing_game"),
         "prior_pointing_attn": _get(results, "localisation", "attention", "prior_pointing_game"),
+        "train_prior_pointing_attn": _get(results, "localisation", "attention", "train_prior_pointing_game"),
         "iou_attn": _get(results, "localisation", "attention", "iou"),
         "deletion_auc": _get(results, "faithfulness", "deletion_auc"),
         "insertion_auc": _get(results, "faithfulness", "insertion_auc"),

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from cxrdr.common import augment
 from cxrdr.common.shards import Sample
+from cxrdr.train.evaluation import box_prior
 from cxrdr.train.evaluation import faithfulness as faith
 from cxrdr.train.evaluation import localisation as loc
 from cxrdr.train.evaluation.embedding import EvalModel, embed_texts, full_view
@@ -26,6 +27,9 @@ class _Tally:
     """What the pass collects over the images."""
 
     mask_scores: list = field(default_factory=list)
+    pathology_scores: list = field(default_factory=list)  # z against pathology boxes only (no devices)
+    pathology_targets: list = field(default_factory=list)
+    grid: tuple | None = None
     attn_scores: list = field(default_factory=list)
     per_label: dict = field(default_factory=dict)
     no_tokens: list = field(default_factory=list)
@@ -64,8 +68,9 @@ class _Forward:
 def localisation_and_faithfulness(model: EvalModel, samples: list[Sample], texts: list[str],
                                   n_localisation: int, n_faithfulness: int, steps: int,
                                   top_fraction: float, n_plots: int, seed: int,
-                                  progress: bool) -> tuple[dict, dict, dict]:
-    """Returns (localisation results, faithfulness results, plot material)."""
+                                  progress: bool, train_boxes: list | None = None) -> tuple[dict, dict, dict]:
+    """Returns (localisation results, faithfulness results, plot material). ``train_boxes``: the train
+    split's ``(width, height, boxes)`` per image, for the train-box prior baselines (``box_prior``)."""
     phrase_ids = PhraseTokens(model.module)
     with_boxes = [i for i in range(len(samples)) if samples[i].meta.get("boxes")][:n_localisation]
     faith_rows = list(range(len(samples)))[:n_faithfulness]
@@ -74,6 +79,7 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[Sample], texts
     for i in tqdm(sorted(set(with_boxes) | set(faith_rows)), desc="localisation/faithfulness",
                   disable=not progress, leave=False):
         f = _forward(model, samples[i], texts[i])
+        tally.grid = f.grid
         # the plot shows z's soft scores, the map its pointing game scores (the hard Top-K of the same
         # order keeps a fixed share of patches and looks alike across images whatever it ranks first)
         item = {"key": f.sample.key, "image": f.view[0].numpy(), "z": f.z_heat, "boxes": [], "attn": []}
@@ -85,7 +91,8 @@ def localisation_and_faithfulness(model: EvalModel, samples: list[Sample], texts
             tally.plots.append(item)
     ids_used = {"localisation": [samples[i].key for i in with_boxes],
                 "faithfulness": [samples[i].key for i in faith_rows]}
-    return (_localisation_results(tally, len(with_boxes), top_fraction), _faithfulness_results(tally, steps),
+    return (_localisation_results(tally, len(with_boxes), top_fraction, train_boxes),
+            _faithfulness_results(tally, steps),
             {"heatmaps": varied_plots(tally.plots, n_plots), "ids": ids_used})
 
 
@@ -118,6 +125,11 @@ def _score_localisation(tally: _Tally, f: _Forward, item: dict, phrase_ids: Phra
                                   "n_boxes": sum(len(m) for m in targets.values())})
         tally.z_maps.append(f.z_heat)
         tally.z_targets.append(everything)
+        pathology = [g for label, masks in targets.items() if box_prior.is_pathology(label) for g in masks]
+        if pathology:
+            tally.pathology_scores.append({**loc.localisation_scores(f.z_heat, np.any(pathology, axis=0),
+                                                                     top_fraction), "n_boxes": len(pathology)})
+            tally.pathology_targets.append(np.any(pathology, axis=0))
         for label, masks in targets.items():  # per label: is z's peak on this finding?
             tally.label(label)["mask"].append(
                 {**loc.localisation_scores(f.z_heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks)})
@@ -178,22 +190,45 @@ def _cross_view_jaccard(model: EvalModel, f: _Forward, views: list[dict], top_fr
     return faith.cross_view_jaccard(heats[0], views[0], heats[1], views[1], image.size, k, f.grid)
 
 
-def _localisation_results(tally: _Tally, n_images: int, top_fraction: float) -> dict:
-    return {
+def _localisation_results(tally: _Tally, n_images: int, top_fraction: float, train_boxes: list | None) -> dict:
+    per_label = {lab: {k: loc.aggregate(v) for k, v in d.items()} for lab, d in sorted(tally.per_label.items())}
+    out = {
         "mask": {**loc.aggregate(tally.mask_scores), "image_similarity": loc.map_similarity(tally.z_maps),
                  "entropy": _nanmean([loc.normalised_entropy(m) for m in tally.z_maps]),
-                 "prior_pointing_game": loc.prior_pointing_game(tally.z_maps, tally.z_targets)},
+                 "prior_pointing_game": loc.prior_pointing_game(tally.z_maps, tally.z_targets),
+                 "pathology": loc.aggregate(tally.pathology_scores)},
         "attention": {**loc.aggregate(tally.attn_scores),
                       "prior_pointing_game": _attention_prior(tally),
                       "image_similarity": _nanmean([loc.map_similarity(m) for m in tally.attn_maps.values()]),
                       "word_similarity": _nanmean(tally.word_similarity),
                       "entropy": _nanmean(tally.entropies_attn)},
-        "targets": "pointing game per target: z - any box of the image; attention - the boxes of that label",
-        "per_label": {lab: {k: loc.aggregate(v) for k, v in d.items()} for lab, d in sorted(tally.per_label.items())},
+        "targets": "pointing game per target: z - any box of the image (mask.pathology: pathology boxes "
+                   "only, no support devices); attention - the boxes of that label",
+        "per_label": per_label,
         "n_images": n_images, "top_fraction": top_fraction,
         "boxes_without_finding_tokens": tally.no_tokens,
         "heatmap_z": "soft mask scores (same order as z, no ties)",
     }
+    if train_boxes and tally.grid is not None:
+        _add_train_priors(out, tally, box_prior.box_frequency_maps(train_boxes, tally.grid))
+    return out
+
+
+def _add_train_priors(out: dict, tally: _Tally, maps: dict) -> None:
+    """The train-box prior's pointing game beside every model score it baselines (``box_prior``)."""
+    out["mask"]["train_prior_pointing_game"] = box_prior.fixed_map_pointing_game(maps["any"], tally.z_targets)
+    out["mask"]["pathology"]["train_prior_pointing_game"] = box_prior.fixed_map_pointing_game(
+        maps["pathology"], tally.pathology_targets)
+    out["attention"]["train_prior_pointing_game"] = box_prior.label_prior_pointing_game(
+        maps["labels"], maps["any"], tally.attn_targets)
+    for label, scores in out["per_label"].items():
+        targets = tally.attn_targets.get(label, [])
+        own = maps["labels"].get(label, maps["any"])
+        if "attention" in scores and targets:
+            scores["attention"]["train_prior_pointing_game"] = box_prior.fixed_map_pointing_game(own, targets)
+    out["train_prior"] = {"n_images": maps["n_images"], "n_images_per_label": maps["n_images_per_label"],
+                          "what": "fixed map: how often each patch lies in a train-split box (class-agnostic "
+                                  "for z, that label's boxes for the attention); its single peak is scored"}
 
 
 def _attention_prior(tally: _Tally) -> float:
