@@ -26,10 +26,12 @@ import typer
 
 from cxrdr.experiments.efficiency_report import QUALITY, efficiency_markdown, plot_efficiency
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import ensure_shards, eval_curve, evaluate_run, report_set, result_row, run_training
+from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
+                                   result_row, run_training)
 from cxrdr.experiments.stats import crossing_ratio, mean_curve, mean_sd, samples_to_target, t_interval
 from cxrdr.experiments.teacher_prep import prepare_teachers, teacher_seconds
 from cxrdr.train.evaluation.report import seed_summary, write_json
+from cxrdr.train.config import TrainConfig
 from cxrdr.train.loop import Trainer
 
 DEFAULT_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
@@ -50,33 +52,53 @@ def curve_set(recipe: dict, shards: Path) -> dict:
     return {"eval_split": report_split, **({"eval_shards": str(report_shards)} if separate else {})}
 
 
-def _train_arm(recipe: dict, shards: Path, out_dir: Path, name: str, overrides: dict, seeds: list[int]) -> dict:
-    """Every seed of one arm. A run's ``shards: {dir, build}`` trains it on shards of its own (e.g. plain on
-    the students' and the teacher's images); its final evaluation still reads the report set, and its probe
-    is fitted on the recipe's training shards, as every arm's is."""
+def _arm_runs(recipe: dict, shards: Path, out_dir: Path, name: str, overrides: dict,
+              seeds: list[int]) -> list[tuple[int, TrainConfig]]:
+    """(seed, config) of every run of one arm. A run's ``shards: {dir, build}`` trains it on shards of its
+    own (e.g. plain on the students' and the teacher's images); its final evaluation still reads the report
+    set, and its probe is fitted on the recipe's training shards, as every arm's is."""
     spec = recipe.get("efficiency") or {}
     every = spec.get("eval_every_samples")
     overrides = dict(overrides)
     own_shards = overrides.pop("shards", None)
     train_shards = ensure_shards(own_shards) if own_shards else shards
     curves = curve_set(recipe, shards)
-    seed_rows, records = [], []
+    runs = []
     for seed in seeds:
         run_dir = out_dir / "runs" / name / f"seed-{seed}"
         base = train_config(recipe, train_shards, run_dir, overrides, "efficiency")
         per_step = base.batch_size * base.accum_steps
         eval_every = max(1, round(every / per_step)) if every else 0
-        cfg = train_config(recipe, train_shards, run_dir, {"eval_every": eval_every, **curves,
-                                                           "seed": int(seed), **overrides}, "efficiency")
+        runs.append((int(seed), train_config(recipe, train_shards, run_dir,
+                                             {"eval_every": eval_every, **curves, "seed": int(seed), **overrides},
+                                             "efficiency")))
+    return runs
+
+
+def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, TrainConfig]]]) -> dict:
+    """Train and evaluate every run, each while holding its folder's lock (``claimed_in_turn``), so two
+    copies of the command split the runs; then per arm its rows and records, in seed order."""
+    jobs = {Path(cfg.out): (name, seed, cfg, seed == runs[0][0])
+            for name, runs in arm_runs.items() for seed, cfg in runs}
+
+    def train_and_evaluate(run_dir: Path, lock) -> tuple[dict, dict]:
+        name, seed, cfg, first = jobs[run_dir]
+        per_step = cfg.batch_size * cfg.accum_steps
         typer.echo(f"[efficiency] {name} seed {seed}: {cfg.steps} steps x {per_step} samples (mode {cfg.mode}, "
-                   f"online teacher {cfg.online_teacher}, shards {train_shards})", err=True)
-        summary = run_training(cfg, recipe.get("reuse_runs", True))
+                   f"online teacher {cfg.online_teacher}, shards {cfg.shards})", err=True)
+        summary = run_training(cfg, recipe.get("reuse_runs", True), lock=lock)
         results = evaluate_run(recipe, run_dir, shards, recipe.get("isolated_efficiency", False),
-                               efficiency=seed == seeds[0])  # cost is the architecture's: one seed
-        seed_rows.append(result_row(name, summary, results, per_step))
-        records.append({"seed": int(seed), "train_config": cfg.to_dict(), "train_summary": summary,
-                        "curve": eval_curve(run_dir, per_step), "final": results["summary"]})
-    return {"rows": seed_rows, "seeds": records}
+                               efficiency=first)  # cost is the architecture's: one seed
+        record = {"seed": seed, "train_config": cfg.to_dict(), "train_summary": summary,
+                  "curve": eval_curve(run_dir, per_step), "final": results["summary"]}
+        return result_row(name, summary, results, per_step), record
+
+    def busy(run_dir: Path) -> None:
+        typer.echo(f"[efficiency] {run_dir} is being trained by another copy: doing the others first", err=True)
+
+    done = claimed_in_turn(list(jobs), train_and_evaluate, busy)
+    return {name: {"rows": [done[Path(cfg.out)][0] for _, cfg in runs],
+                   "seeds": [done[Path(cfg.out)][1] for _, cfg in runs]} for name, runs in arm_runs.items()}
 
 
 def _arm_row(name: str, arm: dict) -> dict:
@@ -197,8 +219,9 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     seeds = recipe_seeds(recipe, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit
-    trained = {name: _train_arm(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds))
-               for name, overrides in runs.items()}
+    arm_runs = {name: _arm_runs(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds))
+                for name, overrides in runs.items()}
+    trained = _train_arms(recipe, shards, arm_runs)  # two copies of the command split the runs
     runs = {name: {k: v for k, v in o.items() if k != "seeds"} for name, o in runs.items()}
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     arms, rows = _summarise_arms(trained, bench)
