@@ -407,9 +407,8 @@ def make_eval_loader(shards_dir: str | Path, split: str, student, batch_size: in
     # Ordered output needs one worker per shard at most; with several workers the order of
     # batches interleaves across shards (still deterministic for a fixed worker count).
     workers = _usable_workers(workers, len(urls), False)
-    # Its own generator: an evaluation inside a training run leaves the global torch RNG untouched.
     return DataLoader(dataset, batch_size=None, num_workers=workers,
-                      prefetch_factor=2 if workers > 0 else None, generator=torch.Generator().manual_seed(0))
+                      prefetch_factor=2 if workers > 0 else None)
 
 
 def _usable_workers(workers: int, n_shards: int, resampled: bool) -> int:

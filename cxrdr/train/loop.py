@@ -45,7 +45,7 @@ from cxrdr.train.losses import loss_balance
 from cxrdr.train.models import StudentConfig, build_student
 from cxrdr.train.optim import apply_stage, build_optimizer, build_scheduler
 from cxrdr.train.quick_eval import quick_evaluate
-from cxrdr.train.rng import rng_state, seed_everything, set_rng_state
+from cxrdr.train.rng import preserved_rng, rng_state, seed_everything, set_rng_state
 from cxrdr.train.runfolder import (RESUME_OVERRIDABLE, MetricsLog, check_run_folder, data_conflicts, data_source,
                                    json_default, lock_run_folder, resume_conflicts)
 from cxrdr.train.stream import StreamState, make_stream_loader
@@ -319,9 +319,10 @@ class Trainer:
             return False
         if self.main:
             t0 = time.perf_counter()
-            metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
-                                     recall_weight=self.cfg.recall_weight,
-                                     max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed)
+            with preserved_rng():
+                metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
+                                         recall_weight=self.cfg.recall_weight,
+                                         max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed)
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:
