@@ -5,6 +5,7 @@ Tiny data (the session's phantom:40 shards), the tiny-A student, a few steps of 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -22,6 +23,9 @@ import torch
 from tests.test_faults import _rewrite_member, assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("kill_resume", REPO / "benchmarks" / "kill_resume.py")
+kill_resume = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kill_resume)  # the by-hand check's kill and compare, shared
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Saved every 5 steps, killed at steps that 5 mostly does not divide: the lost steps are redone.
@@ -33,39 +37,6 @@ def _flags(settings: dict) -> list[str]:
     for name, value in settings.items():
         out += [f"--{name.replace('_', '-')}", str(value)]
     return out + ["--no-progress"]
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-
-
-def _last_step(run: Path) -> int:
-    metrics = run / "metrics.jsonl"
-    if not metrics.is_file():
-        return -1
-    steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines() if line.strip()]
-    return max(steps, default=-1)
-
-
-def _kill_at(cmd: list[str], run: Path, step: int, timeout: float = 120.0) -> int:
-    """Start ``cmd`` in its own process group, SIGKILL the whole group (workers, ranks: what a
-    preemption does) once the run logged ``step``; the step it had logged."""
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while (reached := _last_step(run)) < step:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run never reached the kill step"
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    while time.monotonic() < deadline:  # the group's workers hold the run folder's lock until they are gone
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.02)
-    return reached
 
 
 def _assert_same(a, b, where: str = "") -> None:
@@ -113,7 +84,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(phantom_shards, tm
            *_flags(dict(settings, out=str(run)))]
     kills = sorted(random.Random(27).sample(range(2, 13), 3))
     for at in kills:
-        reached = _kill_at(cmd + (["--resume"] if (run / "last.pt").is_file() else []), run, at)
+        reached = kill_resume.kill_group_at(cmd + (["--resume"] if (run / "last.pt").is_file() else []), run, at)
         assert at <= reached < 14
     saved = read_checkpoint(run / "last.pt")["step"]
     assert saved <= reached and saved % 5 == 0
@@ -133,7 +104,7 @@ def _free_port() -> int:
 def _ddp(run: Path, shards: Path, *extra: str) -> list[subprocess.Popen]:
     """The two ranks of a gloo DDP run, started as torchrun would start them (its agent process
     left out: it would double the start-up time); one process group, so one SIGKILL ends both."""
-    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**kill_resume.run_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     cmd = [sys.executable, "-m", "cxrdr.train.cli", "run",
            *_flags(dict(shards=str(shards), out=str(run), steps=12, workers=0, **RUN)), *extra]
     ranks = []
@@ -158,7 +129,7 @@ def test_ddp_run_killed_once_resumes_bit_identical(phantom_shards, tmp_path):
     _wait(_ddp(ref, phantom_shards))
     ranks = _ddp(run, phantom_shards)
     deadline = time.monotonic() + 120
-    while _last_step(run) < 7:
+    while kill_resume.last_step(run) < 7:
         assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline
         time.sleep(0.01)
     os.killpg(ranks[0].pid, signal.SIGKILL)
