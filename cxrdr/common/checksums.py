@@ -7,9 +7,26 @@ bits in a member, and costs ~1 ms per MB; it guards against damage, not against 
 """
 from __future__ import annotations
 
+import json
 import zlib
+from pathlib import Path
+
+from cxrdr.common.shards import shard_index, shard_stats_path
 
 ALGORITHM = "crc32"
+
+
+def recorded_checksums(shard_path: str | Path) -> dict | None:
+    """The "checksums" the build recorded for the shard at ``shard_path`` (in its folder's
+    ``stats/``); None when it recorded none (a build older than checksums, stats gone)."""
+    shard_path = Path(shard_path)
+    stats = shard_stats_path(shard_path.parent, shard_index(shard_path.name))
+    if not stats.is_file():
+        return None
+    try:
+        return json.loads(stats.read_text()).get("checksums")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{stats}: unreadable shard stats ({exc})") from None
 
 
 def member_checksums(sample: dict) -> dict[str, str]:

@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 from cxrdr.common.checksums import checksum_record, member_checksums
-from cxrdr.common.shards import STATS_DIR, part_of, shard_name
+from cxrdr.common.shards import part_of, shard_name, shard_stats_path
 
 TMP_SUFFIX = ".tmp"
 GZIP_LEVEL = 1
 
 
 def stats_path(out_dir: Path, index: int) -> Path:
-    return Path(out_dir) / STATS_DIR / f"{Path(shard_name(index)).stem}.json"
+    return shard_stats_path(out_dir, index)
 
 
 def read_shard_stats(out_dir: Path, index: int) -> dict:

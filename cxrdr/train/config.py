@@ -107,6 +107,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     model_overrides: dict = field(default_factory=dict)  # StudentConfig overrides
+    verify_checksums: bool = _opt(True, "Check every training sample's members against the CRC-32s the build "
+                                        "recorded before use (damage: as --on-corrupt says).")
 
     def __post_init__(self) -> None:
         for name, cls in NESTED.items():  # a mapping (YAML, keyword) becomes the typed config

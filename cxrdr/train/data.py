@@ -15,7 +15,7 @@ Modes:
   teachers' stored embeddings of exactly that crop and caption (plus the report's). This is
   MobileCLIP's B_real (aug image, report) and B_syn (aug image, synthetic caption).
 - ``plain``: the same shards, no teacher embeddings, a fresh augmentation sampled from the
-  dataset's own AugConfig with a per-worker/per-epoch RNG, then replayed by the same function,
+  dataset's own AugConfig with a per-sample RNG (:func:`sample_rng`), then replayed by the same function,
   so "reinforced vs plain" differs only in what the experiment compares.
 - ``eval`` (:func:`make_eval_loader`): no shuffle, deterministic, the full stored image.
 
@@ -24,7 +24,6 @@ the tokenizer callable is taken from the student (see :func:`student_tokenizer`)
 """
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,12 +108,11 @@ def student_tokenizer(student) -> Callable[[list[str]], dict]:
 # --------------------------------------------------------------------------- per-sample view
 
 
-def _worker_rng(seed: int, epoch: int) -> np.random.Generator:
-    """An RNG distinct per (seed, epoch, rank, worker) so workers never draw the same views."""
-    info = torch.utils.data.get_worker_info()
-    worker = info.id if info is not None else 0
-    rank = int(os.environ.get("RANK", 0))
-    return np.random.default_rng(augment.stable_seed("view", seed, epoch, rank, worker))
+def sample_rng(seed: int, epoch: int, draw: int, key: str) -> np.random.Generator:
+    """The RNG of one sample's view and caption in one epoch: a pure function of (seed, epoch, draw,
+    key), so a stream resumed at any position picks what the uninterrupted stream picked, whatever
+    process or worker reads the sample (``draw``: which copy, when a shard is read twice an epoch)."""
+    return np.random.default_rng(augment.stable_seed("view", seed, epoch, draw, key))
 
 
 @dataclass
@@ -134,7 +132,6 @@ class SampleView:
     return_boxes: bool = False
     aug_limit: int | None = None  # use only the first k of the K stored views (ablation of K)
     caption_sources: tuple | None = None  # use only captions of these sources (rdf, normal, report)
-    _rng: np.random.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -142,34 +139,32 @@ class SampleView:
         if self.pick not in PICKS:
             raise ValueError(f"unknown pick {self.pick!r}; expected one of {PICKS}")
 
-    @property
-    def rng(self) -> np.random.Generator:
-        if self._rng is None:  # created lazily, i.e. inside the worker process
-            self._rng = _worker_rng(self.seed, self.epoch)
-        return self._rng
-
-    def _index(self, n: int) -> int:
+    def _index(self, n: int, rng: np.random.Generator, epoch: int) -> int:
         if n <= 0:
             raise ValueError("sample has no stored augmentations/captions to pick from")
         if self.pick == "sequential":
-            return self.epoch % n
-        return int(self.rng.integers(n))
+            return epoch % n
+        return int(rng.integers(n))
 
-    def _caption(self, captions: list, report: str) -> tuple[int, str]:
+    def _caption(self, captions: list, report: str, rng: np.random.Generator,
+                 epoch: int = 0) -> tuple[int, str]:
         """One stored caption (its index into the stored rows); a sample with none of the wanted
         sources falls back to its report (index -1: the report's own embedding)."""
         usable = [i for i, c in enumerate(captions)
                   if self.caption_sources is None or c.get("source") in self.caption_sources]
         if not usable:
             return -1, report
-        index = usable[self._index(len(usable))]
+        index = usable[self._index(len(usable), rng, epoch)]
         return index, captions[index]["text"]
 
     def keep(self, sample: Sample) -> bool:
         return sample.split == self.split
 
-    def __call__(self, sample: Sample) -> dict:
+    def __call__(self, sample: Sample, epoch: int | None = None, draw: int = 0) -> dict:
+        """The example of ``sample`` in ``epoch`` (default: the view's own epoch)."""
         meta, key = sample.meta, sample.key
+        epoch = self.epoch if epoch is None else epoch
+        rng = sample_rng(self.seed, epoch, draw, key)
         image = sample.image()
         width, height = image.size
         teachers_out: dict = {}
@@ -177,17 +172,17 @@ class SampleView:
             aug_index, params = -1, augment.full_image_params(width, height)
         elif self.mode == "plain":
             aug_index = -1
-            params = augment.sample_params(self.rng, width, height, self.aug_config or augment.AugConfig())
+            params = augment.sample_params(rng, width, height, self.aug_config or augment.AugConfig())
         else:
             stored = meta.get("aug") or []
-            aug_index = self._index(min(len(stored), self.aug_limit or len(stored)))
+            aug_index = self._index(min(len(stored), self.aug_limit or len(stored)), rng, epoch)
             params = stored[aug_index]
         captions = meta.get("captions") or []
         if self.full_image or not captions:
             caption_index = -1
             caption = sample.report
         else:
-            caption_index, caption = self._caption(captions, sample.report)
+            caption_index, caption = self._caption(captions, sample.report, rng, epoch)
         if self.mode == "reinforced" and not self.full_image:
             for name in self.teachers:
                 teachers_out[name] = _teacher_rows(sample, name, aug_index, caption_index)
@@ -271,7 +266,7 @@ class Collate:
 # --------------------------------------------------------------------------- loaders
 
 
-def _shuffled_shards(urls: list[str], seed: int, epoch: int) -> list[str]:
+def shuffled_shards(urls: list[str], seed: int, epoch: int) -> list[str]:
     urls = list(urls)
     random.Random(augment.stable_seed("shards", seed, epoch)).shuffle(urls)
     return urls
@@ -291,7 +286,7 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
         stages = [wds.ResampledShards(urls, seed=augment.stable_seed("resample", seed, epoch) % (2**31),
                                       deterministic=True)]
     else:
-        ordered = _shuffled_shards(urls, seed, epoch) if shuffle else list(urls)
+        ordered = shuffled_shards(urls, seed, epoch) if shuffle else list(urls)
         stages = [wds.SimpleShardList(ordered)]
         if node_split:
             stages.append(wds.split_by_node)
@@ -305,6 +300,47 @@ def build_pipeline(urls: list[str], view: SampleView, batch_size: int, *, resamp
     stages.append(wds.map(Guarded(view, policy)))  # None (a skipped sample) is dropped by map
     stages.append(wds.batched(batch_size, collation_fn=collate, partial=not drop_last))
     return wds.DataPipeline(*stages)
+
+
+@dataclass
+class TrainingParts:
+    """What every training stream of a split needs: its tars, sample count, the teachers read,
+    the per-sample view and the collate function."""
+
+    urls: list[str]
+    count: int
+    info: dict
+    teachers: list[str]
+    view: SampleView
+    collate: Collate
+
+
+def training_parts(shards_dir: str | Path, split: str, student, *, mode: str = "reinforced", seed: int = 0,
+                   pick: str = "random", epoch: int = 0, teachers: str | list[str] | None = None,
+                   teacher_image_size: int | None = None, stored_embeddings: bool = True,
+                   image_size: int | None = None, tokenize: Callable | None = None,
+                   aug_limit: int | None = None, caption_sources: list[str] | None = None) -> TrainingParts:
+    """The parts of a training stream of ``split`` (arguments as :func:`make_loader`'s)."""
+    info = read_dataset_info(shards_dir)
+    urls, count = split_shards(shards_dir, split, info)
+    if not urls:
+        raise ValueError(f"{shards_dir}: no shards hold split {split!r} "
+                         f"(counts: {info.get('counts', {})})")
+    if info.get("images") is False:
+        raise ValueError(f"{shards_dir}: a text-only build (dataset.json images: false) cannot train "
+                         f"an image-text student; rebuild with images")
+    names = (select_teachers(info, teachers) if mode == "reinforced" and stored_embeddings else [])
+    if mode == "reinforced" and stored_embeddings and not names:
+        raise ValueError(f"{shards_dir}: reinforced mode needs teacher embeddings, but the shards "
+                         f"hold none; use mode='plain'")
+    aug_cfg = augment.AugConfig.from_json(info["aug"]) if info.get("aug") else augment.AugConfig()
+    view = SampleView(split=split, image_size=int(image_size or student.image_size), mode=mode,
+                      teachers=names, pick=pick, epoch=epoch, seed=seed, aug_config=aug_cfg,
+                      teacher_image_size=teacher_image_size, aug_limit=aug_limit,
+                      caption_sources=tuple(caption_sources) if caption_sources else None)
+    collate = Collate(tokenize if tokenize is not None else
+                      (student_tokenizer(student) if student is not None else None))
+    return TrainingParts(urls, count, info, names, view, collate)
 
 
 def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
@@ -327,27 +363,13 @@ def make_loader(shards_dir: str | Path, split: str, student, batch_size: int, *,
     sources (reinforcement ablations at train time, no rebuild).
     Batches: see :class:`Collate`; ``teacher`` maps name -> {"img": (B,D) or None, "txt", "syn"}.
     """
-    info = read_dataset_info(shards_dir)
-    urls, count = split_shards(shards_dir, split, info)
-    if not urls:
-        raise ValueError(f"{shards_dir}: no shards hold split {split!r} "
-                         f"(counts: {info.get('counts', {})})")
-    if info.get("images") is False:
-        raise ValueError(f"{shards_dir}: a text-only build (dataset.json images: false) cannot train "
-                         f"an image-text student; rebuild with images")
-    names = (select_teachers(info, teachers) if mode == "reinforced" and stored_embeddings else [])
-    if mode == "reinforced" and stored_embeddings and not names:
-        raise ValueError(f"{shards_dir}: reinforced mode needs teacher embeddings, but the shards "
-                         f"hold none; use mode='plain'")
-    aug_cfg = augment.AugConfig.from_json(info["aug"]) if info.get("aug") else augment.AugConfig()
-    view = SampleView(split=split, image_size=int(image_size or student.image_size), mode=mode,
-                      teachers=names, pick=pick, epoch=epoch, seed=seed, aug_config=aug_cfg,
-                      teacher_image_size=teacher_image_size, aug_limit=aug_limit,
-                      caption_sources=tuple(caption_sources) if caption_sources else None)
-    collate = Collate(tokenize if tokenize is not None else
-                      (student_tokenizer(student) if student is not None else None))
-    dataset = build_pipeline(urls, view, batch_size, resampled=resampled, shuffle=shuffle,
-                             shuffle_buffer=shuffle_buffer, seed=seed, epoch=epoch, collate=collate,
+    parts = training_parts(shards_dir, split, student, mode=mode, seed=seed, pick=pick, epoch=epoch,
+                           teachers=teachers, teacher_image_size=teacher_image_size,
+                           stored_embeddings=stored_embeddings, image_size=image_size, tokenize=tokenize,
+                           aug_limit=aug_limit, caption_sources=caption_sources)
+    urls, count, names, info = parts.urls, parts.count, parts.teachers, parts.info
+    dataset = build_pipeline(urls, parts.view, batch_size, resampled=resampled, shuffle=shuffle,
+                             shuffle_buffer=shuffle_buffer, seed=seed, epoch=epoch, collate=parts.collate,
                              node_split=node_split, drop_last=drop_last,
                              policy=CorruptPolicy(on_corrupt, corrupt_log))
     workers = _usable_workers(workers, len(urls), resampled)

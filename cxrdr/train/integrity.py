@@ -9,6 +9,9 @@ Three layers, independent of how a sample's members are laid out:
   sample (bad JSON, image, .npy) is reported with its shard and key.
 - ``check_embedding`` checks decoded teacher embeddings (finite, rows of norm ~1): flipped bytes
   in a float16 .npy give rows of norm 6e4 that would otherwise be distilled from silently.
+- ``ChecksumCheck`` (``train run --verify-checksums``) compares every member's bytes with the
+  CRC-32 the build recorded (``cxrdr.common.checksums``, as ``reinforce verify`` does): a flipped
+  byte in a JPEG that still decodes, or in an embedding whose norm stays near 1, is caught too.
 
 ``CorruptPolicy``: ``stop`` (default) raises ``CorruptDataError`` (one line at the CLI); ``skip``
 logs the sample to ``RUN/skipped.jsonl`` (one JSON line per event; workers append) and goes on.
@@ -25,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from cxrdr.common.checksums import checksum_problems, recorded_checksums
 from cxrdr.common.errors import UserError
 from cxrdr.common.shards import Sample, iter_tar_samples
 
@@ -36,10 +40,15 @@ NORM_TOLERANCE = 0.05
 SAMPLE_ERRORS = (ValueError, OSError, KeyError, IndexError, TypeError, EOFError, SyntaxError,
                  tarfile.TarError)
 SKIP_LOG = "skipped.jsonl"
+CHECKSUM_CACHE = 8  # shards whose recorded checksums a stream keeps (its shuffle buffer spans a few)
 
 
 class CorruptDataError(UserError):
     """A damaged shard or sample met with ``on_corrupt='stop'``."""
+
+
+class ChecksumError(ValueError):
+    """A member's bytes differ from the CRC-32 its build recorded."""
 
 
 def check_embedding(values: np.ndarray, what: str, tolerance: float = NORM_TOLERANCE) -> np.ndarray:
@@ -128,9 +137,9 @@ class Guarded:
     fn: Callable
     policy: CorruptPolicy
 
-    def __call__(self, sample: dict):
+    def __call__(self, sample: dict, *args):
         try:
-            return self.fn(sample)
+            return self.fn(sample, *args)
         except CorruptDataError:
             raise
         except SAMPLE_ERRORS as exc:
@@ -139,3 +148,23 @@ class Guarded:
             else:  # a raw sample the decoder refused
                 self.policy.handle(sample.get("__url__"), sample.get("__key__"), exc)
             return None
+
+
+@dataclass
+class ChecksumCheck:
+    """Raw sample -> the same sample, once each member's CRC-32 equals the one its build recorded
+    (``stats/shard-NNNNNN.json``); ChecksumError naming the member otherwise. Shards whose build
+    recorded no checksums (older builds) pass unchecked."""
+
+    _records: dict = field(default_factory=dict, repr=False)
+
+    def __call__(self, raw: dict) -> dict:
+        url, key = raw["__url__"], raw["__key__"]
+        if url not in self._records:
+            if len(self._records) >= CHECKSUM_CACHE:
+                self._records.pop(next(iter(self._records)))
+            self._records[url] = recorded_checksums(url)
+        problems = checksum_problems("stored bytes", key, raw, self._records[url])
+        if problems:
+            raise ChecksumError(problems[0])
+        return raw

@@ -11,8 +11,12 @@ full resume state.
 DDP (``torchrun``): ``cxrdr.train.distributed`` initialises the group; the student's forward is
 wrapped once per training stage (DDP only syncs parameters that require grad when it is built);
 the objective gathers features across ranks, so the loss is multiplied by the world size before
-``backward`` (see train/distributed.py); each rank resamples its own shards; only rank 0
+``backward`` (see train/distributed.py); each rank streams its own shards; only rank 0
 evaluates and writes.
+
+Exact resume (docs/resume.md): ``last.pt`` holds, besides weights, optimiser, schedulers, GradScaler,
+text queue and every rank's RNG states, the data stream's position (``cxrdr.train.stream``), so a
+run resumed after a kill at any step ends bit-identical to the run never interrupted.
 """
 from __future__ import annotations
 
@@ -34,16 +38,17 @@ from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import load_training_state, save_checkpoint
 from cxrdr.train.config import TrainConfig
-from cxrdr.train.data import make_eval_loader, make_loader, select_teachers, split_shards, teacher_dims
+from cxrdr.train.data import make_eval_loader, select_teachers, split_shards, teacher_dims, training_parts
 from cxrdr.train.device import amp_dtype_for, autocast, resolve_device
-from cxrdr.train.integrity import SKIP_LOG, count_skipped
+from cxrdr.train.integrity import SKIP_LOG, CorruptPolicy, count_skipped
 from cxrdr.train.losses import loss_balance
 from cxrdr.train.models import StudentConfig, build_student
 from cxrdr.train.optim import apply_stage, build_optimizer, build_scheduler
 from cxrdr.train.quick_eval import quick_evaluate
-from cxrdr.train.rng import rng_state, seed_everything, set_rng_state
-from cxrdr.train.runfolder import (RESUME_OVERRIDABLE, MetricsLog, check_run_folder, json_default,
-                                   lock_run_folder, resume_conflicts)
+from cxrdr.train.rng import preserved_rng, rng_state, seed_everything, set_rng_state
+from cxrdr.train.runfolder import (RESUME_OVERRIDABLE, MetricsLog, check_run_folder, data_conflicts, data_source,
+                                   json_default, lock_run_folder, resume_conflicts)
+from cxrdr.train.stream import StreamState, make_stream_loader
 from cxrdr.train.task import Task
 
 
@@ -64,11 +69,13 @@ class Trainer:
         self.out = Path(cfg.out)
         seed_everything(stable_seed("train", cfg.seed, self.rank) % (2**31))
         self._read_data_description()
+        self.data_source = data_source(cfg.shards)
         self._build_task()
         self.optimizer = build_optimizer(self.student, self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, cfg.steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
         self.step = self.data_epoch = self.samples_seen = 0
+        self.stream = StreamState(cfg.workers)  # the data stream's position (cxrdr.train.stream)
         self.best_score, self.best_step, self.evals_since_best = -math.inf, -1, 0
         self.last_eval: dict = {}
         self.train_time = 0.0
@@ -136,7 +143,9 @@ class Trainer:
                 print(f"note: --resume but no {last}: starting from scratch", file=sys.stderr)
             return False
         state = load_training_state(last, map_location="cpu")
-        changed = resume_conflicts(state.get("train_config") or {}, self.cfg.to_dict())
+        saved_cfg = state.get("train_config") or {}
+        changed = resume_conflicts(saved_cfg, self.cfg.to_dict())
+        changed += data_conflicts(state.get("data"), str(saved_cfg.get("shards", "")), self.cfg.shards)
         if changed:
             raise ValueError(f"--resume: {last} was trained with other settings ({'; '.join(changed)}); "
                              f"rerun with the run's settings (changeable on resume: "
@@ -149,9 +158,26 @@ class Trainer:
             first = (str(exc).strip().splitlines() or [""])[0]
             raise ValueError(f"--resume: {last} does not fit the model {self.cfg.model!r}: {first}") from exc
         self._load_loop_state(state)
+        self._load_stream_state(state.get("data") or {}, last)
         if self.main:
             print(f"resumed from {last} at step {self.step}", file=sys.stderr)
         return True
+
+    def _load_stream_state(self, saved: dict, last: Path) -> None:
+        """The data stream's position; a different world size or worker count is refused (each
+        slot's shard partition would change, so would every batch from here on)."""
+        streams = saved.get("streams")
+        if not streams:
+            if self.main:
+                print(f"note: {last} predates stream positions: the data stream restarts at this step, "
+                      f"so the run is not the one that was interrupted", file=sys.stderr)
+            return
+        saved_workers, saved_world = int(next(iter(streams.values()))["workers"]), int(saved["world"])
+        if (saved_world, saved_workers) != (self.world, self.stream.workers):
+            raise ValueError(f"--resume: {last} streamed its data as {saved_world} rank(s) x {saved_workers} "
+                             f"worker(s) (--workers 0 and 1 are alike); resume with the same --workers and "
+                             f"ranks (now {self.world} x {self.stream.workers}), or --overwrite to start afresh")
+        self.stream = StreamState(**streams[str(self.rank)])
 
     def _load_loop_state(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
@@ -173,6 +199,7 @@ class Trainer:
 
     def _state(self) -> dict:
         rngs = dist_utils.all_gather_object(rng_state())
+        streams = dist_utils.all_gather_object(self.stream.to_dict())
         return {
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -182,6 +209,8 @@ class Trainer:
             "loop": {"data_epoch": self.data_epoch, "samples_seen": self.samples_seen,
                      "best_step": self.best_step, "evals_since_best": self.evals_since_best,
                      "train_time": self.train_time},
+            "data": {**self.data_source, "world": self.world,
+                     "streams": {str(r): s for r, s in enumerate(streams)}},
         }
 
     def save(self, name: str) -> None:
@@ -190,34 +219,24 @@ class Trainer:
             save_checkpoint(self.out / name, self.student, **state)
 
     # ---- data -------------------------------------------------------------------------------
-    def _loader(self):
+    def _batches(self):
+        """Endless batches from the stream's position (``self.stream``), which each batch advances."""
         cfg = self.cfg
-        # Random picks stream resampled shards forever; sequential picks need real epochs
-        # (view = epoch % K), so they take one pass per epoch.
-        resampled = cfg.pick == "random"
         teacher_size = None
         if self.teacher is not None and self.teacher.kind == "clip":
             teacher_size = int(self.teacher.image_size)
-        return make_loader(cfg.shards, "train", self.student, cfg.batch_size, mode=cfg.mode,
-                           workers=cfg.workers, resampled=resampled, shuffle_buffer=cfg.shuffle_buffer,
-                           seed=cfg.seed, pick=cfg.pick,
-                           epoch=self.data_epoch if not resampled else self.step,
-                           teachers=cfg.teachers, teacher_image_size=teacher_size,
-                           stored_embeddings=self.teacher is None, on_corrupt=cfg.on_corrupt,
-                           corrupt_log=str(self.out / SKIP_LOG), aug_limit=cfg.aug_limit,
-                           caption_sources=cfg.caption_sources)
-
-    def _batches(self):
-        """Endless batches; a one-pass loader is rebuilt with the next epoch when it runs out."""
-        while True:
-            empty = True
-            for batch in self._loader():
-                empty = False
-                yield batch
-            if empty:
-                raise ValueError(f"{self.cfg.shards}: no training samples reached this rank "
-                                 f"(fewer train shards than ranks x workers?)")
-            self.data_epoch += 1
+        parts = training_parts(cfg.shards, "train", self.student, mode=cfg.mode, seed=cfg.seed, pick=cfg.pick,
+                               teachers=cfg.teachers, teacher_image_size=teacher_size,
+                               stored_embeddings=self.teacher is None, aug_limit=cfg.aug_limit,
+                               caption_sources=cfg.caption_sources)
+        loader = make_stream_loader(parts, cfg.batch_size, self.stream, workers=cfg.workers, seed=cfg.seed,
+                                    shuffle_buffer=cfg.shuffle_buffer, rank=self.rank, world=self.world,
+                                    policy=CorruptPolicy(cfg.on_corrupt, str(self.out / SKIP_LOG)),
+                                    verify_checksums=cfg.verify_checksums)
+        for batch in loader:
+            self.stream.consumed(batch.pop("stream"))
+            self.data_epoch = self.stream.epoch
+            yield batch
 
     # ---- one optimiser step -------------------------------------------------------------------
     def _wrap(self) -> None:
@@ -302,9 +321,10 @@ class Trainer:
             return False
         if self.main:
             t0 = time.perf_counter()
-            metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
-                                     recall_weight=self.cfg.recall_weight,
-                                     max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed)
+            with preserved_rng():
+                metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
+                                         recall_weight=self.cfg.recall_weight,
+                                         max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed)
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:

@@ -1,6 +1,7 @@
 """Seeding and the RNG state a checkpoint keeps per rank (python, numpy, torch, CUDA)."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -34,3 +35,15 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state_all(state["cuda"])
         except (RuntimeError, ValueError):  # different GPU count on resume: keep fresh CUDA RNG
             pass
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Run a block (a validation pass) without moving the process's RNGs: whatever it draws, or a
+    library it imports on first use draws (sklearn draws from ``random`` on import), the training
+    trajectory is the same with or without it, and wherever a resumed run restarts."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

@@ -8,13 +8,16 @@ import os
 from pathlib import Path
 
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
+from cxrdr.common.shards import dataset_identity, read_dataset_info
 from cxrdr.train.config import TrainConfig
 
 # Settings a resumed run may change: they decide how long, where and how visibly it runs, not
 # what one training step computes (everything else must equal the checkpoint's train_config).
 RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
                                 "early_stop_patience", "workers", "device", "progress", "log_every",
-                                "save_every", "resume", "overwrite", "out", "on_corrupt"})
+                                "save_every", "resume", "overwrite", "out", "on_corrupt", "verify_checksums"})
+# Compared by what they name, not as typed (see data_conflicts).
+COMPARED_APART = frozenset({"shards"})
 RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml", "skipped.jsonl")
 
 
@@ -39,7 +42,28 @@ def resume_conflicts(saved: dict, current: dict) -> list[str]:
         saved = {**TrainConfig().to_dict(), **saved}
     saved, current = _flat(saved), _flat(current)
     return [f"{name} {saved.get(name)!r} -> {current[name]!r}"
-            for name in sorted(set(current) - RESUME_OVERRIDABLE) if saved.get(name) != current[name]]
+            for name in sorted(set(current) - RESUME_OVERRIDABLE - COMPARED_APART)
+            if saved.get(name) != current[name]]
+
+
+def data_source(shards: str | os.PathLike) -> dict:
+    """What a checkpoint records of its shard folder: the resolved path and the content identity."""
+    return {"shards": str(Path(shards).resolve()), "identity": dataset_identity(read_dataset_info(shards))}
+
+
+def data_conflicts(saved: dict | None, saved_shards: str, shards: str | os.PathLike) -> list[str]:
+    """'shards ...' when ``shards`` holds other data than the checkpoint's folder: by content identity
+    (dataset.json without build timings; a moved, copied or otherwise spelled folder is the same data),
+    or for a checkpoint that predates it, by resolved path."""
+    now = data_source(shards)
+    if saved and saved.get("identity"):
+        if saved["identity"] == now["identity"]:
+            return []
+        return [f"shards {saved.get('shards')} (content {saved['identity']}) -> {now['shards']} "
+                f"(content {now['identity']})"]
+    if Path(saved_shards).resolve() == Path(now["shards"]):
+        return []
+    return [f"shards {saved_shards!r} -> {str(shards)!r}"]
 
 
 def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:

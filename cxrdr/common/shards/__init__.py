@@ -32,21 +32,23 @@ from cxrdr.common.shards.embeddings import (decode_embedding, encode_embedding, 
                                             int8_row_dtype, merge_int8_quality, npy_bytes, npy_load,
                                             repack_v1_teacher, sample_embedding, sample_embeddings, split_rows,
                                             stack_parts)
-from cxrdr.common.shards.info import MissingDatasetError, read_dataset_info
+from cxrdr.common.shards.info import MissingDatasetError, dataset_identity, read_dataset_info
 from cxrdr.common.shards.keys import assign_keys, check_unique_keys, safe_key
 from cxrdr.common.shards.members import (DATASET_JSON, EMB_DTYPES, EMB_PARTS, IMAGE_EXTS, MANIFEST,
                                          READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, SHARD_PATTERN, SHARD_RE,
                                          SHARD_SUFFIXES, SIZES_JSON, STATS_DIR, TEACHER_NAME_RE, emb_ext, expected_members,
                                          part_of, scale_ext, shard_compression, shard_index, shard_name,
+                                         shard_stats_path,
                                          teacher_ext, teacher_shapes)
 from cxrdr.common.shards.reader import Sample, decode_sample, iter_raw_samples, iter_tar_samples
 
 __all__ = [
     "DATASET_JSON", "EMB_DTYPES", "EMB_PARTS", "IMAGE_EXTS", "MANIFEST", "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION", "SHARD_PATTERN", "SHARD_RE", "SHARD_SUFFIXES", "SIZES_JSON", "STATS_DIR", "TEACHER_NAME_RE",
-    "MissingDatasetError", "Sample", "assign_keys", "check_unique_keys", "decode_embedding", "decode_sample",
+    "MissingDatasetError", "Sample", "assign_keys", "check_unique_keys", "dataset_identity", "decode_embedding",
+    "decode_sample",
     "emb_ext", "encode_embedding", "encode_rows", "encode_teacher", "expected_members", "int8_row_dtype",
     "iter_raw_samples", "iter_tar_samples", "merge_int8_quality", "npy_bytes", "npy_load", "part_of",
     "read_dataset_info", "repack_v1_teacher", "safe_key", "sample_embedding", "sample_embeddings",
-    "scale_ext", "shard_compression", "shard_index", "shard_name", "split_rows", "stack_parts", "teacher_ext", "teacher_shapes",
+    "scale_ext", "shard_compression", "shard_index", "shard_name", "shard_stats_path", "split_rows", "stack_parts", "teacher_ext", "teacher_shapes",
 ]

@@ -1,6 +1,7 @@
 """``dataset.json``: what a build made and how; every reader loads it first."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -29,3 +30,15 @@ def read_dataset_info(shards_dir) -> dict:
         raise UserError(f"{path} has schema_version {info.get('schema_version')!r}; "
                         f"this code reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
     return info
+
+
+# dataset.json keys that describe how long a build took, not what it holds
+VOLATILE_KEYS = ("build",)
+
+
+def dataset_identity(info: dict) -> str:
+    """The content identity of a shard folder: a hash of its dataset.json without build timings.
+    It changes when the shards, their sample counts, teachers (fingerprints), augmentation or
+    caption settings change, and not when the folder is moved or named another way."""
+    stable = {k: v for k, v in info.items() if k not in VOLATILE_KEYS}
+    return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]

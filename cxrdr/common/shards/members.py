@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)  # readers accept both; builds write SCHEMA_VERSION
@@ -35,6 +36,11 @@ def shard_index(name: str) -> int:
     if match is None:
         raise ValueError(f"{name!r} is not a shard name (shard-NNNNNN.tar or shard-NNNNNN.tar.gz)")
     return int(match.group(1))
+
+
+def shard_stats_path(shards_dir, index: int) -> Path:
+    """``stats/shard-NNNNNN.json``: the build's record of one shard (size, member CRC-32s)."""
+    return Path(shards_dir) / STATS_DIR / f"{Path(shard_name(index)).stem}.json"
 
 
 def shard_compression(name: str) -> str:
