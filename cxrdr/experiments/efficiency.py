@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import typer
 
-from cxrdr.experiments.efficiency_report import QUALITY, efficiency_markdown, plot_efficiency
+from cxrdr.experiments.efficiency_report import BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import ensure_shards, eval_curve, evaluate_run, result_row, run_training
 from cxrdr.experiments.stats import mean_curve, mean_sd, samples_to_target, t_interval
@@ -33,6 +33,15 @@ from cxrdr.train.evaluation.report import seed_summary, write_json
 from cxrdr.train.loop import Trainer
 
 DEFAULT_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
+DEFAULT_METRIC = "mean_recall"
+
+
+def metrics_of(spec: dict) -> tuple[str, str, float]:
+    """(curve metric of the validation passes, final test metric of the row, samples bar's fraction of plain's
+    samples): ``efficiency.metric`` (default mean_recall), ``efficiency.final_metric`` (default the curve's),
+    ``efficiency.samples_fraction`` (default 1/3)."""
+    curve = spec.get("metric", DEFAULT_METRIC)
+    return curve, spec.get("final_metric", curve), float(spec.get("samples_fraction", 1 / 3))
 
 
 # --------------------------------------------------------------------------- runs
@@ -61,9 +70,11 @@ def _train_arm(recipe: dict, shards: Path, out_dir: Path, name: str, overrides: 
     return {"rows": seed_rows, "seeds": records}
 
 
-def _arm_row(name: str, arm: dict) -> dict:
-    row = seed_summary(name, arm["rows"], QUALITY + ["samples_seen", "wall_s", "step_ms"])
-    for col in QUALITY:
+def _arm_row(name: str, arm: dict, final_metric: str = DEFAULT_METRIC) -> dict:
+    quality = QUALITY + [c for c in dict.fromkeys((final_metric,) + BENCHMARK_COLS) if c not in QUALITY
+                         and any(c in r for r in arm["rows"])]
+    row = seed_summary(name, arm["rows"], quality + ["samples_seen", "wall_s", "step_ms"])
+    for col in quality:
         row[f"{col}_ci"] = t_interval(row[f"{col}_seeds"])[1]
     return row
 
@@ -129,23 +140,24 @@ def break_even(one_off_s: float, online_ms: float | None, stored_ms: float | Non
             "break_even_runs": one_off_s / saving if saving > 0 else None}
 
 
-def samples_limit(plain_total: float) -> float:
-    """The first bar's limit: reinforced reaches plain's final within a third of plain's samples."""
-    return plain_total / 3
+def samples_limit(plain_total: float, fraction: float = 1 / 3) -> float:
+    """The first bar's limit: reinforced reaches plain's final within ``fraction`` of plain's samples."""
+    return plain_total * fraction
 
 
-def bars(arms: dict, bench: dict, plain_total: float) -> list[dict]:
+def bars(arms: dict, bench: dict, plain_total: float, curve: str = DEFAULT_METRIC, final: str = DEFAULT_METRIC,
+         fraction: float = 1 / 3) -> list[dict]:
     """The issue-10 bars, measured: met True/False, None where a figure is missing."""
     out = []
     rein, plain = arms.get("reinforced"), arms.get("plain")
     if rein and plain:
-        s, limit = rein["samples_to_plain_final"], samples_limit(plain_total)
-        out.append({"bar": "reinforced reaches plain's final mean R with <= 1/3 of plain's samples",
-                    "value": s, "limit": limit, "met": None if s is None else s <= limit})
-        p_mean, p_sd = mean_sd(plain["final_mean_recall"])
-        r_mean, _ = mean_sd(rein["final_mean_recall"])
+        s, limit = rein["samples_to_plain_final"], samples_limit(plain_total, fraction)
+        out.append({"bar": f"reinforced reaches plain's final {curve} (seed-mean curve) with <= {fraction:.3g} of "
+                           f"plain's samples", "value": s, "limit": limit, "met": None if s is None else s <= limit})
+        p_mean, p_sd = mean_sd(plain[f"final_{final}"])
+        r_mean, _ = mean_sd(rein[f"final_{final}"])
         gap = None if r_mean is None or p_mean is None else r_mean - p_mean
-        out.append({"bar": "reinforced final mean R - plain's > 2 sd of plain's seeds", "value": gap,
+        out.append({"bar": f"reinforced final {final} - plain's > 2 sd of plain's seeds", "value": gap,
                     "limit": None if p_sd is None else 2 * p_sd,
                     "met": None if gap is None or p_sd is None else gap > 2 * p_sd})
     ratios = (("stored step <= 1.05x no-teacher step", "reinforced", "plain", lambda r: r <= 1.05),
@@ -168,25 +180,33 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     seeds = recipe_seeds(recipe, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit
+    # an arm marked step_benchmark_only is not trained, only timed (e.g. the teacher in the loop, whose cost
+    # is what the break-even needs, where training it over seeds does not fit the budget)
+    timed_only = {name for name, o in runs.items() if o.pop("step_benchmark_only", False)}
     trained = {name: _train_arm(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds))
-               for name, overrides in runs.items()}
+               for name, overrides in runs.items() if name not in timed_only}
     runs = {name: {k: v for k, v in o.items() if k != "seeds"} for name, o in runs.items()}
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
-    arms, rows = _summarise_arms(trained, bench)
+    curve_metric, final_metric, fraction = metrics_of(spec)
+    arms, rows = _summarise_arms(trained, bench, curve_metric, final_metric)
+    rows += [{"run": name, "bench_step_ms": bench.get(name), "note": "step benchmark only"} for name in timed_only]
     info = json.loads((shards / "dataset.json").read_text())
     steps = trained[next(iter(trained))]["seeds"][0]["train_config"]["steps"]
     used = _stored_teachers(trained, info)
     cost = one_off_teacher_seconds(info, used)
     cost.update(break_even(cost["total_s"], bench.get("online"), bench.get("reinforced"), steps))
     plain_total = max((r["samples_seen"] or 0) for r in trained.get("plain", trained[next(iter(trained))])["rows"])
-    measured_bars = bars(arms, bench, plain_total)
+    measured_bars = bars(arms, bench, plain_total, curve_metric, final_metric, fraction)
     result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards), "seeds": seeds,
+              "curve_metric": curve_metric, "final_metric": final_metric,
               "curve_split": spec.get("curve_split", "test"), "teachers": teachers, "arms": arms,
               "bench_step_ms": bench, "cost": cost, "bars": measured_bars, "table": rows,
               "runs": {n: t["seeds"] for n, t in trained.items()}}
     write_json(result, out_dir / "results.json")
-    plot_efficiency(arms, bench, rows, spec.get("curve_split", "test"), out_dir, samples_limit(plain_total))
-    md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms)
+    plot_efficiency(arms, bench, rows, spec.get("curve_split", "test"), out_dir,
+                    samples_limit(plain_total, fraction), curve_metric)
+    md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, curve_metric,
+                             final_metric)
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
@@ -205,21 +225,23 @@ def _stored_teachers(trained: dict, info: dict) -> list[str]:
     return [n.strip() for n in subset.split(",")] if subset else names
 
 
-def _summarise_arms(trained: dict, bench: dict) -> tuple[dict, list[dict]]:
-    curves = {n: mean_curve([s["curve"] for s in t["seeds"]]) for n, t in trained.items()}
+def _summarise_arms(trained: dict, bench: dict, metric: str = DEFAULT_METRIC,
+                    final_metric: str = DEFAULT_METRIC) -> tuple[dict, list[dict]]:
+    curves = {n: mean_curve([s["curve"] for s in t["seeds"]], metric) for n, t in trained.items()}
     plain = curves.get("plain")
     target = plain["mean"][-1] if plain and plain["mean"] else None
     arms, rows = {}, []
     for name, t in trained.items():
-        row = _arm_row(name, t)
+        row = _arm_row(name, t, final_metric)
         c = curves[name]
         reach = samples_to_target(c["xs"], c["mean"], target) if target is not None else None
         per_seed = [samples_to_target([p["samples_seen"] for p in s["curve"]],
-                                      [p["mean_recall"] for p in s["curve"]], target) if target is not None else None
+                                      [p[metric] for p in s["curve"]], target) if target is not None else None
                     for s in t["seeds"]]
         row.update(samples_to_plain_final=reach, bench_step_ms=bench.get(name))
         rows.append(row)
-        arms[name] = {"final_mean_recall": row["mean_recall_seeds"], "samples_to_plain_final": reach,
+        arms[name] = {f"final_{final_metric}": row[f"{final_metric}_seeds"], "samples_to_plain_final": reach,
+                      "final_metric": final_metric, "curve_metric": metric,
                       "curve_probe_mean_auc": mean_curve([s["curve"] for s in t["seeds"]], "probe_mean_auc"),
                       "samples_to_plain_final_per_seed": per_seed, "plain_final_target": target,
                       "chance_mean_recall": row.get("chance_mean_recall"), "curve_mean": c,

@@ -82,6 +82,13 @@ def _by_finding(scored: list[dict], key=lambda s: s["finding"]) -> dict:
     return {f: aggregate([s for s in scored if key(s) == f]) for f in BOX_FINDINGS}
 
 
+def _attention_similarity(targets: list[Target]) -> float:
+    """Mean over findings of the attention maps' correlation across images (1: one map whatever the image)."""
+    sims = [loc.map_similarity([t.heat for t in targets if t.finding == f]) for f in BOX_FINDINGS]
+    sims = [v for v in sims if np.isfinite(v)]
+    return float(np.mean(sims)) if sims else float("nan")
+
+
 def localise(em, rows, train_rows, n_plots: int = 6, progress: bool = True) -> tuple[dict, list]:
     phrase_ids = PhraseTokens(em.module)
     z_targets, z_per_finding, attn_targets, plots = [], [], [], []
@@ -122,11 +129,7 @@ def localise(em, rows, train_rows, n_plots: int = 6, progress: bool = True) -> t
                  "image_similarity": loc.map_similarity([t.heat for t in z_targets]),
                  "target": "any box of the image (class-agnostic z)"},
         "attention": {"overall": aggregate(a_scored), "per_finding": _by_finding(a_scored),
-                      "image_similarity": float(np.nanmean([loc.map_similarity([t.heat for t in attn_targets
-                                                                                if t.finding == f])
-                                                            for f in BOX_FINDINGS
-                                                            if sum(t.finding == f for t in attn_targets) > 1]
-                                                           or [np.nan])),
+                      "image_similarity": _attention_similarity(attn_targets),
                       "target": "the boxes of the finding named in the text", "texts": "prompts.grounding_text"},
         "grid": list(grid), "n_train_images_prior": len(train_rows),
         "baselines": {"chance": "uniformly random heatmap (exact for hit/IoU, 32 seeded draws for T(IoBB))",
