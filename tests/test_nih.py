@@ -61,6 +61,7 @@ def test_composed_report_states_positives_and_negatives():
         "Findings of edema. No pneumothorax."
     assert report_from_labels({"Fracture": None}) is None  # nothing asserted: nothing to compose
     assert report_from_labels({"No Finding": 1})[0].startswith("No acute")
+    assert report_from_labels({"Edema": 0})[0] == "No edema."  # all-negative labels do not claim a normal study
 
 
 def test_nih_source_composes_marked_text_and_keeps_boxes(tmp_path):

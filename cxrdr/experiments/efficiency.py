@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -140,6 +141,10 @@ def break_even(one_off_s: float, online_ms: float | None, stored_ms: float | Non
             "break_even_runs": one_off_s / saving if saving > 0 else None}
 
 
+def _label(metric: str) -> str:
+    return "mean R" if metric == "mean_recall" else metric
+
+
 def samples_limit(plain_total: float, fraction: float = 1 / 3) -> float:
     """The first bar's limit: reinforced reaches plain's final within ``fraction`` of plain's samples."""
     return plain_total * fraction
@@ -152,12 +157,13 @@ def bars(arms: dict, bench: dict, plain_total: float, curve: str = DEFAULT_METRI
     rein, plain = arms.get("reinforced"), arms.get("plain")
     if rein and plain:
         s, limit = rein["samples_to_plain_final"], samples_limit(plain_total, fraction)
-        out.append({"bar": f"reinforced reaches plain's final {curve} (seed-mean curve) with <= {fraction:.3g} of "
-                           f"plain's samples", "value": s, "limit": limit, "met": None if s is None else s <= limit})
+        share = Fraction(fraction).limit_denominator(10)
+        out.append({"bar": f"reinforced reaches plain's final {_label(curve)} with <= {share} of plain's samples",
+                    "value": s, "limit": limit, "met": None if s is None else s <= limit})
         p_mean, p_sd = mean_sd(plain[f"final_{final}"])
         r_mean, _ = mean_sd(rein[f"final_{final}"])
         gap = None if r_mean is None or p_mean is None else r_mean - p_mean
-        out.append({"bar": f"reinforced final {final} - plain's > 2 sd of plain's seeds", "value": gap,
+        out.append({"bar": f"reinforced final {_label(final)} - plain's > 2 sd of plain's seeds", "value": gap,
                     "limit": None if p_sd is None else 2 * p_sd,
                     "met": None if gap is None or p_sd is None else gap > 2 * p_sd})
     ratios = (("stored step <= 1.05x no-teacher step", "reinforced", "plain", lambda r: r <= 1.05),
@@ -204,7 +210,8 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
               "runs": {n: t["seeds"] for n, t in trained.items()}}
     write_json(result, out_dir / "results.json")
     plot_efficiency(arms, bench, rows, spec.get("curve_split", "test"), out_dir,
-                    samples_limit(plain_total, fraction), curve_metric)
+                    samples_limit(plain_total, fraction), curve_metric,
+                    f"{Fraction(fraction).limit_denominator(10)} of plain's samples")
     md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, curve_metric,
                              final_metric)
     (out_dir / "table.md").write_text("\n".join(md))

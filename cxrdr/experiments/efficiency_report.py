@@ -13,16 +13,18 @@ TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_seen", 
 
 
 def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str, out_dir: Path,
-                    samples_limit: float | None = None, curve_metric: str = "mean_recall") -> None:
+                    samples_limit: float | None = None, curve_metric: str = "mean_recall",
+                    limit_label: str = "1/3 of plain's samples") -> None:
     for metric, ylabel, path in ((curve_metric, f"{curve_metric} ({curve_split})", "metric_vs_samples.png"),
                                  ("probe_mean_auc", f"probe AUC ({curve_split}, half-subject)", "auc_vs_samples.png")):
-        plot_bands(arms, metric, ylabel, out_dir / path, samples_limit)
+        plot_bands(arms, metric, ylabel, out_dir / path, samples_limit, limit_label)
     plot_bars({r["run"]: r.get("bench_step_ms") or r["step_ms"] for r in rows}, "ms / step",
               "training step time (interleaved median)" if bench else "training step time (run mean)",
               out_dir / "step_time.png")
 
 
-def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None) -> None:
+def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None,
+               limit_label: str = "1/3 of plain's samples") -> None:
     main = next((a.get("curve_metric", "mean_recall") for a in arms.values()), "mean_recall")
     """Seed-mean validation curve per arm with its 95 % t-interval band; plain's final mean as a line, where
     each arm reaches it, and the samples bar's limit."""
@@ -44,7 +46,7 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
     if metric == main and target is not None:
         ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (v: where an arm reaches it)")
         if samples_limit is not None:
-            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label="the samples bar's limit")
+            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label=limit_label)
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
     if metric == main == "mean_recall" and chance:
         ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")

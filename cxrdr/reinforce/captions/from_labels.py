@@ -19,13 +19,13 @@ def label_triples(findings: list[str]) -> list[tuple[str, str, str]]:
     return [("_".join(f.lower().split()), *PRESENT) for f in findings]
 
 
-def compose_report(positives: list[str], negatives: list[str] = ()) -> str:
-    """'Findings of cardiomegaly and pleural effusion. No pneumothorax or mass.'; no positives: a normal study's
-    first caption, then the stated negatives."""
+def compose_report(positives: list[str], negatives: list[str] = (), normal: bool = False) -> str:
+    """'Findings of cardiomegaly and pleural effusion. No pneumothorax or mass.'; a study labelled normal (no
+    positives) opens with a normal study's first caption; otherwise only what the labels state is said."""
     parts = []
     if positives:
         parts.append(frame(join_units([words(p) for p in positives]), "Findings of {x}."))
-    else:
+    elif normal:
         parts.append(NORMAL_CAPTIONS[0])
     negatives = [words(n) for n in negatives if n not in positives]
     if negatives:
@@ -41,4 +41,4 @@ def report_from_labels(labels: dict) -> tuple[str, list[tuple[str, str, str]]] |
     negatives = [words(n).lower() for n, v in labels.items() if v == 0 and n != "No Finding"]
     if not positives and labels.get("No Finding") != 1 and not negatives:
         return None
-    return compose_report(positives, negatives), label_triples(positives)
+    return compose_report(positives, negatives, labels.get("No Finding") == 1), label_triples(positives)

@@ -59,7 +59,7 @@ class NihBboxSource(BaseSource):
         negatives = [finding_words(n) for n in BOX_FINDINGS if n not in present]
         subject = text(row.get("subject_id")) or rid
         return Record(id=rid, subject_id=subject, study_id=text(row.get("study_id")) or rid, split=split,
-                      report=compose_report(positives, negatives),
+                      report=compose_report(positives, negatives, normal=not present),
                       image=resolve_image(row.get("image"), self.image_root), view=text(row.get("view")) or None,
                       labels=chexpert_labels(present), triples=label_triples(positives), boxes=boxes,
                       extra={"text_source": TEXT_SOURCE_LABELS, "nih_labels": "|".join(present),
