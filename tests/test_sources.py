@@ -249,7 +249,8 @@ def test_csv_with_column_flags(tmp_path):
     assert records[0].labels == {"Cardiomegaly": 1, "Edema": None} and records[0].split == "val"
     assert records[0].subject_id == "p1" and records[0].study_id == "x1"
     by_reason = src.skipped.by_reason()
-    assert by_reason == {"bad split": 1, "empty report": 1}
+    # x3 has labels but no report: it gets a text composed from them (text_source: labels), then its image is missing
+    assert by_reason == {"bad split": 1, "missing image": 1}
 
 
 # --- real shared data -------------------------------------------------------------------------

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
 import typer
 
-from cxrdr.experiments.efficiency_report import QUALITY, efficiency_markdown, plot_efficiency
+from cxrdr.experiments.efficiency_report import BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
                                    result_row, run_training)
@@ -35,6 +36,15 @@ from cxrdr.train.config import TrainConfig
 from cxrdr.train.loop import Trainer
 
 DEFAULT_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
+DEFAULT_METRIC = "mean_recall"
+
+
+def metrics_of(spec: dict) -> tuple[str, str, float]:
+    """(curve metric of the validation passes, final metric of the row, samples bar's fraction of plain's
+    samples): ``efficiency.metric`` (default mean_recall), ``efficiency.final_metric`` (default the curve's),
+    ``efficiency.samples_fraction`` (default 1/3)."""
+    curve = spec.get("metric", DEFAULT_METRIC)
+    return curve, spec.get("final_metric", curve), float(spec.get("samples_fraction", 1 / 3))
 
 
 # --------------------------------------------------------------------------- runs
@@ -101,9 +111,11 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
                    "seeds": [done[Path(cfg.out)][1] for _, cfg in runs]} for name, runs in arm_runs.items()}
 
 
-def _arm_row(name: str, arm: dict) -> dict:
-    row = seed_summary(name, arm["rows"], QUALITY + ["samples_seen", "wall_s", "step_ms"])
-    for col in QUALITY:
+def _arm_row(name: str, arm: dict, final_metric: str = DEFAULT_METRIC) -> dict:
+    quality = QUALITY + [c for c in dict.fromkeys((final_metric,) + BENCHMARK_COLS) if c not in QUALITY
+                         and any(c in r for r in arm["rows"])]
+    row = seed_summary(name, arm["rows"], quality + ["samples_seen", "wall_s", "step_ms"])
+    for col in quality:
         row[f"{col}_ci"] = t_interval(row[f"{col}_seeds"])[1]
     return row
 
@@ -169,15 +181,20 @@ def break_even(one_off_s: float, online_ms: float | None, stored_ms: float | Non
             "break_even_runs": one_off_s / saving if saving > 0 else None}
 
 
-def samples_limit(plain_samples: float) -> float:
-    """The first bar's limit: reinforced reaches plain's final within a third of plain's samples."""
-    return plain_samples / 3
+def _label(metric: str) -> str:
+    return "mean R" if metric == "mean_recall" else metric
 
 
-RATIO_UPPER_LIMIT = 0.40  # the 95 % upper bound of the samples ratio must stay below this too
+def samples_limit(plain_samples: float, fraction: float = 1 / 3) -> float:
+    """The first bar's limit: reinforced reaches plain's final within ``fraction`` of plain's samples."""
+    return plain_samples * fraction
 
 
-def bars(arms: dict, bench: dict, plain_total: float) -> list[dict]:
+RATIO_UPPER_SLACK = 1.2  # the ratio's 95 % upper bound must stay within 1.2x the fraction (0.40 for 1/3)
+
+
+def bars(arms: dict, bench: dict, plain_total: float, curve: str = DEFAULT_METRIC, final: str = DEFAULT_METRIC,
+         fraction: float = 1 / 3) -> list[dict]:
     """The bars, measured: met True/False, None where a figure is missing. The samples bar reads the one
     crossing rule (``stats.crossing_ratio``: each arm's first crossing, plain's included); the old
     definition (reinforced's first crossing / plain's whole budget) is kept beside it, not judged."""
@@ -186,17 +203,18 @@ def bars(arms: dict, bench: dict, plain_total: float) -> list[dict]:
     if rein and plain:
         c = rein["crossing"]
         ratio, hi = c["ratio"], c["ratio_ci"][1]
-        out.append({"bar": "reinforced reaches plain's final with <= 1/3 of plain's samples (first crossing "
-                           f"for both arms) and the ratio's 95 % upper bound <= {RATIO_UPPER_LIMIT}",
-                    "value": ratio, "ci": c["ratio_ci"], "limit": 1 / 3,
-                    "met": None if ratio is None else ratio <= 1 / 3 and hi is not None and hi <= RATIO_UPPER_LIMIT})
+        share, upper = Fraction(fraction).limit_denominator(10), round(RATIO_UPPER_SLACK * fraction, 2)
+        out.append({"bar": f"reinforced reaches plain's final {_label(curve)} with <= {share} of plain's samples "
+                           f"(first crossing for both arms) and the ratio's 95 % upper bound <= {upper}",
+                    "value": ratio, "ci": c["ratio_ci"], "limit": fraction,
+                    "met": None if ratio is None else ratio <= fraction and hi is not None and hi <= upper})
         s = rein["samples_to_plain_final"]
         out.append({"bar": "(old definition, not judged) reinforced's first crossing / plain's whole budget",
-                    "value": None if s is None else s / plain_total, "limit": 1 / 3, "met": None})
-        p_mean, p_sd = mean_sd(plain["final_mean_recall"])
-        r_mean, _ = mean_sd(rein["final_mean_recall"])
+                    "value": None if s is None else s / plain_total, "limit": fraction, "met": None})
+        p_mean, p_sd = mean_sd(plain[f"final_{final}"])
+        r_mean, _ = mean_sd(rein[f"final_{final}"])
         gap = None if r_mean is None or p_mean is None else r_mean - p_mean
-        out.append({"bar": "reinforced final mean R - plain's > 2 sd of plain's seeds", "value": gap,
+        out.append({"bar": f"reinforced final {_label(final)} - plain's > 2 sd of plain's seeds", "value": gap,
                     "limit": None if p_sd is None else 2 * p_sd,
                     "met": None if gap is None or p_sd is None else gap > 2 * p_sd})
     ratios = (("stored step <= 1.05x no-teacher step", "reinforced", "plain", lambda r: r <= 1.05),
@@ -218,13 +236,17 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     runs = {k: dict(v or {}) for k, v in (spec.get("runs") or DEFAULT_RUNS).items()}
     seeds = recipe_seeds(recipe, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit
+    # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit;
+    # an arm marked step_benchmark_only is only timed (the break-even needs its step cost), not trained
+    timed_only = {name for name, o in runs.items() if o.pop("step_benchmark_only", False)}
     arm_runs = {name: _arm_runs(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds))
-                for name, overrides in runs.items()}
+                for name, overrides in runs.items() if name not in timed_only}
     trained = _train_arms(recipe, shards, arm_runs)  # two copies of the command split the runs
     runs = {name: {k: v for k, v in o.items() if k != "seeds"} for name, o in runs.items()}
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
-    arms, rows = _summarise_arms(trained, bench)
+    curve_metric, final_metric, fraction = metrics_of(spec)
+    arms, rows = _summarise_arms(trained, bench, curve_metric, final_metric)
+    rows += [{"run": name, "bench_step_ms": bench.get(name), "note": "step benchmark only"} for name in timed_only]
     info = json.loads((shards / "dataset.json").read_text())
     steps = trained[next(iter(trained))]["seeds"][0]["train_config"]["steps"]
     used = _stored_teachers(trained, info)
@@ -232,10 +254,11 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     cost.update(break_even(cost["total_s"], bench.get("online"), bench.get("reinforced"), steps))
     cost.update(teacher_data(teachers, used, arms))
     plain_total = max((r["samples_seen"] or 0) for r in trained.get("plain", trained[next(iter(trained))])["rows"])
-    measured_bars = bars(arms, bench, plain_total)
+    measured_bars = bars(arms, bench, plain_total, curve_metric, final_metric, fraction)
     report_shards, report_split = report_set(recipe)
     result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards), "seeds": seeds,
-              "curve_split": spec.get("curve_split", "report"),
+              "curve_split": spec.get("curve_split", "report"), "curve_metric": curve_metric,
+              "final_metric": final_metric,
               "protocol": {"report_shards": str(report_shards), "report_split": report_split,
                            "selection": recipe.get("selection") or {}}, "teachers": teachers, "arms": arms,
               "bench_step_ms": bench, "cost": cost, "bars": measured_bars, "table": rows,
@@ -243,8 +266,10 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     write_json(result, out_dir / "results.json")
     plain_x = (arms.get("plain") or {}).get("crossing", {}) or {}
     plot_efficiency(arms, bench, rows, spec.get("curve_split", "report"), out_dir,
-                    samples_limit(plain_x.get("plain_samples") or plain_total))
-    md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"])
+                    samples_limit(plain_x.get("plain_samples") or plain_total, fraction), curve_metric,
+                    f"{Fraction(fraction).limit_denominator(10)} of plain's first crossing")
+    md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"],
+                             curve_metric, final_metric)
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
@@ -276,25 +301,27 @@ def _stored_teachers(trained: dict, info: dict) -> list[str]:
     return [n.strip() for n in subset.split(",")] if subset else names
 
 
-def _summarise_arms(trained: dict, bench: dict) -> tuple[dict, list[dict]]:
-    curves = {n: mean_curve([s["curve"] for s in t["seeds"]]) for n, t in trained.items()}
+def _summarise_arms(trained: dict, bench: dict, metric: str = DEFAULT_METRIC,
+                    final_metric: str = DEFAULT_METRIC) -> tuple[dict, list[dict]]:
+    curves = {n: mean_curve([s["curve"] for s in t["seeds"]], metric) for n, t in trained.items()}
     plain = curves.get("plain")
     target = plain["mean"][-1] if plain and plain["mean"] else None
     plain_curves = [s["curve"] for s in trained["plain"]["seeds"]] if "plain" in trained else None
     arms, rows = {}, []
     for name, t in trained.items():
-        row = _arm_row(name, t)
+        row = _arm_row(name, t, final_metric)
         c = curves[name]
         reach = samples_to_target(c["xs"], c["mean"], target) if target is not None else None
         per_seed = [samples_to_target([p["samples_seen"] for p in s["curve"]],
-                                      [p["mean_recall"] for p in s["curve"]], target) if target is not None else None
+                                      [p[metric] for p in s["curve"]], target) if target is not None else None
                     for s in t["seeds"]]
-        crossing = crossing_ratio([s["curve"] for s in t["seeds"]], plain_curves) if plain_curves else None
+        crossing = crossing_ratio([s["curve"] for s in t["seeds"]], plain_curves, metric) if plain_curves else None
         row.update(samples_to_plain_final=reach, bench_step_ms=bench.get(name),
                    samples_ratio=crossing["ratio"] if crossing else None,
                    samples_ratio_ci=crossing["ratio_ci"] if crossing else None)
         rows.append(row)
-        arms[name] = {"final_mean_recall": row["mean_recall_seeds"], "samples_to_plain_final": reach,
+        arms[name] = {f"final_{final_metric}": row[f"{final_metric}_seeds"], "samples_to_plain_final": reach,
+                      "final_metric": final_metric, "curve_metric": metric,
                       "crossing": crossing,
                       "curve_probe_mean_auc": mean_curve([s["curve"] for s in t["seeds"]], "probe_mean_auc"),
                       "samples_to_plain_final_per_seed": per_seed, "plain_final_target": target,

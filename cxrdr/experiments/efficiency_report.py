@@ -7,27 +7,33 @@ from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_s
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall", "mean_recall_findings",
            "probe_auc", "zeroshot_auc"]
+# the NIH box benchmark's headline numbers, when the recipe's eval runs it (eval.benchmark)
+BENCHMARK_COLS = ("zero_shot_auc_mean", "pg_z", "pg_z_chance", "pg_z_prior", "pg_z_train_prior", "pg_attention",
+                  "pg_attention_chance", "pg_attention_prior", "pg_attention_train_prior")
 TABLE_COLS = ["n_seeds"] + QUALITY + ["samples_to_plain_final", "samples_ratio", "samples_seen", "wall_s", "step_ms",
                                       "bench_step_ms"]
 
 
 def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str, out_dir: Path,
-                    samples_limit: float | None = None) -> None:
-    for metric, ylabel, path in (("mean_recall", f"mean recall ({curve_split})", "metric_vs_samples.png"),
+                    samples_limit: float | None = None, curve_metric: str = "mean_recall",
+                    limit_label: str = "1/3 of plain's first crossing") -> None:
+    for metric, ylabel, path in ((curve_metric, f"{curve_metric} ({curve_split})", "metric_vs_samples.png"),
                                  ("probe_mean_auc", f"probe AUC ({curve_split}, half-subject)", "auc_vs_samples.png")):
-        plot_bands(arms, metric, ylabel, out_dir / path, samples_limit)
+        plot_bands(arms, metric, ylabel, out_dir / path, samples_limit, limit_label)
     plot_bars({r["run"]: r.get("bench_step_ms") or r["step_ms"] for r in rows}, "ms / step",
               "training step time (interleaved median)" if bench else "training step time (run mean)",
               out_dir / "step_time.png")
 
 
-def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None) -> None:
+def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None,
+               limit_label: str = "1/3 of plain's first crossing") -> None:
     """Seed-mean validation curve per arm with its 95 % t-interval band; plain's final mean as a line, where
     each arm reaches it, and the samples bar's limit."""
+    main = next((a.get("curve_metric", "mean_recall") for a in arms.values()), "mean_recall")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     for name, arm in arms.items():
-        c = arm["curve_mean"] if metric == "mean_recall" else arm.get(f"curve_{metric}") or {}
+        c = arm["curve_mean"] if metric == main else arm.get(f"curve_{metric}") or {}
         if not c.get("xs"):
             continue
         ys = [float("nan") if y is None else y for y in c["mean"]]
@@ -36,15 +42,15 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
         hi = [y + (h or 0) for y, h in zip(ys, c["ci"])]
         ax.fill_between(c["xs"], lo, hi, alpha=0.2, color=line.get_color())
         crossing, target = arm.get("samples_to_plain_final"), arm.get("plain_final_target")
-        if metric == "mean_recall" and crossing is not None and target is not None:
+        if metric == main and crossing is not None and target is not None:
             ax.plot([crossing], [target], "v", ms=8, color=line.get_color(), markeredgecolor="black", zorder=5)
     target = next((a["plain_final_target"] for a in arms.values() if a.get("plain_final_target")), None)
-    if metric == "mean_recall" and target is not None:
+    if metric == main and target is not None:
         ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (v: where an arm reaches it)")
         if samples_limit is not None:
-            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label="1/3 of plain's first crossing")
+            ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label=limit_label)
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
-    if metric == "mean_recall" and chance:
+    if metric == main == "mean_recall" and chance:
         ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")
     ax.set_xlabel("samples seen")
     ax.set_ylabel(ylabel)
@@ -56,8 +62,11 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
     plt.close(fig)
 
 
-def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, protocol=None) -> list[str]:
+def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, protocol=None,
+                        curve_metric="mean_recall", final_metric="mean_recall") -> list[str]:
     protocol = protocol or {}
+    extra = [c for c in dict.fromkeys((final_metric,) + BENCHMARK_COLS)
+             if c not in TABLE_COLS and any(f"{c}_seeds" in r for r in rows)]
     md = [f"# Efficiency experiment `{recipe['name']}`", "",
           f"shards `{shards}`; seeds {seeds}; every run sees the same samples. Final metrics: the **report set** "
           f"(`{protocol.get('report_shards', shards)}`, split {protocol.get('report_split', 'test')}: no setting "
@@ -65,17 +74,18 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
           f"chance = a random ranking; oracle = the strict mean R of a model that knows each study's findings "
           f"and nothing else; 'same findings' counts a candidate with the query's finding set as correct. "
           f"Samples to plain's final: where the arm's seed-mean curve (curves: "
-          f"{recipe.get('efficiency', {}).get('curve_split', 'report')}) first reaches plain's final seed-mean "
-          f"mean R (linear interpolation; null: never) - plain's own row is its own first crossing, and "
-          f"'samples ratio' = arm / plain under that one rule, [95 % bootstrap interval over seeds].", "",
-          markdown_table_sd(rows, TABLE_COLS, spread="ci"), ""]
+          f"{recipe.get('efficiency', {}).get('curve_split', 'report')}) of {curve_metric} first reaches "
+          f"plain's final seed-mean {curve_metric} (linear interpolation; null: never) - plain's own row is its own "
+          f"first crossing, and 'samples ratio' = arm / plain under that one rule, [95 % bootstrap interval over "
+          f"seeds]. Final metric of the bars: {final_metric}.", "",
+          markdown_table_sd(rows, TABLE_COLS[:1] + extra + TABLE_COLS[1:], spread="ci"), ""]
     ratio_rows = [r for r in rows if r.get("samples_ratio_ci")]
     if ratio_rows:
         md += ["Samples ratio to plain (first crossing for every arm) with its 95 % interval: " + "; ".join(
             f"{r['run']} {_num(r['samples_ratio'])} [{_num(r['samples_ratio_ci'][0])}, "
             f"{_num(r['samples_ratio_ci'][1])}]" for r in ratio_rows), ""]
     if teachers:
-        md += ["## Teachers (trained on their own phantom sets)", "",
+        md += ["## Teachers (trained once on their own shards: see the recipe's teachers.build)", "",
                markdown_table([{"run": n, "shard name": t["shard_name"], "model": t["model"],
                                 "steps": t["steps"], "train_wall_s": t["train_wall_s"],
                                 "own mean R": t["own_test"].get("mean_recall"),

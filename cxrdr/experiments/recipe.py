@@ -7,6 +7,8 @@ the evaluation options; see configs/experiments/cpu-demo.yaml for every key, doc
 from __future__ import annotations
 
 import copy
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,7 +32,32 @@ def load_recipe(path: str | Path) -> dict:
         raise ValueError(f"{path}: 'shards: {{dir: ...}}' is required (folder to reuse or build)")
     data.setdefault("name", path.stem)
     data["_path"] = str(path)
-    return data
+    return expand_env(data)
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value):
+    """``${NAME}`` / ``${NAME:-default}`` in every string of a recipe, from the environment (data paths that
+    differ between machines, e.g. ``${CXRDR_SHARED_DATA:-../shared/data}``); an unset name without default
+    is an error naming it."""
+    if isinstance(value, dict):
+        return {k: expand_env(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(match):
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ValueError(f"recipe names ${{{name}}} but the environment does not set it")
+        return default
+
+    return _ENV.sub(sub, value)
 
 
 def train_config(recipe: dict, shards: Path, run_dir: Path, overrides: dict,

@@ -22,12 +22,13 @@ from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.evaluation.efficiency import measure_in_subprocess
+from cxrdr.train.evaluation.benchmark import run_benchmark
 from cxrdr.train.evaluation.report import jsonable, write_json
 from cxrdr.train.evaluation.runner import evaluate, summary_row
 from cxrdr.train.loop import train
 
 T = TypeVar("T")
-CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc")
+CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc", "zeroshot_mean_auc")
 
 
 def ensure_shards(spec: dict, progress: bool = True) -> Path:
@@ -178,12 +179,15 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     report_shards, split = report_set(recipe, progress=False)
     eff_batch = int(opts.pop("efficiency_batch", 32))
     measure = bool(opts.pop("efficiency", True)) and efficiency
+    benchmark = opts.pop("benchmark", None)  # e.g. nih-bbox:PATH: its summary joins the run's row
     ckpt = run_dir / "last.pt"
     separate = report_shards.resolve() != Path(shards).resolve()
     eval_dir = run_dir / ("eval-report" if separate else f"eval-{split}")
     request = {"split": split, "efficiency_batch": eff_batch, "efficiency": measure, "isolated": isolated, **opts}
     if separate:
         request["report_shards"] = str(report_shards)
+    if benchmark:
+        request["benchmark"] = benchmark
     previous = _previous_evaluation(eval_dir, ckpt, request)
     if previous is not None:
         return previous
@@ -194,6 +198,11 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     if use_subprocess:
         results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
         results["summary"] = summary_row(results)
+    if benchmark:
+        bench = run_benchmark(str(ckpt), benchmark, split, eval_dir / "benchmark", progress=False)
+        results["benchmark"] = {"summary": bench["summary"], "dir": str(eval_dir / "benchmark")}
+        results["summary"].update(bench["summary"])
+    if use_subprocess or benchmark:
         write_json(results, eval_dir / "eval.json")
     write_json(request, eval_dir / "eval_request.json")
     return results

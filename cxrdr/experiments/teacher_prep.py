@@ -80,7 +80,7 @@ def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, s
     build["source_options"] = {**(build.get("source_options") or {}), "seed": int(model.pop("source_seed", 1))}
     shards = ensure_shards({"dir": str(root / name / "shards"), "build": build}, progress)
     cfg = _teacher_config(recipe, spec, model, shards, root / name / "run")
-    typer.echo(f"[teachers] {name}: {cfg.model}, {cfg.steps} steps on its own phantom set "
+    typer.echo(f"[teachers] {name}: {cfg.model}, {cfg.steps} steps on its own shards "
                f"(source seed {build['source_options']['seed']})", err=True)
     summary = run_training(cfg, recipe.get("reuse_runs", True))
     ckpt = root / f"{name}.pt"
@@ -107,7 +107,8 @@ def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Pa
 
 def _quality(recipe: dict, run_dir: Path, shards: Path, tag: str) -> dict:
     """Retrieval/AUC summary of the teacher on one shard folder's test split (no cost measurement)."""
-    opts = {k: v for k, v in (recipe.get("eval") or {}).items() if k not in ("split", "efficiency", "efficiency_batch")}
+    opts = {k: v for k, v in (recipe.get("eval") or {}).items()
+            if k not in ("split", "efficiency", "efficiency_batch", "benchmark")}
     out_dir = run_dir / f"eval-{tag}-test"
     done = out_dir / "eval.json"
     if done.is_file() and done.stat().st_mtime >= (run_dir / "last.pt").stat().st_mtime:

@@ -25,6 +25,7 @@ def _pair(text: str, flag: str) -> tuple[float, float]:
 
 def cli_build(
     source: Annotated[str, typer.Option(help="Source spec: phantom[:N], mimic:PATH.jsonl, iu-xray:DIR, "
+                                             "nih-bbox:PATH.jsonl, "
                                              "jsonl:PATH, csv:PATH.")] = "phantom",
     teachers: Annotated[str, typer.Option(help="Comma-separated teacher specs, e.g. "
                                                "biomedclip,text:minilm (random:tiny is for tests).")] = "biomedclip",

@@ -37,6 +37,16 @@ def _yaml_list(name: str, values: list[str]) -> list[str]:
     return [f"{name}:"] + [f"- {v}" for v in values]
 
 
+def _text_source_lines(source: dict) -> list[str]:
+    """Where the sample texts come from; templated text from labels is said so, never passed off as reports."""
+    counts = (source.get("counts") or {}).get("text_source") or {}
+    if not counts.get("labels"):
+        return []
+    return [f"- text_source: {counts}. **{counts['labels']} samples have no report**: their text is composed "
+            "from their labels by cxrdr's caption templates (`text_source: labels` in each sample's "
+            "`extra`), not written by a radiologist"]
+
+
 def dataset_card(dataset: dict) -> str:
     images = dataset.get("images", True)
     license_id, license_note = source_license(dataset.get("source") or {})
@@ -61,7 +71,8 @@ def dataset_card(dataset: dict) -> str:
         f"- license: `{license_id}` ({license_note})",
         f"- records: {dataset.get('records')}; samples: {dataset.get('total_samples')} in "
         f"{len(dataset.get('shards', []))} shards ({first} .. {last})",
-        "- counts per split: " + ", ".join(f"{k} {v}" for k, v in (dataset.get("counts") or {}).items()), "",
+        "- counts per split: " + ", ".join(f"{k} {v}" for k, v in (dataset.get("counts") or {}).items()),
+        *_text_source_lines(source), "",
         "## Teachers", "",
         "| name | spec | kind | dim | logit scale | image size | fingerprint |", "|---|---|---|---|---|---|---|",
     ]

@@ -109,6 +109,10 @@ class TrainConfig:
     model_overrides: dict = field(default_factory=dict)  # StudentConfig overrides
     verify_checksums: bool = _opt(True, "Check every training sample's members against the CRC-32s the build "
                                         "recorded before use (damage: as --on-corrupt says).")
+    init_ckpt: str | None = _opt(None, "Start from this checkpoint's weights (a `train run` last.pt/best.pt, read "
+                                       "weights_only): transfer, fine-tuning. The distillation heads stay fresh.")
+    eval_prompts: str | None = _opt(None, "Zero-shot prompt YAML (configs/prompts.yaml layout): the validation passes "
+                                          "also score the zero-shot mean AUC of its labels (zeroshot_mean_auc).")
 
     def __post_init__(self) -> None:
         for name, cls in NESTED.items():  # a mapping (YAML, keyword) becomes the typed config

@@ -36,10 +36,11 @@ from cxrdr.common.augment import stable_seed
 from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
-from cxrdr.train.checkpoint import load_training_state, save_checkpoint
+from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import make_eval_loader, select_teachers, split_shards, teacher_dims, training_parts
 from cxrdr.train.device import amp_dtype_for, autocast, resolve_device
+from cxrdr.train.evaluation.zeroshot import load_prompts
 from cxrdr.train.integrity import SKIP_LOG, CorruptPolicy, count_skipped
 from cxrdr.train.losses import loss_balance
 from cxrdr.train.models import StudentConfig, build_student
@@ -108,6 +109,11 @@ class Trainer:
             overrides["teacher_dims"] = ({teacher.name: int(teacher.embed_dim)} if teacher is not None else
                                          teacher_dims(self.info, select_teachers(self.info, cfg.teachers)))
         self.student = build_student(StudentConfig.from_yaml(cfg.model, **overrides)).to(self.device)
+        if cfg.init_ckpt:  # transfer / fine-tuning: a resumed run's own state replaces these weights later
+            init = init_from_checkpoint(self.student, cfg.init_ckpt)
+            if self.main:
+                print(f"note: started from {cfg.init_ckpt} ({init['tensors']} tensors; fresh: "
+                      f"{len(init['fresh'])})", file=sys.stderr)
         online_scales = None if teacher is None else {teacher.name: float(teacher.logit_scale)}
         self.optim_cfg, self.loss_cfg = cfg.resolve(self.info, self.steps_per_epoch, online_scales)
         self.task = Task(self.student, self.loss_cfg, cfg.steps, teacher=teacher, device=self.device)
@@ -119,6 +125,7 @@ class Trainer:
         self.teacher_names = ([self.teacher.name] if self.teacher is not None else
                               select_teachers(self.info, cfg.teachers) if cfg.mode == "reinforced" else [])
         self.eval_loader = None
+        self.eval_prompts = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else None
         eval_shards = cfg.eval_shards or cfg.shards
         eval_info = self.info if eval_shards == cfg.shards else read_dataset_info(eval_shards)
         eval_urls, n_eval = split_shards(eval_shards, cfg.eval_split, eval_info)
@@ -324,7 +331,8 @@ class Trainer:
             with preserved_rng():
                 metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
                                          recall_weight=self.cfg.recall_weight,
-                                         max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed)
+                                         max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed,
+                                         prompts=self.eval_prompts)
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:

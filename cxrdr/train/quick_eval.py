@@ -21,6 +21,7 @@ from cxrdr.common.augment import stable_seed
 from cxrdr.common.views import one_per_study
 from cxrdr.train.evaluation.probe import linear_probe
 from cxrdr.train.evaluation.retrieval import retrieval_metrics
+from cxrdr.train.evaluation.zeroshot import encode_prompts, zeroshot_auc
 
 
 @torch.no_grad()
@@ -72,9 +73,26 @@ def early_stop_score(metrics: dict, weight: float = 0.5) -> float:
     return float(weight * metrics.get("mean_recall", 0.0) + (1 - weight) * auc)
 
 
+@torch.no_grad()
+def quick_zeroshot(model, img: np.ndarray, labels: np.ndarray, prompts: dict, device, min_positives: int = 2) -> float:
+    """Zero-shot mean AUC of the prompts' labels (CheXpert-14 vector) through the model's own text tower."""
+    def embed(texts):
+        tok = model.tokenize(list(texts))
+        out = model.encode_text(tok["input_ids"].to(device), tok["attention_mask"].to(device))
+        return torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy()
+
+    was_training = model.training
+    model.eval()
+    try:
+        return zeroshot_auc(img, labels, encode_prompts(embed, prompts), min_positives=min_positives)["mean_auc"]
+    finally:
+        model.train(was_training)
+
+
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
-                   max_samples: int | None = None, seed: int = 0) -> dict:
-    """Retrieval (one frontal image per study) + quick probe AUC + the early-stopping score."""
+                   max_samples: int | None = None, seed: int = 0, prompts: dict | None = None) -> dict:
+    """Retrieval (one frontal image per study) + quick probe AUC (+ zero-shot mean AUC with ``prompts``)
+    + the early-stopping score."""
     data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
     rows = one_per_study(data["key"], data["study_id"], data["view"])
     metrics = retrieval_metrics(data["img"][rows], data["txt"][rows],
@@ -86,6 +104,8 @@ def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float =
     except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
         metrics["probe_mean_auc"] = float("nan")
         metrics["probe_error"] = str(exc)
+    if prompts:
+        metrics["zeroshot_mean_auc"] = quick_zeroshot(model, data["img"], data["labels"], prompts, device)
     metrics["n_eval"] = len(data["key"])
     metrics["score"] = early_stop_score(metrics, recall_weight)
     return metrics

@@ -10,7 +10,7 @@ import typer
 
 def cli_captions(
     source: Annotated[str, typer.Option("--source", "-s", help="Source spec: phantom[:N], mimic:PATH.jsonl, "
-                                        "iu-xray:DIR, jsonl:PATH or csv:PATH.")] = "phantom:8",
+                                        "iu-xray:DIR, nih-bbox:PATH.jsonl, jsonl:PATH or csv:PATH.")] = "phantom:8",
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Number of studies to print.")] = 5,
     n_captions: Annotated[int, typer.Option("--n-captions", "-S", min=1,
                                             help="Captions per study (S).")] = 5,

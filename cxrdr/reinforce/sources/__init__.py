@@ -7,6 +7,7 @@
 | ``phantom[:N]`` | embedded generator (``cxrdr.reinforce.phantom.PhantomSource``), N studies (default 200) |
 | ``mimic:PATH.jsonl`` | Patch-IB-CXR MIMIC-CXR master JSONL (``cxrdr.reinforce.sources.mimic``) |
 | ``iu-xray:DIR`` | Open-i IU X-ray reports + MeSH (``cxrdr.reinforce.sources.iu_xray``) |
+| ``nih-bbox:PATH.jsonl`` | NIH ChestX-ray14 box subset, text composed from labels (``cxrdr.reinforce.sources.nih_bbox``) |
 | ``jsonl:PATH`` / ``csv:PATH`` | generic rows, columns mapped by flags (``cxrdr.reinforce.sources.tabular``) |
 
 Options (CLI flags map 1:1; ``None`` means "not given"): image_root, seed (phantom: one or a list), size
@@ -26,11 +27,12 @@ from cxrdr.reinforce.phantom import PhantomSource
 from cxrdr.reinforce.records import Record, SkipLog
 from cxrdr.reinforce.sources.iu_xray import IuXraySource
 from cxrdr.reinforce.sources.mimic import MimicSource
+from cxrdr.reinforce.sources.nih_bbox import NihBboxSource
 from cxrdr.reinforce.sources.tabular import TabularSource
 
 log = logging.getLogger(__name__)
 
-VALID_SPECS = ("phantom[:N]", "mimic:PATH.jsonl", "iu-xray:DIR", "jsonl:PATH", "csv:PATH")
+VALID_SPECS = ("phantom[:N]", "mimic:PATH.jsonl", "iu-xray:DIR", "nih-bbox:PATH.jsonl", "jsonl:PATH", "csv:PATH")
 DEFAULT_PHANTOM_N = 200
 _COLUMN_FLAGS = ("col_id", "col_image", "col_report", "col_findings", "col_impression", "col_labels",
                  "col_split", "col_subject", "col_study", "col_view", "col_triples", "col_boxes")
@@ -39,6 +41,7 @@ _ACCEPTS = {
     "phantom": ("seed", "size", "split"),
     "mimic": ("image_root", "scene_graphs", "frontal_only", "min_report_chars", "label_order"),
     "iu-xray": ("image_root", "min_report_chars", "frontal_only"),
+    "nih-bbox": ("image_root", "min_report_chars", "frontal_only"),
     "jsonl": ("image_root", "min_report_chars", "labels_format", "frontal_only") + _COLUMN_FLAGS,
     "csv": ("image_root", "min_report_chars", "labels_format", "frontal_only") + _COLUMN_FLAGS,
 }
@@ -98,6 +101,8 @@ def open_source(spec: str, **options) -> Source:
         return MimicSource(spec, Path(arg), **used)
     if scheme == "iu-xray":
         return IuXraySource(spec, Path(arg), **used)
+    if scheme == "nih-bbox":
+        return NihBboxSource(spec, Path(arg), **used)
     return TabularSource(spec, Path(arg), scheme, **used)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_LABELS, TEXT_SOURCE_REPORT, report_from_labels
 from cxrdr.reinforce.records import SPLITS, Record, SkipLog
 
 _SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val", "validate": "val",
@@ -122,6 +123,21 @@ def require_file(path: str | Path, what: str) -> Path:
     return path
 
 
+def label_text(rec: Record) -> None:
+    """A record with labels but no report text gets a report composed from its labels (marked
+    ``text_source: labels`` so it is never taken for a radiologist's report); a source that composed its
+    own (NIH: its vocabulary, stated negatives) has marked it already. Without labels it stays empty and
+    is skipped as an empty report."""
+    if (rec.report or "").strip() or not rec.labels:
+        return
+    composed = report_from_labels(rec.labels)
+    if composed is None:
+        return
+    rec.report, triples = composed
+    rec.triples = rec.triples or triples
+    rec.extra["text_source"] = TEXT_SOURCE_LABELS
+
+
 class BaseSource:
     """Validation and accounting around a subclass's ``_candidates()`` generator."""
 
@@ -152,22 +168,25 @@ class BaseSource:
         self.filtered.clear()
         seen: set[str] = set()
         by_split: Counter = Counter()
+        text_sources: Counter = Counter()
         rows = 0
         for item in self._candidates():
             rows += 1
             if isinstance(item, Skip):
                 self.skipped.skip(item.id, item.reason)
                 continue
+            label_text(item)
             reason = self._problem(item, seen)
             if reason:
                 self.skipped.skip(item.id, reason)
                 continue
             seen.add(item.id)
             by_split[item.split] += 1
+            text_sources[item.extra.get("text_source", TEXT_SOURCE_REPORT)] += 1
             yield item
         self.counts = {"rows": rows, "records": sum(by_split.values()),
                        "by_split": {s: by_split[s] for s in SPLITS if by_split[s]},
-                       "filtered": dict(self.filtered)}
+                       "filtered": dict(self.filtered), "text_source": dict(text_sources)}
         self._passes += 1
 
     def _problem(self, rec: Record, seen: set[str]) -> str | None:
@@ -186,7 +205,7 @@ class BaseSource:
         report = (rec.report or "").strip()
         if not report:
             return "empty report: no findings/impression text"
-        if len(report) < self.min_report_chars:
+        if rec.extra.get("text_source") != TEXT_SOURCE_LABELS and len(report) < self.min_report_chars:
             return f"short report: {len(report)} chars < {self.min_report_chars}"
         if self.requires_images:
             if rec.image is None:

@@ -43,6 +43,10 @@ def cli_eval(
     seed: Annotated[int, typer.Option(help="Seed of the 5x200 subset and random baselines.")] = 0,
     device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    benchmark: Annotated[Optional[str], typer.Option(help="Instead of --shards: the NIH ChestX-ray14 box "
+                                                          "benchmark, nih-bbox:PATH/nih_bbox.jsonl (zero-shot AUC "
+                                                          "and localisation of the 8 box findings; writes "
+                                                          "benchmark.json/.md, heatmaps.png).")] = None,
 ) -> None:
     """Evaluate a checkpoint: retrieval, linear probe, zero-shot, localisation, faithfulness, geometry, cost."""
     from cxrdr.common.errors import UserError
@@ -51,6 +55,9 @@ def cli_eval(
         raise UserError("give exactly one of --ckpt PATH or --model SPEC")
     if ckpt is not None and not ckpt.is_file():
         raise UserError(f"--ckpt {ckpt}: checkpoint not found")
+    if benchmark is not None:
+        _run_benchmark(ckpt, model, benchmark, split, out, batch_size, n_plots, device, quiet)
+        return
     if not shards.is_dir():
         raise UserError(f"--shards {shards}: not a folder")
     if text_section not in ("both", "report", "findings", "impression"):
@@ -66,3 +73,26 @@ def cli_eval(
              probe_max_train=probe_max_train, prompts=prompts, min_positives=min_positives,
              n_localisation=n_localisation, n_faithfulness=n_faithfulness, faith_steps=faith_steps,
              efficiency=efficiency, n_plots=n_plots, seed=seed, device=device, progress=not quiet)
+
+
+def _run_benchmark(ckpt, model, benchmark: str, split: str, out, batch_size: int, n_plots: int, device, quiet: bool):
+    import torch
+
+    from cxrdr.common.errors import UserError
+    from cxrdr.train.evaluation.benchmark import parse_benchmark, run_benchmark
+    from cxrdr.train.evaluation.report import fmt
+
+    try:
+        parse_benchmark(benchmark)
+    except ValueError as exc:
+        raise UserError(f"--benchmark: {exc}") from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = out or default_out_dir(str(ckpt) if ckpt else None, model, f"nih-{split}")
+    results = run_benchmark(str(ckpt) if ckpt else model, benchmark, split, out_dir, batch_size=batch_size,
+                            n_plots=n_plots, device=device, progress=not quiet)
+    s = results["summary"]
+    typer.echo(f"{benchmark} {split}: {s['n_images']} images, {s['n_boxes']} boxes; zero-shot AUC "
+               f"{fmt(s['zero_shot_auc_mean'])}; PG z {fmt(s['pg_z'])} (chance {fmt(s['pg_z_chance'])}, prior "
+               f"{fmt(s['pg_z_prior'])}, train prior {fmt(s['pg_z_train_prior'])}); PG attention "
+               f"{fmt(s['pg_attention'])} (chance {fmt(s['pg_attention_chance'])}, prior "
+               f"{fmt(s['pg_attention_prior'])}, train prior {fmt(s['pg_attention_train_prior'])}) -> {out_dir}")
