@@ -181,7 +181,7 @@ def test_break_even_and_bars():
                            "crossing": crossing}}
     measured = bars(arms, {"plain": 100.0, "reinforced": 104.0, "online": 300.0}, 6000)
     got = {b["bar"].split(" (")[0]: b["met"] for b in measured}
-    assert got == {"reinforced reaches plain's final with <= 1/3 of plain's samples": True,
+    assert got == {"reinforced reaches plain's final mean R with <= 1/3 of plain's samples": True,
                    "(old definition, not judged) reinforced's first crossing / plain's whole budget": None,
                    "reinforced final mean R - plain's > 2 sd of plain's seeds": True,
                    "stored step <= 1.05x no-teacher step": True, "online step >= 3x stored step": False}
@@ -260,7 +260,11 @@ def test_ablation_over_seeds_reports_mean_sd_and_chance_and_reuses_runs(micro_re
     runs = [r["seed"] for r in data["runs"]["E"]["seeds"]]
     assert runs == [0, 1] and (out / "runs" / "variant-E" / "seed-1" / "last.pt").is_file()
     table = (out / "table.md").read_text()
-    assert " ± " in table and "mean R chance" in table and "PG z chance" in table
+    assert " ± " in table and "mean R chance" in table and "PG z chance" in table and "PG z train prior" in table
+    e_row = data["table"][1]
+    assert e_row["mean_recall_ci"] == pytest.approx(12.7062 * e_row["mean_recall_sd"] / 2 ** 0.5, rel=1e-4)  # 95 % t
+    assert [b["bar"].split()[:2] for b in data["bars"]] == [["E", "pointing_z"], ["E", "pointing_attn"]]
+    assert "## Bars" in table and data["protocol"]["report_split"] == "test"
     # a second invocation reuses the finished runs and their evaluations
     eval_json = out / "runs" / "variant-A" / "seed-0" / "eval-test" / "eval.json"
     stamp = eval_json.stat().st_mtime
@@ -369,3 +373,16 @@ def test_a_runs_loss_and_optim_overrides_add_to_the_experiments_and_old_run_conf
     saved["loss"]["w_gone"] = 1.0  # a field this version does not know: not the same run
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
     assert not _finished_alike(run, plain)
+
+
+def test_ladder_bars_need_the_floor_and_the_margin_over_the_train_prior():
+    from cxrdr.experiments.ablation import ladder_bars
+
+    rows = [{"run": "D", "pointing_z": 0.85, "train_prior_pointing_z": 0.55, "pointing_attn": 0.72,
+             "train_prior_pointing_attn": 0.62},
+            {"run": "A", "pointing_z": 0.1}]
+    bars = {b["bar"].split()[1]: b for b in ladder_bars(rows)}
+    assert set(bars) == {"pointing_z", "pointing_attn"}  # only the headline variants present
+    assert bars["pointing_z"]["met"] and bars["pointing_z"]["limit"] == pytest.approx(0.80)
+    assert bars["pointing_attn"]["met"] is False and bars["pointing_attn"]["limit"] == pytest.approx(0.77)
+    assert ladder_bars([{"run": "E", "pointing_z": 0.9}])[0]["met"] is None  # no prior: not judged

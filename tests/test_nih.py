@@ -94,7 +94,7 @@ def test_rows_with_labels_but_no_report_get_labels_text_others_are_skipped(tmp_p
     assert source.counts["text_source"] == {"labels": 1, "report": 1}
 
 
-def test_iobb_heat_box_and_box_frequency_prior():
+def test_iobb_heat_box_and_leave_one_out_prior():
     params = full_image_params(120, 120)
     heat = np.zeros((12, 12))
     heat[2:4, 5:7] = 1.0  # a 2x2-patch blob: pixels x 50-70, y 20-40
@@ -102,8 +102,6 @@ def test_iobb_heat_box_and_box_frequency_prior():
     assert boxloc.iobb([50, 20, 70, 40], [0, 0, 60, 120]) == pytest.approx(0.5)
     scores = boxloc.score_map(heat, np.pad(np.ones((2, 2), bool), ((2, 8), (5, 5))), [[50, 20, 70, 40]], params)
     assert scores["hit"] == 1.0 and scores["iobb_0.5"] == 1.0
-    prior = boxloc.box_frequency_map([[[0, 0, 60, 60]], [[0, 0, 30, 30]], []], [params] * 3, (12, 12))
-    assert prior[0, 0] == 1.0 and prior[4, 4] == 0.5 and prior[11, 11] == 0.0  # the image without boxes is left out
     assert [m.tolist() for m in boxloc.loo_means([np.ones((1, 1)), np.zeros((1, 1)), np.ones((1, 1))])] == \
         [[[0.5]], [[1.0]], [[0.5]]]
 

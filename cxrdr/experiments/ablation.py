@@ -12,14 +12,19 @@ import torch
 import typer
 
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import claimed_in_turn, ensure_shards, evaluate_run, result_row, run_training
+from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, evaluate_run, report_set, result_row,
+                                   run_training)
+from cxrdr.experiments.stats import t_interval
 from cxrdr.train.evaluation.report import (COST_COLUMNS, _plt, markdown_table, markdown_table_sd, plot_bars,
                                            seed_summary, write_json)
 
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
-ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc",
-                    "pointing_z", "chance_pointing_z", "prior_pointing_z", "iou_z",
-                    "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "iou_attn",
+ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall",
+                    "mean_recall_findings", "probe_auc", "zeroshot_auc",
+                    "pointing_z", "chance_pointing_z", "prior_pointing_z", "train_prior_pointing_z", "iou_z",
+                    "pointing_z_pathology", "train_prior_pointing_z_pathology",
+                    "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "train_prior_pointing_attn",
+                    "iou_attn",
                     "deletion_auc", "insertion_auc", "sparsity", "train_img_per_s", "step_ms"]
 
 
@@ -76,13 +81,41 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
     sweep = spec.get("k_ratio_sweep") or {}
     sweep_rows = _k_ratio_sweep(recipe, shards, out_dir, sweep, seeds[0], per_run)
     relative = _relative_to(rows, "A")
+    bars = ladder_bars(rows, spec.get("bars"))
+    report_shards, report_split = report_set(recipe, progress=False)
     result = {"experiment": "ablation", "recipe": recipe, "shards": str(shards), "seeds": seeds, "table": rows,
+              "bars": bars, "protocol": {"report_shards": str(report_shards), "report_split": report_split,
+                                         "selection": recipe.get("selection") or {}},
               "k_ratio_sweep": sweep_rows, "relative_to_A": relative, "runs": per_run}
     write_json(result, out_dir / "results.json")
     md = _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir)
+    md += ["## Bars", ""] + [f"- {b['bar']}: {_fmt(b['value'])} (limit {_fmt(b['limit'])}): "
+                             f"{'MET' if b['met'] else 'MISSED' if b['met'] is False else 'n/a'}" for b in bars]
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
+
+
+# The ladder's localisation bars (issue 28): the headline variants' seed-mean pointing games on the report set,
+# each an absolute floor and a margin over its train-box prior (the strongest image-blind baseline).
+LADDER_BARS = {"variants": ["D", "E"], "pointing_z": 0.80, "pointing_attn": 0.70, "over_train_prior": 0.15}
+
+
+def ladder_bars(rows: list[dict], spec: dict | None = None) -> list[dict]:
+    """Each bar measured: ``met`` True/False, None where a figure is missing."""
+    spec = {**LADDER_BARS, **(spec or {})}
+    out = []
+    for row in rows:
+        if row["run"] not in spec["variants"]:
+            continue
+        for metric in ("pointing_z", "pointing_attn"):
+            value, prior = row.get(metric), row.get(f"train_prior_{metric}")
+            floor = spec[metric]
+            limit = None if prior is None else max(floor, prior + spec["over_train_prior"])
+            out.append({"bar": f"{row['run']} {metric} >= {floor} and >= train prior + {spec['over_train_prior']}",
+                        "value": value, "ci": row.get(f"{metric}_ci"), "train_prior": prior, "limit": limit,
+                        "met": None if value is None or limit is None else value >= limit})
+    return out
 
 
 def _k_ratio_sweep(recipe: dict, shards: Path, out_dir: Path, sweep: dict, seed: int, per_run: dict) -> list[dict]:
@@ -103,9 +136,15 @@ def _k_ratio_sweep(recipe: dict, shards: Path, out_dir: Path, sweep: dict, seed:
     return rows
 
 
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
 def _over_seeds(label: str, seed_rows: list[dict]) -> dict:
     """Quality as mean ± sd over seeds; cost columns from the seed that measured them."""
     row = seed_summary(label, seed_rows, ABLATION_QUALITY)
+    for col in ABLATION_QUALITY:
+        row[f"{col}_ci"] = t_interval(row.get(f"{col}_seeds") or [])[1]
     for col in COST_COLUMNS:
         row[col] = next((r[col] for r in seed_rows if r.get(col) is not None), None)
     for metric, chance in (("mean_recall", "chance_mean_recall"), ("pointing_z", "chance_pointing_z"),
@@ -116,11 +155,15 @@ def _over_seeds(label: str, seed_rows: list[dict]) -> dict:
 
 
 def _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir: Path) -> list[str]:
+    report = report_set(recipe, progress=False)
     md = [f"# Ablation `{recipe['name']}`", "",
           f"shards `{shards}`; every variant trained with the same recipe and samples, seeds {seeds} "
-          f"(mean ± sd over seeds); test split. *chance*: a random ranking (mean R) or a random heatmap "
-          f"on the same grid and boxes (pointing game).", "",
-          "## Quality", "", markdown_table_sd(rows, ABLATION_QUALITY[:-2]), "",
+          f"(**mean ± 95 % CI**, t-interval over seeds); the report set (`{report[0]}`, split {report[1]}: no "
+          f"setting was chosen on it). *chance*: a random ranking (mean R) "
+          f"or a random heatmap on the same grid and boxes (pointing game); *prior*: the leave-one-out mean of the "
+          f"model's own maps; *train prior*: one fixed map of the train split's box frequency (class-agnostic for "
+          f"z, per label for attention), the strongest image-blind baseline.", "",
+          "## Quality", "", markdown_table_sd(rows, ABLATION_QUALITY[:-2], spread="ci"), "",
           "Against chance (mean over seeds):", "",
           markdown_table(rows, ["mean_recall_x_chance", "pointing_z_x_chance", "pointing_attn_x_chance"],
                          first="run"), "",

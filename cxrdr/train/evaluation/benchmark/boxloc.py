@@ -63,17 +63,6 @@ def chance_map_scores(target, gt_boxes: list, params: dict, top_fraction: float 
             **{f"iobb_{t}": float(np.mean([s[f"iobb_{t}"] for s in sims])) for t in IOBB_T}}
 
 
-def box_frequency_map(box_lists: list[list], params_list: list[dict], grid) -> np.ndarray:
-    """Image-blind prior: per patch, the share of images in which it lies inside any of that image's boxes
-    (``localisation.box_patch_mask`` on each image's own view). The train split's boxes of every finding
-    give the class-agnostic prior (for z); one finding's boxes give that finding's prior (for attention)."""
-    masks = [np.any([loc.box_patch_mask(b, p, grid) for b in boxes], axis=0)
-             for boxes, p in zip(box_lists, params_list) if boxes]
-    if not masks:
-        return np.full(tuple(grid), np.nan)
-    return np.mean(masks, axis=0).astype(np.float64)
-
-
 def loo_means(maps: list) -> list[np.ndarray]:
     """For each map, the mean of the others (the leave-one-out prior of ``localisation.prior_pointing_game``)."""
     stack = np.stack([np.nan_to_num(np.asarray(m, dtype=np.float64)) for m in maps])

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from cxrdr.common import augment
 from cxrdr.common.nih import BOX_FINDINGS, finding_words
+from cxrdr.train.evaluation import box_prior
 from cxrdr.train.evaluation import localisation as loc
 from cxrdr.train.evaluation.benchmark import boxloc
 from cxrdr.train.evaluation.benchmark.prompts import grounding_text
@@ -51,12 +52,11 @@ def _image_pass(em, row, phrase_ids: PhraseTokens):
 
 
 def _train_priors(train_rows, grid) -> dict:
-    """Class-agnostic (None) and per-finding box-frequency maps of the train split (image-blind)."""
-    params = [augment.full_image_params(*r.image().size) for r in train_rows]
-    priors = {None: boxloc.box_frequency_map([r.boxes_of() for r in train_rows], params, grid)}
-    for f in BOX_FINDINGS:
-        priors[f] = boxloc.box_frequency_map([r.boxes_of(f) for r in train_rows], params, grid)
-    return priors
+    """Class-agnostic (None) and per-finding box-frequency maps of the train split (image-blind; the same
+    maps as the shard suite's train prior, ``box_prior.box_frequency_maps``)."""
+    maps = box_prior.box_frequency_maps([(*r.image().size, r.boxes) for r in train_rows], tuple(grid))
+    none = np.full(tuple(grid), np.nan)
+    return {None: maps["any"] if maps["n_images"] else none, **{f: maps["labels"].get(f, none) for f in BOX_FINDINGS}}
 
 
 def _score(targets: list[Target], loo: list, prior_of) -> list[dict]:
