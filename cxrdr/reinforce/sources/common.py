@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from cxrdr.common.views import is_frontal
 from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_LABELS, TEXT_SOURCE_REPORT, report_from_labels
 from cxrdr.reinforce.records import SPLITS, Record, SkipLog
 
@@ -158,6 +159,19 @@ class BaseSource:
 
     def _options(self) -> dict:
         return {}
+
+    def _records_of_rows(self, rows, record, frontal_only: bool) -> Iterator[Record | Skip]:
+        """``record(lineno, row)`` of each ``(lineno, row)`` (a row already a Skip passes through); with
+        ``frontal_only`` a non-frontal record is counted in ``filtered`` instead of yielded."""
+        for lineno, row in rows:
+            if isinstance(row, Skip):
+                yield row
+                continue
+            rec = record(lineno, row)
+            if isinstance(rec, Record) and frontal_only and not is_frontal(rec.view):
+                self.filtered[f"not frontal: {rec.view}"] += 1
+                continue
+            yield rec
 
     def _extra_description(self) -> dict:
         return {}

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Iterator
 
 from cxrdr.common.nih import BOX_FINDINGS, canonical_finding, chexpert_labels, finding_words
-from cxrdr.common.views import is_frontal
 from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_LABELS, compose_report, label_triples
 from cxrdr.reinforce.records import Record
 from cxrdr.reinforce.sources.common import (BaseSource, Skip, normalize_split, read_jsonl, require_file,
@@ -66,12 +65,4 @@ class NihBboxSource(BaseSource):
                              "view_raw": text(row.get("view_raw")), "license": text(row.get("license"))})
 
     def _candidates(self) -> Iterator[Record | Skip]:
-        for lineno, row in read_jsonl(self.path):
-            if isinstance(row, Skip):
-                yield row
-                continue
-            rec = self._record(lineno, row)
-            if isinstance(rec, Record) and self.frontal_only and not is_frontal(rec.view):
-                self.filtered[f"not frontal: {rec.view}"] += 1
-                continue
-            yield rec
+        return self._records_of_rows(read_jsonl(self.path), self._record, self.frontal_only)

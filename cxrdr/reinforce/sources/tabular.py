@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Iterator
 
 from cxrdr.common.labels import CHEXPERT14
-from cxrdr.common.views import is_frontal
 from cxrdr.reinforce.records import Record
 from cxrdr.reinforce.sources.common import (BaseSource, Skip, bad_text_skip, hash_split, join_report, normalize_split,
                                       read_jsonl, require_file, resolve_image, text)
@@ -167,12 +166,4 @@ class TabularSource(BaseSource):
                       triples=triples, boxes=boxes, extra=extra)
 
     def _candidates(self) -> Iterator[Record | Skip]:
-        for lineno, row in self._rows():
-            if isinstance(row, Skip):
-                yield row
-                continue
-            rec = self._record(lineno, row)
-            if isinstance(rec, Record) and self.frontal_only and not is_frontal(rec.view):
-                self.filtered[f"not frontal: {rec.view}"] += 1
-                continue
-            yield rec
+        return self._records_of_rows(self._rows(), self._record, self.frontal_only)
