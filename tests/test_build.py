@@ -542,3 +542,51 @@ def test_dataset_card_beside_the_shards(fresh):
     assert source_license({"name": "mimic"})[0] == "other"
     assert source_license({"name": "jsonl", "license": "cc-by-4.0"})[0] == "cc-by-4.0"
     assert source_license({"name": "csv"})[0] == "unknown"
+
+
+def test_build_flags_are_derived_from_build_options(monkeypatch):
+    """Issue 25: `reinforce build`'s flags come from BuildOptions (name, type, default, help in one place);
+    every flag keeps its name, and the parsed flags make the BuildOptions the old signature made."""
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from cxrdr.common.augment import AugConfig
+    from cxrdr.reinforce import build_cli
+    from cxrdr.reinforce.options import AUG_FLAGS, SOURCE_FLAGS, cli_flags
+
+    seen = []
+    monkeypatch.setattr(build_cli, "build", lambda opts: seen.append(opts) or {"rank": 0, "samples_built": 0,
+                                                                                "shards_built": 0})
+    for f in dataclasses.fields(BuildOptions):
+        assert f.name in ("aug", "source_options") or f.metadata.get("help"), f.name
+    names = [flag.name for flag in cli_flags()]
+    assert len(names) == len(set(names)) == len(dataclasses.fields(BuildOptions)) - 2 + len(AUG_FLAGS) + len(SOURCE_FLAGS)
+    runner = CliRunner()
+    assert runner.invoke(app(), ["build"]).exit_code == 0
+    defaults = seen.pop()
+    assert defaults == BuildOptions(teachers="biomedclip", aug=AugConfig(), source_options={
+        key: None for key, _, _ in SOURCE_FLAGS.values()})
+    args = ["--source", "csv:x.csv", "--teachers", "random:tiny", "--out", "o", "--n-aug", "3", "--n-captions", "4",
+            "--store-size", "96", "--image-format", "JPEG", "--jpeg-quality", "80", "--emb-dtype", "int8",
+            "--shard-size", "7", "--compression", "none", "--seed", "5", "--workers", "0", "--batch-size", "6",
+            "--device", "cpu", "--model-cache", "mc", "--resume", "--rank", "1", "--world-size", "2",
+            "--limit", "9", "--merge-timeout", "12.5", "--crop-scale", "0.5,0.9", "--crop-ratio", "0.8,1.2",
+            "--max-angle", "3", "--randaugment", "2", "--randaugment-magnitude", "4", "--image-root", "imgs",
+            "--col-id", "a", "--col-image", "b", "--col-report", "c", "--col-findings", "d", "--col-impression", "e",
+            "--col-labels", "f", "--col-split", "g", "--col-subject", "h", "--col-study", "i", "--col-view", "j",
+            "--labels-format", "k", "--scene-graphs", "sg", "--all-views", "--min-report-chars", "11",
+            "--phantom-size", "128", "--source-seed", "8", "--engine", "ray", "--ray-actors", "2",
+            "--ray-retries", "1", "--quiet"]
+    result = runner.invoke(app(), ["build", *args])
+    assert result.exit_code == 0, result.output
+    assert seen.pop() == BuildOptions(
+        source="csv:x.csv", teachers="random:tiny", out=Path("o"), n_aug=3, n_captions=4, store_size=96,
+        image_format="jpg", jpeg_quality=80, emb_dtype="int8", shard_size=7, compression="none", seed=5, workers=0,
+        batch_size=6, device="cpu", model_cache="mc", resume=True, rank=1, world_size=2, limit=9,
+        aug=AugConfig(scale=(0.5, 0.9), ratio=(0.8, 1.2), max_angle=3.0, randaugment_n=2, randaugment_magnitude=4.0),
+        source_options=dict(image_root="imgs", col_id="a", col_image="b", col_report="c", col_findings="d",
+                            col_impression="e", col_labels="f", col_split="g", col_subject="h", col_study="i",
+                            col_view="j", labels_format="k", scene_graphs="sg", frontal_only=False,
+                            min_report_chars=11, size=128, seed=8),
+        merge_timeout=12.5, progress=False, engine="ray", ray_actors=2, ray_retries=1)

@@ -235,3 +235,84 @@ def test_export_refuses_bad_input_and_checks_its_output(exported, tmp_path):
     other = build_student("tiny-A")  # different weights: the check must notice
     with pytest.raises(ValueError, match="export check failed"):
         check_export(other, out)
+
+
+LOAD_MOVED = r"""
+import sys
+import torch
+import cxrdr.train.models  # noqa: F401  (resolves the export's relative paths; registers cxrdr_image_tower)
+import open_clip
+
+inputs = torch.load(sys.argv[1])
+out = {}
+for name, folder in inputs["folders"].items():
+    model, _, _ = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")
+    model.eval()
+    with torch.no_grad():
+        out[name] = (model.encode_image(inputs["images"][name], normalize=True),
+                     model.encode_text(tokenizer(inputs["texts"]), normalize=True))
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_moved_export_loads_in_a_fresh_process_with_the_students_embeddings(exported, tmp_path):
+    """Issue 25 (3): an export moved elsewhere (the place it was written gone) loads with open_clip in
+    a fresh process that imports cxrdr.train.models, from a working directory that is neither place,
+    and gives the student's embeddings: a timm ViT export and a cxrdr_image_tower one."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from cxrdr.train.export import export_open_clip
+
+    repo = Path(__file__).resolve().parents[1]
+    folders, images = {}, {}
+    for name in ("tiny-A", "tiny-cnn-D"):
+        student, fixture_out, _ = exported[name]
+        written = tmp_path / "written" / name
+        export_open_clip(fixture_out.parent / f"{name}.pt", written)
+        moved = tmp_path / "elsewhere" / f"{name}-moved"
+        moved.parent.mkdir(exist_ok=True)
+        shutil.move(str(written), str(moved))
+        assert not written.exists()
+        config = json.loads((moved / "open_clip_config.json").read_text())
+        assert config["cxrdr_relative_paths"]["vision_cfg"]["timm_model_name"] == "local-dir:vision"
+        folders[name] = str(moved)
+        pixels = torch.rand(3, 1, student.image_size, student.image_size, generator=torch.Generator().manual_seed(5))
+        images[name] = student.prepare_images(pixels)
+        images[name + "/pixels"] = pixels
+    shutil.rmtree(tmp_path / "written")
+    inputs, outputs = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
+    torch.save({"folders": folders, "images": images, "texts": TEXTS}, inputs)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", LOAD_MOVED, str(inputs), str(outputs)], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = torch.load(outputs)
+    for name in folders:
+        student = exported[name][0]
+        image, text = loaded[name]
+        torch.testing.assert_close(image, student.embed_images(images[name + "/pixels"]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(text, student.embed_texts(TEXTS), atol=1e-4, rtol=0)
+
+
+def test_relative_paths_resolve_against_the_folder_only_when_declared(tmp_path):
+    """Only a local-dir config with cxrdr_relative_paths is touched; its fields resolve against the folder."""
+    from cxrdr.train.models import openclip_paths
+
+    config = {"model_cfg": {"vision_cfg": {"timm_model_name": "local-dir:/old/vision", "timm_pool": "avg"},
+                            "text_cfg": {"hf_model_name": "/old/text", "context_length": 16}},
+              openclip_paths.KEY: openclip_paths.relative_paths()}
+    towers = openclip_paths.resolve_towers(tmp_path, config)
+    assert towers["vision_cfg"] == {"timm_model_name": f"local-dir:{tmp_path.resolve() / 'vision'}", "timm_pool": "avg"}
+    assert towers["text_cfg"]["hf_model_name"] == towers["text_cfg"]["hf_tokenizer_name"] == str(tmp_path.resolve() / "text")
+    assert towers["text_cfg"]["context_length"] == 16
+    assert openclip_paths.resolve_towers(tmp_path, {"model_cfg": config["model_cfg"]}) == {}
+    import open_clip
+
+    assert open_clip.create_model.resolves_relative_paths and open_clip.factory.create_model is open_clip.create_model

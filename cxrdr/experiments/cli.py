@@ -31,8 +31,8 @@ def cli_experiment(
     name: Annotated[str, typer.Argument(help="efficiency (plain vs reinforced vs online teacher, same "
                                              "samples seen, over seeds), ablation (students A-E + k_ratio "
                                              "sweep) or reinforcement (K, B_syn, captions, teachers, lambda).")],
-    config: Annotated[Path, typer.Option(help="Experiment recipe YAML, e.g. "
-                                              "configs/experiments/cpu-demo.yaml.")],
+    config: Annotated[Path, typer.Option(help="Experiment recipe YAML, e.g. configs/experiments/cpu-demo.yaml, "
+                                              "or a shipped recipe's name (cpu-demo).")],
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: the recipe's 'out' / NAME).")] = None,
     fresh: Annotated[bool, typer.Option(help="Retrain every run even when a finished identical run "
                                              "exists.")] = False,

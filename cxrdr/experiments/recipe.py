@@ -2,7 +2,8 @@
 
 The recipe YAML names the shards (reused when ``dataset.json`` exists, built otherwise), the shared
 training config (``cxrdr.train.config.TrainConfig`` fields), per-experiment and per-run overrides and
-the evaluation options; see configs/experiments/cpu-demo.yaml for every key, documented.
+the evaluation options; see configs/experiments/cpu-demo.yaml for every key, documented. A recipe
+is a path or the name of a shipped one (``cpu-demo``, also from an installed wheel).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cxrdr.common.configs import find_config
 from cxrdr.common.yamlio import read_yaml_mapping
 from cxrdr.train.config import TrainConfig
 
@@ -23,7 +25,8 @@ MERGED_KEYS = ("model_overrides", "optim", "loss")
 
 
 def load_recipe(path: str | Path) -> dict:
-    path = Path(path)
+    """A recipe file, or a shipped recipe by name (``cpu-demo``; `cxrdr.common.configs.find_config`)."""
+    path = find_config(path, "experiments")
     data = read_yaml_mapping(path, "experiment keys (name, shards, train, eval, efficiency, ablation)")
     unknown = sorted(set(data) - TOP_KEYS)
     if unknown:

@@ -1,6 +1,9 @@
-"""`reinforce build` command line: flags -> BuildOptions -> build -> summary."""
+"""`reinforce build` command line: flags -> BuildOptions -> build -> summary. The flags are derived
+from BuildOptions (``cxrdr.reinforce.options.cli_flags``: each field's name, type, default and help)."""
 from __future__ import annotations
 
+import inspect
+import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -9,7 +12,7 @@ import typer
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
 from cxrdr.reinforce.build import build
-from cxrdr.reinforce.options import DEFAULT_OUT, BuildOptions
+from cxrdr.reinforce.options import BuildOptions, cli_flags
 from cxrdr.reinforce.summary import summary_text
 
 
@@ -23,87 +26,44 @@ def _pair(text: str, flag: str) -> tuple[float, float]:
     return lo, hi
 
 
-def cli_build(
-    source: Annotated[str, typer.Option(help="Source spec: phantom[:N], mimic:PATH.jsonl, iu-xray:DIR, "
-                                             "nih-bbox:PATH.jsonl, "
-                                             "jsonl:PATH, csv:PATH.")] = "phantom",
-    teachers: Annotated[str, typer.Option(help="Comma-separated teacher specs, e.g. "
-                                               "biomedclip,text:minilm (random:tiny is for tests).")] = "biomedclip",
-    out: Annotated[Path, typer.Option(help="Output shard folder.")] = DEFAULT_OUT,
-    n_aug: Annotated[int, typer.Option(help="K augmentation parameter sets per image.")] = 10,
-    n_captions: Annotated[int, typer.Option(help="S synthetic captions per sample.")] = 5,
-    store_size: Annotated[int, typer.Option(help="Short side of the stored image in pixels.")] = 256,
-    image_format: Annotated[str, typer.Option(help="Stored image format: jpg or png.")] = "jpg",
-    jpeg_quality: Annotated[int, typer.Option(help="JPEG quality of stored images.")] = 95,
-    emb_dtype: Annotated[str, typer.Option(help="Embedding storage: float16, int8 (per-row scale) "
-                                                "or float32.")] = "float16",
-    shard_size: Annotated[int, typer.Option(help="Samples (records) per shard.")] = 1000,
-    compression: Annotated[str, typer.Option(help="Shard files: gzip (.tar.gz, compact) or none (.tar).")] = "gzip",
-    seed: Annotated[int, typer.Option(help="Seed of augmentation and caption sampling.")] = 0,
-    workers: Annotated[int, typer.Option(help="DataLoader workers decoding and augmenting.")] = 2,
-    batch_size: Annotated[int, typer.Option(help="Records per teacher batch (K*B crops per image "
-                                                 "forward).")] = 32,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N] for the teachers.")] = "auto",
-    model_cache: Annotated[Optional[str], typer.Option(help="Folder with local teacher weights.")] = None,
-    resume: Annotated[bool, typer.Option(help="Skip shards already complete in --out.")] = False,
-    rank: Annotated[Optional[int], typer.Option(help="This process's rank (default: $RANK or 0).")] = None,
-    world_size: Annotated[Optional[int], typer.Option(help="Number of ranks (default: $WORLD_SIZE or 1); "
-                                                           "shard i is built by rank i % world.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="Use only the first N records of the source.")] = None,
-    merge_timeout: Annotated[float, typer.Option(help="Seconds rank 0 waits for other ranks to merge.")] = 3600.0,
-    crop_scale: Annotated[Optional[str], typer.Option(help="RandomResizedCrop area fraction MIN,MAX "
-                                                           "[default: 0.6,1.0].")] = None,
-    crop_ratio: Annotated[Optional[str], typer.Option(help="RandomResizedCrop aspect ratio w/h MIN,MAX "
-                                                           "[default: 3/4,4/3].")] = None,
-    max_angle: Annotated[Optional[float], typer.Option(help="Max rotation in degrees [default: 7].")] = None,
-    randaugment: Annotated[Optional[int], typer.Option(help="RandAugment-style photometric ops per set "
-                                                            "[default: 0 = off].")] = None,
-    randaugment_magnitude: Annotated[Optional[float], typer.Option(help="RandAugment magnitude 0..10 "
-                                                                        "[default: 5].")] = None,
-    image_root: Annotated[Optional[str], typer.Option(help="Source: folder image paths are relative to.")] = None,
-    col_id: Annotated[Optional[str], typer.Option(help="Source column: record id.")] = None,
-    col_image: Annotated[Optional[str], typer.Option(help="Source column: image path.")] = None,
-    col_report: Annotated[Optional[str], typer.Option(help="Source column: report text.")] = None,
-    col_findings: Annotated[Optional[str], typer.Option(help="Source column: findings.")] = None,
-    col_impression: Annotated[Optional[str], typer.Option(help="Source column: impression.")] = None,
-    col_labels: Annotated[Optional[str], typer.Option(help="Source column: labels.")] = None,
-    col_split: Annotated[Optional[str], typer.Option(help="Source column: split.")] = None,
-    col_subject: Annotated[Optional[str], typer.Option(help="Source column: subject id.")] = None,
-    col_study: Annotated[Optional[str], typer.Option(help="Source column: study id.")] = None,
-    col_view: Annotated[Optional[str], typer.Option(help="Source column: view position.")] = None,
-    labels_format: Annotated[Optional[str], typer.Option(help="Source: how the labels column is "
-                                                              "encoded.")] = None,
-    scene_graphs: Annotated[Optional[str], typer.Option(help="Source (mimic): Chest ImaGenome scene "
-                                                             "graphs.")] = None,
-    frontal_only: Annotated[Optional[bool], typer.Option("--frontal-only/--all-views",
-                                                         help="Source: keep frontal views only.")] = None,
-    min_report_chars: Annotated[Optional[int], typer.Option(help="Source: shortest usable report.")] = None,
-    phantom_size: Annotated[Optional[int], typer.Option(help="Source (phantom): rendered image size.")] = None,
-    source_seed: Annotated[Optional[int], typer.Option(help="Source (phantom): generator seed.")] = None,
-    engine: Annotated[str, typer.Option(help="local: this process (or torchrun ranks); ray: shards on a Ray "
-                                             "actor pool ($RAY_ADDRESS, else a local Ray).")] = "local",
-    ray_actors: Annotated[Optional[int], typer.Option(help="--engine ray: actors, each with its own teachers "
-                                                           "(default: one per GPU, else CPUs / workers).")] = None,
-    ray_retries: Annotated[int, typer.Option(help="--engine ray: retries of a shard whose actor died or "
-                                                  "that raised.")] = 3,
-    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
-) -> None:
+def _parameters() -> list[inspect.Parameter]:
+    """One typer option per `cli_flags()` entry (bools: --x/--no-x switches unless spelled otherwise)."""
+    params = []
+    for flag in cli_flags():
+        tp = flag.type
+        if flag.default is None and typing.get_origin(tp) is not typing.Union:
+            tp = Optional[tp]
+        annotation = Annotated[tp, typer.Option(*flag.flags, help=flag.help)]
+        params.append(inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, default=flag.default,
+                                        annotation=annotation))
+    return params
+
+
+def build_options(values: dict) -> BuildOptions:
+    """Parsed flags -> BuildOptions (aug and source flags gathered; only aug flags given override)."""
+    options, aug, source = {}, {}, {}
+    for flag in cli_flags():
+        value = values[flag.name]
+        kind, key = flag.target
+        if kind == "field":
+            options[key] = (not value) if flag.invert else value
+        elif kind == "aug":
+            aug[flag.name] = value
+        else:
+            source[key] = value
+    options["image_format"] = str(options["image_format"]).lower().replace("jpeg", "jpg")
+    return BuildOptions(**options, aug=_aug_config(**aug), source_options=source)
+
+
+def cli_build(**values) -> None:
     """Build reinforced WebDataset shards: stored images, captions, aug params, teacher embeddings."""
-    aug = _aug_config(crop_scale, crop_ratio, max_angle, randaugment, randaugment_magnitude)
-    source_options = dict(image_root=image_root, col_id=col_id, col_image=col_image, col_report=col_report,
-                          col_findings=col_findings, col_impression=col_impression, col_labels=col_labels,
-                          col_split=col_split, col_subject=col_subject, col_study=col_study,
-                          col_view=col_view, labels_format=labels_format, scene_graphs=scene_graphs,
-                          frontal_only=frontal_only, min_report_chars=min_report_chars,
-                          size=phantom_size, seed=source_seed)
-    opts = BuildOptions(source=source, teachers=teachers, out=out, n_aug=n_aug, n_captions=n_captions,
-                        store_size=store_size, image_format=image_format.lower().replace("jpeg", "jpg"),
-                        jpeg_quality=jpeg_quality, emb_dtype=emb_dtype, shard_size=shard_size, compression=compression,
-                        seed=seed, workers=workers, batch_size=batch_size, device=device, model_cache=model_cache,
-                        resume=resume, rank=rank, world_size=world_size, limit=limit, aug=aug,
-                        source_options=source_options, merge_timeout=merge_timeout, progress=not quiet,
-                        engine=engine, ray_actors=ray_actors, ray_retries=ray_retries)
-    _print_result(build(opts), out)
+    opts = build_options(values)
+    _print_result(build(opts), opts.out)
+
+
+_params = _parameters()
+cli_build.__signature__ = inspect.Signature(_params)
+cli_build.__annotations__ = {p.name: p.annotation for p in _params}
 
 
 def _aug_config(crop_scale, crop_ratio, max_angle, randaugment, randaugment_magnitude) -> AugConfig:

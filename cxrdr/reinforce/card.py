@@ -47,12 +47,27 @@ def _text_source_lines(source: dict) -> list[str]:
             "`extra`), not written by a radiologist"]
 
 
+def _configs_block(dataset: dict) -> list[str]:
+    """Hugging Face ``configs:``: each split's shard files (a shard never mixes splits), so that
+    ``datasets.load_dataset(THIS_FOLDER)`` reads the tars with its webdataset builder instead of
+    taking dataset.json, sizes.json and stats/ for json data."""
+    splits: dict[str, list[str]] = {}
+    for shard in dataset.get("shards") or []:
+        splits.setdefault(shard["split"], []).append(shard["name"])
+    if not splits:
+        return []
+    lines = ["configs:", "- config_name: default", "  data_files:"]
+    for split, names in splits.items():
+        lines += [f"  - split: {split}", "    path:"] + [f"    - {name}" for name in names]
+    return lines
+
+
 def dataset_card(dataset: dict) -> str:
     images = dataset.get("images", True)
     license_id, license_note = source_license(dataset.get("source") or {})
     tasks = (["zero-shot-image-classification", "image-to-text", "image-feature-extraction"] if images
              else ["sentence-similarity", "feature-extraction"])
-    header = (["---", f"license: {license_id}"] + _yaml_list("task_categories", tasks)
+    header = (["---"] + _configs_block(dataset) + [f"license: {license_id}"] + _yaml_list("task_categories", tasks)
               + _yaml_list("size_categories", [size_category(dataset.get("total_samples", 0))])
               + _yaml_list("tags", ["medical", "chest-x-ray", "webdataset", "dataset-reinforcement", "cxrdr"])
               + ["---"])
@@ -100,9 +115,13 @@ def dataset_card(dataset: dict) -> str:
              "train run --shards THIS_FOLDER --model tiny-D --steps 1000 --out runs/D", "```", "",
              "webdataset (decode the embeddings with cxrdr's `cxrdr.common.shards.sample_embeddings`):", "",
              "```python", "import webdataset as wds",
-             f"ds = wds.WebDataset('{first}')  # or the brace range of all shards",
+             f"ds = wds.WebDataset('{first}', shardshuffle=False)  # or the brace range of all shards",
              "for sample in ds:  # {'__key__', 'jpg'/'png', 'txt' (report), 'json' (metadata), '<teacher>.npy'}",
              "    ...", "```", "",
+             "Hugging Face `datasets` (the `configs:` block above names each split's shards; streaming "
+             "yields the image as PIL, `txt`, `json` as a dict and each `<teacher>.npy` as nested lists):", "",
+             "```python", "from datasets import load_dataset",
+             "ds = load_dataset('THIS_FOLDER', split='train', streaming=True)", "```", "",
              "open_clip's trainer (image + `txt` report; the cxrdr shim makes it work with webdataset >= 0.2.96):", "",
              "```bash",
              f"python -m cxrdr.train.openclip_train --dataset-type webdataset --train-data '{train_spec}' \\",

@@ -3,7 +3,8 @@ device they resolve to."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -17,35 +18,124 @@ from cxrdr.teachers import load_teachers
 DEFAULT_OUT = Path("shards")
 
 
+def _opt(default=None, help: str = "", factory=None, **cli) -> object:
+    """A BuildOptions field with its `reinforce build` flag: ``help``, and in ``cli`` the flag's own
+    ``flags`` (spellings), ``name`` (parameter name) and ``cli_default`` where they differ from the field's."""
+    metadata = {"help": help, **cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class BuildOptions:
-    source: str = "phantom"
-    teachers: str = "random:tiny"
-    out: Path = DEFAULT_OUT
-    n_aug: int = 10
-    n_captions: int = 5
-    store_size: int = 256
-    image_format: str = "jpg"
-    jpeg_quality: int = 95
-    emb_dtype: str = "float16"
-    shard_size: int = 1000
-    compression: str = "gzip"  # gzip: shard-NNNNNN.tar.gz; none: shard-NNNNNN.tar
-    seed: int = 0
-    workers: int = 2
-    batch_size: int = 32
-    device: str = "auto"
-    model_cache: Optional[str] = None
-    resume: bool = False
-    rank: Optional[int] = None
-    world_size: Optional[int] = None
-    limit: Optional[int] = None
-    aug: object = None  # AugConfig; None -> defaults
-    source_options: dict = field(default_factory=dict)
-    merge_timeout: float = 3600.0
-    progress: bool = True
-    engine: str = "local"  # local (this process, or torchrun ranks) or ray (reinforce.ray_engine)
-    ray_actors: Optional[int] = None  # default: one per GPU of the cluster, else CPUs / max(1, workers)
-    ray_retries: int = 3
+    """What a build is asked to do. Each field's metadata is its `reinforce build` flag (help, and
+    spelling or CLI default where they differ): the one source of the flags (``cli_flags``)."""
+    source: str = _opt("phantom", "Source spec: phantom[:N], mimic:PATH.jsonl, iu-xray:DIR, nih-bbox:PATH.jsonl, "
+                                   "jsonl:PATH, csv:PATH.")
+    # the library's default teacher is the test one; the command line's is BiomedCLIP
+    teachers: str = _opt("random:tiny", "Comma-separated teacher specs, e.g. biomedclip,text:minilm "
+                                        "(random:tiny is for tests).", cli_default="biomedclip")
+    out: Path = _opt(DEFAULT_OUT, "Output shard folder.")
+    n_aug: int = _opt(10, "K augmentation parameter sets per image.")
+    n_captions: int = _opt(5, "S synthetic captions per sample.")
+    store_size: int = _opt(256, "Short side of the stored image in pixels.")
+    image_format: str = _opt("jpg", "Stored image format: jpg or png.")
+    jpeg_quality: int = _opt(95, "JPEG quality of stored images.")
+    emb_dtype: str = _opt("float16", "Embedding storage: float16, int8 (per-row scale) or float32.")
+    shard_size: int = _opt(1000, "Samples (records) per shard.")
+    # gzip: shard-NNNNNN.tar.gz; none: shard-NNNNNN.tar
+    compression: str = _opt("gzip", "Shard files: gzip (.tar.gz, compact) or none (.tar).")
+    seed: int = _opt(0, "Seed of augmentation and caption sampling.")
+    workers: int = _opt(2, "DataLoader workers decoding and augmenting.")
+    batch_size: int = _opt(32, "Records per teacher batch (K*B crops per image forward).")
+    device: str = _opt("auto", "auto, cpu or cuda[:N] for the teachers.")
+    model_cache: Optional[str] = _opt(None, "Folder with local teacher weights.")
+    resume: bool = _opt(False, "Skip shards already complete in --out.")
+    rank: Optional[int] = _opt(None, "This process's rank (default: $RANK or 0).")
+    world_size: Optional[int] = _opt(None, "Number of ranks (default: $WORLD_SIZE or 1); shard i is built "
+                                           "by rank i % world.")
+    limit: Optional[int] = _opt(None, "Use only the first N records of the source.")
+    aug: object = None  # AugConfig; None -> defaults. Flags: AUG_FLAGS
+    source_options: dict = field(default_factory=dict)  # flags: SOURCE_FLAGS
+    merge_timeout: float = _opt(3600.0, "Seconds rank 0 waits for other ranks to merge.")
+    progress: bool = _opt(True, "No progress bar.", name="quiet", invert=True)  # --quiet
+    # local (this process, or torchrun ranks) or ray (reinforce.ray_engine)
+    engine: str = _opt("local", "local: this process (or torchrun ranks); ray: shards on a Ray actor pool "
+                                "($RAY_ADDRESS, else a local Ray).")
+    # default: one per GPU of the cluster, else CPUs / max(1, workers)
+    ray_actors: Optional[int] = _opt(None, "--engine ray: actors, each with its own teachers "
+                                           "(default: one per GPU, else CPUs / workers).")
+    ray_retries: int = _opt(3, "--engine ray: retries of a shard whose actor died or that raised.")
+
+
+# Flags that are not BuildOptions fields: (flag name, type, help) -> the AugConfig field they set
+# (only when given: a CLI build equals a default-config build) and the source option they pass.
+AUG_FLAGS = {
+    "crop_scale": ("scale", str, "RandomResizedCrop area fraction MIN,MAX [default: 0.6,1.0]."),
+    "crop_ratio": ("ratio", str, "RandomResizedCrop aspect ratio w/h MIN,MAX [default: 3/4,4/3]."),
+    "max_angle": ("max_angle", float, "Max rotation in degrees [default: 7]."),
+    "randaugment": ("randaugment_n", int, "RandAugment-style photometric ops per set [default: 0 = off]."),
+    "randaugment_magnitude": ("randaugment_magnitude", float, "RandAugment magnitude 0..10 [default: 5]."),
+}
+SOURCE_FLAGS = {
+    "image_root": ("image_root", str, "Source: folder image paths are relative to."),
+    "col_id": ("col_id", str, "Source column: record id."),
+    "col_image": ("col_image", str, "Source column: image path."),
+    "col_report": ("col_report", str, "Source column: report text."),
+    "col_findings": ("col_findings", str, "Source column: findings."),
+    "col_impression": ("col_impression", str, "Source column: impression."),
+    "col_labels": ("col_labels", str, "Source column: labels."),
+    "col_split": ("col_split", str, "Source column: split."),
+    "col_subject": ("col_subject", str, "Source column: subject id."),
+    "col_study": ("col_study", str, "Source column: study id."),
+    "col_view": ("col_view", str, "Source column: view position."),
+    "labels_format": ("labels_format", str, "Source: how the labels column is encoded."),
+    "scene_graphs": ("scene_graphs", str, "Source (mimic): Chest ImaGenome scene graphs."),
+    "frontal_only": ("frontal_only", bool, "Source: keep frontal views only."),
+    "min_report_chars": ("min_report_chars", int, "Source: shortest usable report."),
+    "phantom_size": ("size", int, "Source (phantom): rendered image size."),
+    "source_seed": ("seed", int, "Source (phantom): generator seed."),
+}
+# spellings other than --flag-name
+FLAG_SPELLINGS = {"frontal_only": ("--frontal-only/--all-views",)}
+
+
+@dataclass(frozen=True)
+class CliFlag:
+    """One `reinforce build` flag: ``name`` (parameter), ``flags`` (spellings), type, default, help, and
+    where its value goes: ``("field", name)``, ``("aug", AugConfig field)`` or ``("source", option)``."""
+    name: str
+    flags: tuple[str, ...]
+    type: object
+    default: object
+    help: str
+    target: tuple[str, str]
+    invert: bool = False
+
+
+def cli_flags() -> list[CliFlag]:
+    """Every `reinforce build` flag, in the BuildOptions fields' order (the aug and source flags in the
+    place of ``aug`` and ``source_options``), from the fields' metadata and defaults."""
+    hints = typing.get_type_hints(BuildOptions)
+    out: list[CliFlag] = []
+    for f in fields(BuildOptions):
+        if f.name == "aug":
+            for name, (key, tp, help_text) in AUG_FLAGS.items():
+                out.append(CliFlag(name, FLAG_SPELLINGS.get(name, ()), tp, None, help_text, ("aug", key)))
+            continue
+        if f.name == "source_options":
+            for name, (key, tp, help_text) in SOURCE_FLAGS.items():
+                out.append(CliFlag(name, FLAG_SPELLINGS.get(name, ()), tp, None, help_text, ("source", key)))
+            continue
+        meta = f.metadata
+        tp = hints[f.name]
+        default = meta.get("cli_default", f.default)
+        if meta.get("invert"):
+            default = not default
+        out.append(CliFlag(meta.get("name", f.name), tuple(meta.get("flags", ())), tp, default,
+                           meta.get("help", ""), ("field", f.name), bool(meta.get("invert"))))
+    return out
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from cxrdr.common.configs import find_config
 from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping, validate_fields
 from cxrdr.train.losses.config import LossConfig, teacher_scales_from_info
 from cxrdr.train.optim import OptimConfig
@@ -165,6 +166,7 @@ class TrainConfig:
         field names or dotted paths into the nested configs (``optim.lr``)."""
         data: dict = {}
         if path is not None:
+            path = find_config(path, "studies")  # a file, or a shipped overlay ('localisation/aligned')
             data = read_yaml_mapping(path, "training config fields")
             data = data.get("train", data)  # an experiment recipe may nest it under 'train'
         for key, value in overrides.items():

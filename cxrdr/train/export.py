@@ -13,7 +13,10 @@ DIR is an open_clip ``local-dir:`` model, loadable with
 open_clip builds the image tower with timm (``timm_model_name: local-dir:DIR/vision``, pooling and a
 bias-free linear projection as the student has) and the text tower with transformers
 (``hf_model_name: DIR/text``, CLS or mean pooling, bias-free linear projection). Those two names
-are absolute paths: after moving DIR, export again (or edit the two paths).
+are the absolute paths of the place DIR was written (open_clip alone loads it there); the same paths
+relative to DIR are under ``cxrdr_relative_paths``, which ``import cxrdr.train.models`` makes
+open_clip resolve against the folder a model is loaded from (``cxrdr.train.models.openclip_paths``):
+with cxrdr imported, DIR can be moved or copied and still loads.
 
 The student feeds 1-channel images in [0, 1] expanded to 3 channels and normalised by its
 mean/std; open_clip's preprocess converts to RGB (three equal channels), scales to [0, 1] and
@@ -43,6 +46,7 @@ from cxrdr.teachers.openclip import forced_offline
 from cxrdr.common.pretrained import TIMM_ARCH
 from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train.models.image_towers import TIMM_VIT_NAMES, VIT_MICRO
+from cxrdr.train.models.openclip_paths import KEY as RELATIVE_KEY, relative_paths
 from cxrdr.train.models.timm_adapter import ARCHITECTURE
 
 FORMATS = ("open_clip",)
@@ -104,6 +108,7 @@ def open_clip_config(student, out_dir: Path) -> dict:
         "preprocess_cfg": {"size": student.image_size, "mode": "RGB", "mean": student.config.image_mean,
                            "std": student.config.image_std, "interpolation": "bilinear",
                            "resize_mode": "shortest"},
+        RELATIVE_KEY: relative_paths("vision", "text"),
     }
 
 
@@ -161,7 +166,10 @@ def loading_note(student, out_dir: Path, architecture: str) -> str:
         f"tokenizer = open_clip.get_tokenizer('local-dir:{out_dir.resolve()}')",
         "```", "",
         f"As a cxrdr teacher: `reinforce build --teachers openclip:local-dir:{out_dir.resolve()} ...`.",
-        "The paths in open_clip_config.json are absolute: export again after moving this folder.", ""])
+        "The tower paths in `open_clip_config.json` (`model_cfg`) are absolute, for open_clip alone in this "
+        "place. Moved or copied elsewhere, the folder still loads once cxrdr's `cxrdr.train.models` is imported: "
+        "it resolves `cxrdr_relative_paths` (the same files, relative to this folder) against the folder "
+        "open_clip loads.", ""])
 
 
 def export_open_clip(checkpoint: str | Path, out_dir: str | Path, check: bool = True) -> dict:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cxrdr.common.configs import prompts_file
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.train.evaluation.probe import binarise, label_skip_reason, score_label, summarise
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "configs" / "prompts.yaml"
 CLASSES_5X200 = ("Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion")
 
 
@@ -24,7 +24,7 @@ def load_prompts(path: str | Path | None = None) -> dict:
     """``{"labels": {name: {"positive": [...], "negative": [...]}}, "multiclass_5x200": [...]}``."""
     import yaml
 
-    path = Path(path) if path else DEFAULT_PROMPTS
+    path = Path(path) if path else prompts_file()
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     data = yaml.safe_load(path.read_text()) or {}

@@ -7,6 +7,9 @@ from cxrdr.train.models.student import PatchIBStudent, StudentOutput
 from cxrdr.train.models.text_towers import TextTokenizer, build_tokenizer
 from cxrdr.train.models.timm_adapter import TimmImageTower  # registers cxrdr_image_tower with timm
 from cxrdr.train.models.token_dropping import TokenDroppingViT
+from cxrdr.train.models import openclip_paths
+
+openclip_paths.install()  # exports that moved load: their tower paths resolve against their folder
 
 __all__ = ["StudentConfig", "available_configs", "build_image_tower", "build_student", "create_student",
            "PatchIBStudent", "StudentOutput", "MaskHead", "MaskHeadTopK", "LocalAlign", "Projection",

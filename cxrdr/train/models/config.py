@@ -1,6 +1,7 @@
 """StudentConfig: every knob of the Patch-IB student ladder (A-E), loadable from YAML by name.
 
-One YAML file per model family in ``configs/models/`` (``$CXRDR_MODEL_CONFIGS`` overrides the folder):
+One YAML file per model family in ``configs/models/`` (located by `cxrdr.common.configs`: the wheel's
+packaged copy or the checkout's; ``$CXRDR_MODEL_CONFIGS`` overrides the folder):
 the family's fields plus an optional ``variants:`` block, variant -> field overrides (when present it
 also lists the family's variants; absent: all of A-E, no overrides). A name is ``FAMILY-VARIANT``
 (``"tiny-D"``: tiny.yaml, variant D), a bare variant (``"D"``: the default family), or a family
@@ -16,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cxrdr.common.configs import config_dir
 from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping
 from cxrdr.train.models.registry import token_sequence_towers, tower_names
 
 VARIANTS = ("A", "B", "C", "D", "E")
 DEFAULT_FAMILY = "default"  # bare variant names ('D') resolve to configs/models/default.yaml
-CONFIG_DIR = Path(os.environ.get("CXRDR_MODEL_CONFIGS", Path(__file__).resolve().parents[3] / "configs" / "models"))
+CONFIG_DIR = config_dir("models")
 
 
 @dataclass
