@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from cxrdr.common.shards import decode_sample, iter_raw_samples, read_dataset_info
-from cxrdr.reinforce.build import BuildOptions, build
 
 datasets = pytest.importorskip("datasets")
 
@@ -24,14 +23,9 @@ TEACHER = "random-tiny"
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from cxrdr.teachers import load_teachers
-
-    out = tmp_path_factory.mktemp("hf") / "shards"
-    opts = BuildOptions(source="phantom:16", teachers="random:tiny", out=out, n_aug=2, n_captions=2,
-                        store_size=64, shard_size=8, workers=0, batch_size=4, device="cpu", progress=False)
-    build(opts, teachers=load_teachers("random:tiny", device="cpu"))
-    return out
+def shards(phantom_shards):
+    """The session's phantom shards (several shards per split, float16 random-tiny embeddings)."""
+    return phantom_shards
 
 
 @pytest.fixture()

@@ -88,7 +88,8 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
                                          "selection": recipe.get("selection") or {}},
               "k_ratio_sweep": sweep_rows, "relative_to_A": relative, "runs": per_run}
     write_json(result, out_dir / "results.json")
-    md = _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir)
+    md = _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir,
+                            (report_shards, report_split))
     md += ["## Bars", ""] + [f"- {b['bar']}: {_fmt(b['value'])} (limit {_fmt(b['limit'])}): "
                              f"{'MET' if b['met'] else 'MISSED' if b['met'] is False else 'n/a'}" for b in bars]
     (out_dir / "table.md").write_text("\n".join(md))
@@ -154,8 +155,8 @@ def _over_seeds(label: str, seed_rows: list[dict]) -> dict:
     return row
 
 
-def _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir: Path) -> list[str]:
-    report = report_set(recipe, progress=False)
+def _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir: Path,
+                       report: tuple[Path, str]) -> list[str]:
     md = [f"# Ablation `{recipe['name']}`", "",
           f"shards `{shards}`; every variant trained with the same recipe and samples, seeds {seeds} "
           f"(**mean ± 95 % CI**, t-interval over seeds); the report set (`{report[0]}`, split {report[1]}: no "

@@ -54,7 +54,7 @@ def _image_pass(em, row, phrase_ids: PhraseTokens):
 def _train_priors(train_rows, grid) -> dict:
     """Class-agnostic (None) and per-finding box-frequency maps of the train split (image-blind; the same
     maps as the shard suite's train prior, ``box_prior.box_frequency_maps``)."""
-    maps = box_prior.box_frequency_maps([(*r.image().size, r.boxes) for r in train_rows], tuple(grid))
+    maps = box_prior.box_frequency_maps([(*r.size(), r.boxes) for r in train_rows], tuple(grid))
     none = np.full(tuple(grid), np.nan)
     return {None: maps["any"] if maps["n_images"] else none, **{f: maps["labels"].get(f, none) for f in BOX_FINDINGS}}
 
@@ -99,7 +99,7 @@ def localise(em, rows, train_rows, n_plots: int = 6, progress: bool = True) -> t
                 continue
             view, params, grid, z, attn = _image_pass(em, row, phrase_ids)
             size = em.image_size
-            w, h = row.image().size
+            w, h = row.size()
             shown = [(b["label"], [b["box"][0] * size / w, b["box"][1] * size / h, b["box"][2] * size / w,
                                    b["box"][3] * size / h]) for b in row.boxes]
             masks = {f: np.any([loc.box_patch_mask(b, params, grid) for b in row.boxes_of(f)], axis=0)

@@ -27,6 +27,14 @@ class BoxImage:
         except OSError as exc:
             raise ValueError(f"benchmark image {self.key}: cannot read {self.path}: {exc}") from None
 
+    def size(self) -> tuple[int, int]:
+        """(width, height) from the file's header, without decoding the pixels."""
+        try:
+            with Image.open(self.path) as im:
+                return im.size
+        except OSError as exc:
+            raise ValueError(f"benchmark image {self.key}: cannot read {self.path}: {exc}") from None
+
     def boxes_of(self, finding: str | None = None) -> list[list[float]]:
         return [b["box"] for b in self.boxes if finding is None or b["label"] == finding]
 
