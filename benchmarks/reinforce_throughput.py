@@ -18,7 +18,6 @@ Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:ti
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -31,7 +30,7 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
     import torch
 
     from cxrdr.common.augment import replay_many
-    from cxrdr.common.shards import iter_tar_samples, read_dataset_info
+    from cxrdr.common.shards import iter_tar_samples, load_meta, read_dataset_info
     from cxrdr.reinforce.prepare import decode_stored_image
 
     info = read_dataset_info(shards_dir)
@@ -43,13 +42,13 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
         texts = []
         chunk = samples[start:start + batch_size]
         for s in chunk:
-            meta = json.loads(s["json"])
+            meta = load_meta(s["json"])  # aug params as replay reads them
             pixels = np.asarray(decode_stored_image(s[info["image_format"]]))
             for size in sizes:  # replay_many == stacked replay() calls, bit for bit
                 crops[size].append(replay_many(pixels, meta["aug"], size))
             texts.append(s["txt"].decode())
         for s in chunk:
-            texts += [c["text"] for c in json.loads(s["json"])["captions"]]
+            texts += [c["text"] for c in load_meta(s["json"])["captions"]]
         batches.append(({k: torch.cat(v) for k, v in crops.items()}, texts))
     best = float("inf")
     for _ in range(repeats):

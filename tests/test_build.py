@@ -22,7 +22,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from cxrdr.common.augment import replay
-from cxrdr.common.shards import iter_tar_samples, read_dataset_info
+from cxrdr.common.shards import SCHEMA_VERSION, check_stored_meta, iter_tar_samples, load_meta, read_dataset_info
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.reinforce.summary import summary_text
 from cxrdr.common.errors import UserError
@@ -157,7 +157,7 @@ def test_stored_embeddings_are_those_of_the_replayed_stored_pixels(fresh, teache
     """Stage 2 decodes the stored image, replays aug[k]: the teacher saw exactly that tensor."""
     tiny, minilm = teachers
     for key, sample in list(read_samples(fresh).items())[:3]:
-        meta = json.loads(sample["json"])
+        meta = load_meta(sample["json"])
         image = Image.open(io.BytesIO(sample["jpg"])).convert("L")
         crops = torch.stack([replay(image, p, tiny.image_size) for p in meta["aug"]])
         expected = tiny.encode_images(crops).numpy()
@@ -451,8 +451,9 @@ def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, mo
 
 
 def _downgrade_to_schema_1(out: Path, info: dict) -> None:
-    """Rewrite a schema-2 folder in the schema-1 layout (one member per part, int8 scales apart):
-    the fixture standing in for shards built before schema 2."""
+    """Rewrite a current folder in the schema-1 layout (one member per part, int8 scales apart; the
+    json member with the meaning as it is, as schemas 1 and 2 stored it): the fixture standing in
+    for shards built before schema 2."""
     import webdataset as wds
 
     from cxrdr.reinforce.manifest import plan_path
@@ -466,6 +467,7 @@ def _downgrade_to_schema_1(out: Path, info: dict) -> None:
             writer = wds.TarWriter(f, encoder=False, mtime=0)
             for key, sample in samples:
                 old = {ext: data for ext, data in sample.items() if not ext.endswith(".npy")}
+                old["json"] = json.dumps(load_meta(sample["json"])).encode()
                 for t in info["teachers"]:
                     stored = npy_load(sample.pop(f"{t['name']}.npy"))
                     parts = sample_embeddings_of(stored, sample)
@@ -513,10 +515,12 @@ def test_schema_1_shards_are_read_verified_and_upgraded_by_add_teacher(teachers,
     assert verify(out)[0] == []
 
     info = add_teachers(out, "text:minilm", progress=False, teachers=teachers[1:])
-    assert info["schema_version"] == 2 and info["upgraded_from_schema_version"] == 1
+    assert info["schema_version"] == SCHEMA_VERSION and info["upgraded_from_schema_version"] == 1
     for key, sample in read_samples(out).items():
         assert set(sample) == {"jpg", "txt", "json", "random-tiny.npy", "minilm.npy"}
-        assert sample["random-tiny.npy"] == v2[key]["random-tiny.npy"]  # the very bytes a v2 build writes
+        assert sample["random-tiny.npy"] == v2[key]["random-tiny.npy"]  # the very bytes a current build writes
+        assert sample["json"] == v2[key]["json"]  # the json member upgraded to the very bytes a build writes
+        check_stored_meta(json.loads(sample["json"]))
     assert verify(out)[0] == []
 
 

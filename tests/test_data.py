@@ -80,7 +80,7 @@ def test_reinforced_batch_shapes_and_teacher_rows(phantom_shards):
             np.testing.assert_allclose(rows["img"][i].numpy(), sf.sample_embedding(sample, teacher, "img")[a])
         np.testing.assert_allclose(rows["syn"][i].numpy(), sf.sample_embedding(sample, teacher, "syn")[c])
         np.testing.assert_allclose(rows["txt"][i].numpy(), sf.sample_embedding(sample, teacher, "txt").reshape(-1))
-        meta = json.loads(sample["json"])
+        meta = sf.load_meta(sample["json"])  # aug params as replay reads them
         assert batch["caption_text"][i] == meta["captions"][c]["text"]
         assert batch["aug_params"][i] == meta["aug"][a]
         # The replayed crop is exactly augment.replay of the stored image with the stored params.
@@ -103,7 +103,7 @@ def test_plain_mode_has_no_teacher_and_fresh_views(phantom_shards):
     assert batch["teacher"] == {}
     assert (batch["aug_index"] == -1).all()
     raw = _raw_samples(phantom_shards, "train")
-    stored = json.loads(raw[batch["key"][0]]["json"])["aug"]
+    stored = sf.load_meta(raw[batch["key"][0]]["json"])["aug"]
     assert batch["aug_params"][0] not in stored
     other = next(iter(_loader(phantom_shards, mode="plain", shuffle=False, epoch=1)))
     assert other["key"][0] == batch["key"][0] and other["aug_params"][0] != batch["aug_params"][0]

@@ -3,10 +3,11 @@
 For each shard: read every sample, decode its stored image (the same PIL decode stage 2 uses),
 replay its stored aug params at the new teacher's input size, re-embed its stored report and
 captions, and rewrite the shard (temp name + rename) with the original members' bytes
-unchanged plus one new ``<teacher>.npy`` member per teacher (schema 2). Images, captions, params and
-the other teachers' embeddings are never recomputed. A schema-1 folder is upgraded on the way: its
-per-part members are repacked losslessly into schema-2 members (same stored values), so a folder
-never mixes layouts.
+unchanged plus one new ``<teacher>.npy`` member per teacher. Images, captions, params and
+the other teachers' embeddings are never recomputed. An older folder is upgraded on the way to the
+current schema, so a folder never mixes layouts: schema-1 per-part members are repacked losslessly
+into one member per teacher (same stored values), and a schema-1 or 2 json member is rewritten in the
+schema-3 form (``encode_meta``: same meaning, one type per field).
 
 Resumable: a shard whose stats already list the teacher is skipped; a shard interrupted
 between its rename and its stats update is redone (existing members of the teacher are
@@ -14,7 +15,6 @@ replaced, not duplicated). dataset.json is re-merged at the end.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -28,8 +28,9 @@ from cxrdr.common.augment import replay_many
 from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
-from cxrdr.common.shards import (SCHEMA_VERSION, encode_teacher, iter_tar_samples, merge_int8_quality, part_of,
-                                 read_dataset_info, repack_v1_teacher, shard_compression, shard_index, teacher_ext)
+from cxrdr.common.shards import (SCHEMA_VERSION, encode_meta, encode_teacher, iter_tar_samples, load_meta,
+                                 merge_int8_quality, meta_member, part_of, read_dataset_info, repack_v1_teacher,
+                                 shard_compression, shard_index, teacher_ext)
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.embed import embed_batch
 from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device
@@ -42,7 +43,7 @@ def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict) 
     sizes = sorted({t.image_size for t in teachers if t.has_images}) if images else []
     prepared = []
     for key, sample in samples:
-        meta = json.loads(sample["json"])
+        meta = load_meta(sample["json"])
         texts = [sample["txt"].decode("utf-8")] + [c["text"] for c in meta["captions"]]
         crops = {}
         if sizes:
@@ -60,6 +61,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
     new_names = {t.name for t in teachers}
     old_names = [t["name"] for t in info["teachers"] if t["name"] not in new_names]
     upgrade = info.get("schema_version", 1) < 2
+    upgrade_json = info.get("schema_version", 1) < 3
     tmp = path.with_name(path.name + TMP_SUFFIX)
     errors = stats.get("int8_max_abs_error") or {}
     cosines = stats.get("int8_min_cosine") or {}
@@ -81,7 +83,9 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
                         if packed is not None:  # None: this shard was upgraded by an interrupted run
                             out = {ext: data for ext, data in out.items() if part_of(ext) != name}
                             out[teacher_ext(name)] = packed
-                meta = json.loads(sample["json"])
+                meta = load_meta(sample["json"])
+                if upgrade_json:  # schema 1/2 -> 3: the same metadata in the stored types of schema 3
+                    out["json"] = meta_member(encode_meta(meta))
                 for teacher, parts in emb.items():
                     data, quality = encode_teacher(parts, info["emb_dtype"], len(meta["aug"]), len(meta["captions"]))
                     merge_int8_quality(errors, cosines, teacher, quality)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
+from cxrdr.common.shards import LABEL_NOT_MENTIONED, hf_features
 from cxrdr.reinforce.writer import write_text_atomic
 
 CARD_NAME = "README.md"
@@ -62,12 +65,44 @@ def _configs_block(dataset: dict) -> list[str]:
     return lines
 
 
+def _features_block(dataset: dict) -> list[str]:
+    """Hugging Face ``dataset_info.features``: the type of every member (schema 3 on), so that ``datasets``
+    types the json member from this declaration rather than from the first samples it reads."""
+    features = hf_features(dataset)
+    if not features:
+        return []
+    text = yaml.safe_dump({"dataset_info": {"features": features}}, sort_keys=False, allow_unicode=True, width=1000)
+    return text.rstrip("\n").split("\n")
+
+
+def _datasets_lines(dataset: dict) -> list[str]:
+    """How to load the folder with Hugging Face ``datasets``, streaming or not."""
+    lines = ["Hugging Face `datasets` (the `configs:` block above names each split's shards; `dataset_info` "
+             "declares every member's type):", "",
+             "```python", "from datasets import load_dataset",
+             "ds = load_dataset('THIS_FOLDER', split='train')  # non-streaming: converted once into the HF cache",
+             "ds = load_dataset('THIS_FOLDER', split='train', streaming=True)  # streaming: reads the tars as it goes",
+             "```", "",
+             "Rows: `__key__`, the image (PIL), `txt` (report), `json` (metadata, every field always present in one "
+             f"type: labels 1/0/-1 and {LABEL_NOT_MENTIONED} for not mentioned, `view` '' when unknown, `extra` and "
+             "each box's `extra` JSON text to `json.loads`) and each `<teacher>.npy` as nested lists (rows img K, "
+             "syn S, txt 1)."]
+    if (dataset.get("schema_version") or 1) < 3:
+        lines[-1] += (" This folder is of schema version < 3, whose json member types vary from sample to sample: "
+                      "only streaming loads it (`reinforce add-teacher` upgrades it).")
+    if dataset.get("emb_dtype") == "int8":
+        lines[-1] += (" int8 embeddings (structured rows, which Arrow cannot hold) are left out: decode them with "
+                      "cxrdr's `sample_embeddings`.")
+    return lines + [""]
+
+
 def dataset_card(dataset: dict) -> str:
     images = dataset.get("images", True)
     license_id, license_note = source_license(dataset.get("source") or {})
     tasks = (["zero-shot-image-classification", "image-to-text", "image-feature-extraction"] if images
              else ["sentence-similarity", "feature-extraction"])
-    header = (["---"] + _configs_block(dataset) + [f"license: {license_id}"] + _yaml_list("task_categories", tasks)
+    header = (["---"] + _configs_block(dataset) + _features_block(dataset) + [f"license: {license_id}"]
+              + _yaml_list("task_categories", tasks)
               + _yaml_list("size_categories", [size_category(dataset.get("total_samples", 0))])
               + _yaml_list("tags", ["medical", "chest-x-ray", "webdataset", "dataset-reinforcement", "cxrdr"])
               + ["---"])
@@ -118,10 +153,7 @@ def dataset_card(dataset: dict) -> str:
              f"ds = wds.WebDataset('{first}', shardshuffle=False)  # or the brace range of all shards",
              "for sample in ds:  # {'__key__', 'jpg'/'png', 'txt' (report), 'json' (metadata), '<teacher>.npy'}",
              "    ...", "```", "",
-             "Hugging Face `datasets` (the `configs:` block above names each split's shards; streaming "
-             "yields the image as PIL, `txt`, `json` as a dict and each `<teacher>.npy` as nested lists):", "",
-             "```python", "from datasets import load_dataset",
-             "ds = load_dataset('THIS_FOLDER', split='train', streaming=True)", "```", "",
+             *_datasets_lines(dataset),
              "open_clip's trainer (image + `txt` report; the cxrdr shim makes it work with webdataset >= 0.2.96):", "",
              "```bash",
              f"python -m cxrdr.train.openclip_train --dataset-type webdataset --train-data '{train_spec}' \\",

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from cxrdr.common.errors import UserError
-from cxrdr.common.shards import iter_tar_samples, npy_load, read_dataset_info, sample_embeddings, teacher_ext
+from cxrdr.common.shards import (iter_tar_samples, load_meta, npy_load, read_dataset_info, sample_embeddings,
+                                 teacher_ext)
 
 
 def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[str, dict] | None:
@@ -78,7 +79,7 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
     if sample is None:
         return "\n".join(lines)
     shard, raw = sample
-    meta = json.loads(raw["json"])
+    meta = load_meta(raw["json"])
     lines += ["", f"sample {raw['__key__']} (id {meta['id']}) in {shard}: split={meta['split']} "
                   f"subject={meta['subject_id']} study={meta['study_id']} view={meta['view']} "
                   f"image_size={meta['image_size']}",

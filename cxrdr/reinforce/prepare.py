@@ -14,6 +14,7 @@ from PIL import Image
 
 from cxrdr.common.augment import replay_many, resize_short_side, sample_param_sets
 from cxrdr.common.labels import CHEXPERT14
+from cxrdr.common.shards import encode_meta
 from cxrdr.reinforce.captions import make_captions
 from cxrdr.reinforce.records import load_image
 
@@ -84,7 +85,10 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     if why:
         return {**out, "skip": why, "prep_seconds": time.perf_counter() - start}
     stages["captions"] = time.process_time() - t
-    meta, row = _sample_meta(key, record, captions, view)
+    try:
+        meta, row = _sample_meta(key, record, captions, view)
+    except ValueError as exc:  # a value that has no place in the json member's types
+        return {**out, "skip": f"bad metadata: {exc}", "prep_seconds": time.perf_counter() - start}
     return {**out, "image": view["image"], "report": record.report, "meta": meta, "row": row,
             "crops": view["crops"], "texts": [record.report] + [c["text"] for c in captions],
             "prep_seconds": time.perf_counter() - start,
@@ -129,7 +133,8 @@ def _captions(record, spec: PrepareSpec) -> tuple[list[dict], str | None]:
 
 
 def _sample_meta(key: str, record, captions: list[dict], view: dict) -> tuple[dict, dict]:
-    """The sample's json metadata and its manifest row."""
+    """The sample's json member, as stored (``encode_meta``: ValueError when a value does not fit),
+    and its manifest row."""
     labels = {name: record.labels.get(name) for name in CHEXPERT14}
     meta = {"id": record.id, "key": key, "subject_id": str(record.subject_id),
             "study_id": str(record.study_id), "split": record.split, "view": record.view,
@@ -137,11 +142,11 @@ def _sample_meta(key: str, record, captions: list[dict], view: dict) -> tuple[di
             "label_vector": record.label_vector(), "triples": [list(t) for t in record.triples],
             "captions": captions, "aug": view["aug"], "boxes": view["boxes"], "image_size": view["image_size"]}
     if record.extra:
-        meta["extra"] = json_safe(record.extra)
+        meta["extra"] = record.extra
     row = {"key": key, "id": record.id, "split": record.split, "subject_id": str(record.subject_id),
            "study_id": str(record.study_id), "view": record.view, **labels,
            "n_aug": len(view["aug"]), "n_captions": len(captions)}
-    return meta, row
+    return encode_meta(meta), row
 
 
 class PrepareDataset:

@@ -4,8 +4,8 @@ Checks: every tar listed in dataset.json exists, reads to its end-of-archive mar
 truncated tar is caught even when it was cut between two members) and matches the size its
 stats file recorded; every sample has all its parts; embedding shapes and dtypes match
 dataset.json (K, S, D per teacher, int8 scales), values are finite and rows L2-normalised;
-metadata agrees with its shard (key, split, K params, S captions, image size); stored images
-decode; every member's bytes match the CRC-32 the build recorded in the shard's stats (bit rot); the manifest lists exactly the tars' keys in order and sizes.json their counts.
+metadata agrees with its shard (key, split, K params, S captions, image size) and, from schema 3,
+has every field in its declared type; stored images decode; every member's bytes match the CRC-32 the build recorded in the shard's stats (bit rot); the manifest lists exactly the tars' keys in order and sizes.json their counts.
 Any problem -> exit 1, one line per problem naming the shard and key.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from cxrdr.common.checksums import checksum_problems
 from cxrdr.common.errors import UserError
-from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, emb_ext, expected_members,
-                                 int8_row_dtype, iter_tar_samples, npy_load, read_dataset_info,
+from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, check_stored_meta, decode_meta, emb_ext,
+                                 expected_members, int8_row_dtype, iter_tar_samples, npy_load, read_dataset_info,
                                  sample_embeddings, scale_ext, teacher_ext, teacher_shapes)
 from cxrdr.reinforce.writer import stats_path
 
@@ -83,8 +83,11 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
                 problems.append(f"{where}: {ext} rows are not L2-normalised (norms {norms.min():.3f}.."
                                 f"{norms.max():.3f})")
     try:
-        meta = json.loads(sample["json"])
-    except ValueError as exc:
+        member = json.loads(sample["json"])
+        if info.get("schema_version", 1) >= 3:  # one type per field, as the dataset card declares
+            check_stored_meta(member)
+        meta = decode_meta(member)
+    except (ValueError, AttributeError) as exc:
         return problems + [f"{where}: json is not valid ({exc})"]
     if meta.get("key") != key:
         problems.append(f"{where}: json key is {meta.get('key')!r}")

@@ -1,7 +1,7 @@
 """The shard contract: what ``reinforce build`` (stage 1) writes and ``train`` (stage 2) reads.
 
-Both stages name files, assign keys, encode/decode embeddings and read tars only through this
-package, so writer and readers cannot drift. ``shards/FORMAT.md`` says the same in prose.
+Both stages name files, assign keys, encode/decode metadata and embeddings and read tars only through
+this package, so writer and readers cannot drift. ``shards/FORMAT.md`` says the same in prose.
 
 Folder (``members``): ``shard-NNNNNN.tar.gz`` (WebDataset tars as one gzip stream, the default) or
 ``shard-NNNNNN.tar`` (``--compression none``), numbered from 0, never mixing splits; ``dataset.json`` (read with :func:`read_dataset_info`), ``manifest.parquet`` (one row
@@ -14,16 +14,21 @@ short sha1 suffix when two ids sanitise alike):
   dataset.json ``images`` is false);
 - ``txt``: the report (UTF-8), the text of the ``txt`` embedding row;
 - ``json``: metadata ``{"id", "key", "subject_id", "study_id", "split", "view", "findings",
-  "impression", "labels" {CheXpert-14 name: 1|0|-1|null}, "label_vector" [14], "triples",
-  "captions" [{"text", "source"}] (S), "aug" [params] (K), "boxes", "image_size", "extra"?}``;
+  "impression", "labels" {CheXpert-14 name: 1|0|-1|-2 not mentioned}, "label_vector" [14], "triples",
+  "captions" [{"text", "source"}] (S), "aug" [params] (K), "boxes" [{"label", "box", "extra"}],
+  "image_size", "extra" (JSON text)}``, every field always present in one type (``meta``:
+  :data:`META_TYPES`, :func:`encode_meta` writes it, :func:`decode_meta` gives readers the meaning
+  they use: labels None when not mentioned, ``extra`` a dict, ...);
 - ``<teacher>.npy``: the teacher's rows img (K, image-text teachers of image builds only),
   syn (S), txt (1), L2-normalised before storage.
 
 Embedding encodings (``embeddings``): float16 / float32 ``(R, D)``; int8 a structured ``(R,)``
 array of ``(q int8[D], scale float32)`` records, value = q * scale.
 
-Schema versions: builds write 2; readers accept 1 and 2. Schema 1 differs only in the
-embeddings: ``<teacher>.<part>.npy`` per part, int8 scales in ``<teacher>.<part>.scale.npy``.
+Schema versions: builds write 3; readers accept 1, 2 and 3. Schema 2 differs only in the json member:
+the meaning as stored (nulls, ``extra`` an object, ops ``[name, magnitude]``; :func:`decode_meta`
+passes it through). Schema 1 differs from 2 in the embeddings: ``<teacher>.<part>.npy`` per part,
+int8 scales in ``<teacher>.<part>.scale.npy``.
 
 Reading (``reader``): :func:`iter_tar_samples` (strict: truncation and duplicates are errors),
 :func:`decode_sample` -> :class:`Sample` (meta, report, image, embeddings).
@@ -40,13 +45,16 @@ from cxrdr.common.shards.members import (DATASET_JSON, EMB_DTYPES, EMB_PARTS, IM
                                          part_of, scale_ext, shard_compression, shard_index, shard_name,
                                          shard_stats_path,
                                          teacher_ext, teacher_shapes)
+from cxrdr.common.shards.meta import (LABEL_NOT_MENTIONED, META_TYPES, check_stored_meta, decode_meta, encode_meta,
+                                      hf_features, load_meta, meta_member)
 from cxrdr.common.shards.reader import Sample, decode_sample, iter_raw_samples, iter_tar_samples
 
 __all__ = [
-    "DATASET_JSON", "EMB_DTYPES", "EMB_PARTS", "IMAGE_EXTS", "MANIFEST", "READABLE_SCHEMA_VERSIONS",
+    "DATASET_JSON", "EMB_DTYPES", "EMB_PARTS", "IMAGE_EXTS", "LABEL_NOT_MENTIONED", "MANIFEST", "META_TYPES",
+    "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION", "SHARD_PATTERN", "SHARD_RE", "SHARD_SUFFIXES", "SIZES_JSON", "STATS_DIR", "TEACHER_NAME_RE",
-    "MissingDatasetError", "Sample", "assign_keys", "check_unique_keys", "dataset_identity", "decode_embedding",
-    "decode_sample",
+    "MissingDatasetError", "Sample", "assign_keys", "check_stored_meta", "check_unique_keys", "dataset_identity",
+    "decode_embedding", "decode_meta", "decode_sample", "encode_meta", "hf_features", "load_meta", "meta_member",
     "emb_ext", "encode_embedding", "encode_rows", "encode_teacher", "expected_members", "int8_row_dtype",
     "iter_raw_samples", "iter_tar_samples", "merge_int8_quality", "npy_bytes", "npy_load", "part_of",
     "read_dataset_info", "repack_v1_teacher", "safe_key", "sample_embedding", "sample_embeddings",

@@ -4,8 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)  # readers accept both; builds write SCHEMA_VERSION
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # readers accept all; builds write SCHEMA_VERSION
 SHARD_PATTERN = "shard-{index:06d}.tar"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.tar(?:\.gz)?$")
 # Shard compression -> file suffix. gzip (the default) stores the same tar as one gzip stream: the

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 import tempfile
 import zlib
@@ -14,6 +13,7 @@ from PIL import Image
 
 from cxrdr.common.shards.embeddings import sample_embeddings
 from cxrdr.common.shards.members import IMAGE_EXTS
+from cxrdr.common.shards.meta import load_meta
 
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -148,8 +148,9 @@ class Sample:
 
 
 def decode_sample(raw: dict) -> Sample:
-    """Raw sample -> :class:`Sample`. ValueError (naming key and shard) when the json or the
-    report member is missing or does not decode.
+    """Raw sample -> :class:`Sample` (its meta in the meaning of :func:`decode_meta`, whatever the
+    schema). ValueError (naming key and shard) when the json or the report member is missing or does
+    not decode.
 
     Only json and txt are decoded here; the image and the embeddings only on request, as a
     reader usually needs one view and a few rows (``webdataset.decode`` would decode every member).
@@ -157,13 +158,11 @@ def decode_sample(raw: dict) -> Sample:
     key, url = raw.get("__key__"), raw.get("__url__")
     where = f"sample {key!r} in {url}"
     try:
-        meta = json.loads(raw["json"])
+        meta = load_meta(raw["json"])
         report = raw["txt"].decode("utf-8")
     except KeyError as exc:
         raise ValueError(f"{where}: no .{exc.args[0]} member") from None
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError, TypeError) as exc:
         raise ValueError(f"{where}: json or txt does not decode ({exc})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where}: .json is not an object")
     image = next((raw[e] for e in IMAGE_EXTS if e in raw), None)
     return Sample(str(key if key is not None else meta.get("key")), url, meta, report, image, raw)

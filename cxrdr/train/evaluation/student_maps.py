@@ -108,7 +108,7 @@ def _box_targets(f: _Forward, item: dict, size: int) -> dict[str, list]:
     w, h = f.sample.meta.get("image_size") or f.sample.image().size
     targets: dict[str, list] = {}
     for box in f.sample.meta["boxes"]:
-        label = str(box.get("label", "finding"))
+        label = str(box.get("label") or "finding")  # schema 3 stores a box without a label with label ""
         item["boxes"].append((label, _box_in_view(box["box"], w, h, size)))
         gt = loc.box_patch_mask(box["box"], f.params, f.grid)
         if gt.any():
