@@ -4,7 +4,8 @@ process) -> write (a background thread), for the pending shards of the plan.
 Workers hand over chunks of about B/(2*workers) records with their crops in one tensor per
 teacher size; this process regroups them into batches of B = ``--batch-size`` records for the
 teacher forwards, assembles the samples and queues them to the writer, which renames each
-shard's tar with its stats file when complete.
+shard's tar with its stats file when complete. A CPU teacher's intra-op threads are chosen from
+the first batches' CPU figures (``teacher_threads``, ``_ThreadPolicy``) and printed.
 """
 from __future__ import annotations
 
