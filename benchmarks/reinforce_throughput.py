@@ -12,7 +12,16 @@ It also prints wall and CPU milliseconds per sample for each step (worker steps:
 resize, encode+decode, params+replay, captions; main thread: teacher, assembling) and the
 CPU bound: with workers, teacher and writer sharing the same cores the build cannot exceed
 cores / (CPU ms per sample), whatever the pipeline does; on a machine that other jobs also
-use, the CPU figures are the ones that do not depend on the load.
+use, the CPU figures are the ones that do not depend on the load. It also prints the threads the
+build gave a CPU teacher and why (``pipeline.teacher_threads``: from the first batches' CPU figures).
+
+``--teachers`` takes several teacher sets separated by ``;``: each is built and timed in turn, and
+a table of their ratios ends the run, e.g. the cheap, the text and the image teacher on CPU:
+
+    python benchmarks/reinforce_throughput.py --n 48 --workers 1 --batch-size 16 --n-aug 4 --n-captions 3 \
+        --teachers "random:tiny;text:minilm;openclip:ViT-B-32,text:minilm"
+
+(``openclip:ViT-B-32`` without a pretrained tag: random weights, the speed of the real architecture.)
 Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:tiny] [--workers 2]
 """
 from __future__ import annotations
@@ -114,7 +123,8 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
             prep[k] = prep.get(k, 0.0) + v
         for k, v in (r.get("main_cpu_seconds") or {}).items():
             main_cpu[k] = main_cpu.get(k, 0.0) + v
-    return {"source": source, "device": device, "teachers": teachers, "workers": workers,
+    choice = next((r["cpu_threads"] for r in info["build"].get("ranks", []) if r.get("cpu_threads")), None)
+    return {"source": source, "device": device, "teachers": teachers, "workers": workers, "cpu_threads": choice,
             "batch_size": batch_size, "n_aug": n_aug, "n_captions": n_captions, "store_size": store_size,
             "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "samples": info["total_samples"], "build_seconds": build_wall, "build_samples_per_s": build_rate,
@@ -146,7 +156,10 @@ def report(m: dict) -> None:
     print(f"CPU per sample (ms): prepare {ms(prep_cpu):.1f} ["
           + ", ".join(f"{k} {ms(v):.2f}" for k, v in prep.items())
           + f"]; main thread: teacher {ms(main_cpu.get('teacher', 0.0)):.1f}, "
-          f"assemble+queue {ms(main_cpu.get('assemble', 0.0)):.2f}")
+          f"assemble+queue {ms(main_cpu.get('assemble', 0.0)):.2f}; the process during the teacher's forwards "
+          f"(all its threads, spin-waits included) {ms(main_cpu.get('teacher_process', 0.0)):.1f}")
+    if m.get("cpu_threads"):
+        print(f"build's choice: {m['cpu_threads']['line']}")
     # Workers, main process and writer share the same cores: whatever the pipeline does, the
     # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -161,10 +174,28 @@ def report(m: dict) -> None:
     print(f"shards in {m['shards']}")
 
 
+def report_table(results: list[dict]) -> None:
+    """One row per teacher set: rates, ratio, CPU ms per sample by stage, the build's thread choice."""
+    print("\n| teachers | samples | build /s | teacher alone /s (threads) | ratio | CPU ms/sample: prepare, "
+          "teacher (main thread), teacher (process), assemble | build's teacher threads |")
+    print("|---|---|---|---|---|---|---|")
+    for m in results:
+        n = max(1, m["samples"])
+        cpu = m["main_cpu_seconds"]
+        choice = m.get("cpu_threads") or {}
+        print(f"| `{m['teachers']}` | {m['samples']} | {m['build_samples_per_s']:.2f} | "
+              f"{m['teacher_samples_per_s']:.2f} ({m['teacher_best_threads']}) | {m['ratio']:.3f} | "
+              f"{1000 * sum(m['prepare_cpu_seconds'].values()) / n:.1f}, {1000 * cpu.get('teacher', 0.0) / n:.1f}, "
+              f"{1000 * cpu.get('teacher_process', 0.0) / n:.1f}, {1000 * cpu.get('assemble', 0.0) / n:.2f} | "
+              f"{choice.get('teacher_threads', '-')} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--teachers", default="random:tiny")
+    parser.add_argument("--teachers", default="random:tiny",
+                        help="a teacher set (comma list), or several sets separated by ';', each built and timed")
+    parser.add_argument("--teacher-repeats", type=int, default=2, help="timings of the teacher alone (best of)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--n-aug", type=int, default=10)
@@ -182,9 +213,16 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    report(measure(n=args.n, teachers=args.teachers, workers=args.workers, batch_size=args.batch_size,
-                   n_aug=args.n_aug, n_captions=args.n_captions, store_size=args.store_size,
-                   device=args.device, files=args.files, out=args.out))
+    results = []
+    sets = [t.strip() for t in args.teachers.split(";") if t.strip()]
+    for i, teachers in enumerate(sets):
+        out = None if args.out is None else (args.out if len(sets) == 1 else str(Path(args.out) / f"set-{i}"))
+        results.append(measure(n=args.n, teachers=teachers, workers=args.workers, batch_size=args.batch_size,
+                               n_aug=args.n_aug, n_captions=args.n_captions, store_size=args.store_size,
+                               device=args.device, files=args.files, out=out, teacher_repeats=args.teacher_repeats))
+        report(results[-1])
+    if len(results) > 1:
+        report_table(results)
 
 
 if __name__ == "__main__":

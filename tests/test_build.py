@@ -121,6 +121,9 @@ def test_fresh_build_follows_the_contract(fresh):
     assert info["build"]["samples_per_second"] > 0
     sizes = json.loads((fresh / "sizes.json").read_text())
     assert sizes == {s["name"]: s["samples"] for s in info["shards"]}
+    choice = info["build"]["ranks"][0]["cpu_threads"]  # what the thread policy chose, and why
+    assert choice["workers"] == 2 and choice["teacher_threads"] >= 1 and choice["teacher_cpu_ms_per_sample"] > 0
+    assert choice["line"].startswith(f"cpu threads: teacher {choice['teacher_threads']} thread")
 
     rows = manifest_rows(fresh)
     assert len(rows) == N and len({r["key"] for r in rows}) == N
@@ -166,6 +169,60 @@ def test_stored_embeddings_are_those_of_the_replayed_stored_pixels(fresh, teache
         expected = minilm.encode_texts(texts).numpy()
         np.testing.assert_allclose(sample_embedding(sample, "minilm", "txt"), expected[0], atol=2e-3)
         np.testing.assert_allclose(sample_embedding(sample, "minilm", "syn"), expected[1:], atol=2e-3)
+
+
+def test_cpu_teacher_threads_follow_the_measured_costs():
+    from cxrdr.reinforce.pipeline import teacher_threads
+
+    # issue 26: an open_clip ViT-B-32 teacher (470 ms CPU a sample) beside 10 ms of preparation on
+    # 2 cores: every core goes to the teacher, whether 1 or 2 workers (they sleep most of the time)
+    assert teacher_threads(10, 470, cores=2, workers=1, cap=2) == (2, pytest.approx(2 * 10 / 480))
+    assert teacher_threads(10, 470, cores=2, workers=2, cap=2)[0] == 2
+    # random:tiny is preparation-bound (8 ms vs 2.4 ms): the workers keep their cores, as before
+    assert teacher_threads(8, 2.4, cores=2, workers=2, cap=2)[0] == 1
+    assert teacher_threads(8, 2.4, cores=16, workers=2, cap=16) == (14, 2.0)  # 2 workers use 2 cores at most
+    # a heavy teacher on many cores: preparation needs a third of a core
+    assert teacher_threads(10, 470, cores=16, workers=2, cap=16)[0] == 16
+    assert teacher_threads(10, 470, cores=16, workers=2, cap=4)[0] == 4  # never above torch's threads
+    # cores in proportion to the CPU each stage needs; at least one thread
+    assert teacher_threads(20, 20, cores=4, workers=4, cap=4)[0] == 2
+    assert teacher_threads(20, 60, cores=4, workers=4, cap=4)[0] == 3
+    assert teacher_threads(100, 0.1, cores=2, workers=2, cap=2)[0] == 1
+    # no workers: preparation runs between the forwards, the teacher gets every core
+    assert teacher_threads(50, 1, cores=4, workers=0, cap=4) == (4, 0.0)
+
+
+def test_the_thread_policy_probes_two_batches_then_prints_one_line(monkeypatch):
+    from types import SimpleNamespace
+
+    from cxrdr.reinforce import pipeline
+
+    lines, threads = [], torch.get_num_threads()
+    monkeypatch.setattr(pipeline, "_cores", lambda: 2)
+    say = lambda line, file=None: lines.append(line)  # noqa: E731
+    try:
+        torch.set_num_threads(2)
+        policy = pipeline._ThreadPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        policy.start()
+        assert torch.get_num_threads() == 2 and lines == []  # the first batch runs on every core
+        policy.observe(0.08, 0.4, 16)  # preparation 5 ms a sample, the teacher 25: still 2 threads
+        assert torch.get_num_threads() == 2 and lines == []
+        policy.observe(0.32, 0.32, 16)  # the second batch decides: 20 vs 20 ms -> 1 thread
+        assert torch.get_num_threads() == 1 and len(lines) == 1
+        assert lines[0] == ("cpu threads: teacher 1 thread, 1 worker: teacher 20.0 ms/sample (main-thread CPU at "
+                            "2 threads) vs preparation 20.0 ms/sample (worker CPU), so preparation needs 1.00 of 2 cores")
+        policy.observe(0.0, 1.0, 16)  # later batches change nothing
+        policy.settle()
+        assert torch.get_num_threads() == 1 and len(lines) == 1
+        assert policy.result()["cpu_threads"]["teacher_threads"] == 1
+
+        gpu = pipeline._ThreadPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
+        gpu.start()
+        gpu.observe(0.08, 0.4, 16)
+        gpu.settle()
+        assert torch.get_num_threads() == 1 and len(lines) == 1 and gpu.result() == {}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_inspect_and_verify_commands(fresh):

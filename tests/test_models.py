@@ -599,7 +599,7 @@ def test_cpu_ladder_configs():
     for v in "ABCDE":
         cfg = StudentConfig.from_yaml(f"cpu-{v}")
         assert cfg.variant == v and cfg.image_tower == "hybrid_lite0_vit" and cfg.warmup_steps_to_target == 0
-    assert StudentConfig.from_yaml("E").warmup_steps_to_target == 2000  # ViT-S E: keep-rate 1000, Top-K 2000
+    assert StudentConfig.from_yaml("E").warmup_steps_to_target == 2000  # ViT-S E: keep rate and Top-K, 2000 each
     with pytest.raises(ValueError, match="token dropping"):
         StudentConfig.from_yaml("tiny-cnn-D", variant="E")
 
@@ -685,7 +685,10 @@ ADDED_FIELDS = {"local_attention": "mha", "local_attention_temperature": 0.1, "h
 CPU_TOWER = {"stem_stride": 8, "width": 128, "depth": 6, "num_heads": 4, "mlp_ratio": 2.0, "freeze_stem": True}
 CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0,
                     "image_kwargs": CPU_TOWER},
-           "cpu-E": {"drop_layer": 0, "patch_score": "mask", "keep_rate": 0.4, "k_ratio": 0.4}}
+           "cpu-E": {"drop_layer": 0, "patch_score": "mask", "keep_rate": 0.4, "k_ratio": 0.4},
+           # and (issue 26) the same mask-picked E at ViT-S/16 224, its keep-rate warm-up as long as the k anneal
+           "E": {"head_layer": 0, "drop_layer": 0, "patch_score": "mask", "keep_rate": 0.4, "k_ratio": 0.4,
+                 "keep_rate_warmup_steps": 2000}}
 
 
 def test_family_configs_resolve_to_the_old_per_name_configs():

@@ -111,7 +111,8 @@ class ShardBuilder:
         try:
             if attempt <= self.faults.get(shard.index, 0):
                 raise RuntimeError(f"injected fault ({FAULTS_ENV}) in attempt {attempt}")
-            result = run_shards([shard], self.teachers, self.spec, self.opts, out_dir, skiplog, None, 0)
+            result = run_shards([shard], self.teachers, self.spec, self.opts, out_dir, skiplog, None, 0,
+                                announce=False)
         except Exception as exc:
             write_json_atomic(err, {"shard": shard.name, "attempt": attempt, "host": socket.gethostname(),
                                     "error": f"{type(exc).__name__}: {exc}"})
