@@ -75,6 +75,8 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     teacher = data["teachers"]["t1"]
     assert teacher["shard_name"] == "ckpt-t1" and teacher["source_seed"] == 1
     assert "mean_recall" in teacher["own_test"] and "mean_recall" in teacher["student_test"]
+    # its own phantom draw: none of its training images is a student's, and the accounting says so
+    assert teacher["train_images_shared"] == 0 and data["cost"]["teacher_train_images_shared"] == 0
     info = json.loads((root / "shards" / "dataset.json").read_text())
     assert "ckpt-t1" in {t["name"] for t in info["teachers"]}
     assert data["cost"]["teachers"] == ["ckpt-t1"] and data["cost"]["add_teacher_s"] > 0
@@ -83,6 +85,7 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     table = (out / "table.md").read_text()
     assert " ± " in table and "mean R chance" in table and "break-even:" in table
     assert "training runs" in table and ("MET" in table or "MISSED" in table)
+    assert "of images the students never see" in table
     # a second invocation reuses the runs and measures the step benchmark afresh over its scratch folders
     result = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(path), "--quiet"])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -386,3 +389,58 @@ def test_ladder_bars_need_the_floor_and_the_margin_over_the_train_prior():
     assert bars["pointing_z"]["met"] and bars["pointing_z"]["limit"] == pytest.approx(0.80)
     assert bars["pointing_attn"]["met"] is False and bars["pointing_attn"]["limit"] == pytest.approx(0.77)
     assert ladder_bars([{"run": "E", "pointing_z": 0.9}])[0]["met"] is None  # no prior: not judged
+
+
+def test_teacher_image_overlap_is_measured_from_the_stored_images(tmp_path):
+    from cxrdr.experiments.efficiency_report import _teacher_images
+    from cxrdr.experiments.teacher_prep import shared_train_images
+
+    def build(name, samples, store_size=128):
+        """A shards folder as far as the overlap reads it: dataset.json and per-shard stats (key -> CRC-32s)."""
+        folder = tmp_path / name
+        (folder / "stats").mkdir(parents=True)
+        (folder / "dataset.json").write_text(json.dumps({"store_size": store_size, "image_format": "jpg",
+                                                         "jpeg_quality": 95}))
+        for i, split in enumerate(("train", "test")):
+            rows = {k: {"jpg": crc, "json": "00"} for k, crc, s in samples if s == split}
+            (folder / "stats" / f"shard-{i:06d}.json").write_text(
+                json.dumps({"split": split, "checksums": {"algorithm": "crc32", "samples": rows}}))
+        return folder
+
+    students = build("students", [("a", "1", "train"), ("b", "2", "train"), ("c", "3", "test")])
+    same = build("same", [("a", "1", "train"), ("b", "2", "train"), ("c", "3", "test")])
+    half = build("half", [("a", "1", "train"), ("z", "9", "train")])
+    # a phantom draw of another seed: the same keys, other images; a shared test image is no training image
+    other_seed = build("other", [("a", "7", "train"), ("b", "8", "train"), ("c", "3", "test")])
+    assert shared_train_images(same, students) == 1.0
+    assert shared_train_images(half, students) == 0.5
+    assert shared_train_images(other_seed, students) == 0.0
+    assert shared_train_images(build("bigger", [("a", "1", "train")], store_size=256), students) is None
+    assert shared_train_images(tmp_path / "missing", students) is None
+    assert "students' own training images" in _teacher_images(1.0)
+    assert "never see" in _teacher_images(0.0) and "50%" in _teacher_images(0.5)
+
+
+def test_table_cells_print_an_interval_as_bounds_and_a_half_width_with_plus_minus():
+    from cxrdr.train.evaluation.report import markdown_table_sd
+
+    rows = [{"run": "plain", "samples_ratio": 1.0, "samples_ratio_ci": [0.4491884, float("inf")],
+             "mean_recall": 0.2, "mean_recall_ci": 0.05}]
+    table = markdown_table_sd(rows, ["samples_ratio", "mean_recall"], spread="ci")
+    assert "| 1.000 [0.449, inf] | 0.200 ± 0.050 |" in table
+
+
+def test_every_shipped_recipe_names_a_selection_set_apart_from_its_report_set():
+    """The protocol lives in the recipes (docs/protocol.md): settings are chosen on val, figures read a set
+    no choice reads — the test split, or an evaluation set of its own."""
+    from cxrdr.common.configs import config_dir
+    from cxrdr.experiments.recipe import load_recipe
+
+    recipes = [p for p in sorted(config_dir("experiments").glob("*.yaml"))
+               if {"efficiency", "ablation"} & set(yaml.safe_load(p.read_text()))]
+    assert {p.stem for p in recipes} >= {"cpu-demo", "cpu-ladder", "nih", "mimic-12m-style"}
+    for path in recipes:
+        recipe = load_recipe(path)
+        assert recipe.get("selection", {}).get("split") == "val", path.name
+        report = recipe.get("report") or {}
+        assert report.get("shards") or report.get("split") == "test", path.name

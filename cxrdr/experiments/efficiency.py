@@ -278,12 +278,15 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
 def teacher_data(teachers: dict, used: list[str], arms: dict) -> dict:
     """The teachers' own training samples in the accounting: a reinforced student's samples to plain's
     final plus every sample its stored teachers were trained on, beside plain's own first crossing."""
-    samples = sum(int(t.get("train_samples") or 0) for t in teachers.values() if t.get("shard_name") in used)
+    mine = [t for t in teachers.values() if t.get("shard_name") in used]
+    samples = sum(int(t.get("train_samples") or 0) for t in mine)
+    shared = [t["train_images_shared"] for t in mine if t.get("train_images_shared") is not None]
     rein, plain = arms.get("reinforced") or {}, arms.get("plain") or {}
     c = rein.get("crossing") or {}
     own, plain_x = c.get("samples"), c.get("plain_samples")
     total = None if own is None else own + samples
-    return {"teacher_train_samples": samples, "reinforced_samples_with_teacher": total,
+    return {"teacher_train_samples": samples, "teacher_train_images_shared": min(shared) if shared else None,
+            "reinforced_samples_with_teacher": total,
             "reinforced_ratio_with_teacher": None if total is None or not plain_x else total / plain_x,
             "plain_samples_to_own_final": plain_x or (plain.get("crossing") or {}).get("plain_samples")}
 

@@ -97,8 +97,8 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
                                "chance", "students' test i2t R@1", "add-teacher s"], first="run"), ""]
     md += ["## Cost accounting", "", break_even_line(cost), ""]
     if cost.get("teacher_train_samples"):
-        md += [f"The teacher's data: its training saw {cost['teacher_train_samples']:,} samples of images the "
-               f"students never see. Counted in, reinforced needs {_num(cost.get('reinforced_samples_with_teacher'))} "
+        md += [f"The teacher's data: its training saw {cost['teacher_train_samples']:,} samples "
+               f"{_teacher_images(cost.get('teacher_train_images_shared'))}. Counted in, reinforced needs {_num(cost.get('reinforced_samples_with_teacher'))} "
                f"samples to plain's final = **{_num(cost.get('reinforced_ratio_with_teacher'))}x** plain's own "
                f"first crossing ({_num(cost.get('plain_samples_to_own_final'))}). The arm trained plain on the "
                f"students' and the teacher's images (if present above) separates what more data buys from what "
@@ -108,6 +108,16 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
     md += ["", "![metric vs samples](metric_vs_samples.png)", "", "![auc vs samples](auc_vs_samples.png)", "",
            "![step time](step_time.png)", ""]
     return md
+
+
+def _teacher_images(shared: float | None) -> str:
+    if shared is None:
+        return "(its images' overlap with the students' was not recorded)"
+    if shared == 0:
+        return "of images the students never see"
+    if shared == 1:
+        return "of the students' own training images (no image the students do not see; more passes, not more data)"
+    return f"of images {shared:.0%} of which are the students' training images"
 
 
 def bar_line(bar: dict) -> str:

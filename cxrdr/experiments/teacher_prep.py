@@ -3,7 +3,8 @@
 MobileCLIP distils from an image-text ensemble; on phantom data no pretrained CXR CLIP exists, so the
 experiment makes its own: each teacher is a ``train run --mode plain`` CLIP model (e.g. EfficientNet-Lite2
 + MiniLM, configs/models/teacher-lite2-A.yaml) trained on its *own* phantom set drawn with another source
-seed (the students never see its training images), evaluated on its own test split and on the students'
+seed (the students never see its training images; on real data, its own build of the students' train split:
+``train_images_shared`` in its record says which), evaluated on its own test split and on the students'
 test split, copied to ``<dir>/<name>.pt`` and added to the students' shards with
 ``reinforce add-teacher ckpt:<dir>/<name>.pt`` (shard teacher name ``ckpt-<name>``).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import typer
 
+from cxrdr.common.shards.members import IMAGE_EXTS
 from cxrdr.experiments.recipe import make_train_config
 from cxrdr.experiments.runs import claim_run, ensure_shards, run_training
 from cxrdr.reinforce.add_teacher import add_teachers
@@ -96,7 +98,43 @@ def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, s
             "source_seed": build["source_options"]["seed"], "steps": cfg.steps,
             "train_samples": summary.get("samples_seen") or cfg.steps * cfg.batch_size * cfg.accum_steps,
             "train_wall_s": summary.get("wall_s"), "train_step_ms": summary.get("mean_step_ms"),
-            "add_teacher_seconds": seconds, **quality}
+            "add_teacher_seconds": seconds, "train_images_shared": shared_train_images(shards, student_shards),
+            **quality}
+
+
+def shared_train_images(teacher_shards: Path, student_shards: Path) -> float | None:
+    """Fraction of the teacher's train-split images that are also the students' train images: 0 for a
+    phantom teacher drawn with its own source seed, 1 for a real-data teacher trained on the students' own
+    train split. The accounting says which, instead of assuming one. An image is the same when its key and
+    its stored bytes are (the CRC-32 the build recorded: phantom draws of another seed reuse keys);
+    None when the two builds stored images differently (nothing to compare) or recorded no checksums."""
+    settings = [_stored_image_settings(f) for f in (teacher_shards, student_shards)]
+    if None in settings or settings[0] != settings[1]:
+        return None
+    own, students = (_train_images(f) for f in (teacher_shards, student_shards))
+    return len(own & students) / len(own) if own else None
+
+
+def _stored_image_settings(folder: Path) -> tuple | None:
+    path = folder / "dataset.json"
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    return info.get("store_size"), info.get("image_format"), info.get("jpeg_quality")
+
+
+def _train_images(folder: Path) -> set[tuple[str, str]]:
+    """(key, CRC-32 of the stored image) of every train-split sample, from the shards' stats files."""
+    out = set()
+    for stats in sorted((folder / "stats").glob("shard-*.json")):
+        shard = json.loads(stats.read_text())
+        if shard.get("split") != "train":
+            continue
+        for key, members in ((shard.get("checksums") or {}).get("samples") or {}).items():
+            image = next((crc for member, crc in members.items() if member in IMAGE_EXTS), None)
+            if image is not None:
+                out.add((key, image))
+    return out
 
 
 def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Path) -> TrainConfig:

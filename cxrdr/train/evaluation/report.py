@@ -112,7 +112,11 @@ def markdown_table_sd(rows: list[dict], columns: list[str], first: str = "run", 
         cells = []
         for c in cols:
             sd = row.get(f"{c}_{spread}")
-            cells.append(fmt(row.get(c), c) + (f" ± {fmt(sd, c)}" if sd is not None else ""))
+            if isinstance(sd, (list, tuple)):  # an interval (e.g. a bootstrap's), not a half-width
+                lo, hi = ("inf" if isinstance(v, float) and math.isinf(v) else fmt(v, c) for v in sd)
+                cells.append(f"{fmt(row.get(c), c)} [{lo}, {hi}]")
+            else:
+                cells.append(fmt(row.get(c), c) + (f" ± {fmt(sd, c)}" if sd is not None else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
