@@ -1,0 +1,106 @@
+"""`python -m cxrdr.train.cli ...` processes forked from a server that imported the training code once.
+
+A fresh interpreter spends seconds of CPU importing torch, open_clip and cxrdr before a run's first
+step; the kill-and-resume tests start nine such processes. These are forked instead from a
+multiprocessing forkserver that preloaded those modules: each is still a process of its own (its own
+environment, working folder, stderr and process group, ended by SIGKILL as a preemption ends it,
+loader workers included) running the module as ``python -m`` runs it, only without the imports.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# What `train run` imports (not cxrdr.train.cli itself: runpy runs that afresh as __main__).
+PRELOAD = ["torch", "cxrdr.train.config", "cxrdr.train.distributed", "cxrdr.train.loop", "cxrdr.train.export",
+           "cxrdr.train.evaluation.cli", "cxrdr.train.models.factory"]
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+        # The server's OpenMP reads OMP_NUM_THREADS when torch loads; its children set theirs anyway.
+        before = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            if before is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = before
+    return _context
+
+
+def _main(module: str, args: list[str], env: dict, cwd: str, stderr: str, group: int) -> None:
+    os.setpgid(0, group)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+class CliProcess:
+    """What the tests use of subprocess.Popen: pid, poll(), wait(), returncode, communicate()."""
+
+    def __init__(self, module: str, args: list[str], env: dict, cwd: Path, group: int = 0):
+        self._stderr = tempfile.NamedTemporaryFile(prefix="forked-cli-", suffix=".stderr", delete=False).name
+        self._proc = _forkserver().Process(target=_main, args=(module, list(args), dict(env), str(cwd),
+                                                               self._stderr, group))
+        self._proc.start()
+        self.pid = self._proc.pid
+        deadline = time.monotonic() + 30
+        while self._group() != (group or self.pid):  # in its group before anyone signals it
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{module} {args}: never joined process group {group or self.pid}: "
+                                   + self.communicate(1)[1][-3000:])
+            time.sleep(0.001)
+
+    def _group(self) -> int | None:
+        try:
+            return os.getpgid(self.pid)
+        except ProcessLookupError:
+            return None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        self.wait(timeout)
+        if self._proc.exitcode is None:
+            raise TimeoutError(f"pid {self.pid} still running after {timeout} s")
+        text = Path(self._stderr).read_text(errors="replace")
+        os.unlink(self._stderr)
+        return None, text
+
+
+def python_m(cmd: list[str], env: dict, cwd: Path, group: int = 0) -> CliProcess:
+    """``cmd`` as given to Popen (``[python, "-m", module, *args]``), forked instead."""
+    assert cmd[1] == "-m", cmd
+    return CliProcess(cmd[2], cmd[3:], env, cwd, group)
