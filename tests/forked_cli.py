@@ -8,17 +8,24 @@ loader workers included) running the module as ``python -m`` runs it, only witho
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# What `train run` imports (not cxrdr.train.cli itself: runpy runs that afresh as __main__).
-PRELOAD = ["torch", "cxrdr.train.config", "cxrdr.train.distributed", "cxrdr.train.loop", "cxrdr.train.export",
-           "cxrdr.train.evaluation.cli", "cxrdr.train.models.factory"]
+# What the train and reinforce CLIs import (not the CLI modules themselves: runpy runs those afresh
+# as __main__).
+PRELOAD = ["torch", "open_clip", "cxrdr.train.config", "cxrdr.train.distributed", "cxrdr.train.loop",
+           "cxrdr.train.export", "cxrdr.train.evaluation.cli", "cxrdr.train.models.factory",
+           "cxrdr.reinforce.build_cli", "cxrdr.reinforce.build", "cxrdr.reinforce.add_teacher",
+           "cxrdr.reinforce.inspect", "cxrdr.reinforce.manifest", "cxrdr.reinforce.phantom", "cxrdr.reinforce.verify",
+           "cxrdr.reinforce.captions.cli", "cxrdr.teachers.random_tiny"]
 _context = None
 
 
@@ -42,7 +49,8 @@ def _forkserver():
     return _context
 
 
-def _main(module: str, args: list[str], env: dict, cwd: str, stderr: str, group: int) -> None:
+def _main(module: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str, group: int) -> None:
+    """``python -m module args`` in this (forked) process: its group, environment, folder and output."""
     os.setpgid(0, group)
     os.environ.clear()
     os.environ.update(env)
@@ -52,19 +60,28 @@ def _main(module: str, args: list[str], env: dict, cwd: str, stderr: str, group:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
     os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except BaseException:  # as the interpreter ends on an uncaught exception: its traceback, exit status 1
+        sys.excepthook(*sys.exc_info())
+        sys.exit(1)
+    finally:
+        atexit._run_exitfuncs()  # the forkserver's child ends with os._exit
 
 
 class CliProcess:
-    """What the tests use of subprocess.Popen: pid, poll(), wait(), returncode, communicate()."""
+    """What the tests use of subprocess.Popen: pid, poll(), wait(), returncode, communicate() (text)."""
 
     def __init__(self, module: str, args: list[str], env: dict, cwd: Path, group: int = 0):
-        self._stderr = tempfile.NamedTemporaryFile(prefix="forked-cli-", suffix=".stderr", delete=False).name
-        self._proc = _forkserver().Process(target=_main, args=(module, list(args), dict(env), str(cwd),
-                                                               self._stderr, group))
+        self._out = [tempfile.NamedTemporaryFile(prefix="forked-cli-", suffix=f".{name}", delete=False).name
+                     for name in ("stdout", "stderr")]
+        self._proc = _forkserver().Process(target=_main, args=(module, list(args), dict(env), str(cwd), *self._out,
+                                                               group))
         self._proc.start()
         self.pid = self._proc.pid
         deadline = time.monotonic() + 30
@@ -91,16 +108,28 @@ class CliProcess:
         self._proc.join(timeout)
         return self._proc.exitcode
 
-    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
         if self._proc.exitcode is None:
-            raise TimeoutError(f"pid {self.pid} still running after {timeout} s")
-        text = Path(self._stderr).read_text(errors="replace")
-        os.unlink(self._stderr)
-        return None, text
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        texts = tuple(Path(path).read_text(errors="replace") for path in self._out)
+        for path in self._out:
+            os.unlink(path)
+        return texts
 
 
 def python_m(cmd: list[str], env: dict, cwd: Path, group: int = 0) -> CliProcess:
     """``cmd`` as given to Popen (``[python, "-m", module, *args]``), forked instead."""
     assert cmd[1] == "-m", cmd
     return CliProcess(cmd[2], cmd[3:], env, cwd, group)
+
+
+def run(module: str, args: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """What ``subprocess.run([python, "-m", module, *args], capture_output=True, text=True, ...)`` gives."""
+    proc = CliProcess(module, args, env, cwd)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess([module, *args], proc.returncode, out, err)
