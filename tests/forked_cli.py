@@ -52,6 +52,7 @@ def _forkserver():
 def _main(module: str, args: list[str], env: dict, cwd: str, stdout: str, stderr: str, group: int) -> None:
     """``python -m module args`` in this (forked) process: its group, environment, folder and output."""
     os.setpgid(0, group)
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again, not the forkserver
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
