@@ -1,10 +1,11 @@
-"""`python -m cxrdr.train.cli ...` processes forked from a server that imported the training code once.
+"""`python -m cxrdr.train.cli|reinforce.cli ...` processes forked from a server that imported cxrdr once.
 
-A fresh interpreter spends seconds of CPU importing torch, open_clip and cxrdr before a run's first
-step; the kill-and-resume tests start nine such processes. These are forked instead from a
-multiprocessing forkserver that preloaded those modules: each is still a process of its own (its own
-environment, working folder, stderr and process group, ended by SIGKILL as a preemption ends it,
-loader workers included) running the module as ``python -m`` runs it, only without the imports.
+A fresh interpreter spends seconds of CPU importing torch, open_clip and cxrdr before a command's
+first line of work; the kill-and-resume and fault tests start about twenty such processes. These are
+forked instead from a multiprocessing forkserver that preloaded those modules: each is still a process
+of its own (its own environment, working folder, output and process group, ended by SIGKILL as a
+preemption ends it, loader workers included) running the module as ``python -m`` runs it, only
+without the imports.
 """
 from __future__ import annotations
 
@@ -113,10 +114,14 @@ class CliProcess:
         self.wait(timeout)
         if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-        texts = tuple(Path(path).read_text(errors="replace") for path in self._out)
+        return tuple(Path(path).read_text(errors="replace") for path in self._out)
+
+    def __del__(self):
         for path in self._out:
-            os.unlink(path)
-        return texts
+            try:
+                os.unlink(path)
+            except (OSError, TypeError):  # gone already, or the interpreter is shutting down
+                pass
 
 
 def python_m(cmd: list[str], env: dict, cwd: Path, group: int = 0) -> CliProcess:
