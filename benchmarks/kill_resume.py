@@ -46,12 +46,16 @@ def last_step(run: Path) -> int:
     return max(steps, default=-1)
 
 
-def kill_group_at(cmd: list[str], run: Path, step: int, timeout: float = 600.0) -> int:
-    """Start ``cmd`` in a new process group; SIGKILL the group once the run has logged ``step``;
-    wait until every process of the group is gone (its loader workers hold the run folder's lock).
-    Returns the step the run had logged."""
-    proc = subprocess.Popen(cmd, env=run_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def start_in_new_group(cmd: list[str], env: dict, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
+
+
+def kill_group_at(cmd: list[str], run: Path, step: int, timeout: float = 600.0, start=start_in_new_group) -> int:
+    """Start ``cmd`` in a new process group (``start(cmd, env, cwd)``: a Popen-like process that leads
+    it); SIGKILL the group once the run has logged ``step``; wait until every process of the group is
+    gone (its loader workers hold the run folder's lock). Returns the step the run had logged."""
+    proc = start(cmd, run_env(), REPO)
     deadline = time.monotonic() + timeout
     while (reached := last_step(run)) < step:
         if proc.poll() is not None:

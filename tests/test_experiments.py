@@ -23,7 +23,7 @@ def micro_recipe(tmp_path):
         "eval": {"min_positives": 2, "n_faithfulness": 1, "faith_steps": 2, "n_localisation": 4,
                  "probe_max_train": 16, "efficiency": False, "n_plots": 2},
         "isolated_efficiency": False,
-        "efficiency": {"eval_every_samples": 8, "step_benchmark": {"steps": 2, "warmup": 1},
+        "efficiency": {"eval_every_samples": 8, "step_benchmark": {"steps": 1, "warmup": 0},
                        "runs": {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"},
                                 "online": {"mode": "reinforced", "online_teacher": "random:tiny"}}},
     }

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forked_cli
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,11 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_cli(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m cxrdr.reinforce.cli|train.cli ARGS` in a fresh process, as a user runs it."""
+    """`python -m cxrdr.reinforce.cli|train.cli ARGS` in a process of its own, as a user runs it
+    (forked from a server that imported torch and cxrdr once: tests.forked_cli)."""
     base = {k: v for k, v in os.environ.items() if k != "CXRDR_DEBUG"}
     env = {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=300)
+    return forked_cli.run(module, list(args), env, REPO, timeout=300)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:

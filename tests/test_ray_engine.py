@@ -5,8 +5,11 @@ Tiny builds: phantom:12, K=2, S=2, 64 px, random:tiny teacher, shards of 4 recor
 """
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -52,14 +55,43 @@ def start_local_ray() -> None:
              log_to_driver=False, configure_logging=False)
 
 
-@pytest.fixture()
-def local_ray():
-    """A fresh 2-CPU Ray per test, as a fresh `reinforce build` process has. Ray Data releases a
-    finished actor pool by reference counting, so in one long driver process (this suite) a pool
-    can outlive its build and hold the CPUs the next build waits for."""
+def _drop_logged_tracebacks() -> None:
+    """pytest keeps a test's log records (their text already formatted) until the test's next phase;
+    the traceback of the error Ray Data logs for a failed build holds that build's actor pool."""
+    for handler in {*logging.getLogger().handlers, *logging.getLogger("ray.data").handlers}:
+        for record in getattr(handler, "records", ()):
+            record.exc_info = None
+
+
+def with_free_cpus(timeout: float = 20.0) -> None:
+    """Ray with both CPUs free, as a fresh `reinforce build` process finds it. Ray Data releases a
+    finished actor pool by reference counting; should one outlive its build (and hold the CPUs the
+    next build waits for), Ray is restarted."""
+    if ray.is_initialized():
+        _drop_logged_tracebacks()
+        gc.collect()
+        deadline = time.monotonic() + timeout
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if ray.available_resources().get("CPU", 0) >= 2:
+            return
+        ray.shutdown()
     start_local_ray()
-    yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local 2-CPU Ray for the module (starting one takes seconds), shut down after it."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture()
+def local_ray(ray_session):
+    """The module's Ray, both CPUs free before each test."""
+    with_free_cpus()
+    return ray
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +150,7 @@ def test_a_shard_failing_every_attempt_is_named_and_the_others_complete(local_ra
     assert json.loads(error_path(out, 1).read_text())["attempt"] == 2
     assert not (out / "dataset.json").exists()
     monkeypatch.delenv(FAULTS_ENV)
-    local_ray.shutdown()  # --resume is a new process: the failed build's actor pool goes with its Ray job
-    start_local_ray()
+    with_free_cpus()  # --resume is a new process: the failed build's actor pool must not hold the CPUs
     info = build(options(out, engine="ray", ray_actors=2, resume=True))
     assert info["total_samples"] == N and not error_path(out, 1).exists()
 

@@ -12,7 +12,6 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.forked_cli import python_m
 from tests.test_faults import _rewrite_member, assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,8 @@ def test_sigkill_at_random_steps_then_resume_is_bit_identical(phantom_shards, tm
            *_flags(dict(settings, out=str(run)))]
     kills = sorted(random.Random(27).sample(range(2, 13), 3))
     for at in kills:
-        reached = kill_resume.kill_group_at(cmd + (["--resume"] if (run / "last.pt").is_file() else []), run, at)
+        reached = kill_resume.kill_group_at(cmd + (["--resume"] if (run / "last.pt").is_file() else []), run, at,
+                                            start=python_m)
         assert at <= reached < 14
     saved = read_checkpoint(run / "last.pt")["step"]
     assert saved <= reached and saved % 5 == 0
@@ -101,22 +102,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp(run: Path, shards: Path, *extra: str) -> list[subprocess.Popen]:
+def _ddp(run: Path, shards: Path, *extra: str) -> list:
     """The two ranks of a gloo DDP run, started as torchrun would start them (its agent process
-    left out: it would double the start-up time); one process group, so one SIGKILL ends both."""
+    left out: it would double the start-up time; forked, tests.forked_cli); one process group, so one
+    SIGKILL ends both."""
     env = {**kill_resume.run_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     cmd = [sys.executable, "-m", "cxrdr.train.cli", "run",
            *_flags(dict(shards=str(shards), out=str(run), steps=12, workers=0, **RUN)), *extra]
     ranks = []
     for rank in range(2):
         group = ranks[0].pid if ranks else 0  # 0: a new group led by rank 0
-        ranks.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=REPO,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      process_group=group))
+        ranks.append(python_m(cmd, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, REPO, group))
     return ranks
 
 
-def _wait(ranks: list[subprocess.Popen]) -> str:
+def _wait(ranks: list) -> str:
     errors = [proc.communicate(timeout=180)[1] for proc in ranks]
     assert all(proc.returncode == 0 for proc in ranks), errors[0][-3000:] + errors[1][-3000:]
     return errors[0]
