@@ -350,6 +350,33 @@ def test_a_second_copy_waits_for_the_teachers_the_first_prepares(tmp_path):
     assert released.is_set()  # it returned only after the first copy let go
 
 
+def test_a_second_copy_waits_for_a_shard_folder_the_first_builds(tmp_path):
+    """Two copies of an experiment reaching a missing shard folder (e.g. plain-more-data's own shards): the
+    second waits for the first's build and reuses the folder instead of failing on its build lock."""
+    import threading
+
+    from cxrdr.common.locking import lock_folder
+    from cxrdr.experiments.runs import ensure_shards
+
+    out = tmp_path / "more-data-shards"
+    first = lock_folder(tmp_path / ".more-data-shards.building", "train experiment")  # the first copy, building
+    released = threading.Event()
+
+    def finish():  # the first copy's build completes
+        out.mkdir()
+        (out / "dataset.json").write_text("{}")
+        released.set()
+        first.release()
+
+    timer = threading.Timer(0.5, finish)
+    timer.start()
+    try:  # no build options: building here would raise, so returning proves it reused the first copy's folder
+        assert ensure_shards({"dir": str(out)}, progress=False) == out
+    finally:
+        timer.cancel()
+    assert released.is_set()
+
+
 def test_a_runs_loss_and_optim_overrides_add_to_the_experiments_and_old_run_configs_still_match(tmp_path):
     from cxrdr.experiments.recipe import train_config
     from cxrdr.experiments.runs import _finished_alike

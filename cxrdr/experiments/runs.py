@@ -36,6 +36,23 @@ def ensure_shards(spec: dict, progress: bool = True) -> Path:
     out = Path(spec["dir"])
     if (out / "dataset.json").is_file() and not spec.get("rebuild", False):
         return out
+    # Two copies of one experiment reach a missing folder together (e.g. a run's own shards): one builds,
+    # the other waits for it and reuses the folder (the build itself refuses a second writer).
+    building = out.parent / f".{out.name}.building"
+    lock = claim_run(building, wait=False)
+    waited = lock is None
+    if waited:
+        typer.echo(f"another process is building {out}; waiting", err=True)
+        lock = claim_run(building)
+    try:
+        if waited and (out / "dataset.json").is_file():
+            return out  # the other process built it (a rebuild it did counts)
+        return _build_shards(out, spec, progress)
+    finally:
+        lock.release()
+
+
+def _build_shards(out: Path, spec: dict, progress: bool) -> Path:
     options = dict(spec.get("build") or {})
     if not options:
         raise ValueError(f"shards {out} do not exist and the recipe gives no 'shards.build' options")
