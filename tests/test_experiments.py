@@ -426,9 +426,11 @@ def test_teacher_image_overlap_is_measured_from_the_stored_images(tmp_path):
         """A shards folder as far as the overlap reads it: dataset.json and per-shard stats (key -> CRC-32s)."""
         folder = tmp_path / name
         (folder / "stats").mkdir(parents=True)
-        (folder / "dataset.json").write_text(json.dumps({"store_size": store_size, "image_format": "jpg",
-                                                         "jpeg_quality": 95}))
-        for i, split in enumerate(("train", "test")):
+        splits = ("train", "test")
+        (folder / "dataset.json").write_text(json.dumps({
+            "schema_version": 3, "store_size": store_size, "image_format": "jpg", "jpeg_quality": 95,
+            "shards": [{"name": f"shard-{i:06d}.tar.gz", "split": split} for i, split in enumerate(splits)]}))
+        for i, split in enumerate(splits):
             rows = {k: {"jpg": crc, "json": "00"} for k, crc, s in samples if s == split}
             (folder / "stats" / f"shard-{i:06d}.json").write_text(
                 json.dumps({"split": split, "checksums": {"algorithm": "crc32", "samples": rows}}))

@@ -98,7 +98,8 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
     md += ["## Cost accounting", "", break_even_line(cost), ""]
     if cost.get("teacher_train_samples"):
         md += [f"The teacher's data: its training saw {cost['teacher_train_samples']:,} samples "
-               f"{_teacher_images(cost.get('teacher_train_images_shared'))}. Counted in, reinforced needs {_num(cost.get('reinforced_samples_with_teacher'))} "
+               f"{_teacher_images(cost.get('teacher_train_images_shared'))}. Counted in, reinforced needs "
+               f"{_num(cost.get('reinforced_samples_with_teacher'))} "
                f"samples to plain's final = **{_num(cost.get('reinforced_ratio_with_teacher'))}x** plain's own "
                f"first crossing ({_num(cost.get('plain_samples_to_own_final'))}). The arm trained plain on the "
                f"students' and the teacher's images (if present above) separates what more data buys from what "

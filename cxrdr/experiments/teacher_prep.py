@@ -28,7 +28,9 @@ from pathlib import Path
 
 import typer
 
-from cxrdr.common.shards.members import IMAGE_EXTS
+from cxrdr.common.checksums import recorded_checksums
+from cxrdr.common.shards.info import read_dataset_info
+from cxrdr.common.shards.members import DATASET_JSON, IMAGE_EXTS
 from cxrdr.experiments.recipe import make_train_config
 from cxrdr.experiments.runs import claim_run, ensure_shards, run_training
 from cxrdr.reinforce.add_teacher import add_teachers
@@ -108,29 +110,23 @@ def shared_train_images(teacher_shards: Path, student_shards: Path) -> float | N
     train split. The accounting says which, instead of assuming one. An image is the same when its key and
     its stored bytes are (the CRC-32 the build recorded: phantom draws of another seed reuse keys);
     None when the two builds stored images differently (nothing to compare) or recorded no checksums."""
-    settings = [_stored_image_settings(f) for f in (teacher_shards, student_shards)]
-    if None in settings or settings[0] != settings[1]:
+    if not all((f / DATASET_JSON).is_file() for f in (teacher_shards, student_shards)):
         return None
-    own, students = (_train_images(f) for f in (teacher_shards, student_shards))
+    infos = [read_dataset_info(f) for f in (teacher_shards, student_shards)]
+    if len({(i.get("store_size"), i.get("image_format"), i.get("jpeg_quality")) for i in infos}) != 1:
+        return None
+    own, students = (_train_images(f, i) for f, i in zip((teacher_shards, student_shards), infos))
     return len(own & students) / len(own) if own else None
 
 
-def _stored_image_settings(folder: Path) -> tuple | None:
-    path = folder / "dataset.json"
-    if not path.is_file():
-        return None
-    info = json.loads(path.read_text())
-    return info.get("store_size"), info.get("image_format"), info.get("jpeg_quality")
-
-
-def _train_images(folder: Path) -> set[tuple[str, str]]:
-    """(key, CRC-32 of the stored image) of every train-split sample, from the shards' stats files."""
+def _train_images(folder: Path, info: dict) -> set[tuple[str, str]]:
+    """(key, CRC-32 of the stored image) of every train-split sample, from the build's recorded checksums."""
     out = set()
-    for stats in sorted((folder / "stats").glob("shard-*.json")):
-        shard = json.loads(stats.read_text())
+    for shard in info.get("shards") or []:
         if shard.get("split") != "train":
             continue
-        for key, members in ((shard.get("checksums") or {}).get("samples") or {}).items():
+        recorded = recorded_checksums(folder / shard["name"]) or {}
+        for key, members in (recorded.get("samples") or {}).items():
             image = next((crc for member, crc in members.items() if member in IMAGE_EXTS), None)
             if image is not None:
                 out.add((key, image))
