@@ -9,7 +9,7 @@ DEMO_DIR ?= demo
 help:
 	@echo "make test   - create $(VENV) if missing, install cxrdr[dev,offline], run the test suite"
 	@echo "make demo   - create $(VENV) if missing, run the offline end-to-end demo into $(DEMO_DIR)/ (made afresh)"
-	@echo "variables: VENV=path (default .venv), DEMO_DIR=path (default demo)"
+	@echo "variables: VENV=path (default .venv), DEMO_DIR=path (default demo), TEST_WORKERS=n (default 2)"
 
 venv: $(VENV)/.installed
 
@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev,offline]"
 	touch $@
 
+# Test files spread over TEST_WORKERS processes (pytest-xdist; one torch thread each, tests/conftest.py):
+# a file's tests stay together, so a module's fixtures (one Ray, one build) are made once.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # A demo run starts from an empty folder: the shards of a previous run already hold its added teacher,
 # and a build refuses a folder made with other settings.

@@ -7,9 +7,12 @@ set -euo pipefail
 OUT="${1:-demo}"
 N="${DEMO_N:-600}"
 mkdir -p "$OUT"
-# One torch thread per process: the two data-loader workers use the other core, and two OpenMP
-# threads on a core that something else is using spin-wait (5-30x slower steps seen on 2-core boxes).
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Torch gets the cores (at most 4: these models are too small to use more). The build's loader
+# workers sleep beside a MiniLM teacher, and the build measures and says how many threads its
+# teacher keeps. The training runs load batches in their own process (--workers 0): a stored
+# 128-px sample decodes in ~1 ms, while OpenMP threads beside busy loader workers spin-wait
+# (5-30x slower steps seen on 2-core boxes). Measured on 2 cores: 360 vs 570 ms a student step.
+CORES=$(nproc); export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES < 4 ? CORES : 4 ))}"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
 # A rerun into the same folder continues the runs (DEMO_RESUME=1) or replaces them.
@@ -23,15 +26,15 @@ reinforce build --source "jsonl:$OUT/phantom/records.jsonl" --teachers text:mini
   --out "$OUT/shards" --n-aug 4 --n-captions 3 --store-size 128 --shard-size 200 --workers 2 --resume
 
 step "3/6 train a CLIP teacher on the shards (train run, model tiny-cnn-A, no teacher)"
-train run --shards "$OUT/shards" --model tiny-cnn-A --mode plain --steps "${DEMO_TEACHER_STEPS:-200}" \
-  --batch-size 32 --eval-every 100 --out "$OUT/teacher" --workers 2 "$AGAIN"
+train run --shards "$OUT/shards" --model tiny-cnn-A --mode plain --steps "${DEMO_TEACHER_STEPS:-300}" \
+  --batch-size 32 --eval-every 100 --out "$OUT/teacher" --workers 0 "$AGAIN"
 
 step "4/6 reinforce add-teacher: embed every stored augmentation and caption with that teacher"
 reinforce add-teacher "$OUT/shards" --teachers "ckpt:$OUT/teacher/best.pt"
 
 step "5/6 train the Patch-IB student (model cpu-D) distilled from the stored teacher embeddings"
-train run --shards "$OUT/shards" --model cpu-D --steps "${DEMO_STUDENT_STEPS:-300}" --batch-size 32 \
-  --eval-every 150 --out "$OUT/student" --workers 2 "$AGAIN"
+train run --shards "$OUT/shards" --model cpu-D --steps "${DEMO_STUDENT_STEPS:-400}" --batch-size 32 \
+  --eval-every 150 --out "$OUT/student" --workers 0 "$AGAIN"
 
 step "6/6 evaluate the student on the phantom test split"
 train eval --ckpt "$OUT/student/best.pt" --shards "$OUT/shards" --split test --out "$OUT/eval"

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Up to 2 threads in all: under pytest-xdist (`make test` runs 2 workers) one each, as two OpenMP
+# threads per process on a 2-core box spin-wait against the other worker.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("CXRDR_SHARED_DATA", REPO.parent / "shared" / "data"))

@@ -231,6 +231,21 @@ def test_text_path_teacher(snapshots, tmp_path):
         load_teacher(f"text:{tmp_path / 'missing'}")
 
 
+def test_text_teacher_groups_by_length_and_keeps_order(snapshots):
+    """Texts go through in groups of similar length (less padding); each row is the text's own
+    embedding, as if it had been encoded alone, in the order given."""
+    from cxrdr.teachers import text as text_teachers
+
+    _, _, bert = snapshots
+    teacher = load_teacher(f"text:{bert}")
+    texts = [" ".join(WORDS[: 1 + (7 * i) % len(WORDS)]) for i in range(text_teachers.LENGTH_GROUP + 9)]
+    together = teacher.encode_texts(texts)
+    alone = torch.cat([teacher.encode_texts([t]) for t in texts])
+    assert together.shape == (len(texts), teacher.embed_dim)
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(teacher.encode_texts(texts[::-1]), together.flip(0), atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------ ckpt
 class _StandInStudent(torch.nn.Module):
     """What cxrdr.train.checkpoint.load_checkpoint returns, reduced to the contract the ckpt teacher relies on."""

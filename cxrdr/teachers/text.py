@@ -20,6 +20,8 @@ from cxrdr.common.pretrained import minilm_path
 from .base import Teacher, TeacherError, file_safe_name, weights_fingerprint
 
 DEFAULT_CONTEXT_LENGTH = 256
+# Texts per forward, grouped by token length: large enough to keep the matrix products efficient.
+LENGTH_GROUP = 32
 # all-MiniLM-L6-v2 was trained with MultipleNegativesRankingLoss, scale 20: its own "logit scale".
 SENTENCE_TRANSFORMER_SCALE = 20.0
 
@@ -30,11 +32,20 @@ class TextTeacher(Teacher):
     tokenizer: Any = field(default=None, repr=False)
 
     def _encode_texts(self, texts: list[str]) -> torch.Tensor:
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.context_length,
-                               return_tensors="pt").to(self.device)
-        hidden = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        # A build's batch mixes long reports with short captions: padding all to the longest wastes
+        # most of the forward. Texts of similar token length go through together instead (what
+        # sentence-transformers' encode does), and the rows come back in the order given.
+        ids = self.tokenizer(texts, truncation=True, max_length=self.context_length)["input_ids"]
+        order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+        out = [None] * len(texts)
+        for start in range(0, len(order), LENGTH_GROUP):
+            group = order[start:start + LENGTH_GROUP]
+            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in group]}, return_tensors="pt").to(self.device)
+            hidden = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            for i, row in zip(group, (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)):
+                out[i] = row
+        return torch.stack(out)
 
 
 def _context_length(model_dir: Path, model, tokenizer) -> int:
