@@ -33,6 +33,25 @@ def _forward(model, images, step=None):
     return model(images, tok["input_ids"], tok["attention_mask"], step=step)
 
 
+def test_padding_no_text_uses_is_dropped_and_changes_no_embedding():
+    from cxrdr.train.models.text_towers import trim_padding
+
+    ids = torch.tensor([[5, 6, 0, 0, 0], [7, 0, 0, 0, 0]])
+    mask = (ids > 0).long()
+    trimmed = trim_padding(ids, mask)
+    assert torch.equal(trimmed[0], ids[:, :2]) and torch.equal(trimmed[1], mask[:, :2])
+    left = torch.tensor([[0, 0, 5], [0, 6, 7]])
+    assert trim_padding(left, (left > 0).long())[0] is left  # left padding: nothing to drop at the end
+    torch.manual_seed(0)
+    model = build_student("tiny-D").eval()
+    short, long = TEXTS[0], TEXTS[0] + " " + " ".join(TEXTS)
+    tok = model.tokenize([short, long])
+    with torch.no_grad():
+        together = model.encode_text(tok["input_ids"], tok["attention_mask"])  # trimmed to the long text
+        alone = model.encode_text(*model.tokenize([short]).values())  # trimmed to the short one
+    torch.testing.assert_close(together[0], alone[0], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("variant", list("ABCDE"))
 def test_variant_forward_shapes(variant, images):
     torch.manual_seed(0)
@@ -44,7 +63,8 @@ def test_variant_forward_shapes(variant, images):
         assert torch.allclose(emb.norm(dim=-1), torch.ones(2), atol=1e-5)
     assert out.logit_scale.ndim == 0 and math.isclose(out.logit_scale.item(), 1 / 0.07, rel_tol=1e-4)
     assert out.grid_size == (8, 8)
-    assert out.text_tokens.shape[:2] == out.text_mask.shape == (2, model.context_length)
+    longest = int(model.tokenize(TEXTS)["attention_mask"].sum(1).max())  # padding past it is dropped
+    assert out.text_tokens.shape[:2] == out.text_mask.shape == (2, longest) and longest < model.context_length
     assert out.text_mask.dtype == torch.bool
     k = 32 if variant == "E" else n
     assert out.patch_tokens.shape == (2, k, 64) and out.patch_index.shape == (2, k)
@@ -64,8 +84,8 @@ def test_variant_forward_shapes(variant, images):
     if variant == "A":
         assert out.local_visual is None and out.local_text is None and out.local_attn is None
     else:
-        assert out.local_visual.shape == out.local_text.shape == (2, model.context_length, d)
-        assert out.local_attn.shape == (2, model.context_length, k)
+        assert out.local_visual.shape == out.local_text.shape == (2, longest, d)
+        assert out.local_attn.shape == (2, longest, k)
         valid = out.text_mask
         assert torch.allclose(out.local_attn[valid].sum(-1), torch.ones(int(valid.sum())), atol=1e-5)
 
@@ -390,7 +410,7 @@ def test_efficientnet_lite0_tower_forward_shapes(variant, stride, images):
     if variant == "D":
         assert (out.mask.detach().sum(1) == round(0.5 * g * g)).all()
     if variant != "A":
-        assert out.local_attn.shape == (2, model.context_length, g * g)
+        assert out.local_attn.shape == (2, out.text_mask.shape[1], g * g)
     loss = (out.image_emb @ out.text_emb.T).sum() + out.logit_scale
     if variant != "A":
         loss = loss + (out.local_visual * out.local_text).sum()

@@ -16,7 +16,7 @@ from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (Projection, TeacherSpaceHeads, batch_idf, build_local_align, build_patch_heads,
                                       cued_sentence_tokens, init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
-from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
+from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer, trim_padding
 from cxrdr.train.models.token_dropping import mask_selected_forward
 
 
@@ -159,6 +159,7 @@ class PatchIBStudent(nn.Module):
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """token ids (B, L) -> (B, D) normalised text embedding."""
+        input_ids, attention_mask = trim_padding(input_ids, attention_mask)
         return F.normalize(self.text_proj(self._text(input_ids, attention_mask)[1]), dim=-1)
 
     def current_logit_scale(self) -> torch.Tensor:
@@ -175,6 +176,7 @@ class PatchIBStudent(nn.Module):
         ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion");
         ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.")."""
         img, patches, z, soft = self._image_and_heads(images, step)
+        input_ids, attention_mask = trim_padding(input_ids, attention_mask)  # token outputs are (B, L' <= L)
         # the word states the local heads read (local_text_layer), and the global text vector
         text_tokens, text_pooled = self._text(input_ids, attention_mask,
                                               self.config.local_text_layer if self.local_align is not None else None)

@@ -109,6 +109,21 @@ def tiny_vocab_file() -> Path:
     return path
 
 
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the trailing columns that no row of the batch uses.
+
+    Texts are padded to the fixed context length (so that workers' batches collate), while a
+    report is a fraction of it: the text tower would spend most of its forward on padding. The
+    attention mask already hides those columns from every real token, so the states of the real
+    tokens are unchanged (to float rounding). Left-padded batches are returned as given.
+    """
+    used = attention_mask.bool().any(0).nonzero()
+    length = int(used.max()) + 1 if used.numel() else 1
+    if length >= input_ids.shape[1]:
+        return input_ids, attention_mask
+    return input_ids[:, :length], attention_mask[:, :length]
+
+
 class TextTokenizer:
     """Wraps an HF tokenizer: list[str] -> {'input_ids', 'attention_mask'} LongTensors (B, context_length).
 
