@@ -211,6 +211,9 @@ def main() -> None:
 
     import torch
 
+    from cxrdr.common.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the reinforce CLI does: the allocator the build runs with
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
