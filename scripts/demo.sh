@@ -10,8 +10,10 @@ mkdir -p "$OUT"
 # Torch gets the cores (at most 4: these models are too small to use more). The build's loader
 # workers sleep beside a MiniLM teacher, and the build measures and says how many threads its
 # teacher keeps. The training runs load batches in their own process (--workers 0): a stored
-# 128-px sample decodes in ~1 ms, while OpenMP threads beside busy loader workers spin-wait
-# (5-30x slower steps seen on 2-core boxes). Measured on 2 cores: 360 vs 570 ms a student step.
+# 128-px sample decodes in ~1 ms, and no loader worker competes with the OpenMP threads (they
+# spin-wait beside busy processes: 5-30x slower steps seen on loaded 2-core boxes). Measured on an
+# idle 2-core box, a student step: 2 threads, no workers 354-360 ms; 2 threads, 2 workers 370 ms;
+# 1 thread, 2 workers (the former setting) 570 ms.
 CORES=$(nproc); export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES < 4 ? CORES : 4 ))}"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 start=$(date +%s)

@@ -239,7 +239,15 @@ def test_text_teacher_groups_by_length_and_keeps_order(snapshots):
     _, _, bert = snapshots
     teacher = load_teacher(f"text:{bert}")
     texts = [" ".join(WORDS[: 1 + (7 * i) % len(WORDS)]) for i in range(text_teachers.LENGTH_GROUP + 9)]
+    widths = []  # the padded length of each forward
+    hook = teacher.model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     together = teacher.encode_texts(texts)
+    hook.remove()
+    lengths = sorted(len(ids) for ids in teacher.tokenizer(texts)["input_ids"])
+    group = text_teachers.LENGTH_GROUP
+    assert widths == [lengths[min(start + group, len(texts)) - 1] for start in range(0, len(texts), group)]
+    assert widths[0] < widths[-1]  # the short texts are not padded to the longest
     alone = torch.cat([teacher.encode_texts([t]) for t in texts])
     assert together.shape == (len(texts), teacher.embed_dim)
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
