@@ -12,8 +12,9 @@ It also prints wall and CPU milliseconds per sample for each step (worker steps:
 resize, encode+decode, params+replay, captions; main thread: teacher, assembling) and the
 CPU bound: with workers, teacher and writer sharing the same cores the build cannot exceed
 cores / (CPU ms per sample), whatever the pipeline does; on a machine that other jobs also
-use, the CPU figures are the ones that do not depend on the load. It also prints the threads the
-build gave a CPU teacher and why (``pipeline.teacher_threads``: from the first batches' CPU figures).
+use, the CPU figures are the ones that do not depend on the load. It also prints where the build
+prepared for a CPU teacher (its process or the workers), the teacher's threads, and why
+(``pipeline.where_to_prepare``: from the first two batches, prepared and timed in the build's process).
 
 ``--teachers`` takes several teacher sets separated by ``;``: each is built and timed in turn, and
 a table of their ratios ends the run, e.g. the cheap, the text and the image teacher on CPU:

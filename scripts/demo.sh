@@ -7,8 +7,8 @@ set -euo pipefail
 OUT="${1:-demo}"
 N="${DEMO_N:-600}"
 mkdir -p "$OUT"
-# Torch gets the cores (at most 4: these models are too small to use more). The build's loader
-# workers sleep beside a MiniLM teacher, and the build measures and says how many threads its
+# Torch gets the cores (at most 4: these models are too small to use more). The build measures
+# its MiniLM teacher against preparation and says where it prepares and how many threads its
 # teacher keeps. The training runs load batches in their own process (--workers 0): a stored
 # 128-px sample decodes in ~1 ms, and no loader worker competes with the OpenMP threads (they
 # spin-wait beside busy processes: 5-30x slower steps seen on loaded 2-core boxes). Measured on an

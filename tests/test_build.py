@@ -121,9 +121,11 @@ def test_fresh_build_follows_the_contract(fresh):
     assert info["build"]["samples_per_second"] > 0
     sizes = json.loads((fresh / "sizes.json").read_text())
     assert sizes == {s["name"]: s["samples"] for s in info["shards"]}
-    choice = info["build"]["ranks"][0]["cpu_threads"]  # what the thread policy chose, and why
-    assert choice["workers"] == 2 and choice["teacher_threads"] >= 1 and choice["teacher_cpu_ms_per_sample"] > 0
+    choice = info["build"]["ranks"][0]["cpu_threads"]  # where the CPU policy prepared, and why
+    assert choice["workers"] == 2 and choice["workers_used"] in (0, 2) and choice["teacher_threads"] >= 1
+    assert choice["prepare_ms_per_sample"] > 0 and choice["teacher_ms_per_sample"] > 0
     assert choice["line"].startswith(f"cpu threads: teacher {choice['teacher_threads']} thread")
+    assert ("in this process instead of 2 workers" in choice["line"]) == (choice["workers_used"] == 0)
 
     rows = manifest_rows(fresh)
     assert len(rows) == N and len({r["key"] for r in rows}) == N
@@ -171,28 +173,53 @@ def test_stored_embeddings_are_those_of_the_replayed_stored_pixels(fresh, teache
         np.testing.assert_allclose(sample_embedding(sample, "minilm", "syn"), expected[1:], atol=2e-3)
 
 
-def test_cpu_teacher_threads_follow_the_measured_costs():
+def test_cpu_teacher_threads_leave_the_workers_the_cores_they_need():
     from cxrdr.reinforce.pipeline import teacher_threads
 
-    # issue 26: an open_clip ViT-B-32 teacher (470 ms CPU a sample) beside 10 ms of preparation on
-    # 2 cores: every core goes to the teacher, whether 1 or 2 workers (they sleep most of the time)
-    assert teacher_threads(10, 470, cores=2, workers=1, cap=2) == (2, pytest.approx(2 * 10 / 480))
-    assert teacher_threads(10, 470, cores=2, workers=2, cap=2)[0] == 2
-    # random:tiny is preparation-bound (8 ms vs 2.4 ms): the workers keep their cores, as before
+    # issue 26: an open_clip ViT-B-32 (940 ms CPU a sample on 2 cores) beside 10 ms of preparation:
+    # the worker needs a twentieth of a core, rounded up to one, so the teacher gets the other one
+    assert teacher_threads(10, 940, cores=2, workers=1, cap=2) == (1, pytest.approx(2 * 10 / 950))
+    # random:tiny is preparation-bound (8 ms vs 2.4 ms): the workers keep their cores
     assert teacher_threads(8, 2.4, cores=2, workers=2, cap=2)[0] == 1
     assert teacher_threads(8, 2.4, cores=16, workers=2, cap=16) == (14, 2.0)  # 2 workers use 2 cores at most
-    # a heavy teacher on many cores: preparation needs a third of a core
-    assert teacher_threads(10, 470, cores=16, workers=2, cap=16)[0] == 16
+    # a heavy teacher on many cores: preparation needs a third of a core, one is left to it
+    assert teacher_threads(10, 470, cores=16, workers=2, cap=16)[0] == 15
     assert teacher_threads(10, 470, cores=16, workers=2, cap=4)[0] == 4  # never above torch's threads
     # cores in proportion to the CPU each stage needs; at least one thread
     assert teacher_threads(20, 20, cores=4, workers=4, cap=4)[0] == 2
     assert teacher_threads(20, 60, cores=4, workers=4, cap=4)[0] == 3
+    assert teacher_threads(20, 61, cores=4, workers=4, cap=4)[0] == 3
     assert teacher_threads(100, 0.1, cores=2, workers=2, cap=2)[0] == 1
     # no workers: preparation runs between the forwards, the teacher gets every core
     assert teacher_threads(50, 1, cores=4, workers=0, cap=4) == (4, 0.0)
 
 
-def test_the_thread_policy_probes_two_batches_then_prints_one_line(monkeypatch):
+def test_preparation_runs_where_a_sample_costs_less():
+    from cxrdr.reinforce.pipeline import where_to_prepare
+
+    # issue 26, 2 cores, 1 worker given. MiniLM (29.4 ms a sample on both cores) beside 2 ms of
+    # preparation: with the worker the teacher would get one core (58.8 ms a sample); preparing in
+    # this process in turn takes 31.4 -> this process, the teacher on every core
+    c = where_to_prepare(2.0, 29.4, cores=2, workers=1, cap=2)
+    assert (c["workers_used"], c["teacher_threads"]) == (0, 2)
+    assert c["in_process_ms"] == pytest.approx(31.4) and c["with_workers_ms"] == pytest.approx(58.8)
+    # an open_clip ViT: the same
+    assert where_to_prepare(9.0, 330.0, cores=2, workers=1, cap=2)["workers_used"] == 0
+    # random:tiny is preparation-bound: the worker prepares while the teacher runs on the other core
+    c = where_to_prepare(6.7, 1.0, cores=2, workers=1, cap=2)
+    assert (c["workers_used"], c["teacher_threads"]) == (1, 1)
+    assert c["with_workers_ms"] == pytest.approx(6.7) and c["in_process_ms"] == pytest.approx(7.7)
+    # many cores: MiniLM on 14 threads beside 2 workers beats preparing 6 ms a sample in turn
+    c = where_to_prepare(6.0, 5.0, cores=16, workers=2, cap=16)
+    assert (c["workers_used"], c["teacher_threads"]) == (2, 14)
+    assert c["with_workers_ms"] == pytest.approx(5.0 * 16 / 14)
+    # no workers given: this process, every core (never above torch's threads)
+    assert where_to_prepare(50.0, 1.0, cores=4, workers=0, cap=3) == {
+        "workers_used": 0, "teacher_threads": 3, "in_process_ms": 51.0, "with_workers_ms": None,
+        "prepare_cores": 0.0}
+
+
+def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(monkeypatch):
     from types import SimpleNamespace
 
     from cxrdr.reinforce import pipeline
@@ -202,27 +229,47 @@ def test_the_thread_policy_probes_two_batches_then_prints_one_line(monkeypatch):
     say = lambda line, file=None: lines.append(line)  # noqa: E731
     try:
         torch.set_num_threads(2)
-        policy = pipeline._ThreadPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        policy = pipeline._CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
         policy.start()
-        assert torch.get_num_threads() == 2 and lines == []  # the first batch runs on every core
-        policy.observe(0.08, 0.4, 16)  # preparation 5 ms a sample, the teacher 25: still 2 threads
+        assert torch.get_num_threads() == 2 and lines == [] and policy.probe_records(16) == 32
+        policy.observe(0.32, 0.8, 16)  # the first batch (first-call costs) decides nothing
         assert torch.get_num_threads() == 2 and lines == []
-        policy.observe(0.32, 0.32, 16)  # the second batch decides: 20 vs 20 ms -> 1 thread
-        assert torch.get_num_threads() == 1 and len(lines) == 1
-        assert lines[0] == ("cpu threads: teacher 1 thread, 1 worker: teacher 20.0 ms/sample (main-thread CPU at "
-                            "2 threads) vs preparation 20.0 ms/sample (worker CPU), so preparation needs 1.00 of 2 cores")
+        policy.observe(0.32, 0.032, 16)  # the second: preparation 20 ms, teacher 2 ms -> the worker
+        assert torch.get_num_threads() == 1 and len(lines) == 1 and policy.workers_to_use() == 1
+        assert lines[0] == ("cpu threads: teacher 1 thread, 1 worker: per sample, preparation 20.0 ms and the "
+                            "teacher 2.0 ms on 2 threads; with 1 worker about 20.0 ms, in this process 22.0 ms")
         policy.observe(0.0, 1.0, 16)  # later batches change nothing
         policy.settle()
         assert torch.get_num_threads() == 1 and len(lines) == 1
-        assert policy.result()["cpu_threads"]["teacher_threads"] == 1
+        assert policy.result()["cpu_threads"]["workers_used"] == 1
 
-        gpu = pipeline._ThreadPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
+        torch.set_num_threads(2)
+        heavy = pipeline._CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        heavy.start()
+        heavy.observe(0.032, 0.47, 16)  # the build ended within the probe: settle decides
+        heavy.settle()
+        assert heavy.workers_to_use() == 0 and torch.get_num_threads() == 2 and len(lines) == 2
+        assert lines[1].startswith("cpu threads: teacher 2 threads, preparation in this process instead of "
+                                   "1 worker: per sample, preparation 2.0 ms and the teacher 29.4 ms")
+
+        gpu = pipeline._CpuPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
         gpu.start()
+        assert gpu.probe_records(16) == 0 and gpu.workers_to_use() == 1
         gpu.observe(0.08, 0.4, 16)
         gpu.settle()
-        assert torch.get_num_threads() == 1 and len(lines) == 1 and gpu.result() == {}
+        assert len(lines) == 2 and gpu.result() == {}
     finally:
         torch.set_num_threads(threads)
+
+
+def test_shards_prepared_in_workers_equal_those_prepared_in_this_process(fresh, teachers, tmp_path, monkeypatch):
+    from cxrdr.reinforce import pipeline
+
+    monkeypatch.setattr(pipeline._CpuPolicy, "PROBE", 0)  # no probe: every record goes to the 2 workers
+    info = build(options(tmp_path / "workers", workers=2), teachers=teachers)
+    assert info["build"]["ranks"][0]["cpu_threads"]["workers_used"] == 2
+    assert manifest_rows(tmp_path / "workers") == manifest_rows(fresh)
+    assert_same_samples(read_samples(tmp_path / "workers"), read_samples(fresh))
 
 
 def test_inspect_and_verify_commands(fresh):
