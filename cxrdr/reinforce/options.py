@@ -47,7 +47,8 @@ class BuildOptions:
     # gzip: shard-NNNNNN.tar.gz; none: shard-NNNNNN.tar
     compression: str = _opt("gzip", "Shard files: gzip (.tar.gz, compact) or none (.tar).")
     seed: int = _opt(0, "Seed of augmentation and caption sampling.")
-    workers: int = _opt(2, "DataLoader workers decoding and augmenting.")
+    workers: int = _opt(2, "DataLoader workers decoding and augmenting. With a CPU teacher the build times its "
+                           "first two batches and may prepare in its own process instead (it prints why).")
     batch_size: int = _opt(32, "Records per teacher batch (K*B crops per image forward).")
     device: str = _opt("auto", "auto, cpu or cuda[:N] for the teachers.")
     model_cache: Optional[str] = _opt(None, "Folder with local teacher weights.")
