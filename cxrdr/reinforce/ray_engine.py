@@ -10,7 +10,8 @@ What runs where
 - Ray Data actors (``ActorPoolStrategy``, ``--ray-actors N``) each load the teachers once, on
   one GPU per actor (``num_gpus=1``) when the cluster has GPUs, else on CPU. An actor builds
   whole shards with the local engine's own ``cxrdr.reinforce.pipeline.run_shards`` (DataLoader workers
-  prepare, the actor embeds, a thread writes the tar), so tars and stats are the same bytes.
+  or, for a CPU teacher where that is faster, the actor itself prepare; the actor embeds, a thread
+  writes the tar), so tars and stats are the same bytes.
 - One shard = one Ray Data block = one task: the unit of scheduling, retry and resume. Ray's
   streaming executor hands the next shard to whichever actor is free (no fixed i % world).
 - When every shard is complete the driver writes its timing as rank 0 and merges, as the local
