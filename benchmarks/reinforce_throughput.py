@@ -150,7 +150,8 @@ def report(m: dict) -> None:
     n_built = max(1, m["samples"])
     ms = lambda seconds: 1000 * seconds / n_built  # noqa: E731
     prep_cpu = sum(prep.values())
-    print(f"wall per sample (ms): prepare {ms(split['decode_augment']):.1f} (summed over whoever prepared: workers or the build process), "
+    print(f"wall per sample (ms): prepare {ms(split['decode_augment']):.1f} (summed over the workers or the "
+          f"build process, whichever prepared), "
           f"teacher {ms(split['teacher']):.1f} (alone {1000 / teacher_rate:.1f}), "
           f"assemble+queue {ms(m['assemble_seconds']):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
           f"writer thread {ms(split['write']):.1f}; teacher busy {split['teacher'] / build_wall:.0%} of wall")
