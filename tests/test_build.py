@@ -252,12 +252,19 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
         assert lines[1].startswith("cpu threads: teacher 2 threads, preparation in this process instead of "
                                    "1 worker: per sample, preparation 2.0 ms and the teacher 29.4 ms")
 
+        torch.set_num_threads(2)
+        skipped = pipeline._CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        skipped.start()
+        skipped.observe(0.0, 0.1, 0)  # every probe record skipped: nothing measured
+        assert skipped.workers_to_use() == 1 and torch.get_num_threads() == 1  # the worker keeps its core
+        assert lines[2] == "cpu threads: teacher 1 thread, 1 worker: no probe batch was measured"
+
         gpu = pipeline._CpuPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
         gpu.start()
         assert gpu.probe_records(16) == 0 and gpu.workers_to_use() == 1
         gpu.observe(0.08, 0.4, 16)
         gpu.settle()
-        assert len(lines) == 2 and gpu.result() == {}
+        assert len(lines) == 3 and gpu.result() == {}
     finally:
         torch.set_num_threads(threads)
 

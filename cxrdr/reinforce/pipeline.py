@@ -121,8 +121,8 @@ def where_to_prepare(prepare_ms: float, teacher_ms: float, cores: int, workers: 
     need being left to them, so its forward takes about ``t * cores / threads`` while preparation
     takes ``p / workers`` beside it. A heavy teacher on few cores is therefore better off preparing
     in turn (MiniLM on 2 cores: ~31 ms a sample so, while its forward alone takes 51 ms on one
-    thread), a cheap one or many cores with workers. A tie goes to this process (no fork, no copies between
-    processes).
+    thread), a cheap one or many cores with workers. A tie goes to this process (no fork, no copies
+    between processes).
     """
     every_core = max(1, min(cap, cores))
     in_process = prepare_ms + teacher_ms
@@ -156,6 +156,7 @@ class _CpuPolicy:
         self.cpu = not any(str(t.device).startswith("cuda") for t in teachers)
         self.workers, self.say = workers, say
         self.cap, self.cores = torch.get_num_threads(), _cores()
+        self.every_core = max(1, min(self.cap, self.cores))  # the teacher's threads while probing
         self.seen, self.measured, self.choice = 0, None, None
 
     @property
@@ -164,7 +165,7 @@ class _CpuPolicy:
 
     def start(self) -> None:
         if self.cpu:
-            torch.set_num_threads(max(1, min(self.cap, self.cores)))
+            torch.set_num_threads(self.every_core)
             if self.workers <= 0:
                 self._decide(None, None)
 
@@ -195,7 +196,7 @@ class _CpuPolicy:
             self._decide(*self.measured)
 
     def _decide(self, p, t) -> None:
-        if p is None:  # nothing measured (every probe record skipped): the given workers, as before
+        if p is None:  # no workers, or no probe sample measured (all skipped): the given workers
             threads, prepare_cores = teacher_threads(1.0, 0.0, self.cores, self.workers, self.cap)
             c = {"workers_used": self.workers, "teacher_threads": threads, "in_process_ms": None,
                  "with_workers_ms": None, "prepare_cores": prepare_cores}
@@ -204,7 +205,7 @@ class _CpuPolicy:
         torch.set_num_threads(c["teacher_threads"])
         self.choice = {"teacher_threads": c["teacher_threads"], "workers": self.workers,
                        "workers_used": c["workers_used"], "cores": self.cores,
-                       "measured_at_threads": max(1, min(self.cap, self.cores)),
+                       "measured_at_threads": self.every_core,
                        "prepare_ms_per_sample": None if p is None else round(p, 2),
                        "teacher_ms_per_sample": None if t is None else round(t, 2),
                        "in_process_ms_per_sample": None if c["in_process_ms"] is None else round(c["in_process_ms"], 2),
