@@ -184,6 +184,37 @@ def test_render_is_deterministic_grayscale():
     json.dumps(row)
 
 
+def test_row_and_column_grids_render_the_pixels_and_boxes_of_full_grids(monkeypatch):
+    """The render draws on a (1, N) row and an (N, 1) column that numpy broadcasts; on full N x N
+    grids (as it once drew) every pixel and box is the same, for every kind of finding."""
+    from cxrdr.reinforce.phantom import render
+    from cxrdr.reinforce.phantom.source import sample_case
+
+    kinds = set(SEVERITIES) | {DEVICE}
+    cases, seen = [], set()
+    for index in range(400):  # a normal study, then one more for each kind not yet drawn
+        case = sample_case(0, index)
+        kinds_here = {f.kind for f in case.findings}
+        if (kinds_here - seen) or (not kinds_here and "normal" not in seen):
+            cases.append(case)
+            seen |= kinds_here or {"normal"}
+    assert kinds | {"normal"} <= seen, f"the first 400 phantom cases lack {kinds - seen}"
+
+    def draw(cases):
+        return [(render.render_case(c, size).tobytes(), render.finding_boxes(c, size))
+                for c in cases for size in (64, 100)]
+
+    broadcast = draw(cases)
+    assert render._grid(64)[0].shape == (1, 64) and render._grid(64)[1].shape == (64, 1)
+
+    def full_grid(size):
+        c = (np.arange(size, dtype=np.float32) + 0.5) / size
+        return tuple(np.meshgrid(c, c))
+
+    monkeypatch.setattr(render, "_grid", full_grid)
+    assert draw(cases) == broadcast
+
+
 def test_findings_are_learnable_by_a_tiny_cnn():
     """A tiny CNN trained for a few hundred CPU steps separates cardiomegaly and effusion."""
     import torch

@@ -31,8 +31,13 @@ AIR, LUNG, FLUID, HEART, MEDIASTINUM = 0.02, 0.13, 0.6, 0.68, 0.64
 
 @lru_cache(maxsize=8)
 def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel centres as a (1, size) row X and a (size, 1) column Y. Numpy broadcasts them where
+    both meet, so what depends on one coordinate only (a lung's lateral wall at each height, the
+    ramps across the mediastinum) is computed once per row or column, not once per pixel: the
+    same float32 operations per pixel, so the same pixels as on full grids, in about two thirds
+    of the time."""
     c = (np.arange(size, dtype=np.float32) + 0.5) / size
-    X, Y = np.meshgrid(c, c)
+    X, Y = c[None, :], c[:, None]
     X.setflags(write=False)
     Y.setflags(write=False)
     return X, Y
@@ -342,12 +347,12 @@ class _Canvas:
 
 def _draw_body(c: _Canvas) -> np.ndarray:
     """Soft tissue thicker in the middle, narrowing to the neck above the shoulders."""
-    g, X, Y, s = c.g, c.X, c.Y, c.s
+    g, Y, s = c.g, c.Y, c.s
     shoulder = np.clip((Y - (g.apex_y - 0.13)) / 0.1, 0.0, 1.0)
     half = g.neck + (g.bw * (0.96 + 0.06 * Y) - g.neck) * np.sqrt(shoulder * (2.0 - shoulder))
     thick = np.sqrt(np.clip(1.0 - (c.dx / g.bw) ** 2, 0.0, 1.0))
     soft = 0.3 + 0.28 * thick + 0.05 * np.clip((Y - c.dome_mid - 0.04) / 0.06, 0.0, 1.0)
-    return _lerp(np.full_like(X, AIR), soft, _ramp(half - c.adx, s))
+    return _lerp(np.float32(AIR), soft, _ramp(half - c.adx, s))
 
 
 def _draw_lungs(c: _Canvas, case: Case, img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
