@@ -16,7 +16,8 @@ CPU bound: with workers, teacher and writer sharing the same cores the build can
 cores / (CPU ms per sample), whatever the pipeline does; on a machine that other jobs also
 use, the CPU figures are the ones that do not depend on the load. It also prints where the build
 prepared for a CPU teacher (its process or the workers), the teacher's threads, and why
-(``pipeline.where_to_prepare``: from the first two batches, prepared and timed in the build's process).
+(``pipeline.where_to_prepare``: from the first two batches, prepared and timed in the build's process)
+and, when it prepared in turn with the forward, the bound that puts on the ratio: t / (t + p).
 
 ``--teachers`` takes several teacher sets separated by ``;``: each is built and timed in turn, and
 a table of their ratios ends the run, e.g. the cheap, the text and the image teacher on CPU:
@@ -170,6 +171,11 @@ def report(m: dict) -> None:
           f"(all its threads, spin-waits included) {ms(main_cpu.get('teacher_process', 0.0)):.1f}")
     if m.get("cpu_threads"):
         print(f"build's choice: {m['cpu_threads']['line']}")
+        if m["cpu_threads"].get("workers_used") == 0:
+            # Preparation and forward in turn: a sample takes at least p + t, whatever else is hidden.
+            p_ms, t_ms = ms(split["decode_augment"]), 1000 / teacher_rate
+            print(f"in turn: preparation {p_ms:.1f} ms + the teacher alone {t_ms:.1f} ms a sample -> ratio at most "
+                  f"{t_ms / (t_ms + p_ms):.3f}")
     # Workers, main process and writer share the same cores: whatever the pipeline does, the
     # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
