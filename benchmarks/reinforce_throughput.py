@@ -16,7 +16,7 @@ CPU bound: with workers, teacher and writer sharing the same cores the build can
 cores / (CPU ms per sample), whatever the pipeline does; on a machine that other jobs also
 use, the CPU figures are the ones that do not depend on the load. It also prints where the build
 prepared for a CPU teacher (its process or the workers), the teacher's threads, and why
-(``pipeline.where_to_prepare``: from the first two batches, prepared and timed in the build's process)
+(``cpu_policy.where_to_prepare``: from the first two batches, prepared and timed in the build's process)
 and, when it prepared in turn with the forward, the bound that puts on the ratio: t / (t + p).
 
 ``--teachers`` takes several teacher sets separated by ``;``: each is built and timed in turn, and

@@ -174,7 +174,7 @@ def test_stored_embeddings_are_those_of_the_replayed_stored_pixels(fresh, teache
 
 
 def test_cpu_teacher_threads_leave_the_workers_the_cores_they_need():
-    from cxrdr.reinforce.pipeline import teacher_threads
+    from cxrdr.reinforce.cpu_policy import teacher_threads
 
     # issue 26: an open_clip ViT-B-32 (940 ms CPU a sample on 2 cores) beside 10 ms of preparation:
     # the worker needs a twentieth of a core, rounded up to one, so the teacher gets the other one
@@ -195,7 +195,7 @@ def test_cpu_teacher_threads_leave_the_workers_the_cores_they_need():
 
 
 def test_preparation_runs_where_a_sample_costs_less():
-    from cxrdr.reinforce.pipeline import where_to_prepare
+    from cxrdr.reinforce.cpu_policy import where_to_prepare
 
     # issue 26, 2 cores, 1 worker given. MiniLM (29.4 ms a sample on both cores) beside 2 ms of
     # preparation: with the worker the teacher would get one core (58.8 ms a sample); preparing in
@@ -222,14 +222,14 @@ def test_preparation_runs_where_a_sample_costs_less():
 def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(monkeypatch):
     from types import SimpleNamespace
 
-    from cxrdr.reinforce import pipeline
+    from cxrdr.reinforce import cpu_policy
 
     lines, threads = [], torch.get_num_threads()
-    monkeypatch.setattr(pipeline, "_cores", lambda: 2)
+    monkeypatch.setattr(cpu_policy, "_cores", lambda: 2)
     say = lambda line, file=None: lines.append(line)  # noqa: E731
     try:
         torch.set_num_threads(2)
-        policy = pipeline._CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        policy = cpu_policy.CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
         policy.start()
         assert torch.get_num_threads() == 2 and lines == [] and policy.probe_records(16) == 32
         policy.observe(0.32, 0.8, 16)  # the first batch (first-call costs) decides nothing
@@ -244,7 +244,7 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
         assert policy.result()["cpu_threads"]["workers_used"] == 1
 
         torch.set_num_threads(2)
-        heavy = pipeline._CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        heavy = cpu_policy.CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
         heavy.start()
         heavy.observe(0.032, 0.47, 16)  # the build ended within the probe: settle decides
         heavy.settle()
@@ -253,13 +253,13 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
                                    "1 worker: per sample, preparation 2.0 ms and the teacher 29.4 ms")
 
         torch.set_num_threads(2)
-        skipped = pipeline._CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
+        skipped = cpu_policy.CpuPolicy([SimpleNamespace(device="cpu")], workers=1, say=say)
         skipped.start()
         skipped.observe(0.0, 0.1, 0)  # every probe record skipped: nothing measured
         assert skipped.workers_to_use() == 1 and torch.get_num_threads() == 1  # the worker keeps its core
         assert lines[2] == "cpu threads: teacher 1 thread, 1 worker: no probe batch was measured"
 
-        gpu = pipeline._CpuPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
+        gpu = cpu_policy.CpuPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
         gpu.start()
         assert gpu.probe_records(16) == 0 and gpu.workers_to_use() == 1
         gpu.observe(0.08, 0.4, 16)
@@ -270,9 +270,9 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
 
 
 def test_shards_prepared_in_workers_equal_those_prepared_in_this_process(fresh, teachers, tmp_path, monkeypatch):
-    from cxrdr.reinforce import pipeline
+    from cxrdr.reinforce.cpu_policy import CpuPolicy
 
-    monkeypatch.setattr(pipeline._CpuPolicy, "PROBE", 0)  # no probe: every record goes to the 2 workers
+    monkeypatch.setattr(CpuPolicy, "PROBE", 0)  # no probe: every record goes to the 2 workers
     info = build(options(tmp_path / "workers", workers=2), teachers=teachers)
     assert info["build"]["ranks"][0]["cpu_threads"]["workers_used"] == 2
     assert manifest_rows(tmp_path / "workers") == manifest_rows(fresh)

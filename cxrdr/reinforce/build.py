@@ -25,7 +25,8 @@ The format is ``cxrdr.common.shards`` (prose: shards/FORMAT.md).
 
 Modules: ``options`` (flags, validation, source/teachers/rank/device), ``plan`` (shard cut),
 ``prepare`` (step 2), ``embed`` (step 3), ``assemble`` + ``writer`` (step 4), ``pipeline`` (the
-loop over steps 2-4), ``manifest`` (step 5), ``summary`` (what the CLI prints), ``build_cli``.
+loop over steps 2-4), ``cpu_policy`` (where a CPU teacher's build prepares), ``manifest`` (step 5),
+``summary`` (what the CLI prints), ``build_cli``.
 """
 from __future__ import annotations
 
