@@ -269,6 +269,37 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
         torch.set_num_threads(threads)
 
 
+def test_preparation_cpu_counts_the_preparing_thread_only():
+    """Stage CPU seconds are the preparing thread's: a thread of the same process that computes
+    meanwhile (as the writer and the teacher's threads do beside preparation in the build's
+    process) adds nothing, so no record's stages sum to more than its wall time."""
+    import threading
+
+    from cxrdr.common.augment import AugConfig
+    from cxrdr.reinforce.phantom import PhantomSource
+    from cxrdr.reinforce.prepare import PrepareSpec, prepare_record
+
+    spec = PrepareSpec(images=True, store_size=64, image_format="jpg", jpeg_quality=95, n_aug=2, n_captions=2,
+                       aug=AugConfig(), seed=0, sizes=(32,))
+    stop, a = threading.Event(), np.random.default_rng(0).random((300, 300))
+
+    def busy():  # matmul releases the GIL: CPU on the other core while preparation runs
+        while not stop.is_set():
+            a @ a
+
+    neighbour = threading.Thread(target=busy, daemon=True)
+    neighbour.start()
+    try:
+        prepared = [prepare_record(0, f"{i:06d}", rec, spec) for i, rec in enumerate(PhantomSource(6, size=96))]
+    finally:
+        stop.set()
+        neighbour.join()
+    for b in prepared:
+        assert set(b["stage_seconds"]) == {"load_resize", "encode_decode", "params_replay", "captions", "rest"}
+        assert all(v >= -1e-4 for v in b["stage_seconds"].values()), b["stage_seconds"]
+        assert sum(b["stage_seconds"].values()) <= b["prep_seconds"] + 1e-4, (b["stage_seconds"], b["prep_seconds"])
+
+
 def test_shards_prepared_in_workers_equal_those_prepared_in_this_process(fresh, teachers, tmp_path, monkeypatch):
     from cxrdr.reinforce.cpu_policy import CpuPolicy
 

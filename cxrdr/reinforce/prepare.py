@@ -72,19 +72,22 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     that cannot be prepared comes back with ``"skip"`` (its reason)."""
     start = time.perf_counter()
     out = {"shard": shard, "key": key, "id": record.id}
-    # CPU seconds per step (process time: on a busy machine wall time would count other processes).
+    # CPU seconds per step, of the preparing thread: wall time would count other processes on a busy
+    # machine, and process time this process's other threads (the writer, the teacher's OpenMP threads)
+    # when the build prepares in its own process. Torch's helper threads of the crops' resampling are
+    # not counted; DataLoader workers run torch on one thread, so there it misses nothing.
     stages: dict[str, float] = {}
-    cpu = time.process_time()
+    cpu = time.thread_time()
     view = {"image": None, "aug": [], "crops": {}, "image_size": None, "boxes": []}
     if spec.images:
         view = _prepare_image(key, record, spec, stages)
         if "skip" in view:
             return {**out, "skip": view["skip"], "prep_seconds": time.perf_counter() - start}
-    t = time.process_time()
+    t = time.thread_time()
     captions, why = _captions(record, spec)
     if why:
         return {**out, "skip": why, "prep_seconds": time.perf_counter() - start}
-    stages["captions"] = time.process_time() - t
+    stages["captions"] = time.thread_time() - t
     try:
         meta, row = _sample_meta(key, record, captions, view)
     except ValueError as exc:  # a value that has no place in the json member's types
@@ -92,12 +95,12 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     return {**out, "image": view["image"], "report": record.report, "meta": meta, "row": row,
             "crops": view["crops"], "texts": [record.report] + [c["text"] for c in captions],
             "prep_seconds": time.perf_counter() - start,
-            "stage_seconds": {**stages, "rest": time.process_time() - cpu - sum(stages.values())}}
+            "stage_seconds": {**stages, "rest": time.thread_time() - cpu - sum(stages.values())}}
 
 
 def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:
     """The stored image bytes, the K parameter sets and their crops at every teacher size (or ``skip``)."""
-    cpu = time.process_time()
+    cpu = time.thread_time()
     try:
         image = load_image(record)
     except FileNotFoundError as exc:
@@ -106,18 +109,18 @@ def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:
         return {"skip": f"unreadable image: {type(exc).__name__}: {exc}"}
     orig_size = image.size
     image = resize_short_side(image, spec.store_size)
-    t = time.process_time()
+    t = time.thread_time()
     stages["load_resize"] = t - cpu
     image_bytes = encode_image(image, spec.image_format, spec.jpeg_quality)
     stored = decode_stored_image(image_bytes)
-    stages["encode_decode"] = time.process_time() - t
-    t = time.process_time()
+    stages["encode_decode"] = time.thread_time() - t
+    t = time.thread_time()
     size = list(stored.size)
     params = sample_param_sets(key, size[0], size[1], spec.n_aug, spec.aug, spec.seed)
     pixels = np.asarray(stored)  # converted once for every teacher size
     crops = {s: replay_many(pixels, params, s) for s in spec.sizes}
     boxes = _scale_boxes(record.boxes, orig_size, size)
-    stages["params_replay"] = time.process_time() - t
+    stages["params_replay"] = time.thread_time() - t
     return {"image": image_bytes, "aug": params, "crops": crops, "image_size": size, "boxes": boxes}
 
 
