@@ -207,9 +207,11 @@ def test_row_and_column_grids_render_the_pixels_and_boxes_of_full_grids(monkeypa
     broadcast = draw(cases)
     assert render._grid(64)[0].shape == (1, 64) and render._grid(64)[1].shape == (64, 1)
 
-    def full_grid(size):
-        c = (np.arange(size, dtype=np.float32) + 0.5) / size
-        return tuple(np.meshgrid(c, c))
+    row_and_column = render._grid
+
+    def full_grid(size):  # the same pixel centres, spelled out over every pixel
+        X, Y = row_and_column(size)
+        return tuple(np.meshgrid(X.ravel(), Y.ravel()))
 
     monkeypatch.setattr(render, "_grid", full_grid)
     assert draw(cases) == broadcast

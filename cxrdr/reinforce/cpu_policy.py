@@ -17,6 +17,11 @@ import sys
 import torch
 
 
+def every_core(cores: int, cap: int) -> int:
+    """The teacher's threads when it has the cores to itself: every core, at most ``cap``."""
+    return max(1, min(cap, cores))
+
+
 def teacher_threads(prepare_ms: float, teacher_ms: float, cores: int, workers: int, cap: int) -> tuple[int, float]:
     """Intra-op threads for a CPU teacher that shares ``cores`` with ``workers`` DataLoader workers,
     from the CPU milliseconds per sample of preparation and of the teacher forward; returns
@@ -31,7 +36,7 @@ def teacher_threads(prepare_ms: float, teacher_ms: float, cores: int, workers: i
     preparation runs in this process between forwards: the teacher gets every core.
     """
     if workers <= 0:
-        return max(1, min(cap, cores)), 0.0
+        return every_core(cores, cap), 0.0
     total = prepare_ms + teacher_ms
     prepare_cores = min(float(workers), cores * prepare_ms / total) if total > 0 else float(workers)
     return max(1, min(cap, cores - math.ceil(prepare_cores - 1e-9))), prepare_cores
@@ -51,16 +56,16 @@ def where_to_prepare(prepare_ms: float, teacher_ms: float, cores: int, workers: 
     thread), a cheap one or many cores with workers. A tie goes to this process (no fork, no copies
     between processes).
     """
-    every_core = max(1, min(cap, cores))
+    alone = every_core(cores, cap)
     in_process = prepare_ms + teacher_ms
     if workers <= 0:
-        return {"workers_used": 0, "teacher_threads": every_core, "in_process_ms": in_process,
+        return {"workers_used": 0, "teacher_threads": alone, "in_process_ms": in_process,
                 "with_workers_ms": None, "prepare_cores": 0.0}
     # The forward's CPU: its wall time on every core times those cores (its threads spin-wait too).
-    threads, prepare_cores = teacher_threads(prepare_ms, teacher_ms * every_core, cores, workers, cap)
-    with_workers = max(teacher_ms * every_core / threads, prepare_ms / workers)
+    threads, prepare_cores = teacher_threads(prepare_ms, teacher_ms * alone, cores, workers, cap)
+    with_workers = max(teacher_ms * alone / threads, prepare_ms / workers)
     here = in_process <= with_workers
-    return {"workers_used": 0 if here else workers, "teacher_threads": every_core if here else threads,
+    return {"workers_used": 0 if here else workers, "teacher_threads": alone if here else threads,
             "in_process_ms": in_process, "with_workers_ms": with_workers, "prepare_cores": prepare_cores}
 
 
@@ -83,7 +88,7 @@ class CpuPolicy:
         self.cpu = not any(str(t.device).startswith("cuda") for t in teachers)
         self.workers, self.say = workers, say
         self.cap, self.cores = torch.get_num_threads(), _cores()
-        self.every_core = max(1, min(self.cap, self.cores))  # the teacher's threads while probing
+        self.every_core = every_core(self.cores, self.cap)  # the teacher's threads while probing
         self.seen, self.measured, self.choice = 0, None, None
 
     @property
