@@ -34,8 +34,8 @@ def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
     """Pixel centres as a (1, size) row X and a (size, 1) column Y. Numpy broadcasts them where
     both meet, so what depends on one coordinate only (a lung's lateral wall at each height, the
     ramps across the mediastinum) is computed once per row or column, not once per pixel: the
-    same float32 operations per pixel, so the same pixels as on full grids, in about two thirds
-    of the time."""
+    same float32 operations per pixel, so the same pixels as on full grids, in about three quarters
+    of the time (benchmarks/phantom_render.py)."""
     c = (np.arange(size, dtype=np.float32) + 0.5) / size
     X, Y = c[None, :], c[:, None]
     X.setflags(write=False)
