@@ -110,6 +110,10 @@ class CliProcess:
         self._proc.join(timeout)
         return self._proc.exitcode
 
+    def stderr_so_far(self) -> str:
+        """What the process has written to stderr up to now (it may still be running)."""
+        return Path(self._out[1]).read_text(errors="replace")
+
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
         if self._proc.exitcode is None:

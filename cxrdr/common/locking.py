@@ -10,6 +10,31 @@ a lock is held per open file, so the same process can test it too. Files:
 - ``.cxrdr.rank-RRRRR.lock``: exclusive per build rank (two processes never build one rank).
 - ``.cxrdr.plan.lock``: held briefly while a rank compares and writes ``stats/plan.json``, so two
   ranks cannot both find no plan and both write theirs.
+
+Held by the locking process alone, never by its forked children (issue 38). A flock belongs to
+the open file description, and ``fork()`` shares that description with the child: a DataLoader
+worker of `train run` or `reinforce build` held the folder's lock too, and when the main process
+was killed with SIGKILL the orphaned worker kept it until it noticed its parent was gone, so an
+immediate ``--resume`` was refused. Measured (a holder forks a child, is killed with SIGKILL, and
+a third process tries the lock while the child lives; tests/test_chaos.py does it for real):
+
+- ``O_CLOEXEC`` (Python's default): acts on ``exec`` only; a forked worker still shares the lock.
+- Linux OFD locks (``F_OFD_SETLK``): also owned by the open file description, so inherited by
+  ``fork()`` exactly like a flock (measured: still held after the main process's SIGKILL).
+- POSIX record locks (``F_SETLK``): not inherited, but owned by the process, so the same process
+  could take its own folder's lock twice (the in-process busy check would pass), and closing *any*
+  descriptor of the file, anywhere in the process, silently drops it.
+- Spawned workers: would have to be imposed on every DataLoader of both stages (and cost each
+  worker a fresh interpreter and torch import).
+
+Chosen: flock, plus an ``os.register_at_fork(after_in_child=...)`` hook that closes, in every
+forked child, the descriptors of the locks this process holds, before the child runs any code of
+its own. Closing one of two descriptors of a description does not unlock it (the parent's copy
+keeps it); once the parent dies its copy is the last, so the kernel drops the lock at once. The
+child never calls ``LOCK_UN`` on its copy: that would unlock the parent's lock too. Exec'd
+children (subprocess) never inherit the descriptor (``O_CLOEXEC``); forkserver and spawn children
+are not forked from the holder. Only a fork made outside Python (C code calling ``fork()``
+directly) would skip the hook.
 """
 from __future__ import annotations
 
@@ -17,6 +42,7 @@ import contextlib
 import fcntl
 import os
 import time
+import weakref
 from pathlib import Path
 
 from cxrdr.common.errors import UserError
@@ -28,9 +54,29 @@ class FolderBusyError(UserError):
     """Another process is writing the folder."""
 
 
+# The lock files this process has open (weakly: a lock file dropped unreleased still closes, as before).
+_OPEN_LOCK_FILES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _close_inherited_locks() -> None:
+    """In a freshly forked child: close its copies of the parent's lock files (see the module
+    docstring). Closing, not unlocking: the parent keeps its lock while it lives."""
+    for fh in list(_OPEN_LOCK_FILES):
+        try:
+            fh.close()
+        except (OSError, ValueError):  # a write buffer we never filled; already closed
+            pass
+    _OPEN_LOCK_FILES.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 def _open(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "a+")
+    fh = open(path, "a+")
+    _OPEN_LOCK_FILES.add(fh)
+    return fh
 
 
 def _try_flock(fh, mode: int) -> bool:
@@ -74,6 +120,8 @@ class FolderLock:
 
     def release(self) -> None:
         for fh in reversed(self._files):
+            if fh.closed:  # a forked child's copy, closed at fork: LOCK_UN would unlock the parent
+                continue
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
             fh.close()
         self._files = []
@@ -137,8 +185,9 @@ def plan_lock(folder: str | os.PathLike):
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         yield
     finally:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-        fh.close()
+        if not fh.closed:  # closed: this is a child forked inside the block (see release)
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            fh.close()
 
 
 def remove_stale_temp_files(folder: str | os.PathLike, patterns=("*.tmp[0-9]*", ".*.tmp[0-9]*")) -> list[Path]:
