@@ -1,21 +1,66 @@
 #!/usr/bin/env python
-"""The README's headline tables from the committed results (issue 28): the efficiency recipe and the A-E
-ladder, each on its evaluation phantom over fresh seeds, mean ± 95 % CI beside chance and the strongest
-image-blind baseline, every bar MET or MISSED as measured.
+"""Every results-backed figure and verdict of the README and docs/, generated from the committed results
+(issues 28 and 37): the efficiency recipe and the A-E ladder on their evaluation phantoms over fresh seeds
+(mean ± 95 % CI beside chance and the train-box prior, every bar MET or MISSED as measured), the ladder's
+paired per-seed margins over the train-box prior, what the efficiency figure does not control, the first
+(superseded) report-set measurement, the NIH tables and bars, and which set chose every recipe setting.
 
-    python scripts/headline.py [docs/results/cpu-demo-efficiency.json] [docs/results/cpu-ladder.json]
+    python scripts/headline.py [EFFICIENCY.json] [LADDER.json]   # print the two headline tables
+    python scripts/headline.py --write     # rewrite every generated block in README.md and docs/*.md
+    python scripts/headline.py --check     # exit 1 when a block differs from what the results give
+    python scripts/headline.py --derive    # recompute docs/results/cpu-demo-efficiency-checks.json
+
+A generated block sits between ``<!-- headline.py:NAME -->`` and ``<!-- /headline.py:NAME -->``; its text is
+``BLOCKS[NAME]()`` exactly (tests/test_docs_results.py checks every block of every page). Inputs:
+docs/results/*.json (the experiments' own results.json), docs/results/nih-tables.md (scripts/nih-tables.py:
+the NIH arms' per-finding tables), docs/results/superseded/ (earlier measurements, kept for disclosure),
+docs/results/provenance.yaml (which set chose each recipe setting) and configs/experiments/*.yaml.
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
+import hashlib
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
+import yaml
+
 from cxrdr.experiments.stats import t_interval
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+EFFICIENCY = RESULTS / "cpu-demo-efficiency.json"
+LADDER = RESULTS / "cpu-ladder.json"
+NIH = RESULTS / "nih-efficiency.json"
+NIH_TABLES = RESULTS / "nih-tables.md"
+CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
+FIRST = RESULTS / "superseded" / "cpu-demo-efficiency-00389eb.json"
+FIRST_COMMIT, FIRST_DATE = "00389eb", "2026-11-25"
+SECOND_COMMIT = "40ff7b2"
+PROVENANCE = RESULTS / "provenance.yaml"
+RECIPES = ROOT / "configs" / "experiments"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(<!-- headline\.py:([\w-]+) -->\n)(.*?)(<!-- /headline\.py:\2 -->)", re.S)
+# Wang et al., CVPR 2017 (ChestX-ray8), T(IoBB) > 0.1 per finding: a published figure, not a result of ours
+WANG_2017 = {"Atelectasis": 0.69, "Cardiomegaly": 0.94, "Effusion": 0.66, "Infiltrate": 0.71, "Mass": 0.40,
+             "Nodule": 0.14, "Pneumonia": 0.63, "Pneumothorax": 0.38}
+NIH_AUC_BAR, NIH_PG_MARGIN = 0.70, 0.10   # issue 24's NIH bars: mean zero-shot AUC; PG over a prior + 0.10
+
+
+# --------------------------------------------------------------------------- formatting
 
 
 def _ci(values) -> str:
-    mean, half = t_interval(values or [])
+    """mean ± 95 % t-interval over seeds; a value that is the same on every seed (chance, the train-box
+    prior: one fixed number per report set) prints alone, without a ± that would look like certainty."""
+    values = [v for v in values or [] if v is not None]
+    if values and max(values) == min(values):
+        return f"{values[0]:.3f}"
+    mean, half = t_interval(values)
     if mean is None:
         return "n/a"
     return f"{mean:.3f}" + (f" ± {half:.3f}" if half is not None else "")
@@ -27,12 +72,30 @@ def _num(v, digits: int = 3) -> str:
     return "never" if v == float("inf") else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def _verdict(bar: dict) -> str:
-    return {True: "**MET**", False: "**MISSED**"}.get(bar.get("met"), "not judged")
+def _signed(v: float, digits: int = 3) -> str:
+    """+0.089 / −0.089 (a real minus sign, as the prose uses)."""
+    return f"{v:+.{digits}f}".replace("-", "−")
+
+
+def _verdict(met) -> str:
+    return {True: "**MET**", False: "**MISSED**"}.get(met, "not judged")
 
 
 def _final(arm: dict, key: str) -> list:
     return (arm.get("final") or {}).get(f"{key}_seeds") or []
+
+
+def _interval(values: list[float]) -> tuple[float, float, float]:
+    mean, half = t_interval(values)
+    return mean, mean - half, mean + half
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# --------------------------------------------------------------------------- phantom efficiency
 
 
 def efficiency(res: dict) -> list[str]:
@@ -54,9 +117,156 @@ def efficiency(res: dict) -> list[str]:
                   f"{cost.get('teacher_train_samples')} samples of images the students never see: with them the "
                   f"reinforced arm's samples ratio is {_num(cost.get('reinforced_ratio_with_teacher'))}.", ""]
     lines += [f"- {b['bar']}: {_num(b.get('value'))}" + (f" [{_num(b['ci'][0])}, {_num(b['ci'][1])}]"
-                                                          if b.get("ci") else "") + f" — {_verdict(b)}"
+                                                          if b.get("ci") else "") + f" — {_verdict(b.get('met'))}"
               for b in res.get("bars") or []]
     return lines
+
+
+def _bar(res: dict, start: str) -> dict:
+    return next(b for b in res["bars"] if b["bar"].startswith(start))
+
+
+def derive_checks(res: dict, n_boot: int = 2000, seed: int = 0) -> dict:
+    """The efficiency figure's fragility, from the committed per-seed curves: the ratio's interval when only
+    plain's seeds are resampled (reinforced's seed-mean curve fixed; percentile bootstrap as
+    ``stats.crossing_ratio``). Slow (seconds): written once to CHECKS with the source file's hash."""
+    import numpy as np
+
+    from cxrdr.experiments.stats import first_crossing, mean_curve
+
+    metric = res.get("curve_metric", "mean_recall")
+    plain = [r["curve"] for r in res["runs"]["plain"]]
+    arm = mean_curve([r["curve"] for r in res["runs"]["reinforced"]], metric)
+    rng = np.random.default_rng(seed)
+    ratios = []
+    for _ in range(n_boot):
+        p = mean_curve([plain[i] for i in rng.integers(0, len(plain), len(plain))], metric)
+        ax, px = first_crossing(arm, p["mean"][-1]), first_crossing(p, p["mean"][-1])
+        if px:
+            ratios.append(math.inf if ax is None else ax / px)
+    lo, hi = np.percentile(ratios, [2.5, 97.5], method="inverted_cdf").tolist()
+    return {"source": str(EFFICIENCY.relative_to(ROOT)), "source_sha256": _sha256(EFFICIENCY),
+            "script": "scripts/headline.py --derive",
+            "plain_only_bootstrap": {"ratio_ci": [lo, hi], "n_boot": len(ratios), "rng_seed": seed,
+                                     "rule": "plain's seeds resampled with replacement, reinforced's seed-mean "
+                                             "curve fixed; percentile interval"}}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def efficiency_facts(res: dict) -> dict:
+    """Every derived efficiency figure the prose quotes, computed from the results file."""
+    arms, cost = res["arms"], res["cost"]
+    fin = {a: (arms[a].get("final") or {}) for a in arms}
+    cross = arms["reinforced"]["crossing"]
+    xs, ys = arms["reinforced"]["curve_mean"]["xs"], arms["reinforced"]["curve_mean"]["mean"]
+    after = next(i for i, y in enumerate(ys) if y >= cross["target"])
+    teacher = next(iter(res["teachers"].values()))
+    bench = res["bench_step_ms"]
+    return {
+        "ratio": cross["ratio"], "ratio_ci": cross["ratio_ci"], "over": cross["ratio"] - 1 / 3,
+        "plain_x": cross["plain_samples"], "plain_last_x": arms["plain"]["curve_mean"]["xs"][-1],
+        "every": res["recipe"]["efficiency"]["eval_every_samples"],
+        "bracket_x": (xs[after - 1], xs[after]),
+        "bracket": (xs[after - 1] / cross["plain_samples"], xs[after] / cross["plain_samples"]),
+        "d_mean_r": fin["reinforced"]["mean_recall"] - fin["plain"]["mean_recall"],
+        "d_findings": fin["reinforced"]["mean_recall_findings"] - fin["plain"]["mean_recall_findings"],
+        "d_probe": fin["reinforced"]["probe_auc"] - fin["plain"]["probe_auc"],
+        "teacher_steps": teacher["steps"], "teacher_step_ms": teacher["train_step_ms"],
+        "teacher_wall_s": teacher["train_wall_s"], "add_teacher_s": teacher["add_teacher_seconds"],
+        "teacher_samples": cost["teacher_train_samples"], "with_teacher": cost["reinforced_ratio_with_teacher"],
+        "break_even": cost["break_even_runs"], "saving_s": cost["saving_per_run_s"],
+        "break_even_with_training": (teacher["train_wall_s"] + cost["total_s"]) / cost["saving_per_run_s"],
+        "bench_ratio": bench["reinforced"] / bench["plain"], "bench_steps": res["recipe"]["efficiency"][
+            "step_benchmark"]["steps"], "online_ratio": bench["online"] / bench["reinforced"],
+        "mean_step_ratio": fin["reinforced"]["step_ms"] / fin["plain"]["step_ms"],
+        "mean_step_ms": (fin["plain"]["step_ms"], fin["reinforced"]["step_ms"]),
+    }
+
+
+def efficiency_reading(res: dict) -> list[str]:
+    f, fin = efficiency_facts(res), {a: res["arms"][a]["final"] for a in res["arms"]}
+    samples, quality = _bar(res, "reinforced reaches"), _bar(res, "reinforced final")
+    online = res["arms"].get("online")
+    return [
+        f"**Efficiency: {'MET' if samples['met'] else 'MISSED'}** — reinforced reaches plain's final at "
+        f"{f['ratio']:.3f} of plain's samples (limit 1/3: over by {f['over']:.3f}; upper 95 % {f['ratio_ci'][1]:.3f}, "
+        f"limit 0.40). Its final quality gap over plain ({_signed(f['d_mean_r'], 2)} mean R, "
+        f"{_signed(f['d_findings'], 2)} same-findings R, {_signed(f['d_probe'], 2)} probe AUC) passes the "
+        f"2-sd bar ({_verdict(quality['met'])}). Plain on the students' *and* the teacher's images ends at "
+        f"{fin['plain-more-data']['mean_recall']:.3f} vs plain's {fin['plain']['mean_recall']:.3f}. The online "
+        f"teacher ({len(online['final_mean_recall'])} seeds) ends at {fin['online']['mean_recall']:.3f} vs stored "
+        f"{fin['reinforced']['mean_recall']:.3f}, at {f['online_ratio']:.1f}x the step time. Counting the "
+        f"teacher's {f['teacher_samples']:,} training samples: {f['with_teacher']:.2f}x."]
+
+
+def efficiency_caveats(res: dict) -> list[str]:
+    """What the efficiency figure does not control (issue 37); the controls are still to be run."""
+    f = efficiency_facts(res)
+    checks = _load(CHECKS)["plain_only_bootstrap"]["ratio_ci"]
+    first = _load(FIRST)
+    fc = first["arms"]["reinforced"]["crossing"]
+    shift = f["ratio"] - fc["ratio"]
+    return [
+        "What the efficiency ratio does not control (issue 37; the controls — a plain arm with the pretrained "
+        "text tower, ≥ 8 plain seeds, denser evaluations — are still to be run):", "",
+        "- *Text tower*: the teacher's text tower is pretrained MiniLM, the students' a tiny BERT from scratch; "
+        "part of what reinforced gains may be the pretrained text space, which no plain arm here has.",
+        f"- *Plain's crossing is its own last evaluation* ({f['plain_x']:,.0f} samples"
+        f"{'' if f['plain_x'] == f['plain_last_x'] else ' of ' + format(f['plain_last_x'], ',')}): "
+        f"the target is plain's final value, so plain crosses earlier only if noise does. Resampling plain's "
+        f"seeds alone (reinforced fixed) gives [{checks[0]:.3f}, {checks[1]:.3f}] "
+        f"([cpu-demo-efficiency-checks.json](results/cpu-demo-efficiency-checks.json)).",
+        f"- *Evaluations are {f['every']} samples apart*: reinforced's seed-mean curve crosses between "
+        f"{f['bracket_x'][0]:,} and {f['bracket_x'][1]:,} samples, so before interpolation the ratio is anywhere "
+        f"in ({f['bracket'][0]:.3f}, {f['bracket'][1]:.3f}].",
+        f"- *The teacher's compute is not in the cost table*: {f['teacher_steps']} steps at "
+        f"{f['teacher_step_ms']:,.0f} ms, {f['teacher_wall_s']:.0f} s of training + {f['add_teacher_s']:.0f} s to "
+        f"add it to the shards. The table's break-even ({f['break_even']:.2f} training runs) counts only the "
+        f"adding; with the training it is {f['break_even_with_training']:.2f} runs.",
+        f"- *\"Stored step {f['bench_ratio']:.2f}x\"* is the interleaved benchmark's median of "
+        f"{f['bench_steps']} steps; the runs' own mean steps ({f['mean_step_ms'][1]:.0f} vs "
+        f"{f['mean_step_ms'][0]:.0f} ms) give {f['mean_step_ratio']:.2f}x, over the bar's 1.05x.",
+        f"- *A first measurement* of the same recipe, run configs and seeds ({FIRST_DATE}, commit "
+        f"{FIRST_COMMIT}, [kept](results/superseded/cpu-demo-efficiency-00389eb.json)) gave "
+        f"{fc['ratio']:.3f} [{fc['ratio_ci'][0]:.3f}, {fc['ratio_ci'][1]:.3f}] (plain's final mean R "
+        f"{first['arms']['plain']['final']['mean_recall']:.3f}); re-run on the code of commit {SECOND_COMMIT} "
+        f"(shards and teacher built anew) it gave {f['ratio']:.3f}: the code version alone moved the ratio by "
+        f"{_signed(shift)}, about its {f['over']:.3f} margin over the bar. The second is the one reported."]
+
+
+def _bars_line(res: dict) -> str:
+    return "; ".join(f"{b['bar']}: {_num(b.get('value'))} {_verdict(b.get('met'))}" for b in res["bars"]
+                     if b.get("met") is not None)
+
+
+def readme_efficiency(res: dict) -> list[str]:
+    """The README's efficiency headline: the table, every judged bar, the reading and what is not controlled."""
+    f = efficiency_facts(res)
+    checks = _load(CHECKS)["plain_only_bootstrap"]["ratio_ci"]
+    fc = _load(FIRST)["arms"]["reinforced"]["crossing"]
+    table = efficiency(res)
+    head = table.index("")
+    rows = table[head + 1: table.index("", head + 1)]
+    chance = res["arms"]["plain"]["final"]["chance_mean_recall"]
+    return ([f"**Efficiency** (`train experiment efficiency --config configs/experiments/cpu-demo.yaml`; seeds "
+             f"{res['seeds'][0]}–{res['seeds'][-1]}, online and plain-more-data on their own; chance mean R "
+             f"{chance:.3f}):", ""] + rows + ["", f"Bars: {_bars_line(res)}.", ""] + efficiency_reading(res) + [
+        "Not controlled yet ([docs/protocol.md](docs/protocol.md#re-measured-headlines)): the teacher's text "
+        f"tower is pretrained, the students' from scratch; plain's crossing is its own last evaluation "
+        f"(resampling plain alone: [{checks[0]:.3f}, {checks[1]:.3f}]); evaluations {f['every']} samples apart "
+        f"leave the crossing anywhere in ({f['bracket'][0]:.3f}, {f['bracket'][1]:.3f}]; the teacher's "
+        f"{f['teacher_wall_s']:.0f} s of training is not in the cost table; the runs' own mean steps give "
+        f"{f['mean_step_ratio']:.2f}x, not {f['bench_ratio']:.2f}x. A first measurement on older code "
+        f"(commit {FIRST_COMMIT}) gave {fc['ratio']:.3f} [{fc['ratio_ci'][0]:.3f}, {fc['ratio_ci'][1]:.3f}]."])
+
+
+# --------------------------------------------------------------------------- phantom ladder
+
+
+LADDER_MAPS = [("pointing_z", "z"), ("pointing_z_pathology", "z, pathology boxes"), ("pointing_attn", "attention")]
 
 
 def ladder(res: dict) -> list[str]:
@@ -69,21 +279,478 @@ def ladder(res: dict) -> list[str]:
              "| variant | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---|" * len(cols)]
     for row in res["table"]:
         lines.append(f"| {row['run']} | " + " | ".join(_ci(row.get(f"{k}_seeds")) for k, _ in cols) + " |")
-    lines += [""] + [f"- {b['bar']}: {_num(b.get('value'))} (limit {_num(b.get('limit'))}) — {_verdict(b)}"
-                     for b in res.get("bars") or []]
+    lines += ["", "± is over seeds only. Chance and the train-box prior are one fixed number per report set (no "
+                  "seed varies them); the results file holds no image-level uncertainty for them or for the "
+                  "pointing games (no per-image hits, no target counts).", ""]
+    lines += [f"- {b['bar']}: {_num(b.get('value'))} (limit {_num(b.get('limit'))}) — {_verdict(b.get('met'))}"
+              for b in res.get("bars") or []]
     return lines
 
 
-def main(argv: list[str]) -> None:
-    eff = Path(argv[0] if argv else "docs/results/cpu-demo-efficiency.json")
-    lad = Path(argv[1] if len(argv) > 1 else "docs/results/cpu-ladder.json")
+def ladder_margins_rows(res: dict) -> list[dict]:
+    out = []
+    for row in res["table"]:
+        for key, label in LADDER_MAPS:
+            model, prior = row.get(f"{key}_seeds"), row.get(f"train_prior_{key}_seeds")
+            if not model or not prior:
+                continue
+            diffs = [m - p for m, p in zip(model, prior)]
+            mean, lo, hi = _interval(diffs)
+            out.append({"run": row["run"], "map": label, "model": model, "prior": prior, "diffs": diffs,
+                        "mean": mean, "lo": lo, "hi": hi})
+    return out
+
+
+def _against_prior(r: dict) -> str:
+    if r["lo"] > 0:
+        return "above the train-box prior (interval excludes 0)"
+    if r["hi"] < 0:
+        return "below the train-box prior (interval excludes 0)"
+    return "**not shown** above the train-box prior (interval includes 0)"
+
+
+def ladder_margins(res: dict) -> list[str]:
+    lines = [f"Against the strongest image-blind baseline, per seed (seeds {res['seeds']}): PG − train-box "
+             "prior, paired on each seed's own evaluation, mean with its 95 % t-interval over seeds:", "",
+             "| variant | map | PG | train prior | PG − prior per seed | mean [95 %] | reading |",
+             "|---|---|---|---|---|---|---|"]
+    for r in ladder_margins_rows(res):
+        lines.append(f"| {r['run']} | {r['map']} | {_ci(r['model'])} | {_ci(r['prior'])} | "
+                     f"{', '.join(_signed(d) for d in r['diffs'])} | {_signed(r['mean'])} "
+                     f"[{_signed(r['lo'])}, {_signed(r['hi'])}] | {_against_prior(r)} |")
+    return lines
+
+
+def _margin(r: dict) -> str:
+    return f"{r['run']} {_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}]"
+
+
+def ladder_reading(res: dict) -> list[str]:
+    rows = {(r["run"], r["map"]): r for r in ladder_margins_rows(res)}
+    table = {row["run"]: row for row in res["table"]}
+    runs = list(table)
+    met = all(b.get("met") for b in res["bars"])
+
+    def span(key):
+        vals = sorted(table[r][key] for r in runs)
+        lo, hi = f"{vals[0]:.2f}", f"{vals[-1]:.2f}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    z = [rows[(r, "z")] for r in runs]
+    att = [rows[(r, "attention")] for r in runs]
+    worst = min((d, r["run"]) for r in att for d in r["diffs"])
+    z_note = " — above the prior" if all(r["lo"] > 0 for r in z) else " — not shown above the prior for every variant"
+    att_note = (" — not shown above the prior: the intervals include 0" if any(r["lo"] <= 0 for r in att)
+                else " — above the prior")
+    limits = {kind: _num(next(b["limit"] for b in res["bars"] if f"pointing_{kind} " in b["bar"]))
+              for kind in ("z", "attn")}
+    first = runs[0]
+    z_seeds = ", ".join(f"{v:.2f}" for v in table[first]["pointing_z_seeds"])
+    return [
+        f"**Ladder: {'MET' if met else 'MISSED'}** — {' and '.join(runs)} point at {span('pointing_z')} (z) and "
+        f"{span('pointing_attn')} (attention) on average, short of the bars' limits (z {limits['z']}, attention "
+        f"{limits['attn']}: the higher of 0.80 / 0.70 and the train prior + 0.15). Against the "
+        f"train-box prior, paired per seed: z {', '.join(_margin(r) for r in z)}{z_note}; attention "
+        f"{', '.join(_margin(r) for r in att)}{att_note} (worst seed: {worst[1]} {_signed(worst[0])}). "
+        f"{first}'s z per seed: {z_seeds}."]
+
+
+def readme_ladder(res: dict) -> list[str]:
+    table = {row["run"]: row for row in res["table"]}
+    first = next(iter(table.values()))
+    rows = {(r["run"], r["map"]): r for r in ladder_margins_rows(res)}
+    lines = [f"**A–E ladder** (`train experiment ablation --config configs/experiments/cpu-ladder.yaml`; seeds "
+             f"{res['seeds'][0]}–{res['seeds'][-1]}; chance z {first['chance_pointing_z']:.3f}, attention "
+             f"{first['chance_pointing_attn']:.3f}; train-box prior z {first['train_prior_pointing_z']:.3f}, "
+             f"attention {first['train_prior_pointing_attn']:.3f}: one fixed map each, no seed varies them):", "",
+             f"| variant | mean R (chance {first['chance_mean_recall']:.3f}) | PG z | z − train prior, paired per seed "
+             "[95 %] | PG attn | attn − train prior, paired per seed [95 %] |", "|---|---|---|---|---|---|"]
+    for run, row in table.items():
+        z, a = rows[(run, "z")], rows[(run, "attention")]
+        lines.append(f"| {run} | {_ci(row['mean_recall_seeds'])} | {_ci(row['pointing_z_seeds'])} | "
+                     f"{_signed(z['mean'])} [{_signed(z['lo'])}, {_signed(z['hi'])}] | "
+                     f"{_ci(row['pointing_attn_seeds'])} | {_signed(a['mean'])} [{_signed(a['lo'])}, "
+                     f"{_signed(a['hi'])}] |")
+    bars = "; ".join(f"{b['bar'].split(' >=')[0]} {_num(b.get('value'))} (limit {_num(b.get('limit'))}) "
+                     f"{_verdict(b.get('met'))}" for b in res["bars"])
+    return lines + ["", f"Bars (PG z ≥ 0.8, PG attn ≥ 0.7, each ≥ train prior + 0.15): {bars}."] + ladder_reading(res)
+
+
+# --------------------------------------------------------------------------- NIH
+
+
+@functools.lru_cache(maxsize=None)
+def _nih_md() -> dict:
+    """docs/results/nih-tables.md -> {"summary": {arm: {column: text}}, "findings": {arm: {finding: {column: text}}}}."""
+    text = NIH_TABLES.read_text()
+    out = {"summary": {}, "findings": {}}
+    blocks = re.split(r"\n(?=\*\*|### )", text)
+    for block in blocks:
+        rows = [ln for ln in block.splitlines() if ln.startswith("|")]
+        if len(rows) < 3:
+            continue
+        head = [c.strip() for c in rows[0].strip("|").split("|")]
+        table = {}
+        for ln in rows[2:]:
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            table[cells[0]] = dict(zip(head, cells))
+        if block.startswith("### Summary"):
+            out["summary"] = table
+        else:
+            arm = re.match(r"\*\*(.+?)\*\*", block).group(1)
+            out["findings"][arm] = table
+    return out
+
+
+def _val(cell: str) -> float:
+    return float(cell.split("±")[0])
+
+
+NIH_ARMS = {"plain": "plain (NIH train only)", "reinforced": "reinforced (NIH teacher, stored)",
+            "transfer": "transfer (phantom only, no real training)",
+            "fine-tuned": "phantom -> fine-tuned on NIH train"}
+
+
+@functools.lru_cache(maxsize=None)
+def nih_facts() -> dict:
+    res, md = _load(NIH), _nih_md()
+    rows = {r["run"]: r for r in res["table"]}
+    p, r = rows["plain"], rows["reinforced"]
+    auc = {name: {f: _val(c["zero-shot AUC"]) for f, c in md["findings"][NIH_ARMS[name]].items()}
+           for name in ("plain", "reinforced", "fine-tuned")}
+    diffs = {f: auc["reinforced"][f] - auc["plain"][f] for f in auc["plain"]}
+    margins = {}
+    for arm, row in rows.items():
+        for kind in ("z", "attention"):
+            key = f"pg_{kind}"
+            if f"{key}_seeds" in row:
+                d = [m - q for m, q in zip(row[f"{key}_seeds"], row[f"{key}_train_prior_seeds"])]
+                margins[(arm, kind)] = _interval(d)
+    teacher = next(iter(res["teachers"].values()))
+    return {"res": res, "md": md, "rows": rows, "p": p, "r": r, "auc": auc, "diffs": diffs, "margins": margins,
+            "teacher": teacher, "samples": _bar(res, "reinforced reaches"), "quality": _bar(res, "reinforced final"),
+            "online": _bar(res, "online step"), "stored": _bar(res, "stored step")}
+
+
+def nih_bars_rows() -> list[tuple[str, str, bool, str]]:
+    """(bar, measured, met, margin) for issue 24's bars, the localisation bars against the LOO prior (as first
+    judged) and against the train-box prior (the strongest image-blind baseline)."""
+    f = nih_facts()
+    r, res = f["r"], f["res"]
+    out = [(f"reinforced mean zero-shot AUC ≥ {NIH_AUC_BAR:.2f} (8 findings, ≥ 5 seeds)",
+            _ci(r["zero_shot_auc_mean_seeds"]), r["zero_shot_auc_mean"] >= NIH_AUC_BAR,
+            f"by {NIH_AUC_BAR - r['zero_shot_auc_mean']:.3f}")]
+    for kind, label in (("attention", "attention"), ("z", "z")):
+        pg, chance = r[f"pg_{kind}"], r[f"pg_{kind}_chance"]
+        for prior_key, prior_name in (("prior", "LOO prior"), ("train_prior", "train-box prior")):
+            prior = r[f"pg_{kind}_{prior_key}"]
+            limit = max(2 * chance, prior + NIH_PG_MARGIN)
+            out.append((f"{label} PG ≥ 2× chance and ≥ {prior_name} + {NIH_PG_MARGIN:.2f}",
+                        f"{pg:.3f} vs 2 × {chance:.3f} = {2 * chance:.3f} and {prior:.3f} + {NIH_PG_MARGIN:.2f} = "
+                        f"{prior + NIH_PG_MARGIN:.3f}", pg >= limit, f"by {limit - pg:.3f}"))
+    q = f["quality"]
+    out.append(("reinforced − plain > 2 sd of plain's seeds, zero-shot AUC (the recipe's declared final metric)",
+                f"{_signed(q['value'])} vs 2 sd = {q['limit']:.3f}", q["met"], ""))
+    s = f["samples"]
+    hi = "inf" if s["ci"][1] is None else f"{s['ci'][1]:.2f}"
+    out.append(("reinforced reaches plain's final with ≤ ½ of plain's samples",
+                f"{s['value']:.2f} [{s['ci'][0]:.2f}, {hi}]", s["met"], f"by {s['value'] - s['limit']:.2f}"))
+    return out
+
+
+def nih_bars() -> list[str]:
+    lines = ["| bar | measured | verdict |", "|---|---|---|"]
+    for bar, measured, met, margin in nih_bars_rows():
+        lines.append(f"| {bar} | {measured} | {_verdict(met)}" + (f" {margin}" if margin and not met else "") + " |")
+    f = nih_facts()
+    p, r = f["p"], f["r"]
+    lines += ["", "Beside them, not bars: probe AUC, reinforced − plain "
+                  f"{_signed(r['probe_auc'] - p['probe_auc'])} (plain's 2 sd {2 * p['probe_auc_sd']:.3f}) — not the "
+                  "declared metric, not claimed; the pointing games' paired per-seed margin over the train-box prior "
+                  "(mean [95 %]): " + "; ".join(
+                      f"{arm} {kind} {_signed(m[0])} [{_signed(m[1])}, {_signed(m[2])}]"
+                      for (arm, kind), m in f["margins"].items()) + "."]
+    return lines
+
+
+def _nih_arm_cells(name: str, f: dict) -> dict:
+    """One arm's summary cells of nih-tables.md; a constant over seeds (chance, priors) prints without ± 0.000."""
+    md = {k: v.replace(" ± 0.000", "") for k, v in f["md"]["summary"][NIH_ARMS[name]].items()}
+    return {"seeds": md["seeds"], "auc": md["zero-shot AUC (blind 0.5)"], "pg_z": md["PG z"],
+            "z_chance": md["z chance"], "z_loo": md["z LOO prior"], "z_train": md["z train prior"],
+            "pg_attn": md["PG attn"], "attn_chance": md["attn chance"], "attn_loo": md["attn LOO prior"],
+            "attn_train": md["attn train prior"], "iobb_attn": md["T(IoBB)>0.1 attn"]}
+
+
+def _nih_check_md_against_json(f: dict) -> None:
+    """The md's plain/reinforced summary rows are the JSON's (scripts/nih-tables.py and the experiment read the
+    same runs); a mismatch means one of the two files is stale."""
+    for name in ("plain", "reinforced"):
+        row, md = f["rows"][name], f["md"]["summary"][NIH_ARMS[name]]
+        for col, key in (("zero-shot AUC (blind 0.5)", "zero_shot_auc_mean"), ("PG z", "pg_z"),
+                         ("PG attn", "pg_attention")):
+            if md[col] != _ci(row[f"{key}_seeds"]):
+                raise ValueError(f"nih-tables.md {name} {col} {md[col]} != nih-efficiency.json {_ci(row[f'{key}_seeds'])}")
+
+
+def nih_table() -> list[str]:
+    f = nih_facts()
+    _nih_check_md_against_json(f)
+    lines = ["| arm | seeds | zero-shot AUC (blind 0.5) | PG z (chance / LOO / **train prior**) | PG attention "
+             "(chance / LOO / **train prior**) | T(IoBB)>0.1 attn | probe AUC | mean R (chance "
+             f"{f['p']['chance_mean_recall']:.3f}) |", "|---|---|---|---|---|---|---|---|"]
+    labels = {"plain": "plain (NIH train only)", "reinforced": "reinforced (NIH teacher, stored)",
+              "transfer": "transfer (phantom only)", "fine-tuned": "phantom → fine-tuned on NIH train"}
+    prior_iobb = f["md"]["findings"][NIH_ARMS["plain"]]
+    for name, label in labels.items():
+        c = _nih_arm_cells(name, f)
+        row = f["rows"].get(name)
+        extra = (f"{_ci(row['probe_auc_seeds'])} | {_ci(row['mean_recall_seeds'])}" if row else " | ")
+        lines.append(f"| {label} | {c['seeds']} | {c['auc']} | {c['pg_z']} ({c['z_chance']} / {c['z_loo']} / "
+                     f"**{c['z_train']}**) | {c['pg_attn']} ({c['attn_chance']} / {c['attn_loo']} / "
+                     f"**{c['attn_train']}**) | {c['iobb_attn']} | {extra} |")
+    t = f["teacher"]["student_test"]
+    lines.append(f"| the teacher itself (`lite2-nih`, global only) | 1 | – (the benchmark was not run on it) | – | – "
+                 f"| – | {t['probe_auc']:.3f} | {t['mean_recall']:.3f} |")
+    p, r = f["p"], f["r"]
+    lines += ["", f"The teacher's only zero-shot figure in the results file is the shard evaluation's own "
+                  f"(`zeroshot_auc`: its label list and prompts, not the benchmark's 8 findings), on the same test "
+                  f"images: teacher {t['zeroshot_auc']:.3f}, plain {_ci(p['zeroshot_auc_seeds'])}, reinforced "
+                  f"{_ci(r['zeroshot_auc_seeds'])}. Retrieval (mean R) is between label-composed texts, which "
+                  f"the recipe itself calls meaningless: shown, not claimed."]
+    return lines
+
+
+def nih_findings() -> list[str]:
+    f = nih_facts()
+    findings = list(f["auc"]["plain"])
+    n_pos = {k: v["n pos / boxes"].split("/")[0].strip() for k, v in f["md"]["findings"][NIH_ARMS["plain"]].items()}
+    lines = ["| arm | " + " | ".join(f"{k} ({n_pos[k]})" for k in findings) + " |", "|---|" + "---|" * len(findings)]
+    for name in ("plain", "reinforced", "fine-tuned"):
+        cells = f["md"]["findings"][NIH_ARMS[name]]
+        lines.append(f"| {name} | " + " | ".join(cells[k]["zero-shot AUC"] for k in findings) + " |")
+    lines.append("| reinforced − plain (means) | " + " | ".join(_signed(f["diffs"][k]) for k in findings) + " |")
+    worse = sorted((d, k) for k, d in f["diffs"].items() if d < 0)
+    better = [k for k, d in f["diffs"].items() if d > 0]
+    lines += ["", f"Reinforced is above plain's mean on {len(better)} of {len(findings)} findings and below it on "
+                  f"{len(worse)} ({', '.join(f'{k} {_signed(d, 2)}' for d, k in worse)}); the file holds each arm's "
+                  f"mean and 95 % interval per finding, not paired per-seed differences, and most intervals "
+                  f"overlap. Over all 8 findings the gain is {_signed(f['quality']['value'])}, inside 2 sd of "
+                  f"plain's seeds ({f['quality']['limit']:.3f})."]
+    return lines
+
+
+def nih_efficiency() -> list[str]:
+    f = nih_facts()
+    res, s = f["res"], f["samples"]
+    cross, cost, bench = res["arms"]["reinforced"]["crossing"], res["cost"], res["bench_step_ms"]
+    steps = res["recipe"]["efficiency"]["step_benchmark"]["steps"]
+    hi = "inf" if s["ci"][1] is None else f"{s['ci'][1]:.2f}"
+    return [f"Efficiency on real images (curve: val zero-shot AUC; the same first-crossing rule for both arms, as on "
+            f"the phantom): plain's curve first reaches its final ({cross['target']:.3f}) at "
+            f"{cross['plain_samples']:,.0f} samples, its last evaluation; reinforced at **{cross['samples']:,.0f} = "
+            f"{cross['ratio']:.2f} of plain's samples [95 % bootstrap {s['ci'][0]:.2f}, {hi}]** "
+            f"({_verdict(s['met'])}: bar ½). Step time (interleaved, median of {steps} steps per arm, CPU): plain "
+            f"{bench['plain']:.0f} ms, stored {bench['reinforced']:.0f} ms ({f['stored']['value']:.2f}×, "
+            f"{_verdict(f['stored']['met'])} ≤ 1.05×), online teacher {bench['online']:,.0f} ms "
+            f"({f['online']['value']:.2f}× stored: the bar's 3× is {_verdict(f['online']['met'])}, the teacher is "
+            f"small); break-even of the one-off teacher embedding ({cost['total_s']:.0f} s): "
+            f"{cost['break_even_runs']:.2f} training runs, not counting the teacher's "
+            f"{f['teacher']['train_wall_s']:.0f} s of training. The teacher's {cost['teacher_train_samples']:,} "
+            f"training samples are passes over the students' own train images (no extra data); counted in, "
+            f"reinforced needs {cost['reinforced_ratio_with_teacher']:.2f}× plain's samples."]
+
+
+def nih_reading() -> list[str]:
+    f = nih_facts()
+    p, r, md = f["p"], f["r"], f["md"]
+    prior = md["findings"][NIH_ARMS["plain"]]
+    fine, tr = _nih_arm_cells("fine-tuned", f), _nih_arm_cells("transfer", f)
+    fine_m, fine_h = (float(x) for x in fine["auc"].split("±"))
+    plain_m, plain_h = t_interval(p["zero_shot_auc_mean_seeds"])
+    worse = sorted((d, k) for k, d in f["diffs"].items() if d < 0)
+    return [
+        f"- **No student localises on real radiographs.** Every pointing game is below the train-box prior: one "
+        f"fixed map of where the train split's boxes lie points at {p['pg_z_train_prior']:.2f} (z) and "
+        f"{p['pg_attention_train_prior']:.2f} (attention), and at "
+        f"{_val(prior['Cardiomegaly']['(chance / LOO / train prior)'].split('/')[2]):.2f} for "
+        f"cardiomegaly's attention, better than any model here. Reinforcement *lowers* the attention's mean "
+        f"pointing game ({_ci(p['pg_attention_seeds'])} → {_ci(r['pg_attention_seeds'])}) and leaves z where it was "
+        f"({_ci(p['pg_z_seeds'])} → {_ci(r['pg_z_seeds'])}).",
+        f"- **Zero-shot AUC barely leaves chance** (plain {p['zero_shot_auc_mean']:.3f}, reinforced "
+        f"{r['zero_shot_auc_mean']:.3f}; chance 0.5), and reinforcement does not show a gain on the declared "
+        f"metric: {_signed(f['quality']['value'])}, inside 2 sd of plain ({f['quality']['limit']:.3f}); per finding "
+        f"it is below plain on {', '.join(f'{k} ({_signed(d, 2)})' for d, k in worse)}. Retrieval and probe AUC "
+        f"move more, but retrieval between label-composed texts means little and the probe was not the declared "
+        f"metric: neither is claimed.",
+        f"- **The phantom does not help.** Transfer alone is at chance ({tr['auc']}, one seed), and starting NIH "
+        f"training from the phantom student ends *lower* than starting from ImageNet ({fine['auc']} vs "
+        f"{_ci(p['zero_shot_auc_mean_seeds'])}: the upper end of one interval, {fine_m + fine_h:.3f}, against the "
+        f"lower end of the other, {plain_m - plain_h:.3f})."]
+
+
+def nih_iobb() -> list[str]:
+    f = nih_facts()
+    prior = f["md"]["findings"][NIH_ARMS["plain"]]
+    reinf = f["md"]["findings"][NIH_ARMS["reinforced"]]
+    n = f["md"]["summary"][NIH_ARMS["reinforced"]]["seeds"]
+    findings = list(prior)
+    return ["| T(IoBB) > 0.1 | " + " | ".join(findings) + " |", "|---|" + "---|" * len(findings),
+            "| Wang et al. 2017 (ResNet-50, ~10⁵ images; their paper) | " + " | ".join(
+                f"{WANG_2017[k]:.2f}" for k in findings) + " |",
+            f"| train-box prior (image-blind, ours) | " + " | ".join(
+                f"{_val(prior[k]['train prior >0.1']):.2f}" for k in findings) + " |",
+            f"| cxrdr reinforced `cpu-D`, attention (562 images, {n} seeds) | " + " | ".join(
+                f"{_val(reinf[k]['T(IoBB)>0.1 attn']):.2f}" for k in findings) + " |"]
+
+
+def readme_nih() -> list[str]:
+    f = nih_facts()
+    _nih_check_md_against_json(f)
+    p = f["p"]
+    lines = [f"| arm | zero-shot AUC (blind 0.5) | PG z (chance {p['pg_z_chance']:.3f}, train prior "
+             f"{p['pg_z_train_prior']:.3f}) | PG attention (chance {p['pg_attention_chance']:.3f}, train prior "
+             f"{p['pg_attention_train_prior']:.3f}) |", "|---|---|---|---|"]
+    for name, label in (("plain", "plain"), ("reinforced", "reinforced (NIH-trained teacher, stored)"),
+                        ("fine-tuned", "phantom-trained, fine-tuned on NIH")):
+        c = _nih_arm_cells(name, f)
+        lines.append(f"| {label} | {c['auc']} | {c['pg_z']} | {c['pg_attn']} |")
+    bars = nih_bars_rows()
+    missed = [b for b in bars if not b[2]]
+    auc, att_tp, z_tp = bars[0], bars[2], bars[4]
+    worse = sorted((d, k) for k, d in f["diffs"].items() if d < 0)
+    lines += ["", f"{'Every quality bar is **MISSED**' if len(missed) == len(bars) else 'Bars: see the page'}: "
+                  f"zero-shot AUC ≥ {NIH_AUC_BAR:.2f} {auc[3]}; pointing ≥ train-box prior + {NIH_PG_MARGIN:.2f} — "
+                  f"attention {att_tp[3]}, z {z_tp[3]}; reinforced − plain ({_signed(f['quality']['value'])}) inside "
+                  f"2 sd of plain ({f['quality']['limit']:.3f}); samples to plain's final {f['samples']['value']:.2f} "
+                  f"(bar ½). Reinforcement lowers the mean attention pointing game ({p['pg_attention']:.3f} → "
+                  f"{f['r']['pg_attention']:.3f}) and the mean zero-shot AUC of "
+                  f"{', '.join(f'{k} ({_signed(d, 2)})' for d, k in worse)}. The teacher is small and saw only "
+                  f"the students' own train images{'' if f['teacher']['train_images_shared'] == 1.0 else ' (in part)'}, "
+                  f"and label-composed text never says *where* a finding is."]
+    return lines
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def _leaves(obj, prefix: str = ""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, obj
+
+
+def recipe_settings() -> dict[str, list[tuple[str, object]]]:
+    """recipe file stem -> [(dotted key, value)] for every leaf setting of configs/experiments/*.yaml."""
+    return {p.stem: list(_leaves(yaml.safe_load(p.read_text()) or {})) for p in sorted(RECIPES.glob("*.yaml"))}
+
+
+def provenance_entries() -> list[dict]:
+    return yaml.safe_load(PROVENANCE.read_text())["settings"]
+
+
+def provenance_match(recipe: str, key: str, entries: list[dict] | None = None) -> dict | None:
+    """The first entry whose `recipes` holds the recipe (or '*') and one of whose `keys` globs the key."""
+    for entry in entries if entries is not None else provenance_entries():
+        recipes = entry.get("recipes", ["*"])
+        if ("*" in recipes or recipe in recipes) and any(fnmatch.fnmatchcase(key, k) for k in entry["keys"]):
+            return entry
+    return None
+
+
+def _value(v) -> str:
+    if isinstance(v, float) and v != 0 and (abs(v) < 1e-2):
+        return f"{v:g}"
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else str(v)
+
+
+def provenance_table() -> list[str]:
+    entries = provenance_entries()
+    matched: dict[int, dict[str, list[str]]] = {}
+    for recipe, settings in recipe_settings().items():
+        for key, value in settings:
+            entry = provenance_match(recipe, key, entries)
+            if entry is None:
+                raise KeyError(f"{recipe}.yaml: {key} has no row in {PROVENANCE.relative_to(ROOT)}")
+            matched.setdefault(entries.index(entry), {}).setdefault(recipe, []).append(f"`{key}` {_value(value)}")
+    lines = ["| settings (recipe: `key` value) | chosen on | how |", "|---|---|---|"]
+    for i, entry in enumerate(entries):
+        if i not in matched:
+            continue
+        cell = "<br>".join(f"*{recipe}*: " + ", ".join(items) for recipe, items in matched[i].items())
+        lines.append(f"| {cell} | {entry['chosen_on']} | {entry['how']} |")
+    return lines
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+BLOCKS = {
+    "efficiency": lambda: efficiency(_load(EFFICIENCY)),
+    "efficiency-reading": lambda: efficiency_reading(_load(EFFICIENCY)),
+    "efficiency-caveats": lambda: efficiency_caveats(_load(EFFICIENCY)),
+    "readme-efficiency": lambda: readme_efficiency(_load(EFFICIENCY)),
+    "ladder": lambda: ladder(_load(LADDER)),
+    "ladder-margins": lambda: ladder_margins(_load(LADDER)),
+    "ladder-reading": lambda: ladder_reading(_load(LADDER)),
+    "readme-ladder": lambda: readme_ladder(_load(LADDER)),
+    "nih-readme": readme_nih,
+    "nih-table": nih_table,
+    "nih-findings": nih_findings,
+    "nih-bars": nih_bars,
+    "nih-efficiency": nih_efficiency,
+    "nih-reading": nih_reading,
+    "nih-iobb": nih_iobb,
+    "provenance": provenance_table,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def render(name: str) -> str:
+    return "\n".join(BLOCKS[name]()) + "\n"
+
+
+def rewrite(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+
+
+def stale_blocks() -> list[str]:
+    out = []
+    for page in PAGES:
+        for m in BLOCK.finditer(page.read_text()):
+            if m.group(3) != render(m.group(2)):
+                out.append(f"{page.relative_to(ROOT)}: {m.group(2)}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--derive"]:
+        CHECKS.write_text(json.dumps(derive_checks(_load(EFFICIENCY)), indent=1) + "\n")
+        return 0
+    if argv[:1] == ["--write"]:
+        for page in PAGES:
+            text = page.read_text()
+            new = rewrite(text)
+            if new != text:
+                page.write_text(new)
+                print(f"rewrote {page.relative_to(ROOT)}")
+        return 0
+    if argv[:1] == ["--check"]:
+        stale = stale_blocks()
+        print("\n".join(stale) or "every generated block matches the results")
+        return 1 if stale else 0
+    eff = Path(argv[0] if argv else EFFICIENCY)
+    lad = Path(argv[1] if len(argv) > 1 else LADDER)
     out = []
     if eff.is_file():
         out += efficiency(json.loads(eff.read_text())) + [""]
     if lad.is_file():
-        out += ladder(json.loads(lad.read_text()))
+        out += ladder(json.loads(lad.read_text())) + [""] + ladder_margins(json.loads(lad.read_text()))
     print("\n".join(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
