@@ -40,6 +40,9 @@ def test_padding_no_text_uses_is_dropped_and_changes_no_embedding():
     mask = (ids > 0).long()
     trimmed = trim_padding(ids, mask)
     assert torch.equal(trimmed[0], ids[:, :2]) and torch.equal(trimmed[1], mask[:, :2])
+    bucketed = trim_padding(ids, mask, bucket=3)  # the longest text (2) rounded up to a multiple of 3
+    assert torch.equal(bucketed[0], ids[:, :3]) and torch.equal(bucketed[1], mask[:, :3])
+    assert trim_padding(ids, mask, bucket=6)[0] is ids  # a bucket past the context length keeps it
     left = torch.tensor([[0, 0, 5], [0, 6, 7]])
     assert trim_padding(left, (left > 0).long())[0] is left  # left padding: nothing to drop at the end
     torch.manual_seed(0)
@@ -63,8 +66,10 @@ def test_variant_forward_shapes(variant, images):
         assert torch.allclose(emb.norm(dim=-1), torch.ones(2), atol=1e-5)
     assert out.logit_scale.ndim == 0 and math.isclose(out.logit_scale.item(), 1 / 0.07, rel_tol=1e-4)
     assert out.grid_size == (8, 8)
-    longest = int(model.tokenize(TEXTS)["attention_mask"].sum(1).max())  # padding past it is dropped
-    assert out.text_tokens.shape[:2] == out.text_mask.shape == (2, longest) and longest < model.context_length
+    longest = int(model.tokenize(TEXTS)["attention_mask"].sum(1).max())  # padding past its bucket is dropped
+    bucket = model.tokenizer.bucket
+    padded = -(-longest // bucket) * bucket
+    assert out.text_tokens.shape[:2] == out.text_mask.shape == (2, padded) and padded < model.context_length
     assert out.text_mask.dtype == torch.bool
     k = 32 if variant == "E" else n
     assert out.patch_tokens.shape == (2, k, 64) and out.patch_index.shape == (2, k)
@@ -84,8 +89,8 @@ def test_variant_forward_shapes(variant, images):
     if variant == "A":
         assert out.local_visual is None and out.local_text is None and out.local_attn is None
     else:
-        assert out.local_visual.shape == out.local_text.shape == (2, longest, d)
-        assert out.local_attn.shape == (2, longest, k)
+        assert out.local_visual.shape == out.local_text.shape == (2, padded, d)
+        assert out.local_attn.shape == (2, padded, k)
         valid = out.text_mask
         assert torch.allclose(out.local_attn[valid].sum(-1), torch.ones(int(valid.sum())), atol=1e-5)
 
@@ -297,8 +302,11 @@ def test_tiny_tokenizer_is_offline_and_knows_report_words():
     model_tok = build_student("tiny-A").tokenizer
     pieces = model_tok.tokenizer.tokenize("Left pleural effusion; mild cardiomegaly, no pneumothorax.")
     assert "[UNK]" not in pieces and "effusion" in pieces and "cardiomegaly" in pieces
-    enc = model_tok(TEXTS)
-    assert enc["input_ids"].shape == enc["attention_mask"].shape == (2, 64)
+    enc = model_tok(TEXTS)  # padded to the longest text's bucket (a quarter of the context: 16)
+    assert model_tok.bucket == 16 and enc["input_ids"].shape == enc["attention_mask"].shape == (2, 16)
+    assert enc["attention_mask"][:, -1].eq(0).all()  # padding past the longest text, none cut
+    fixed = model_tok.fixed_length()(TEXTS)  # one shape for every batch (torch.compile)
+    assert fixed["input_ids"].shape == (2, 64) and torch.equal(fixed["input_ids"][:, :16], enc["input_ids"])
     # every word of the phantom's reports is one token: the local alignment grounds words, not letters
     import re
 
@@ -317,7 +325,7 @@ def test_minilm_text_tower_builds_offline(monkeypatch):
     tower = build_text_tower("minilm", 32)
     tok = build_tokenizer("minilm", 32)(TEXTS)
     tokens, pooled = tower(tok["input_ids"], tok["attention_mask"])
-    assert tower.pool == "mean" and tokens.shape == (2, 32, 384) and pooled.shape == (2, 384)
+    assert tower.pool == "mean" and tokens.shape == (2, 24, 384) and pooled.shape == (2, 384)  # 3 buckets of 8
 
 
 def test_every_parameter_gets_a_gradient_for_ddp(images):
@@ -850,3 +858,16 @@ def test_local_pool_embedded_pools_the_patches_before_the_head_conv(images):
         fields = {"head_layer": 0, "head_conv_depth": 1, "local_attention": "cosine", **bad}
         with pytest.raises(ValueError, match="local_pool_embedded"):
             StudentConfig.from_yaml("tiny-D", local_pool_embedded=True, **fields)
+
+
+def test_batch_idf_table_equals_the_pairwise_count():
+    """The (B, vocabulary) table gives every token the same IDF as comparing it with every other token."""
+    from cxrdr.train.models.heads import batch_idf
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 12, (6, 9), generator=gen)  # a small vocabulary: many shared ids
+    mask = torch.rand(6, 9, generator=gen) > 0.3
+    same = (ids.masked_fill(~mask, -1)[:, :, None, None] == ids.masked_fill(~mask, -1)[None, None]) & mask[None, None]
+    pairwise = torch.log(6 / same.any(-1).sum(-1).clamp_min(1).float()) * mask
+    assert torch.equal(batch_idf(ids, mask), pairwise)
+    assert torch.equal(batch_idf(ids, mask, vocab_size=30), pairwise)  # a wider table, the same counts

@@ -91,6 +91,9 @@ class TrainConfig:
     accum_steps: int = _opt(1, "Micro-batches per optimiser step.")
     clip_grad: float = _opt(1.0, "Max gradient norm (0: off).")
     grad_checkpointing: bool = _opt(False, "Activation checkpointing in both towers.")
+    compile: bool = _opt(False, "torch.compile the student's forward (texts padded to the context length: one "
+                                "graph; runs eagerly while the k-ratio / keep-rate schedules still change).")
+    compile_backend: str = _opt("inductor", "torch.compile backend of --compile (e.g. inductor, aot_eager).")
     workers: int = _opt(2, "DataLoader workers per rank.")
     seed: int = _opt(0, "Seed of model init, data order and view picks.")
     device: str = _opt("auto", "auto, cpu or cuda.")

@@ -1,4 +1,5 @@
-"""The training device and mixed precision: which GPU this rank uses, and the autocast dtype."""
+"""The training device and mixed precision: which GPU this rank uses, the autocast dtype, the CUDA
+math settings of a training process, and host-to-device copies that do not wait for the GPU."""
 from __future__ import annotations
 
 import contextlib
@@ -32,3 +33,33 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def to_device(x, device: torch.device | str):
+    """``x`` (a tensor, or a dict/list/tuple of them; anything else as it is) on ``device``, copied
+    without a host sync: from page-locked memory (the loaders pin their batches on CUDA, other host
+    tensors are pinned here) with ``non_blocking``. A plain ``.to('cuda')`` of pageable memory waits
+    for every kernel queued before it: one sync per tensor per step."""
+    device = torch.device(device)
+    if torch.is_tensor(x):
+        if x.device == device:
+            return x
+        if device.type == "cuda" and x.device.type == "cpu" and not x.is_pinned():
+            x = x.pin_memory()
+        return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and any(torch.is_tensor(v) for v in x):
+        return type(x)(to_device(v, device) for v in x)
+    return x
+
+
+def cuda_math_settings() -> None:
+    """TF32 for the float32 matmuls and convolutions autocast leaves (losses, norms), and the fused
+    SDPA kernels preferred over cuDNN's attention, whose launch cost ~1 ms of CPU per call on the
+    first H100 profile (../shared/gpu: loop-profile). Process-wide: a training process calls it once."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)

@@ -158,7 +158,9 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def global_mean(local_sum: torch.Tensor, local_count: torch.Tensor | float) -> torch.Tensor:
     """Mean over all ranks' elements whose value is the global mean on every rank and whose
     gradient w.r.t. local inputs is that of the global mean (other ranks enter as constants)."""
-    count = torch.as_tensor(local_count, dtype=local_sum.dtype, device=local_sum.device)
+    # a Python count becomes a device tensor by a fill, not a host-to-device copy (a sync on CUDA)
+    count = (local_count.to(local_sum.device, local_sum.dtype) if torch.is_tensor(local_count)
+             else local_sum.new_full((), float(local_count)))
     if not is_dist():
         return local_sum / count.clamp_min(1e-12)
     total = all_reduce_sum(torch.stack([local_sum.detach(), count.detach()]))

@@ -39,8 +39,9 @@ from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import make_eval_loader, select_teachers, split_shards, teacher_dims, training_parts
-from cxrdr.train.device import amp_dtype_for, autocast, resolve_device
+from cxrdr.train.device import amp_dtype_for, autocast, cuda_math_settings, resolve_device
 from cxrdr.train.evaluation.zeroshot import load_prompts
+from cxrdr.train.health import FiniteWatch, read_scalars
 from cxrdr.train.integrity import SKIP_LOG, CorruptPolicy, count_skipped
 from cxrdr.train.losses import loss_balance
 from cxrdr.train.models import StudentConfig, build_student
@@ -53,8 +54,41 @@ from cxrdr.train.stream import StreamState, make_stream_loader
 from cxrdr.train.task import Task
 
 
-def _to_float(value) -> float:
-    return float(value.detach().float().item()) if torch.is_tensor(value) else float(value)
+class StepTimer:
+    """Wall seconds per training step, measured between points where the loop waits for the device
+    anyway (logging, saving, evaluating), so that timing adds no sync of its own. ``mean_step_ms``
+    leaves out the process's first lap (its first step pays start-up costs: workers, allocator,
+    compilation), unless it is the only one."""
+
+    def __init__(self, device: torch.device, step: int):
+        self.device = device
+        self.laps: list[tuple[float, int]] = []  # (seconds, steps)
+        self.restart(step)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def restart(self, step: int) -> None:
+        """Start a lap at ``step`` (after an evaluation or a save, which are not step time)."""
+        self.start_step, self.t0 = step, self._now()
+
+    def pending(self, step: int) -> bool:
+        return step > self.start_step
+
+    def lap(self, step: int) -> tuple[float, int]:
+        """(seconds, steps) since the lap started; the next lap starts here."""
+        now = self._now()
+        lap = (now - self.t0, max(1, step - self.start_step))
+        self.laps.append(lap)
+        self.start_step, self.t0 = step, now
+        return lap
+
+    def mean_step_ms(self) -> float | None:
+        laps = self.laps[1:] or self.laps
+        steps = sum(n for _, n in laps)
+        return round(1000 * sum(s for s, _ in laps) / steps, 3) if steps else None
 
 
 class Trainer:
@@ -66,6 +100,8 @@ class Trainer:
         self.rank, self.world = dist_utils.rank(), dist_utils.world_size()
         self.main = dist_utils.is_main()
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda":
+            cuda_math_settings()
         self.amp_dtype = amp_dtype_for(cfg.amp, self.device)
         self.out = Path(cfg.out)
         seed_everything(stable_seed("train", cfg.seed, self.rank) % (2**31))
@@ -89,6 +125,8 @@ class Trainer:
         self.log = MetricsLog(self.out / "metrics.jsonl", self.main, self.step if resumed else None)
         self._setup_eval()
         self._stage = None  # 'frozen' or 'full': the stage self.task.model was wrapped for
+        self._compiled = None  # torch.compile of self.task.model for this stage (cfg.compile)
+        self.finite = FiniteWatch()  # non-finite losses, read at log and save steps only
 
     # ---- set-up -------------------------------------------------------------------------------
     def _read_data_description(self) -> None:
@@ -232,10 +270,12 @@ class Trainer:
         teacher_size = None
         if self.teacher is not None and self.teacher.kind == "clip":
             teacher_size = int(self.teacher.image_size)
+        # a compiled step sees one text shape: every batch padded to the context length
+        tokenize = self.student.tokenizer.fixed_length() if cfg.compile else None
         parts = training_parts(cfg.shards, "train", self.student, mode=cfg.mode, seed=cfg.seed, pick=cfg.pick,
                                teachers=cfg.teachers, teacher_image_size=teacher_size,
                                stored_embeddings=self.teacher is None, aug_limit=cfg.aug_limit,
-                               caption_sources=cfg.caption_sources)
+                               caption_sources=cfg.caption_sources, tokenize=tokenize)
         loader = make_stream_loader(parts, cfg.batch_size, self.stream, workers=cfg.workers, seed=cfg.seed,
                                     shuffle_buffer=cfg.shuffle_buffer, rank=self.rank, world=self.world,
                                     policy=CorruptPolicy(cfg.on_corrupt, str(self.out / SKIP_LOG)),
@@ -257,23 +297,32 @@ class Trainer:
             kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
             # Unused parameters occur (e.g. the E score head's dropped branch, caption pass off).
             self.task.model = DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
+        if self.cfg.compile:  # a stage change alters which parameters need gradients: compile anew
+            self._compiled = torch.compile(self.task.model, backend=self.cfg.compile_backend)
+
+    def _compiled_now(self) -> torch.nn.Module | None:
+        """The compiled forward once the student's step schedules (k-ratio annealing, keep-rate warm-up)
+        are over: no step number reaches the compiled graph (each would be a recompile). Before that,
+        and without --compile, None: the eager module runs."""
+        if self._compiled is not None and self.step >= self.student.step_schedules_end():
+            return self._compiled
+        return None
 
     def _micro_step(self, batch: dict, sync: bool, log_balance: bool) -> tuple[dict, dict]:
-        """Forward and backward of one micro-batch; (loss terms as floats, trunk gradient norms)."""
+        """Forward and backward of one micro-batch; (detached loss terms on the device, trunk gradient
+        norms on logging steps)."""
         no_sync = self.task.model.no_sync() if self.ddp and not sync else None
         with no_sync if no_sync is not None else contextlib.nullcontext():
             with autocast(self.device, self.amp_dtype):
-                terms = self.task.forward(batch, self.step)
+                terms = self.task.forward(batch, self.step, compiled=self._compiled_now())
             balance = loss_balance(terms, self.student.trunk_parameters()) if log_balance else {}
-            if not torch.isfinite(terms["total"]):
-                raise FloatingPointError(f"non-finite loss at step {self.step}: "
-                                         f"{ {k: _to_float(v) for k, v in terms.items()} }")
+            self.finite.observe(terms, self.step)
             loss = terms["total"] * (dist_utils.loss_scale_for_ddp() / self.cfg.accum_steps)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        return {k: _to_float(v) for k, v in terms.items()}, balance
+        return {k: v.detach() for k, v in terms.items()}, balance
 
-    def _optimizer_step(self) -> float:
-        """Unscale, clip, step, zero; the gradient norm before clipping."""
+    def _optimizer_step(self) -> torch.Tensor:
+        """Unscale, clip, step, zero; the gradient norm before clipping (a device scalar)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.student.parameters() if p.grad is not None]
@@ -288,13 +337,15 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return _to_float(grad_norm)
+        return grad_norm.detach()
 
     def train_step(self, batches, log_balance: bool) -> dict:
+        """One optimiser step. Loss terms, gradient norm and logit scale stay device tensors (reading
+        them is a host sync): ``_train_record`` reads them in one transfer on logging steps."""
         cfg = self.cfg
         self._wrap()
         self.task.model.train()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
         balance: dict[str, float] = {}
         data_time = teacher_time = 0.0
         for micro in range(cfg.accum_steps):
@@ -309,14 +360,14 @@ class Trainer:
                                                     log_balance=log_balance and micro == 0)
             balance = micro_balance or balance
             for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + v / cfg.accum_steps
+                sums[k] = sums[k] + v / cfg.accum_steps if k in sums else v / cfg.accum_steps
             self.samples_seen += batch["images"].shape[0] * self.world
         grad_norm = self._optimizer_step()
         lr = max(g["lr"] for g in self.optimizer.param_groups)
         self.scheduler.step()
         self.step += 1
         return {"terms": sums, "balance": balance, "grad_norm": grad_norm, "lr": lr,
-                "logit_scale": _to_float(self.student.current_logit_scale()), "data_time": data_time,
+                "logit_scale": self.student.current_logit_scale().detach(), "data_time": data_time,
                 "teacher_time": teacher_time, "keep_ratio": self.task.keep_ratio, "stage": self._stage}
 
     # ---- evaluation -----------------------------------------------------------------------------
@@ -351,22 +402,26 @@ class Trainer:
         return stop
 
     # ---- the run ------------------------------------------------------------------------------
-    def _train_record(self, result: dict, dt: float) -> dict:
-        cfg, total = self.cfg, result["terms"]["total"]
+    def _train_record(self, result: dict, step_s: float) -> dict:
+        """The metrics.jsonl record of a logging step; ``step_s``: mean seconds per step since the
+        previous logging step. Reads every device number of the step in one transfer."""
+        cfg = self.cfg
+        scalars = read_scalars({**{f"loss/{k}": v for k, v in result["terms"].items()},
+                                "grad_norm": result["grad_norm"], "logit_scale": result["logit_scale"]})
+        total = scalars.pop("loss/total")
         return {"kind": "train", "step": self.step, "epoch": round(self.samples_seen / self.n_train, 4),
                 "samples_seen": self.samples_seen, "loss": total,
-                **{f"loss/{k}": v for k, v in result["terms"].items() if k != "total"},
+                **{k: v for k, v in scalars.items() if k.startswith("loss/")},
                 **{f"grad_norm/{k}": v for k, v in result["balance"].items()},
-                "grad_norm": result["grad_norm"], "lr": result["lr"],
-                "logit_scale": result["logit_scale"], "keep_ratio": result["keep_ratio"],
-                "stage": result["stage"], "step_time_ms": round(dt * 1000, 3),
+                "grad_norm": scalars["grad_norm"], "lr": result["lr"],
+                "logit_scale": scalars["logit_scale"], "keep_ratio": result["keep_ratio"],
+                "stage": result["stage"], "step_time_ms": round(step_s * 1000, 3),
                 "data_time_ms": round(result["data_time"] * 1000, 3),
                 "teacher_time_ms": round(result["teacher_time"] * 1000, 3),
-                "samples_per_s": round(cfg.batch_size * cfg.accum_steps * self.world / dt, 2)}
+                "samples_per_s": round(cfg.batch_size * cfg.accum_steps * self.world / step_s, 2)}
 
-    def _summary(self, start_step: int, stopped_early: bool, losses: list[float], step_times: list[float]) -> dict:
+    def _summary(self, start_step: int, stopped_early: bool, losses: list[float], timing: "StepTimer") -> dict:
         cfg = self.cfg
-        timed = step_times[1:] if len(step_times) > 1 else step_times  # step 1 pays start-up costs
         return {
             "run_dir": str(self.out), "model": cfg.model, "mode": cfg.mode,
             "online_teacher": cfg.online_teacher, "teachers": self.teacher_names,
@@ -374,50 +429,62 @@ class Trainer:
             "stopped_early": stopped_early, "world_size": self.world, "device": str(self.device),
             "samples_seen": self.samples_seen, "epochs": round(self.samples_seen / self.n_train, 3),
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-            "mean_step_ms": round(1000 * sum(timed) / len(timed), 3) if timed else None,
-            "train_time_s": round(self.train_time, 3),
+            "mean_step_ms": timing.mean_step_ms(), "train_time_s": round(self.train_time, 3),
             "best_score": None if self.best_score == -math.inf else self.best_score,
             "best_step": self.best_step, "final_eval": self.last_eval,
             "skipped_corrupt": count_skipped(self.out / SKIP_LOG),
         }
 
-    def _train_until_done(self, bar) -> tuple[bool, list[float], list[float]]:
-        """Steps to cfg.steps; (stopped early, total loss per step, seconds per step)."""
+    def _train_until_done(self, bar) -> tuple[bool, list[float], "StepTimer"]:
+        """Steps to cfg.steps; (stopped early, total loss of each logging step, the step timer).
+
+        Only logging steps (the first, every log_every-th, the last) and saving steps wait for the
+        device: they read the step's numbers, check that every loss so far was finite, and time the
+        steps since the previous such point. Other steps queue work and go on."""
         cfg, batches = self.cfg, self._batches()
         losses: list[float] = []
-        step_times: list[float] = []
+        timing = StepTimer(self.device, self.step)
         while self.step < cfg.steps:
-            t0 = time.perf_counter()
-            # Log the first step, every log_every-th completed step, and the last one.
             log_now = self.step == 0 or (self.step + 1) % cfg.log_every == 0 or self.step == cfg.steps - 1
             result = self.train_step(batches, log_balance=log_now)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            dt = time.perf_counter() - t0
-            self.train_time += dt
-            step_times.append(dt)
-            losses.append(result["terms"]["total"])
-            if log_now:
-                self.log.write(self._train_record(result, dt))
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{result['lr']:.2e}")
+            if log_now:
+                self.finite.check()
+                seconds, steps = timing.lap(self.step)
+                self.train_time += seconds
+                record = self._train_record(result, seconds / steps)
+                self.log.write(record)
+                losses.append(record["loss"])
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{result['lr']:.2e}")
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                self._close_lap(timing)
                 if self.evaluate():
-                    return True, losses, step_times
+                    return True, losses, timing
+                timing.restart(self.step)
             elif cfg.save_every and self.step % cfg.save_every == 0:
+                self._close_lap(timing)
                 self.save("last.pt")
-        return False, losses, step_times
+                timing.restart(self.step)
+        self._close_lap(timing)
+        return False, losses, timing
+
+    def _close_lap(self, timing: "StepTimer") -> None:
+        """Before an evaluation or a save: every loss so far finite, and the steps since the last
+        timing point counted as training time (not the evaluation's)."""
+        self.finite.check()
+        if timing.pending(self.step):
+            self.train_time += timing.lap(self.step)[0]
 
     def run(self) -> dict:
         start_step = self.step
         with tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step",
                   disable=not (self.main and self.cfg.progress), dynamic_ncols=True) as bar:
-            stopped_early, losses, step_times = self._train_until_done(bar)
+            stopped_early, losses, timing = self._train_until_done(bar)
         if not stopped_early:
             self.evaluate()
         if self.main and not self.has_eval:
             shutil.copyfile(self.out / "last.pt", self.out / "best.pt")
-        summary = self._summary(start_step, stopped_early, losses, step_times)
+        summary = self._summary(start_step, stopped_early, losses, timing)
         if self.main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=json_default))
         return summary

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cxrdr.train.device import to_device
 from cxrdr.train.losses import LossConfig, Objective
 
 
@@ -75,16 +76,20 @@ class Task:
         batch["teacher"] = {t.name: {"img": img, "txt": txt, "syn": syn}}
         return batch
 
-    def forward(self, batch: dict, step: int) -> dict[str, torch.Tensor]:
-        dev = self.device
-        args = [batch["images"].to(dev, non_blocking=True), batch["report_ids"].to(dev),
-                batch["report_mask"].to(dev)]
+    def forward(self, batch: dict, step: int, compiled: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """``compiled``: the trainer's torch.compile of ``self.model``, run in its place with the model's
+        step None (one graph for every step), which it may only pass once the student's step schedules
+        are over (``PatchIBStudent.step_schedules_end``): the forward then equals the step's."""
+        batch = to_device(batch, self.device)  # every tensor at once, without waiting for the GPU
+        args = [batch["images"], batch["report_ids"], batch["report_mask"]]
         if self.loss_cfg.use_syn:
-            args += [batch["caption_ids"].to(dev), batch["caption_mask"].to(dev)]
-        out, syn_txt = self.model(*args, step=step, local_pairs=self.local_pairs, local_words=self.local_words,
-                                  local_affirmed=self.loss_cfg.local_affirmed_only,
-                                  local_skip_normal=self.loss_cfg.local_skip_normal)
-        self.keep_ratio = float(out.keep_ratio)
+            args += [batch["caption_ids"], batch["caption_mask"]]
+        model, model_step = (self.model, step) if compiled is None else (compiled, None)
+        out, syn_txt = model(*args, step=model_step, local_pairs=self.local_pairs,
+                                             local_words=self.local_words,
+                                             local_affirmed=self.loss_cfg.local_affirmed_only,
+                                             local_skip_normal=self.loss_cfg.local_skip_normal)
+        self.keep_ratio = float(out.keep_ratio)  # a Python number (k / n), no device read
         return self.objective(out, batch, step, self.total_steps, syn_text_emb=syn_txt)
 
     __call__ = forward

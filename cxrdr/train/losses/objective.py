@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from cxrdr.train import distributed as dist_utils
+from cxrdr.train.device import to_device
 from cxrdr.train.losses.config import LossConfig
 from cxrdr.train.losses.contrastive import ClipLoss, TextQueue, beta_schedule
 from cxrdr.train.losses.distill import DistillLoss
@@ -67,7 +68,7 @@ class Objective(nn.Module):
         return dist_utils.gather_list(values) if self.gather else values
 
     def _teachers(self, teachers: dict, device) -> dict:
-        return {name: {part: None if t is None else self._features(torch.as_tensor(t).to(device).float())
+        return {name: {part: None if t is None else self._features(to_device(torch.as_tensor(t), device).float())
                        for part, t in (entry or {}).items()}
                 for name, entry in teachers.items()}
 
@@ -91,7 +92,7 @@ class Objective(nn.Module):
         labels = batch.get("labels")
         if not self.cfg.label_soft_targets or labels is None:
             return None
-        labels = self._features(torch.as_tensor(labels, dtype=torch.float32, device=device))
+        labels = self._features(to_device(torch.as_tensor(labels), device).float())
         return label_soft_targets(labels, self.cfg.label_temperature)
 
     # ---- the terms ----------------------------------------------------------------------------------

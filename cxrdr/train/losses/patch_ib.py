@@ -45,12 +45,12 @@ def mask_follows_words_loss(mask_scores: torch.Tensor, word_attn: torch.Tensor,
         valid = valid * word_weight.to(word_attn.dtype)
     target = (word_attn.detach().float() * valid.unsqueeze(-1)).sum(1)
     total = target.sum(-1, keepdim=True)
-    has_words = total.squeeze(-1) > 0
-    if not bool(has_words.any()):
-        return mask_scores.sum() * 0.0
-    target = target[has_words] / total[has_words]
-    logits = torch.logit(mask_scores[has_words].float(), eps=1e-6)
-    return -(target * logits.log_softmax(-1)).sum(-1).mean()
+    has_words = (total.squeeze(-1) > 0).float()
+    # rows without words weigh 0 (a weighted mean, not a boolean selection: no host sync on the GPU)
+    target = target / total.clamp_min(1e-12)
+    logits = torch.logit(mask_scores.float(), eps=1e-6)
+    per_row = -(target * logits.log_softmax(-1)).sum(-1)
+    return (per_row * has_words).sum() / has_words.sum().clamp_min(1.0)
 
 
 class MaskWordsLoss(nn.Module):

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from cxrdr.train.device import to_device
 from cxrdr.train.losses.config import FN_CRITERIA
 
 
@@ -64,7 +65,7 @@ def positive_mask(
         table: dict = {}
         codes = torch.tensor([-1 if v is None else table.setdefault(v, len(table)) for v in values])
         mask |= (codes[:, None] == codes[None, :]) & (codes[:, None] >= 0)
-    return mask.to(device) if device is not None else mask
+    return to_device(mask, device) if device is not None else mask
 
 
 def label_soft_targets(labels: torch.Tensor, temperature: float = 0.1) -> torch.Tensor:

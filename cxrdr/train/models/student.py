@@ -16,7 +16,7 @@ from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (Projection, TeacherSpaceHeads, batch_idf, build_local_align, build_patch_heads,
                                       cued_sentence_tokens, init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
-from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer, trim_padding
+from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
 from cxrdr.train.models.token_dropping import mask_selected_forward
 
 
@@ -92,8 +92,10 @@ class PatchIBStudent(nn.Module):
         self.image_proj = Projection(d_img, self.embed_dim)
         self.text_proj = Projection(d_txt, self.embed_dim)
         self.logit_scale = init_logit_scale(config.logit_scale_init)
-        self._negation_ids = (tokenizer.word_ids(NEGATION_CUES), tokenizer.word_ids(SENTENCE_ENDS))
-        self._normal_cue_ids = tokenizer.word_ids(NORMAL_CUES)
+        # token ids of the cue words, as buffers: they follow the model to its device (no copy per step)
+        for name, words in (("negation_cue_ids", NEGATION_CUES), ("sentence_end_ids", SENTENCE_ENDS),
+                            ("normal_cue_ids", NORMAL_CUES)):
+            self.register_buffer(name, torch.tensor(tokenizer.word_ids(words), dtype=torch.long), persistent=False)
         self.local_align = build_local_align(config.local_attention, d_txt, d_img, self.embed_dim, config.local_heads,
                                              config.local_attention_temperature) if config.use_local else None
         self.head_conv, self.mask_head = build_patch_heads(config, d_img, self.image_tower.grid_size)
@@ -128,6 +130,16 @@ class PatchIBStudent(nn.Module):
         """E whose kept tokens are the Top-K of its Patch-IB mask (patch_score 'mask')."""
         return self.config.use_token_dropping and self.config.patch_score == "mask"
 
+    def step_schedules_end(self) -> int:
+        """The first training step from which the forward no longer depends on the step: the mask's
+        k-ratio annealing and the token-dropping keep-rate warm-up are over (0 without either). From
+        there the forward with step None is the same computation (the targets, not a schedule)."""
+        ends = [0]
+        if self.mask_head is not None and getattr(self.mask_head, "k_ratio_start", None) is not None:
+            ends.append(int(self.mask_head.anneal_steps))
+        ends.append(int(getattr(self.image_tower, "warmup_steps", 0)))
+        return max(ends)
+
     def _image(self, images: torch.Tensor, step: int | None):
         """The tower's output alone (the global embedding needs no heads, unless the mask picks E's tokens)."""
         if self.drops_by_mask:
@@ -158,8 +170,7 @@ class PatchIBStudent(nn.Module):
         return F.normalize(self.image_proj(self._image(images, step).pooled), dim=-1)
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """token ids (B, L) -> (B, D) normalised text embedding."""
-        input_ids, attention_mask = trim_padding(input_ids, attention_mask)
+        """token ids (B, L) -> (B, D) normalised text embedding (L as ``tokenize`` pads, see TextTokenizer)."""
         return F.normalize(self.text_proj(self._text(input_ids, attention_mask)[1]), dim=-1)
 
     def current_logit_scale(self) -> torch.Tensor:
@@ -176,7 +187,6 @@ class PatchIBStudent(nn.Module):
         ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion");
         ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.")."""
         img, patches, z, soft = self._image_and_heads(images, step)
-        input_ids, attention_mask = trim_padding(input_ids, attention_mask)  # token outputs are (B, L' <= L)
         # the word states the local heads read (local_text_layer), and the global text vector
         text_tokens, text_pooled = self._text(input_ids, attention_mask,
                                               self.config.local_text_layer if self.local_align is not None else None)
@@ -202,9 +212,9 @@ class PatchIBStudent(nn.Module):
                 ids = input_ids.to(text_mask.device)
                 drawable = text_mask & ~self._negated(ids) if local_affirmed else text_mask
                 if local_skip_normal:
-                    drawable = drawable & ~cued_sentence_tokens(ids, self._normal_cue_ids, self._negation_ids[1])
+                    drawable = drawable & ~cued_sentence_tokens(ids, self.normal_cue_ids, self.sentence_end_ids)
                 # informative words (rare in this batch: findings, sides) carry the grounding signal
-                idf = batch_idf(ids, drawable)
+                idf = batch_idf(ids, drawable, self.text_tower.model.config.vocab_size)
                 index = sample_token_positions(drawable, local_pairs, idf)
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
                 out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches, **kw)
@@ -219,7 +229,7 @@ class PatchIBStudent(nn.Module):
 
     def _negated(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) bool: tokens inside a negation's scope (``heads.negated_tokens``) for this tokenizer."""
-        return negated_tokens(input_ids, *self._negation_ids)
+        return negated_tokens(input_ids, self.negation_cue_ids, self.sentence_end_ids)
 
     # ---- convenience (no grad, eval mode, CPU results) ----------------------------------------
     @torch.no_grad()

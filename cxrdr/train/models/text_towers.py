@@ -109,31 +109,54 @@ def tiny_vocab_file() -> Path:
     return path
 
 
-def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop the trailing columns that no row of the batch uses.
+def bucket_length(used: int, context_length: int, bucket: int) -> int:
+    """The padded length of a batch whose longest text has ``used`` tokens: the next multiple of
+    ``bucket``, at most ``context_length``."""
+    bucket = max(1, int(bucket))
+    return min(int(context_length), max(bucket, -(-int(used) // bucket) * bucket))
 
-    Texts are padded to the fixed context length (so that workers' batches collate), while a
-    report is a fraction of it: the text tower would spend most of its forward on padding. The
-    attention mask already hides those columns from every real token, so the states of the real
-    tokens are unchanged (to float rounding). Left-padded batches are returned as given.
+
+def default_bucket(context_length: int) -> int:
+    """Tokens per padding bucket: a quarter of the context (at least 8), so a batch takes one of four
+    lengths. Why buckets and not the longest text: a compiled step meets only those few shapes, and a
+    short report still skips most of the context on CPU."""
+    return max(8, int(context_length) // 4)
+
+
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 bucket: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the trailing columns that no row of the batch uses, keeping a multiple of ``bucket``.
+
+    The attention mask already hides those columns from every real token, so the states of the real
+    tokens are unchanged (to float rounding). It reads the mask's values, so it runs where the
+    tokens are made (on the CPU, in the tokenizer), never inside the step on a GPU: there it would be
+    a host sync (and a graph break under torch.compile). Left-padded batches are returned as given.
     """
     used = attention_mask.bool().any(0).nonzero()
-    length = int(used.max()) + 1 if used.numel() else 1
+    length = bucket_length(int(used.max()) + 1 if used.numel() else 1, input_ids.shape[1], bucket)
     if length >= input_ids.shape[1]:
         return input_ids, attention_mask
     return input_ids[:, :length], attention_mask[:, :length]
 
 
 class TextTokenizer:
-    """Wraps an HF tokenizer: list[str] -> {'input_ids', 'attention_mask'} LongTensors (B, context_length).
+    """Wraps an HF tokenizer: list[str] -> {'input_ids', 'attention_mask'} LongTensors (B, L).
 
-    Pads to the fixed context length so samples tokenised in DataLoader workers collate directly.
+    L is the batch's longest text rounded up to a multiple of ``bucket`` tokens (``default_bucket``:
+    a quarter of the context length), at most ``context_length``; ``bucket=context_length`` pads
+    every batch to the fixed context length (one shape for ``torch.compile``, ``fixed_length``).
+    Tokenise whole batches (the loaders' collate does), not single texts that are stacked later.
     Picklable (holds only the HF fast tokenizer).
     """
 
-    def __init__(self, hf_tokenizer, context_length: int):
+    def __init__(self, hf_tokenizer, context_length: int, bucket: int | None = None):
         self.tokenizer = hf_tokenizer
         self.context_length = int(context_length)
+        self.bucket = default_bucket(self.context_length) if bucket is None else int(bucket)
+
+    def fixed_length(self) -> "TextTokenizer":
+        """The same tokenizer, padding every batch to the context length."""
+        return TextTokenizer(self.tokenizer, self.context_length, self.context_length)
 
     @property
     def vocab_size(self) -> int:
@@ -150,7 +173,8 @@ class TextTokenizer:
             texts = [texts]
         enc = self.tokenizer(list(texts), padding="max_length", truncation=True,
                              max_length=self.context_length, return_tensors="pt")
-        return {"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()}
+        ids, mask = trim_padding(enc["input_ids"].long(), enc["attention_mask"].long(), self.bucket)
+        return {"input_ids": ids, "attention_mask": mask}
 
 
 def build_tokenizer(text_tower: str, context_length: int, init_from: str | None = None) -> TextTokenizer:
@@ -214,7 +238,8 @@ class HFTextTower(nn.Module):
         if token_layer is not None and not 0 <= token_layer <= self.depth:
             raise ValueError(f"token_layer must be in 0..{self.depth}, got {token_layer}")
         wanted = token_layer is not None and token_layer < self.depth
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=wanted)
+        out = self.model(input_ids=input_ids, attention_mask=self._attention_bias(attention_mask),
+                         output_hidden_states=wanted)
         tokens = out.last_hidden_state
         layer_tokens = out.hidden_states[token_layer] if wanted else tokens
         if self.pool == "mean":
@@ -223,6 +248,18 @@ class HFTextTower(nn.Module):
         else:
             pooled = tokens[:, 0]
         return layer_tokens, pooled
+
+    def _attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The padding mask as the 4D mask the encoder's attention takes, made here so transformers
+        does not make it: for SDPA it first asks whether any token is padded (``mask.all()``), a host
+        sync every text forward. The same values it would build: SDPA a boolean (B, 1, L, L) "may
+        attend", eager an additive (B, 1, L, L) bias (0 or the dtype's minimum)."""
+        b, length = attention_mask.shape
+        keep = attention_mask.bool()[:, None, None, :].expand(b, 1, length, length)
+        if getattr(self.model.config, "_attn_implementation", "eager") == "sdpa":
+            return keep
+        dtype = self.model.get_input_embeddings().weight.dtype
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         # transformers >= 5 renamed gradient_checkpointing_* to activation_checkpointing_*
