@@ -1,0 +1,107 @@
+"""Docs vs results (issue 37): every results-backed figure and verdict of the README and docs/ is generated from a
+committed results file by scripts/headline.py, and nothing outside those blocks claims a verdict."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# pages other engineers own (GPU, CPU benchmarks, resume): their figures come from benchmark scripts, not results
+OTHERS = {"gpu.md", "benchmarks.md", "resume.md"}
+PAGES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.name not in OTHERS]
+SUPERSEDED = re.compile(r"<!-- superseded: (\d{4}-\d{2}-\d{2}) ([0-9a-f]{7,40}) -->\n(.*?)<!-- /superseded -->", re.S)
+# verdict words and claims that need a results file behind them
+CLAIMS = [re.compile(r"\bMET\b"), re.compile(r"\bMISSED\b"), re.compile(r"\babove (the|their)\b[^.|]*\bpriors?\b"),
+          re.compile(r"\bpays?\b"), re.compile(r"\bby a hair\b")]
+# sections whose every decimal figure must sit in a generated block
+GENERATED_SECTIONS = [("README.md", "## Headline figures"), ("README.md", "## On real radiographs"),
+                      ("docs/protocol.md", "## Re-measured headlines"),
+                      ("docs/real-radiographs.md", "### NIH test"), ("docs/real-radiographs.md", "### The issue's bars"),
+                      ("docs/real-radiographs.md", "### What fails")]
+
+
+@pytest.fixture(scope="module")
+def headline():
+    spec = importlib.util.spec_from_file_location("headline", ROOT / "scripts" / "headline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _outside(text: str, headline) -> str:
+    """The page with its generated and its labelled superseded blocks blanked out."""
+    text = headline.BLOCK.sub("", text)
+    return SUPERSEDED.sub("", text)
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_generated_blocks_match_their_results(page, headline):
+    """A figure or MET/MISSED word in a block that differs from what its results file gives fails here."""
+    for m in headline.BLOCK.finditer(page.read_text()):
+        assert m.group(2) in headline.BLOCKS, f"{page.name}: unknown block {m.group(2)}"
+        assert m.group(3) == headline.render(m.group(2)), (
+            f"{page.name}: block {m.group(2)} differs from the results; run python scripts/headline.py --write")
+
+
+def test_the_headline_pages_hold_their_blocks(headline):
+    names = {p.name: {m.group(2) for m in headline.BLOCK.finditer(p.read_text())} for p in PAGES}
+    assert {"readme-efficiency", "readme-ladder", "nih-readme"} <= names["README.md"]
+    assert {"efficiency", "efficiency-reading", "efficiency-caveats", "ladder", "ladder-margins", "ladder-reading",
+            "provenance"} <= names["protocol.md"]
+    assert {"nih-table", "nih-findings", "nih-bars", "nih-efficiency", "nih-reading", "nih-iobb"} <= names[
+        "real-radiographs.md"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_verdicts_only_where_a_results_file_backs_them(page, headline):
+    """MET / MISSED / "above the ... prior" / "pays" outside a generated block only in a labelled superseded one."""
+    text = _outside(page.read_text(), headline)
+    found = [m.group(0) for pattern in CLAIMS for m in pattern.finditer(text)]
+    assert not found, f"{page.name}: unbacked claims {found}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_superseded_blocks_are_labelled_with_date_and_commit(page):
+    git = (ROOT / ".git").exists()
+    for m in SUPERSEDED.finditer(page.read_text()):
+        date, commit, body = m.groups()
+        label = body.strip().splitlines()[0]
+        assert "Superseded" in label and date in label and commit in label, f"{page.name}: label {label!r}"
+        if git:
+            ok = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
+                                capture_output=True).returncode == 0
+            assert ok, f"{page.name}: commit {commit} not in the history"
+
+
+@pytest.mark.parametrize("page, heading", GENERATED_SECTIONS, ids=lambda x: str(x))
+def test_headline_sections_quote_no_figure_outside_a_block(page, heading, headline):
+    text = (ROOT / page).read_text()
+    start = text.index(heading)
+    level = heading.split(" ")[0]
+    nxt = re.search(rf"^#{{1,{len(level)}}} ", text[start + len(heading):], re.M)
+    section = text[start: start + len(heading) + (nxt.start() if nxt else len(text))]
+    stray = re.findall(r"(?<![\w.])\d+\.\d+", _outside(section, headline))
+    assert not stray, f"{page} {heading!r}: figures outside a generated block {stray}"
+
+
+def test_every_recipe_setting_has_a_provenance_row(headline):
+    entries = headline.provenance_entries()
+    missing = [f"{recipe}.yaml: {key}" for recipe, settings in headline.recipe_settings().items()
+               for key, _ in settings if headline.provenance_match(recipe, key, entries) is None]
+    assert not missing, f"no row in docs/results/provenance.yaml for {missing}"
+    assert len(headline.recipe_settings()) == len(list((ROOT / "configs" / "experiments").glob("*.yaml")))
+
+
+def test_derived_checks_are_of_the_committed_results(headline):
+    checks = headline._load(headline.CHECKS)
+    assert checks["source_sha256"] == hashlib.sha256(headline.EFFICIENCY.read_bytes()).hexdigest(), (
+        "docs/results/cpu-demo-efficiency.json changed: run python scripts/headline.py --derive")
+
+
+def test_nih_tables_agree_with_the_nih_results(headline):
+    headline._nih_check_md_against_json(headline.nih_facts())
