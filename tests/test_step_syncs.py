@@ -151,3 +151,43 @@ def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, 
     assert len(graphs) == 1  # four steps of reports and captions of every length: one compilation
     assert len(losses["compiled"]) == 4
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-5)
+
+
+def test_finite_watch_names_the_first_non_finite_step_and_its_terms():
+    from cxrdr.train.health import FiniteWatch
+
+    watch = FiniteWatch()
+    for step, total in enumerate([1.0, 2.0, float("nan"), float("inf"), 3.0]):
+        watch.observe({"clip": torch.tensor(total / 2), "total": torch.tensor(total)}, step)
+    with pytest.raises(FloatingPointError, match=r"non-finite loss at step 2: \{'clip': nan, 'total': nan\}"):
+        watch.check()
+    fine = FiniteWatch()
+    fine.observe({"total": torch.tensor(1.0)}, 0)
+    fine.check()  # all finite: nothing to say
+
+
+def test_a_nan_loss_stops_the_run_at_the_next_logging_step_before_any_save(phantom_shards, tmp_path, monkeypatch):
+    """The check is read at logging and saving steps only, and names the step the loss went bad at;
+    no checkpoint is written after it (last.pt stays the one before)."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
+    from cxrdr.train.checkpoint import load_training_state
+
+    trainer = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-A", out=str(tmp_path / "run"), steps=12,
+                                  batch_size=4, workers=0, progress=False, device="cpu", log_every=4,
+                                  save_every=2, eval_every=0))
+    forward = trainer.task.forward
+    steps_run = []
+
+    def nan_from_step_5(batch, step, **kwargs):
+        steps_run.append(step)
+        terms = forward(batch, step, **kwargs)
+        if step >= 5:
+            terms = {**terms, "total": terms["total"] * float("nan")}
+        return terms
+
+    monkeypatch.setattr(trainer.task, "forward", nan_from_step_5)
+    with pytest.raises(FloatingPointError, match="non-finite loss at step 5"):
+        trainer.run()
+    assert max(steps_run) == 5  # the save after step 6 checks first: nothing trained on past it
+    assert load_training_state(tmp_path / "run" / "last.pt")["step"] == 4  # the save before the NaN
