@@ -580,9 +580,10 @@ def nih_reading() -> list[str]:
         f"- **Zero-shot AUC barely leaves chance** (plain {p['zero_shot_auc_mean']:.3f}, reinforced "
         f"{r['zero_shot_auc_mean']:.3f}; chance 0.5), and reinforcement does not show a gain on the declared "
         f"metric: {_signed(f['quality']['value'])}, inside 2 sd of plain ({f['quality']['limit']:.3f}); per finding "
-        f"it is below plain on {', '.join(f'{k} ({_signed(d, 2)})' for d, k in worse)}. Retrieval and probe AUC "
-        f"move more, but retrieval between label-composed texts means little and the probe was not the declared "
-        f"metric: neither is claimed.",
+        f"it is below plain on {', '.join(f'{k} ({_signed(d, 2)})' for d, k in worse)}. Retrieval moves more "
+        f"({_ci(p['mean_recall_seeds'])} → {_ci(r['mean_recall_seeds'])}, chance {p['chance_mean_recall']:.3f}), "
+        f"but between label-composed texts, which mean little; the probe AUC ({_signed(r['probe_auc'] - p['probe_auc'])}) "
+        f"was not the declared metric: neither is claimed.",
         f"- **The phantom does not help.** Transfer alone is at chance ({tr['auc']}, one seed), and starting NIH "
         f"training from the phantom student ends *lower* than starting from ImageNet ({fine['auc']} vs "
         f"{_ci(p['zero_shot_auc_mean_seeds'])}: the upper end of one interval, {fine_m + fine_h:.3f}, against the "
