@@ -7,9 +7,17 @@ import sys
 
 import typer
 
+from cxrdr.common.oom import is_out_of_memory, out_of_memory_line
+
 
 class UserError(Exception):
     """Bad input from the user (path, spec, flag value): printed as one line, exit code 2."""
+
+
+class OutOfDeviceMemory(Exception):
+    """A batch did not fit in the accelerator's memory (``cxrdr.common.oom``): the input is fine, the
+    settings are too big for the device; printed as one line naming them and the flags that help,
+    exit code 1, no traceback (it would only show where the allocation failed)."""
 
 
 # "package.module.SomeError: " at the start of a traceback's last line
@@ -41,9 +49,18 @@ def run_app(app: typer.Typer) -> None:
         typer.secho(f"error: {message}" if isinstance(exc, UserError) else f"error ({name}): {message}",
                     fg=typer.colors.RED, err=True)
         sys.exit(2)
+    except OutOfDeviceMemory as exc:
+        if os.environ.get("CXRDR_DEBUG"):
+            raise
+        typer.secho(f"error: {one_line(exc)}", fg=typer.colors.RED, err=True)
+        sys.exit(1)
     except Exception as exc:  # noqa: BLE001 - an unexpected error still gets one line, not a traceback
         if os.environ.get("CXRDR_DEBUG"):
             raise
+        if is_out_of_memory(exc):  # a command without advice of its own (train eval, experiments)
+            typer.secho("error: " + out_of_memory_line("this command", exc, None, "try a smaller --batch-size"),
+                        fg=typer.colors.RED, err=True)
+            sys.exit(1)
         typer.secho(f"error ({type(exc).__name__}): {one_line(exc)} (set CXRDR_DEBUG=1 for the traceback)",
                     fg=typer.colors.RED, err=True)
         sys.exit(1)

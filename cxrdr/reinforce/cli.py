@@ -1,9 +1,12 @@
 """`reinforce` command line: each command lives beside the code it drives."""
 from __future__ import annotations
 
+import functools
+
 import typer
 
-from cxrdr.common.errors import run_app
+from cxrdr.common.errors import OutOfDeviceMemory, run_app
+from cxrdr.common.oom import is_out_of_memory, out_of_memory_line
 from cxrdr.reinforce import add_teacher, build_cli, inspect, manifest, phantom, verify
 from cxrdr.reinforce.captions import cli as captions_cli
 
@@ -13,11 +16,33 @@ app = typer.Typer(
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 
 
+def _teacher_oom_guard(command, what: str, rerun: str):
+    """``command`` with a teacher batch that does not fit in GPU memory said in one line (exit 1):
+    the --batch-size, the device's memory and peak, and how to go on (``rerun``). Typer reads the
+    wrapped command's signature (``functools.wraps``)."""
+
+    @functools.wraps(command)
+    def guarded(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise OutOfDeviceMemory(out_of_memory_line(
+                f"{what} at --batch-size {kwargs.get('batch_size')}", exc, kwargs.get("device"), rerun)) from exc
+
+    return guarded
+
+
 app.command("phantom")(phantom.cli_phantom)
 app.command("captions")(captions_cli.cli_captions)
-app.command("build")(build_cli.cli_build)
+app.command("build")(_teacher_oom_guard(
+    build_cli.cli_build, "a teacher batch of `reinforce build`",
+    "complete shards are kept: rerun with --resume and a smaller --batch-size (records per teacher batch)"))
 app.command("merge")(manifest.cli_merge)
-app.command("add-teacher")(add_teacher.cli_add_teacher)
+app.command("add-teacher")(_teacher_oom_guard(
+    add_teacher.cli_add_teacher, "a teacher batch of `reinforce add-teacher`",
+    "shards already rewritten keep the new teacher: rerun the same command with a smaller --batch-size"))
 app.command("inspect")(inspect.cli_inspect)
 app.command("verify")(verify.cli_verify)
 

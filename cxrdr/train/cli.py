@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cxrdr.common.errors import UserError, run_app
+from cxrdr.common.errors import OutOfDeviceMemory, UserError, run_app
 from cxrdr.train.config import TrainConfig, cli_fields
 
 app = typer.Typer(
@@ -50,6 +50,42 @@ def _overrides(values: dict) -> dict:
     return out
 
 
+def _in_validation(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside a validation pass (the Trainer's ``evaluate`` or the
+    evaluation package), not a training step: another batch size and other advice."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "evaluate" or "/evaluation/" in code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def train_oom_line(cfg: TrainConfig, exc: BaseException) -> str:
+    """One line for a batch of `train run` that did not fit: its batch size, the device memory and
+    peak, what is saved and the flags that help (`cxrdr.common.oom`)."""
+    from cxrdr.common.oom import out_of_memory_line
+
+    last = Path(cfg.out) / "last.pt"
+    saved = (f"{last} from the last save is intact" if last.is_file()
+             else f"no checkpoint of {cfg.out} was saved yet")
+    if _in_validation(exc):
+        what = f"a validation pass of {cfg.out} at --eval-batch-size {cfg.eval_batch_size}"
+        advice = f"{saved}: continue with --resume and a smaller --eval-batch-size (changeable on resume)"
+    else:
+        what = (f"a training step of {cfg.out} at --batch-size {cfg.batch_size} x --accum-steps "
+                f"{cfg.accum_steps} (micro-batches per step)")
+        fresh = ("start afresh (--overwrite) with a smaller --batch-size and a larger --accum-steps (the same "
+                 "samples per step)")
+        if cfg.grad_checkpointing:
+            advice = f"{saved}: continue with --resume on a device with more memory, or {fresh}"
+        else:
+            advice = (f"{saved}: continue with --resume --grad-checkpointing (less memory, the same steps; "
+                      f"changeable on resume), or {fresh}")
+    return out_of_memory_line(what, exc, cfg.device, advice)
+
+
 def cli_run(**values) -> None:
     """Train the Patch-IB student on reinforced shards (distillation from stored teacher embeddings).
 
@@ -68,7 +104,14 @@ def cli_run(**values) -> None:
         raise UserError(str(exc)) from exc
     if not Path(cfg.shards).is_dir():
         raise UserError(f"--shards {cfg.shards}: no such folder")
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except Exception as exc:
+        from cxrdr.common.oom import is_out_of_memory
+
+        if not is_out_of_memory(exc):
+            raise
+        raise OutOfDeviceMemory(train_oom_line(cfg, exc)) from exc
     if dist_utils.is_main():
         typer.echo(json.dumps({k: v for k, v in summary.items() if k != "final_eval"}, indent=1,
                               default=json_default))

@@ -13,9 +13,12 @@ from cxrdr.train.config import TrainConfig
 
 # Settings a resumed run may change: they decide how long, where and how visibly it runs, not
 # what one training step computes (everything else must equal the checkpoint's train_config).
+# grad_checkpointing trades memory for recomputation (the same forward, run again with the RNG
+# state restored): `train run` names it when a batch did not fit, for a --resume.
 RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
                                 "early_stop_patience", "workers", "device", "progress", "log_every",
-                                "save_every", "resume", "overwrite", "out", "on_corrupt", "verify_checksums"})
+                                "save_every", "resume", "overwrite", "out", "on_corrupt", "verify_checksums",
+                                "grad_checkpointing"})
 # Compared by what they name, not as typed (see data_conflicts).
 COMPARED_APART = frozenset({"shards"})
 RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml", "skipped.jsonl")

@@ -15,12 +15,45 @@ def default_out_dir(ckpt: str | None, model: str | None, split: str) -> Path:
     return Path(f"eval-{safe}-{split}")
 
 
+def recorded_shards(ckpt: Path) -> tuple[Path, str | None]:
+    """The shard folder the run that wrote ``ckpt`` trained on, and its content identity then: the
+    resolved path the checkpoint records under ``data`` (``train run`` since the identity check),
+    else its ``train_config`` ``shards`` as typed (relative to where that run started)."""
+    from cxrdr.common.errors import UserError
+    from cxrdr.train.checkpoint import read_checkpoint
+
+    data = read_checkpoint(ckpt)
+    source = data.get("data") if isinstance(data.get("data"), dict) else {}
+    shards = source.get("shards") or (data.get("train_config") or {}).get("shards")
+    if not shards:
+        raise UserError(f"--ckpt {ckpt} records no shard folder (not written by `train run`?); pass --shards DIR")
+    return Path(shards), source.get("identity")
+
+
+def default_shards(ckpt: Path) -> Path:
+    """--shards left out with --ckpt: the run's own shard folder, said on stderr; one line naming the
+    recorded path and --shards when the folder is gone or moved."""
+    from cxrdr.common.errors import UserError
+    from cxrdr.common.shards import DATASET_JSON, dataset_identity, read_dataset_info
+
+    shards, identity = recorded_shards(ckpt)
+    if not (shards / DATASET_JSON).is_file():
+        raise UserError(f"--ckpt {ckpt} was trained on shards {shards}, which holds no {DATASET_JSON} now (moved "
+                        f"or deleted?); pass --shards DIR to name the shard folder")
+    now = dataset_identity(read_dataset_info(shards))
+    changed = (f"; it holds other data than when the run trained (content {identity} -> {now})"
+               if identity and identity != now else "")
+    typer.echo(f"note: no --shards: using {shards}, the shard folder {ckpt} was trained on{changed}", err=True)
+    return shards
+
+
 def cli_eval(
     ckpt: Annotated[Optional[Path], typer.Option(help="Checkpoint written by `train run` (e.g. RUN/best.pt).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Instead of --ckpt: any model spec, ckpt:PATH, "
                                                       "openclip:ARCH[:PRETRAINED], biomedclip (global "
                                                       "metrics only for non-student models).")] = None,
-    shards: Annotated[Path, typer.Option(help="Shard folder written by `reinforce build`.")] = Path("shards"),
+    shards: Annotated[Optional[Path], typer.Option(help="Shard folder written by `reinforce build` (default: with "
+                                                        "--ckpt the folder its run trained on, else ./shards).")] = None,
     split: Annotated[str, typer.Option(help="Split to evaluate: test, val or train.")] = "test",
     out: Annotated[Optional[Path], typer.Option(help="Output folder (default: <ckpt dir>/eval-<split>).")] = None,
     train_split: Annotated[str, typer.Option(help="Split the linear probe is fitted on.")] = "train",
@@ -58,6 +91,8 @@ def cli_eval(
     if benchmark is not None:
         _run_benchmark(ckpt, model, benchmark, split, out, batch_size, n_plots, device, quiet)
         return
+    if shards is None:
+        shards = default_shards(ckpt) if ckpt is not None else Path("shards")
     if not shards.is_dir():
         raise UserError(f"--shards {shards}: not a folder")
     if text_section not in ("both", "report", "findings", "impression"):
