@@ -57,5 +57,7 @@ def memory_phrase(exc: BaseException, memory: dict | None) -> str:
 
 
 def out_of_memory_line(what: str, exc: BaseException, device, advice: str) -> str:
-    """The one line: 'out of GPU memory in WHAT: MEMORY; ADVICE'."""
-    return f"out of GPU memory in {what}: {memory_phrase(exc, device_memory(device))}; {advice}"
+    """The one line: 'out of GPU memory in WHAT: MEMORY; ADVICE' ('out of memory' when no CUDA device
+    was in use: torch raises the same error for a host allocation that fails)."""
+    memory = device_memory(device)
+    return f"out of {'GPU ' if memory else ''}memory in {what}: {memory_phrase(exc, memory)}; {advice}"
