@@ -255,6 +255,95 @@ def test_phrase_positions():
     assert loc.phrase_positions(report, [[5]]) == []
 
 
+# --------------------------------------------------------------------------- intervals over images
+
+
+def _width(interval):
+    return interval[1] - interval[0]
+
+
+def test_image_bootstrap_contains_the_estimate_narrows_with_more_images_and_is_seeded():
+    from cxrdr.train.evaluation.bootstrap import bootstrap_rate, image_resamples
+
+    pattern = [1, 1, 0, 1, 0]  # a 0.6 hit rate
+    few = bootstrap_rate([f"i{i}" for i in range(40)], pattern * 8)
+    many = bootstrap_rate([f"i{i}" for i in range(200)], pattern * 40)
+    for r in (few, many):
+        assert r["value"] == pytest.approx(0.6) and r["interval"][0] < 0.6 < r["interval"][1]
+    assert _width(few["interval"]) > _width(many["interval"])
+    assert few["n_images"] == 40 and few["n_targets"] == 40
+    assert bootstrap_rate([f"i{i}" for i in range(40)], pattern * 8) == few
+    draws = image_resamples(40)  # each resample draws 40 images with replacement; another seed, other draws
+    assert draws.shape == (2000, 40) and draws.min() == 0 and draws.max() == 39
+    assert (draws == image_resamples(40)).all() and not (draws == image_resamples(40, seed=1)).all()
+    # a random map's hit probability (floats) and missing values (None: not counted)
+    chance = bootstrap_rate(["a", "a", "b", "c"], [0.1, 0.3, None, 0.2])
+    assert chance["value"] == pytest.approx(0.2) and chance["n_targets"] == 3 and chance["n_images"] == 2
+
+
+def test_image_bootstrap_resamples_images_not_targets():
+    """Two targets of one image both hit or both missed: resampling images (the pair moves together) gives a
+    wider interval than treating the same hits as independent targets."""
+    from cxrdr.train.evaluation.bootstrap import bootstrap_rate
+
+    per_image = [1, 0, 1, 1, 0, 1, 0, 1, 1, 0] * 3  # 30 images
+    hits = [h for h in per_image for _ in range(2)]  # two boxes each, same outcome
+    grouped = bootstrap_rate([f"img{i // 2}" for i in range(60)], hits)
+    independent = bootstrap_rate([f"target{i}" for i in range(60)], hits)
+    assert grouped["value"] == independent["value"] == pytest.approx(0.6)
+    assert grouped["n_images"] == 30 and independent["n_images"] == 60
+    assert _width(grouped["interval"]) > 1.2 * _width(independent["interval"])
+
+
+def test_paired_margin_of_identical_hits_is_exactly_zero_and_pairing_cancels_shared_images():
+    from cxrdr.train.evaluation.bootstrap import bootstrap_rate, paired_margin
+
+    keys = [f"i{i}" for i in range(50)]
+    hits = [1, 0, 1, 1, 0] * 10
+    same = paired_margin(keys, hits, list(hits))
+    assert same["margin"] == 0.0 and same["interval"] == [0.0, 0.0]
+    # the prior misses exactly one image the model hits: a margin of 1/50, never below 0 in any resample,
+    # whereas the two unpaired intervals overlap almost entirely
+    prior = list(hits)
+    prior[0] = 0
+    m = paired_margin(keys, hits, prior)
+    assert m["margin"] == pytest.approx(0.02) and 0.0 <= m["interval"][0] <= 0.02 <= m["interval"][1]
+    assert _width(m["interval"]) < _width(bootstrap_rate(keys, hits)["interval"]) / 3
+    with pytest.raises(ValueError, match="one key, model and baseline value per target"):
+        paired_margin(keys, hits, prior[:-1])
+
+
+def test_pooled_paired_margin_over_seeds():
+    from cxrdr.train.evaluation.bootstrap import paired_margin, pooled_paired_margin
+
+    keys = [f"i{i // 2}" for i in range(60)]  # 30 images, two targets each
+    rng = np.random.default_rng(3)
+    prior = (rng.random(60) < 0.5).astype(int).tolist()
+    run = {"keys": keys, "model": (rng.random(60) < 0.7).astype(int).tolist(), "train_prior": prior}
+    single = paired_margin(keys, run["model"], prior)
+    # one seed, or the same seed three times: the pooled margin and both intervals are that seed's own
+    for runs in ([run], [run] * 3):
+        pooled = pooled_paired_margin(runs)
+        assert pooled["margin"] == pytest.approx(single["margin"])
+        assert pooled["interval_images"] == pytest.approx(single["interval"])
+        assert pooled["interval"] == pytest.approx(single["interval"])
+    identical = pooled_paired_margin([{**run, "train_prior": run["model"]}] * 2)
+    assert identical["margin"] == 0.0 and identical["interval"] == [0.0, 0.0] == identical["interval_images"]
+    # seeds that disagree: the margin is the mean of per-seed margins; resampling seeds too widens the interval
+    other = {"keys": keys, "model": (rng.random(60) < 0.35).astype(int).tolist(), "train_prior": prior}
+    pooled = pooled_paired_margin([run, other])
+    per_seed = [s["margin"] for s in pooled["per_seed"]]
+    assert pooled["margin"] == pytest.approx(np.mean(per_seed)) and per_seed[0] == pytest.approx(single["margin"])
+    assert _width(pooled["interval"]) > _width(pooled["interval_images"])
+    assert pooled["interval"][0] <= pooled["margin"] <= pooled["interval"][1]
+    assert pooled == pooled_paired_margin([run, other])  # seeded
+    # a seed that scored other images: resampled over the union of keys
+    shifted = {"keys": [f"j{i // 2}" for i in range(60)], "model": run["model"], "train_prior": prior}
+    assert pooled_paired_margin([run, shifted])["n_images"] == 60
+    with pytest.raises(ValueError, match="no train_prior"):
+        pooled_paired_margin([{"keys": keys, "model": prior}])
+
+
 # --------------------------------------------------------------------------- faithfulness
 
 
@@ -374,6 +463,7 @@ def test_train_eval_cli_writes_outputs(tiny_run):
     md = (out / "eval.md").read_text()
     assert "## Retrieval" in md and "## Linear probe" in md and "## Localisation" in md
     assert "| chance | x chance |" in md and "Collapse checks" in md
+    _check_intervals_over_images(data, md, result.output, out)
     assert data["retrieval"]["chance_mean_recall"] == pytest.approx(
         np.mean([min(k, data["retrieval"]["n_candidates"]) / data["retrieval"]["n_candidates"] for k in (1, 5, 10)]))
 
@@ -422,3 +512,71 @@ def test_quick_eval_and_eval_pick_the_same_retrieval_rows(tiny_run):
     assert sorted(keys) == sorted(s.key for s in samples)
     quick_keys = {keys[i] for i in one_per_study(keys, studies, views)}
     assert quick_keys == eval_keys and len(eval_keys) >= 2
+
+
+# --------------------------------------------------------------------------- efficiency figures
+
+
+def test_training_flops_count_the_backward_and_mfu_needs_a_known_peak():
+    from cxrdr.train.evaluation.efficiency import (count_host_syncs, gflops, gpu_busy_ms, mfu_pct,
+                                                   peak_bf16_flops, peak_bf16_flops_of)
+
+    layer, x = torch.nn.Linear(8, 4, bias=False), torch.randn(2, 8)
+    forward = 2 * 2 * 8 * 4  # one (2x8)@(8x4) matmul
+    assert gflops(lambda: layer(x)) * 1e9 == forward
+    # with grad: the forward and the weight gradient's matmul (x needs no gradient)
+    assert gflops(lambda: layer(x).sum().backward(), grad=True) * 1e9 == 2 * forward
+    assert peak_bf16_flops_of("NVIDIA H100 80GB HBM3") == 989e12 and peak_bf16_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops_of("NVIDIA H200") == 989e12 and peak_bf16_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_bf16_flops_of("NVIDIA H100 NVL") is None and peak_bf16_flops_of("Tesla T4") is None  # not guessed
+    # CPU: no peak, so no MFU; GPU busy and host syncs are CUDA-only and the step is not even run
+    assert peak_bf16_flops("cpu") is None and mfu_pct(1e9, 100.0, "cpu") is None
+    assert gpu_busy_ms(lambda: 1 / 0, 3, "cpu") is None and count_host_syncs(lambda: 1 / 0, 1, "cpu") is None
+
+
+def _check_intervals_over_images(data: dict, md: str, printed: str, out) -> None:
+    """Issue 37: every pointing game and prior of eval.json keeps its per-target hits with image keys and an
+    interval over images; the paired margin over the train-box prior is beside them, in eval.md too."""
+    lo = data["localisation"]
+    assert lo["bootstrap"]["unit"] == "image" and lo["bootstrap"]["n_boot"] == 2000
+    hits = lo["hits"]
+    all_keys = set(json.loads((out / "eval_ids.json").read_text())["localisation"])
+    for name, block, figures in (("mask", lo["mask"], ("model", "chance", "loo_prior", "train_prior")),
+                                 ("mask_pathology", lo["mask"]["pathology"], ("model", "chance", "train_prior")),
+                                 ("attention", lo["attention"], ("model", "chance", "loo_prior", "train_prior"))):
+        h = hits[name]
+        assert len(h["keys"]) == block["n"] and set(h["keys"]) <= all_keys, name
+        for hit_name in figures:
+            figure = {"model": "pointing_game", "chance": "chance_pointing_game", "loo_prior": "prior_pointing_game",
+                      "train_prior": "train_prior_pointing_game"}[hit_name]
+            assert len(h[hit_name]) == len(h["keys"]), (name, hit_name)
+            values = [v for v in h[hit_name] if v is not None]
+            if not values:
+                continue
+            # the per-target hits are what the figure averages, and its interval holds it
+            assert np.mean(values) == pytest.approx(block[figure]), (name, figure)
+            lo_, hi_ = block[f"{figure}_interval"]
+            assert lo_ <= block[figure] <= hi_, (name, figure)
+        assert set(h["model"]) <= {0, 1} and set(h["train_prior"]) <= {0, 1}
+        assert block["margin_over_train_prior"] == pytest.approx(
+            block["pointing_game"] - block["train_prior_pointing_game"])
+        m_lo, m_hi = block["margin_over_train_prior_interval"]
+        assert m_lo <= block["margin_over_train_prior"] <= m_hi
+    assert len(hits["attention"]["labels"]) == len(hits["attention"]["keys"])
+    for label, d in lo["per_label"].items():
+        if d["attention"].get("n"):
+            assert "margin_over_train_prior_interval" in d["attention"] and "pointing_game_interval" in d["attention"]
+        assert "pointing_game_interval" in d["mask"], label
+    s = data["summary"]
+    assert s["pointing_z_interval"] == lo["mask"]["pointing_game_interval"]
+    assert s["train_prior_pointing_attn_interval"] == lo["attention"]["train_prior_pointing_game_interval"]
+    assert s["margin_attn_train_prior"] == lo["attention"]["margin_over_train_prior"]
+    assert s["margin_z_train_prior_interval"] == lo["mask"]["margin_over_train_prior_interval"]
+    # eval.md and the printed table: 'value [lo, hi]' and the margin; a prior never gets a bare '± 0.000'
+    assert "| − train prior |" in md and "±" not in md
+    train_prior = lo["mask"]["train_prior_pointing_game"]
+    t_lo, t_hi = lo["mask"]["train_prior_pointing_game_interval"]
+    assert f"{train_prior:.3f} [{t_lo:.3f}, {t_hi:.3f}]" in md
+    assert "PG z − train prior" in printed and "PG attn train prior" in printed
+    assert f"{s['margin_attn_train_prior']:+.3f} [" in printed
+

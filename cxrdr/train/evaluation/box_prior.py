@@ -59,11 +59,16 @@ def box_frequency_maps(box_sets, grid_size) -> dict:
             "n_images": counts["any"], "n_images_per_label": dict(sorted(per_label_n.items()))}
 
 
+def fixed_map_hits(heatmap, targets) -> list[bool]:
+    """Per target, the pointing hit of one fixed map (its single peak, first on ties)."""
+    return [pointing_hit(heatmap, t) for t in targets]
+
+
 def fixed_map_pointing_game(heatmap, targets) -> float:
     """Pointing game of one fixed map against every target (its single peak, first on ties)."""
     if not len(targets):
         return float("nan")
-    return float(np.mean([pointing_hit(heatmap, t) for t in targets]))
+    return float(np.mean(fixed_map_hits(heatmap, targets)))
 
 
 def label_prior_pointing_game(maps: dict, fallback, targets_by_label: dict) -> float:

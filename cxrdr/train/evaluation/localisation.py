@@ -134,12 +134,11 @@ def aggregate(scores: list[dict]) -> dict:
     return out
 
 
-def prior_pointing_game(maps: list, targets: list) -> float:
-    """Pointing game of an input-independent guess: for target i, the mean of the OTHER images'
-    maps (leave-one-out, NaN cells ignored). A model whose maps are the same for every image scores
-    about this, however far above a random heatmap it is: localisation must beat it."""
+def prior_hits(maps: list, targets: list) -> list[bool]:
+    """Per target, the pointing hit of the input-independent guess of ``prior_pointing_game`` (the mean
+    of the OTHER images' maps, NaN cells ignored); empty with fewer than two maps (no other image)."""
     if len(maps) < 2:
-        return float("nan")
+        return []
     stack = np.stack([np.asarray(m, dtype=np.float64) for m in maps])
     finite = np.isfinite(stack)
     filled = np.where(finite, stack, 0.0)
@@ -149,7 +148,15 @@ def prior_pointing_game(maps: list, targets: list) -> float:
         others = count - finite[i]
         mean = np.where(others > 0, (total - filled[i]) / np.maximum(others, 1), np.nan)
         hits.append(pointing_hit(mean, gt))
-    return float(np.mean(hits))
+    return hits
+
+
+def prior_pointing_game(maps: list, targets: list) -> float:
+    """Pointing game of an input-independent guess: for target i, the mean of the OTHER images'
+    maps (leave-one-out, NaN cells ignored). A model whose maps are the same for every image scores
+    about this, however far above a random heatmap it is: localisation must beat it."""
+    hits = prior_hits(maps, targets)
+    return float(np.mean(hits)) if hits else float("nan")
 
 
 def map_similarity(maps: list) -> float:

@@ -32,14 +32,19 @@ HEADERS = {
     "mean_recall_findings": "mean R (same findings)", "oracle_mean_recall": "mean R oracle",
     "train_prior_pointing_z": "PG z train prior", "train_prior_pointing_attn": "PG attn train prior",
     "pointing_z_pathology": "PG z pathology", "train_prior_pointing_z_pathology": "PG z path. train prior",
+    "margin_z_train_prior": "PG z − train prior", "margin_z_pathology_train_prior": "PG z path. − train prior",
+    "margin_attn_train_prior": "PG attn − train prior",
 }
+# paired margins (model − baseline): printed with their sign
+SIGNED_COLUMNS = {"margin", "margin_z_train_prior", "margin_z_pathology_train_prior", "margin_attn_train_prior"}
 QUALITY_COLUMNS = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall",
                    "chance_mean_recall", "oracle_mean_recall", "mean_recall_sametext", "mean_recall_findings",
                    "n_candidates", "probe_auc", "zeroshot_auc",
-                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "train_prior_pointing_z", "iou_z",
-                   "pointing_z_pathology", "train_prior_pointing_z_pathology",
+                   "pointing_z", "chance_pointing_z", "prior_pointing_z", "train_prior_pointing_z",
+                   "margin_z_train_prior", "iou_z",
+                   "pointing_z_pathology", "train_prior_pointing_z_pathology", "margin_z_pathology_train_prior",
                    "pointing_attn", "chance_pointing_attn", "prior_pointing_attn", "train_prior_pointing_attn",
-                   "iou_attn", "distance_ratio"]
+                   "margin_attn_train_prior", "iou_attn", "distance_ratio"]
 COST_COLUMNS = ["inference_img_per_s", "train_step_ms", "synthetic_train_img_per_s", "latency_ms", "peak_memory_mb",
                 "step_memory_delta_mb", "gflops_per_img", "patch_usage_pct"]
 
@@ -75,6 +80,8 @@ def fmt(value, column: str = "") -> str:
         return str(int(value))
     if isinstance(value, (float, np.floating)):
         v = float(value)
+        if column in SIGNED_COLUMNS:
+            return f"{v:+.3f}"
         costly = column in COST_COLUMNS or column in ("train_img_per_s", "wall_s", "step_ms", "bench_step_ms")
         if costly and 0 < abs(v) < 1:
             return f"{v:.3g}"  # e.g. GFLOPs of tiny models
@@ -82,13 +89,28 @@ def fmt(value, column: str = "") -> str:
     return str(value)
 
 
+def fmt_interval(value, interval, column: str = "") -> str:
+    """'value [lo, hi]' (an interval over images, e.g. a pointing game's bootstrap), or ``fmt(value)``
+    alone where there is no interval."""
+    if not isinstance(interval, (list, tuple)) or len(interval) != 2 or any(v is None for v in interval):
+        return fmt(value, column)
+    lo, hi = (fmt(v, column) for v in interval)
+    return f"{fmt(value, column)} [{lo}, {hi}]"
+
+
+def cell(row: dict, column: str) -> str:
+    """A table cell: the column's value, with its ``<column>_interval`` beside it where the row has one."""
+    return fmt_interval(row.get(column), row.get(f"{column}_interval"), column)
+
+
 def markdown_table(rows: list[dict], columns: list[str], first: str | None = None) -> str:
-    """Rows as a Markdown table; ``first`` names the row-label key (printed as the first column)."""
+    """Rows as a Markdown table; ``first`` names the row-label key (printed as the first column). A column
+    with a ``<column>_interval`` in the row prints as 'value [lo, hi]'."""
     cols = ([first] if first else []) + [c for c in columns if c != first]
     lines = ["| " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",
              "|" + "|".join("---" for _ in cols) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(fmt(row.get(c), c) for c in cols) + " |")
+        lines.append("| " + " | ".join(cell(row, c) for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -199,7 +221,9 @@ def eval_markdown(results: dict) -> str:
                if key in files]
     if figures:
         out += ["## Figures", "", *figures, ""]
-    out += ["## Summary", "", markdown_table([s], list(s)), ""]
+    intervals = ("Localisation cells 'value [lo, hi]': 95 % interval over the evaluation images."
+                 if any(k.endswith("_interval") and v for k, v in s.items()) else "")
+    out += ["## Summary", "", markdown_table([s], [c for c in s if not c.endswith("_interval")]), intervals, ""]
     return "\n".join(out)
 
 
@@ -210,7 +234,9 @@ def print_summary(results: dict) -> None:
     print(f"evaluation of {results['meta']['model']} on {results['meta']['split']} "
           f"({results['meta']['n_samples']} images, text: {results['meta']['text_section']})")
     for c in cols:
-        print(f"  {HEADERS.get(c, c):<{width}}  {fmt(s[c], c)}")
+        print(f"  {HEADERS.get(c, c):<{width}}  {cell(s, c)}")
+    if any(s.get(f"{c}_interval") for c in cols):
+        print("  [lo, hi]: 95 % interval over the evaluation images (bootstrap; an image's targets stay together)")
 
 
 def write_eval_outputs(results: dict, ids: dict, plots: dict, out_dir: Path, quiet: bool = False) -> None:
@@ -343,7 +369,9 @@ def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
 
 
 def localisation_markdown(lo: dict) -> list[str]:
-    """The localisation section: each score beside a random heatmap's, per label, and collapse checks."""
+    """The localisation section: each score beside a random heatmap's and the priors', each pointing game
+    with its interval over images, the paired margin over the train-box prior, per label, collapse checks."""
+    boot = lo.get("bootstrap") or {}
     out = ["## Localisation", "",
            f"{lo['n_images']} images with boxes; heatmap top {int(lo['top_fraction'] * 100)}% for IoU/Dice. "
            "Pointing game: a hit when the map's maximum is inside a target box (z: any box of the image; "
@@ -351,16 +379,28 @@ def localisation_markdown(lo: dict) -> list[str]:
            "on the same grid and targets. *prior*: the pointing game of the mean map of the other images "
            "(the same map for every image: what a model that does not look at the image can score). "
            "*train prior*: one fixed map of how often each patch lies in a train-split box (z: any box; "
-           "attention: that finding's boxes), the strongest image-blind baseline.", "",
-           "| heatmap | pointing game | chance | x chance | prior | train prior | IoU | chance IoU | Dice | "
-           "targets | boxes |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "attention: that finding's boxes), the strongest image-blind baseline.", ""]
+    if boot:
+        out += [f"[lo, hi]: {round(100 * boot['confidence'])} % percentile-bootstrap interval over the evaluation "
+                f"images ({boot['n_boot']:,} resamples, seed {boot['seed']}; an image's targets stay together). A "
+                "prior's hit rate varies over images too. *− train prior*: the paired margin, model and prior "
+                "scored on the same resampled images.", ""]
+    out += ["| heatmap | pointing game | chance | x chance | prior | train prior | − train prior | IoU | "
+            "chance IoU | Dice | targets | boxes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def with_interval(a, figure, column=""):
+        return fmt_interval(a.get(figure), a.get(f"{figure}_interval"), column)
+
+    def margin(a):
+        return with_interval(a, "margin_over_train_prior", "margin")
 
     def row(name, a):
         pg, ch = a.get("pointing_game"), a.get("chance_pointing_game")
         times = pg / ch if pg is not None and ch and math.isfinite(pg) else None
-        return (f"| {name} | {fmt(pg)} | {fmt(ch)} | {fmt(times)} | {fmt(a.get('prior_pointing_game'))} | "
-                f"{fmt(a.get('train_prior_pointing_game'))} | {fmt(a.get('iou'))} | "
+        return (f"| {name} | {with_interval(a, 'pointing_game')} | {with_interval(a, 'chance_pointing_game')} | "
+                f"{fmt(times)} | {with_interval(a, 'prior_pointing_game')} | "
+                f"{with_interval(a, 'train_prior_pointing_game')} | {margin(a)} | {fmt(a.get('iou'))} | "
                 f"{fmt(a.get('chance_iou'))} | {fmt(a.get('dice'))} | {a.get('n', 0)} | {a.get('n_boxes', 0)} |")
 
     out.append(row("mask", lo["mask"]))
@@ -369,13 +409,15 @@ def localisation_markdown(lo: dict) -> list[str]:
     out.append(row("attention", lo["attention"]))
     if lo.get("per_label"):
         out += ["", "Per label (z: is the mask's peak on this finding; attention: of its words):", "",
-                "| label | PG z | chance z | PG attn | chance attn | train prior attn | IoU attn | targets attn |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| label | PG z | chance z | PG attn | chance attn | train prior attn | attn − train prior | "
+                "IoU attn | targets attn |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for lab, d in lo["per_label"].items():
             m, a = d.get("mask", {}), d.get("attention", {})
-            out.append(f"| {lab} | {fmt(m.get('pointing_game'))} | {fmt(m.get('chance_pointing_game'))} | "
-                       f"{fmt(a.get('pointing_game'))} | {fmt(a.get('chance_pointing_game'))} | "
-                       f"{fmt(a.get('train_prior_pointing_game'))} | {fmt(a.get('iou'))} | {a.get('n', 0)} |")
+            out.append(f"| {lab} | {with_interval(m, 'pointing_game')} | {fmt(m.get('chance_pointing_game'))} | "
+                       f"{with_interval(a, 'pointing_game')} | {fmt(a.get('chance_pointing_game'))} | "
+                       f"{with_interval(a, 'train_prior_pointing_game')} | {margin(a)} | {fmt(a.get('iou'))} | "
+                       f"{a.get('n', 0)} |")
     m, a = lo["mask"], lo["attention"]
     out += ["", "Collapse checks (mean pairwise cosine of heatmaps; near 1 = the same map whatever the input; "
             "entropy / log cells, 1 = uniform):", "",

@@ -210,6 +210,7 @@ def summary_row(results: dict) -> dict:
         "prior_pointing_attn": _get(results, "localisation", "attention", "prior_pointing_game"),
         "train_prior_pointing_attn": _get(results, "localisation", "attention", "train_prior_pointing_game"),
         "iou_attn": _get(results, "localisation", "attention", "iou"),
+        **localisation_intervals(results),
         "deletion_auc": _get(results, "faithfulness", "deletion_auc"),
         "insertion_auc": _get(results, "faithfulness", "insertion_auc"),
         "sparsity": _get(results, "faithfulness", "sparsity"),
@@ -224,3 +225,33 @@ def summary_row(results: dict) -> dict:
         "gflops_per_img": _get(results, "efficiency", "gflops_per_img"),
         "patch_usage_pct": _get(results, "efficiency", "patch_usage_pct"),
     }
+
+
+# summary column -> (heatmap block of results["localisation"], figure): the pointing games whose interval over
+# images (``<column>_interval``) the summary carries beside them
+INTERVAL_COLUMNS = {
+    "pointing_z": (("mask",), "pointing_game"), "chance_pointing_z": (("mask",), "chance_pointing_game"),
+    "prior_pointing_z": (("mask",), "prior_pointing_game"),
+    "train_prior_pointing_z": (("mask",), "train_prior_pointing_game"),
+    "pointing_z_pathology": (("mask", "pathology"), "pointing_game"),
+    "train_prior_pointing_z_pathology": (("mask", "pathology"), "train_prior_pointing_game"),
+    "pointing_attn": (("attention",), "pointing_game"),
+    "chance_pointing_attn": (("attention",), "chance_pointing_game"),
+    "prior_pointing_attn": (("attention",), "prior_pointing_game"),
+    "train_prior_pointing_attn": (("attention",), "train_prior_pointing_game"),
+}
+# margin column -> heatmap block: the paired margin model - train-box prior and its interval over images
+MARGIN_COLUMNS = {"margin_z_train_prior": ("mask",), "margin_z_pathology_train_prior": ("mask", "pathology"),
+                  "margin_attn_train_prior": ("attention",)}
+
+
+def localisation_intervals(results: dict) -> dict:
+    """The summary's image-bootstrap columns: ``<column>_interval`` ([lo, hi]) beside each pointing game and
+    its baselines, and ``margin_*_train_prior`` (PG − train-box prior, paired) with its ``_interval``."""
+    out = {}
+    for column, (path, figure) in INTERVAL_COLUMNS.items():
+        out[f"{column}_interval"] = _get(results, "localisation", *path, f"{figure}_interval")
+    for column, path in MARGIN_COLUMNS.items():
+        out[column] = _get(results, "localisation", *path, "margin_over_train_prior")
+        out[f"{column}_interval"] = _get(results, "localisation", *path, "margin_over_train_prior_interval")
+    return out

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from cxrdr.common import augment
 from cxrdr.common.shards import Sample
-from cxrdr.train.evaluation import box_prior
+from cxrdr.train.evaluation import bootstrap, box_prior
 from cxrdr.train.evaluation import faithfulness as faith
 from cxrdr.train.evaluation import localisation as loc
 from cxrdr.train.evaluation.embedding import EvalModel, embed_texts, full_view
@@ -121,18 +121,22 @@ def _score_localisation(tally: _Tally, f: _Forward, item: dict, phrase_ids: Phra
     targets = _box_targets(f, item, size)
     if targets and f.z_heat is not None:  # class-agnostic z: any box of the image is a hit
         everything = np.any([g for masks in targets.values() for g in masks], axis=0)
+        # every score keeps its image's key: the bootstrap resamples images, not targets
+        key = f.sample.key
         tally.mask_scores.append({**loc.localisation_scores(f.z_heat, everything, top_fraction),
-                                  "n_boxes": sum(len(m) for m in targets.values())})
+                                  "n_boxes": sum(len(m) for m in targets.values()), "key": key})
         tally.z_maps.append(f.z_heat)
         tally.z_targets.append(everything)
         pathology = [g for label, masks in targets.items() if box_prior.is_pathology(label) for g in masks]
         if pathology:
             tally.pathology_scores.append({**loc.localisation_scores(f.z_heat, np.any(pathology, axis=0),
-                                                                     top_fraction), "n_boxes": len(pathology)})
+                                                                     top_fraction), "n_boxes": len(pathology),
+                                           "key": key})
             tally.pathology_targets.append(np.any(pathology, axis=0))
         for label, masks in targets.items():  # per label: is z's peak on this finding?
             tally.label(label)["mask"].append(
-                {**loc.localisation_scores(f.z_heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks)})
+                {**loc.localisation_scores(f.z_heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks),
+                 "key": key, "label": label})
     for label, masks in targets.items():
         positions = loc.phrase_positions(f.ids, [phrase_ids(p) for p in loc.label_phrases(label)])
         heat = attn_heat(f.out, 0, positions)
@@ -140,7 +144,8 @@ def _score_localisation(tally: _Tally, f: _Forward, item: dict, phrase_ids: Phra
             if getattr(f.out, "local_attn", None) is not None:
                 tally.no_tokens.append(f"{f.sample.key}:{label}")
             continue
-        sc = {**loc.localisation_scores(heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks)}
+        sc = {**loc.localisation_scores(heat, np.any(masks, axis=0), top_fraction), "n_boxes": len(masks),
+              "key": f.sample.key, "label": label}
         tally.attn_scores.append(sc)
         tally.label(label)["attention"].append(sc)
         tally.attn_maps.setdefault(label, []).append(heat)
@@ -192,13 +197,14 @@ def _cross_view_jaccard(model: EvalModel, f: _Forward, views: list[dict], top_fr
 
 def _localisation_results(tally: _Tally, n_images: int, top_fraction: float, train_boxes: list | None) -> dict:
     per_label = {lab: {k: loc.aggregate(v) for k, v in d.items()} for lab, d in sorted(tally.per_label.items())}
+    hits = _hits(tally)
     out = {
         "mask": {**loc.aggregate(tally.mask_scores), "image_similarity": loc.map_similarity(tally.z_maps),
                  "entropy": _nanmean([loc.normalised_entropy(m) for m in tally.z_maps]),
-                 "prior_pointing_game": loc.prior_pointing_game(tally.z_maps, tally.z_targets),
+                 "prior_pointing_game": _mean_of(hits["mask"]["loo_prior"]),
                  "pathology": loc.aggregate(tally.pathology_scores)},
         "attention": {**loc.aggregate(tally.attn_scores),
-                      "prior_pointing_game": _attention_prior(tally),
+                      "prior_pointing_game": _mean_of(hits["attention"]["loo_prior"]),
                       "image_similarity": _nanmean([loc.map_similarity(m) for m in tally.attn_maps.values()]),
                       "word_similarity": _nanmean(tally.word_similarity),
                       "entropy": _nanmean(tally.entropies_attn)},
@@ -210,35 +216,118 @@ def _localisation_results(tally: _Tally, n_images: int, top_fraction: float, tra
         "heatmap_z": "soft mask scores (same order as z, no ties)",
     }
     if train_boxes and tally.grid is not None:
-        _add_train_priors(out, tally, box_prior.box_frequency_maps(train_boxes, tally.grid))
+        _add_train_priors(out, tally, hits, box_prior.box_frequency_maps(train_boxes, tally.grid))
+    _add_intervals(out, hits)
+    out["hits"] = hits
     return out
 
 
-def _add_train_priors(out: dict, tally: _Tally, maps: dict) -> None:
-    """The train-box prior's pointing game beside every model score it baselines (``box_prior``)."""
-    out["mask"]["train_prior_pointing_game"] = box_prior.fixed_map_pointing_game(maps["any"], tally.z_targets)
-    out["mask"]["pathology"]["train_prior_pointing_game"] = box_prior.fixed_map_pointing_game(
-        maps["pathology"], tally.pathology_targets)
-    out["attention"]["train_prior_pointing_game"] = box_prior.label_prior_pointing_game(
-        maps["labels"], maps["any"], tally.attn_targets)
+# per-target hit list in ``hits`` -> the figure it averages to, in a heatmap's block of eval.json
+HIT_FIGURES = {"model": "pointing_game", "chance": "chance_pointing_game", "loo_prior": "prior_pointing_game",
+               "train_prior": "train_prior_pointing_game"}
+
+
+def _hits(tally: _Tally) -> dict:
+    """Per target, in evaluation order: its image's key, the model's hit (0/1), a random map's hit
+    probability and the leave-one-out prior's hit (None where a finding was seen once: no other image)."""
+    def block(scores, with_label=False):
+        out = {"keys": [s["key"] for s in scores]}
+        if with_label:
+            out["labels"] = [s["label"] for s in scores]
+        out["model"] = [int(s["hit"]) for s in scores]
+        out["chance"] = [float(s["chance_hit"]) for s in scores]
+        return out
+
+    mask = {**block(tally.mask_scores),
+            "loo_prior": [int(h) for h in loc.prior_hits(tally.z_maps, tally.z_targets)] or
+            [None] * len(tally.mask_scores)}
+    attention = {**block(tally.attn_scores, with_label=True), "loo_prior": _attention_prior_hits(tally)}
+    mask_per_label = block([s for d in tally.per_label.values() for s in d["mask"]], with_label=True)
+    return {"unit": "one entry per pointing-game target in evaluation order; keys: the image of each target "
+                    "(intervals resample images, keeping an image's targets together); model, loo_prior, "
+                    "train_prior: hits 0/1 (None: no value for that target); chance: a random map's hit "
+                    "probability",
+            "mask": mask, "mask_pathology": block(tally.pathology_scores), "attention": attention,
+            "mask_per_label": mask_per_label}
+
+
+def _attention_prior_hits(tally: _Tally) -> list:
+    """The attention's leave-one-out prior per target: each label's own mean map of its other images;
+    None for a label seen in one image only (no other image to average)."""
+    per_label = {label: iter(loc.prior_hits(maps, tally.attn_targets[label]))
+                 for label, maps in tally.attn_maps.items() if len(maps) >= 2}
+    return [int(next(per_label[s["label"]])) if s["label"] in per_label else None for s in tally.attn_scores]
+
+
+def _add_train_priors(out: dict, tally: _Tally, hits: dict, maps: dict) -> None:
+    """The train-box prior's pointing game beside every model score it baselines (``box_prior``), and its
+    per-target hits in ``hits``."""
+    def hit_list(heatmap, targets):
+        return [int(h) for h in box_prior.fixed_map_hits(heatmap, targets)]
+
+    hits["mask"]["train_prior"] = hit_list(maps["any"], tally.z_targets)
+    hits["mask_pathology"]["train_prior"] = hit_list(maps["pathology"], tally.pathology_targets)
+    # a label without train boxes falls back to the class-agnostic map (``label_prior_pointing_game``)
+    label_maps = {label: maps["labels"].get(label, maps["any"]) for label in tally.attn_targets}
+    positions = {label: iter(targets) for label, targets in tally.attn_targets.items()}
+    hits["attention"]["train_prior"] = [int(loc.pointing_hit(label_maps[lab], next(positions[lab])))
+                                        for lab in hits["attention"]["labels"]]
+    out["mask"]["train_prior_pointing_game"] = _mean_of(hits["mask"]["train_prior"])
+    out["mask"]["pathology"]["train_prior_pointing_game"] = _mean_of(hits["mask_pathology"]["train_prior"])
+    out["attention"]["train_prior_pointing_game"] = _mean_of(hits["attention"]["train_prior"])
     for label, scores in out["per_label"].items():
-        targets = tally.attn_targets.get(label, [])
-        own = maps["labels"].get(label, maps["any"])
-        if "attention" in scores and targets:
-            scores["attention"]["train_prior_pointing_game"] = box_prior.fixed_map_pointing_game(own, targets)
+        if "attention" in scores and tally.attn_targets.get(label):
+            scores["attention"]["train_prior_pointing_game"] = _mean_of(
+                [h for h, lab in zip(hits["attention"]["train_prior"], hits["attention"]["labels"]) if lab == label])
     out["train_prior"] = {"n_images": maps["n_images"], "n_images_per_label": maps["n_images_per_label"],
                           "what": "fixed map: how often each patch lies in a train-split box (class-agnostic "
                                   "for z, that label's boxes for the attention); its single peak is scored"}
 
 
-def _attention_prior(tally: _Tally) -> float:
-    """The prior-map pointing game of the attention, per label (each label's own mean map), pooled."""
-    hits, n = 0.0, 0
-    for label, maps in tally.attn_maps.items():
-        if len(maps) >= 2:
-            hits += loc.prior_pointing_game(maps, tally.attn_targets[label]) * len(maps)
-            n += len(maps)
-    return hits / n if n else float("nan")
+def hit_intervals(block: dict, **bootstrap_options) -> dict:
+    """From one heatmap's per-target hits (a block of ``hits``): every figure's interval over images
+    (``<figure>_interval``: [lo, hi]) and, where the train-box prior was scored, the paired margin model −
+    train prior (``margin_over_train_prior``) with its interval (the same resampled images for both)."""
+    out = {}
+    for name, figure in HIT_FIGURES.items():
+        if name in block and block[name]:
+            out[f"{figure}_interval"] = bootstrap.bootstrap_rate(block["keys"], block[name],
+                                                                 **bootstrap_options)["interval"]
+    if block.get("train_prior"):
+        m = bootstrap.paired_margin(block["keys"], block["model"], block["train_prior"], **bootstrap_options)
+        out["margin_over_train_prior"], out["margin_over_train_prior_interval"] = m["margin"], m["interval"]
+    return out
+
+
+def _select(block: dict, label: str) -> dict:
+    """The targets of one label in a block with ``labels``."""
+    keep = [i for i, lab in enumerate(block["labels"]) if lab == label]
+    return {k: [v[i] for i in keep] for k, v in block.items() if isinstance(v, list)}
+
+
+def _add_intervals(out: dict, hits: dict) -> None:
+    """Intervals over images beside every pointing game: overall, z on pathology boxes, per label."""
+    out["mask"].update(hit_intervals(hits["mask"]))
+    out["mask"]["pathology"].update(hit_intervals(hits["mask_pathology"]))
+    out["attention"].update(hit_intervals(hits["attention"]))
+    for label, scores in out["per_label"].items():
+        for heat, block in (("mask", hits["mask_per_label"]), ("attention", hits["attention"])):
+            if scores.get(heat, {}).get("n"):
+                chosen = _select(block, label)
+                if "loo_prior" in chosen:  # the leave-one-out prior per label, beside its interval
+                    scores[heat]["prior_pointing_game"] = _mean_of(chosen["loo_prior"])
+                scores[heat].update(hit_intervals(chosen))
+    out["bootstrap"] = {"unit": "image", "n_boot": bootstrap.N_BOOT, "seed": bootstrap.SEED,
+                        "confidence": bootstrap.CONFIDENCE, "method": "percentile",
+                        "what": "every [lo, hi] resamples the evaluation images with replacement (an image's "
+                                "targets stay together: they are correlated); a margin resamples model and "
+                                "baseline on the same images"}
+
+
+def _mean_of(values) -> float:
+    """Mean of the per-target values that exist (None: no value), NaN when none does."""
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else float("nan")
 
 
 def _faithfulness_results(tally: _Tally, steps: int) -> dict:

@@ -85,4 +85,10 @@ def summary(results: dict) -> dict:
                                      ("train_prior", "_train_prior")):
                 out[f"{head}_{short}{suffix}"] = (overall.get(baseline) or {}).get(metric)
         out[f"n_targets_{short}"] = overall.get("n")
+        # image-bootstrap intervals of the pointing games, and the paired margin over the train-box prior
+        for baseline, suffix in (("model", ""), ("train_prior", "_train_prior")):
+            out[f"pg_{short}{suffix}_interval"] = (overall.get(baseline) or {}).get("hit_interval")
+        margin = overall.get("margin_over_train_prior") or {}
+        out[f"pg_{short}_minus_train_prior"] = margin.get("hit")
+        out[f"pg_{short}_minus_train_prior_interval"] = margin.get("hit_interval")
     return out

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from cxrdr.common import augment
 from cxrdr.common.nih import BOX_FINDINGS, finding_words
-from cxrdr.train.evaluation import box_prior
+from cxrdr.train.evaluation import bootstrap, box_prior
 from cxrdr.train.evaluation import localisation as loc
 from cxrdr.train.evaluation.benchmark import boxloc
 from cxrdr.train.evaluation.benchmark.prompts import grounding_text
@@ -71,11 +71,21 @@ def _score(targets: list[Target], loo: list, prior_of) -> list[dict]:
 
 
 def aggregate(scored: list[dict]) -> dict:
-    """Mean of every metric under every baseline, with the number of targets and boxes."""
+    """Mean of every metric under every baseline, with the number of targets and boxes; for the pointing
+    game, each baseline's interval over images (``hit_interval``) and the paired margin model − train prior
+    (``margin_over_train_prior``: ``hit`` and ``hit_interval``, model and prior on the same resampled images;
+    ``bootstrap``)."""
     if not scored:
         return {"n": 0, "n_boxes": 0}
-    return {"n": len(scored), "n_boxes": int(sum(s["n_boxes"] for s in scored)),
-            **{b: {m: float(np.mean([s[b][m] for s in scored])) for m in METRICS} for b in BASELINES}}
+    out = {"n": len(scored), "n_boxes": int(sum(s["n_boxes"] for s in scored)),
+           **{b: {m: float(np.mean([s[b][m] for s in scored])) for m in METRICS} for b in BASELINES}}
+    keys = [s["key"] for s in scored]  # an image's targets (z per finding, several findings) stay together
+    for b in BASELINES:
+        out[b]["hit_interval"] = bootstrap.bootstrap_rate(keys, [s[b]["hit"] for s in scored])["interval"]
+    margin = bootstrap.paired_margin(keys, [s["model"]["hit"] for s in scored],
+                                     [s["train_prior"]["hit"] for s in scored])
+    out["margin_over_train_prior"] = {"hit": margin["margin"], "hit_interval": margin["interval"]}
+    return out
 
 
 def _by_finding(scored: list[dict], key=lambda s: s["finding"]) -> dict:

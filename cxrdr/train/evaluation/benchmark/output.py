@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cxrdr.common.nih import BOX_FINDINGS
-from cxrdr.train.evaluation.report import fmt, plot_heatmap_grid, write_json
+from cxrdr.train.evaluation.report import fmt, fmt_interval, plot_heatmap_grid, write_json
 
 _COLS = ("model", "chance", "loo_prior", "train_prior")
 
@@ -22,13 +22,18 @@ def localisation_table(block: dict, title: str) -> list[str]:
     """One table per heatmap: per finding and overall, each metric as model / chance / LOO prior / train prior."""
     head = ["finding", "n targets", "n boxes"] + [f"{m} (model / chance / LOO / train prior)"
                                                   for m in ("PG", "IoU top-20%", "T(IoBB)>0.1", "T(IoBB)>0.25",
-                                                            "T(IoBB)>0.5")]
+                                                            "T(IoBB)>0.5")] + ["PG model [95 %]",
+                                                                               "PG − train prior [95 %]"]
     out = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [(f, block["per_finding"].get(f) or {}) for f in BOX_FINDINGS] + [("**overall**", block["overall"])]
     for name, b in rows:
         cells = [" / ".join(_cells(b, m)) for m in ("hit", "iou", "iobb_0.1", "iobb_0.25", "iobb_0.5")]
+        model, margin = b.get("model") or {}, b.get("margin_over_train_prior") or {}
+        cells += [fmt_interval(model.get("hit"), model.get("hit_interval")),
+                  fmt_interval(margin.get("hit"), margin.get("hit_interval"), "margin")]
         out.append(f"| {name} | {b.get('n', 0)} | {b.get('n_boxes', 0)} | " + " | ".join(cells) + " |")
-    return out + [""]
+    return out + ["", "[95 %]: percentile-bootstrap interval over the images (2,000 resamples; an image's targets "
+                      "stay together); the margin scores model and train prior on the same resampled images.", ""]
 
 
 def benchmark_markdown(results: dict) -> str:
