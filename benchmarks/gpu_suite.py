@@ -1,23 +1,42 @@
 """GPU benchmark suite: every CUDA figure of the project in one call of at most ~8 minutes.
 
     python benchmarks/gpu_suite.py --device cuda          # writes benchmarks/results/<device>.json and .md
-    python benchmarks/gpu_suite.py --tiny                 # the same sections, CPU-sized (the test suite runs it)
+    python benchmarks/gpu_suite.py --tiny --device cpu    # the same sections, CPU-sized (the test suite runs it)
+
+Everything is timed as the training loop runs it: bf16 autocast on CUDA, the loop's CUDA math
+settings (TF32 for the fp32 work autocast leaves), fused AdamW, and for training figures the real
+``Trainer.train_step`` (non-log steps, a black box: its returned numbers are not read, the device
+is synchronised only at block edges). Every figure carries GPU busy %, model FLOPs utilisation
+(MFU against the card's dense bf16 peak) and peak memory beside img/s; loop figures also carry host
+syncs per step (``torch.cuda.set_sync_debug_mode``). cxrdr.train.evaluation.efficiency defines
+them; off CUDA busy %, MFU and syncs are None and peak memory is the process's RSS.
+Configurations are interleaved and warmed up before timing (the first configuration of a process
+pays warm-up costs: ../shared/gpu/compile-h100.txt), and a peer, open_clip's own CLIP step, runs on
+the same card in the same run.
 
 Sections (each a function; each reuses the project's own measurement code):
-1. build       ``reinforce build`` throughput with an open_clip ViT-B/16 teacher (random weights:
-               speed only) against that teacher's pure forward on the same crops
-               (``benchmarks/reinforce_throughput.measure``). Target: ratio >= 0.9.
-2. students    A-E at ViT-S/16 (configs A..E) and ViT-B/16 (the same configs with
-               ``image_tower=vit_base_patch16``, MiniLM text), 224 px, bf16 autocast: train and
-               inference img/s, peak VRAM, GFLOPs, E at its target keep rate
-               (``cxrdr.train.evaluation.efficiency.efficiency_metrics(step=FAR_STEP)``). Target: E >= 1.5x A
-               train img/s (ViT-S/16).
-3. train_step  the training loop's step with stored embeddings vs the ViT-B/16 teacher online vs
-               no teacher (``benchmarks/train_step.py --size full --teachers openclip:ViT-B-16``) on
-               the shards of section 1.
-4. table       the seeds' efficiency table (``train experiment ablation`` layout) for A-E: loop step
-               ms from the Trainer (``train_step.make_trainer/time_round_robin``) next to section 2's
-               synthetic figures.
+1. build          ``reinforce build`` throughput with an open_clip ViT-B/16 teacher (random weights:
+                  speed only) against that teacher's pure forward on the same crops, K=10, 256 px
+                  (``benchmarks/reinforce_throughput.measure``).
+2. students       A-E at ViT-S/16 (configs A..E) and A, E at ViT-B/16 (``image_tower=vit_base_patch16``),
+                  MiniLM text, 224 px, synthetic batch of 256: train and inference img/s, GFLOPs, E at its
+                  target keep rate (``efficiency_metrics(step=FAR_STEP)``).
+3. loop           the real loop's step (``Trainer.train_step``, ``benchmarks/train_step.time_round_robin``)
+                  of A-E at ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher (the shards of
+                  section 1), interleaved in blocks of steps.
+4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
+                  eager and compiled.
+5. loop_compiled  as 3 with ``TrainConfig.compile`` for D, A, E (as many as the budget allows),
+                  interleaved with their eager twins; skipped with a note where TrainConfig has no
+                  ``compile`` option, and in --tiny (a CPU compile takes minutes).
+6. train_step     D with stored embeddings vs the ViT-B/16 teacher online vs no teacher, batch 64
+                  (``benchmarks/train_step.py --size full --teachers openclip:ViT-B-16 --only D``).
+7. table          the seeds' efficiency table (``train experiment ablation`` layout) for A-E from
+                  sections 2 and 3 (no run of its own).
+
+The JSON's ``targets`` list holds each target as {name, required, value, met}. In --tiny the values
+are the tiny CPU run's own (``targets_device``, ``targets_note``): they check the suite's code, not
+the GPU targets.
 
 The suite keeps a total time budget (``--budget``): a section that would not fit is skipped with
 a note, and whatever was measured is written. A section that fails is recorded with its error
@@ -26,8 +45,8 @@ and the others still run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
@@ -42,24 +61,53 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repository's packages
 
 VARIANTS = "ABCDE"
-TARGETS = {"build_ratio": 0.9, "e_over_a_train": 1.5}
+COMPILED_ORDER = "DAE"  # the compiled loop configurations, most wanted first (budget may cut the tail)
+# Seconds one compiled loop configuration is assumed to add (compilation of forward and backward +
+# its timed steps). ../shared/gpu/compile-h100.txt measured 73-112 s warm-ups, but those recompiled
+# nearly every step (a graph break on the text length); one clean compile should take less.
+COMPILE_ESTIMATE_S = 75
+TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 
 
 def settings(tiny: bool, device: str) -> dict:
-    """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code."""
+    """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
+
+    GPU sizes come from the H100 step times in ../shared/gpu (before this round's changes, so an
+    upper bound): build ~74 s (suite-h100); students ~7 rows x ~5 s; loop 5 configurations x
+    (2 + 4 blocks of 5 steps) at <= 0.22 s/step + profiling ~60 s; peer ~10 s eager + one compile;
+    train_step ~36 s; compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows."""
     if tiny:
-        return dict(device=device, teacher="random:tiny", build=dict(n=16, workers=1, batch_size=8, n_aug=2,
-                                                                      n_captions=2, store_size=64),
-                    families={"tiny": ("tiny-{v}", {}), "cpu": ("cpu-{v}", {})}, batch_size=4, iters=2, warmup=1,
-                    step=dict(size="tiny", batch_size=4, steps=2, warmup=1, workers=0), table_family="tiny",
-                    reserve={"build": 5, "students": 10, "train_step": 10, "table": 10})
+        return dict(device=device, teacher="random:tiny",
+                    build=dict(n=16, workers=1, batch_size=8, n_aug=2, n_captions=2, store_size=64),
+                    families={"tiny": ("tiny-{v}", {}, "ABCDE"), "tiny-32px": ("tiny-{v}", {"image_size": 32}, "AE")},
+                    students=dict(batch_size=4, iters=2, warmup=1),
+                    loop=dict(family="tiny", batch_size=4, steps=2, warmup=1, block=1, workers=0),
+                    peer=dict(model="tiny", batch_size=4, steps=2, warmup=1, block=1, compile=False),
+                    compile=False, step=dict(size="tiny", batch_size=4, steps=2, warmup=1, block=1, workers=0),
+                    table_family="tiny",
+                    reserve={"build": 5, "students": 10, "loop": 5, "peer": 3, "loop_compiled": 5,
+                             "train_step": 5, "table": 0})
     workers = max(1, min(12, (os.cpu_count() or 2) - 2))
     return dict(device=device, teacher="openclip:ViT-B-16",
                 build=dict(n=1024, workers=workers, batch_size=64, n_aug=10, n_captions=5, store_size=256),
-                families={"vit-s16": ("{v}", {}), "vit-b16": ("{v}", {"image_tower": "vit_base_patch16"})},
-                batch_size=128, iters=5, warmup=2,
-                step=dict(size="full", batch_size=64, steps=10, warmup=3, workers=min(8, workers)),
-                table_family="vit-s16", reserve={"build": 90, "students": 120, "train_step": 90, "table": 60})
+                families={"vit-s16": ("{v}", {}, "ABCDE"),
+                          "vit-b16": ("{v}", {"image_tower": "vit_base_patch16"}, "AE")},
+                students=dict(batch_size=256, iters=4, warmup=2),
+                loop=dict(family="vit-s16", batch_size=256, steps=20, warmup=10, block=5, workers=min(8, workers)),
+                peer=dict(model="ViT-S-16", batch_size=256, steps=20, warmup=10, block=5, compile=True),
+                compile=True,
+                step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
+                table_family="vit-s16",
+                reserve={"build": 90, "students": 50, "loop": 75, "peer": 60, "loop_compiled": COMPILE_ESTIMATE_S,
+                         "train_step": 45, "table": 0})
+
+
+def _free_device_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------- sections
@@ -78,41 +126,29 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     return {k: m[k] for k in keep}
 
 
-def _autocast(device: str):
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def section_students(cfg: dict, work: Path, budget) -> dict:
-    """A-E of each family: efficiency_metrics at the target keep rate, bf16 autocast on CUDA."""
-    import torch
-
+    """Each family's variants: efficiency_metrics at the target keep rate, as the loop runs (bf16 on CUDA)."""
     from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
     from cxrdr.train.models.config import StudentConfig
     from cxrdr.train.models import build_student
 
+    st = cfg["students"]
     rows, skipped = [], []
-    for family, (pattern, overrides) in cfg["families"].items():
-        for v in VARIANTS:
+    for family, (pattern, overrides, variants) in cfg["families"].items():
+        for v in variants:
             name = pattern.format(v=v)
             if budget.left() < 5:
                 skipped.append(f"{family} {name}: time budget spent")
                 continue
             config = StudentConfig.from_yaml(name, **overrides)
             model = build_student(config).to(cfg["device"])
-            with _autocast(cfg["device"]):
-                m = efficiency_metrics(model, batch_size=cfg["batch_size"], iters=cfg["iters"],
-                                       warmup=cfg["warmup"], step=FAR_STEP)
+            m = efficiency_metrics(model, batch_size=st["batch_size"], iters=st["iters"], warmup=st["warmup"],
+                                   step=FAR_STEP, amp="bf16")
             rows.append({"family": family, "variant": v, "config": name, "image_tower": config.image_tower,
                          "image_size": config.image_size, "text_tower": config.text_tower,
-                         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-                         "autocast": "bf16" if cfg["device"].startswith("cuda") else None, **m})
+                         "params_m": sum(p.numel() for p in model.parameters()) / 1e6, **m})
             del model
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _free_device_memory()
     ratios = {}
     for family in cfg["families"]:
         by = {r["variant"]: r for r in rows if r["family"] == family}
@@ -120,21 +156,206 @@ def section_students(cfg: dict, work: Path, budget) -> dict:
             ratios[family] = {k: by["E"][k] / by["A"][k] for k in ("train_img_per_s", "inference_img_per_s",
                                                                   "gflops_per_img")}
     return {"rows": rows, "E_over_A": ratios, "skipped": skipped,
-            "note": "synthetic inputs at the model size; E (and the Top-K mask) at their target rates (FAR_STEP)"}
+            "note": f"synthetic batch of {st['batch_size']} at the model size, run as the loop runs (autocast "
+                    "bf16 and the loop's CUDA math on CUDA, fused AdamW); E (and the Top-K mask) at their target "
+                    "rates (FAR_STEP)"}
+
+
+def _loop_description(cfg: dict) -> str:
+    from cxrdr.train.models.config import StudentConfig
+
+    lp = cfg["loop"]
+    pattern, overrides, _ = cfg["families"][lp["family"]]
+    c = StudentConfig.from_yaml(pattern.format(v="A"), **overrides)
+    amp = "bf16" if cfg["device"].startswith("cuda") else "fp32 (CPU)"
+    return (f"{pattern.format(v='A-E')}: {c.image_tower} {c.image_size} px + {c.text_tower}, batch "
+            f"{lp['batch_size']}, {amp}, stored teacher")
+
+
+def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str, bool]]) -> dict:
+    import train_step
+
+    lp = cfg["loop"]
+    base = dict(shards=shards, batch_size=lp["batch_size"], workers=lp["workers"], device=cfg["device"],
+                amp="bf16", steps=10_000, progress=False, eval_every=0, **{"optim.warmup_steps": 1})
+    trainers = {}
+    for name, model, compiled in plan:
+        extra = {"compile": True} if compiled else {}
+        trainers[name] = train_step.make_trainer({**base, "out": str(work / f"loop-{len(trainers)}-{model}"), **extra},
+                                                 model=model)
+    return trainers
+
+
+def _run_loop(cfg: dict, trainers: dict) -> list[dict]:
+    import train_step
+
+    lp = cfg["loop"]
+    try:
+        return train_step.time_round_robin(trainers, lp["steps"], lp["warmup"], block=lp["block"])
+    finally:
+        for _, batches in trainers.values():
+            batches.close()
+
+
+def _math_state() -> dict:
+    import torch
+
+    return {"matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def _ratios(rows: list[dict]) -> dict:
+    by = {r["name"]: r for r in rows}
+    out = {}
+    if "A" in by and "D" in by:
+        out["D_over_A_step"] = by["D"]["step_ms"] / by["A"]["step_ms"]
+    if "A" in by and "E" in by:
+        out["E_over_A_img_per_s"] = by["E"]["img_per_s"] / by["A"]["img_per_s"]
+    return out
+
+
+def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
+    """The real loop's step of A-E, eager, interleaved (train_step.time_round_robin)."""
+    lp = cfg["loop"]
+    pattern = cfg["families"][lp["family"]][0]
+    trainers = _loop_trainers(cfg, work, shards, [(v, pattern.format(v=v), False) for v in VARIANTS])
+    rows = _run_loop(cfg, trainers)
+    math_state = _math_state()  # as the Trainer left the process (it sets its CUDA math at start-up)
+    del trainers
+    _free_device_memory()
+    return {"rows": rows, **_ratios(rows), "description": _loop_description(cfg), "shards": shards,
+            "batch_size": lp["batch_size"], "block": lp["block"], "steps": lp["steps"], "warmup": lp["warmup"],
+            "cuda_math": math_state if cfg["device"].startswith("cuda") else None,
+            "note": f"Trainer.train_step (non-log steps), {lp['steps']} timed steps per configuration in blocks of "
+                    f"{lp['block']} after {lp['warmup']} warm-up steps, interleaved; E and the Top-K mask at their "
+                    "target rates"}
+
+
+def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float) -> dict:
+    """D, A, E with TrainConfig.compile, interleaved with their eager twins: as many as the budget allows."""
+    import train_step
+
+    if not train_step.compile_supported():
+        return {"rows": [], "note": "not measured: this checkout's TrainConfig has no 'compile' option"}
+    fit = int((budget.left() - reserve_after) // COMPILE_ESTIMATE_S)
+    variants = COMPILED_ORDER[:max(0, min(len(COMPILED_ORDER), fit))]
+    if not variants:
+        return {"rows": [], "note": f"not measured: {budget.left():.0f} s left, one compiled configuration needs "
+                                    f"~{COMPILE_ESTIMATE_S} s"}
+    pattern = cfg["families"][cfg["loop"]["family"]][0]
+    plan = [(f"{v} eager", pattern.format(v=v), False) for v in variants]
+    plan += [(f"{v} compiled", pattern.format(v=v), True) for v in variants]
+    trainers = _loop_trainers(cfg, work, shards, plan)
+    rows = _run_loop(cfg, trainers)
+    del trainers
+    _free_device_memory()
+    by = {r["name"]: r for r in rows}
+    compiled = {r["name"].split()[0]: r for r in rows if r["compile"]}
+    left_out = [v for v in COMPILED_ORDER if v not in variants]
+    return {"rows": rows, **_ratios([{**r, "name": v} for v, r in compiled.items()]),
+            "compiled_over_eager_img_per_s": {v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"]
+                                              for v, r in compiled.items()},
+            "description": _loop_description(cfg),
+            "note": "compiled configurations timed interleaved with their eager twins; warmup_s holds the "
+                    "compilation" + (f"; left out for the budget: {', '.join(left_out)}" if left_out else "")}
+
+
+def _openclip_peer(spec: str, device: str):
+    """(model, image size, vocabulary size, context length) of the peer: open_clip's model config
+    ``spec`` with random weights, or a tiny CLIP of the same code for the CPU run."""
+    import open_clip
+
+    if spec == "tiny":
+        model = open_clip.CLIP(embed_dim=32, vision_cfg=dict(image_size=32, patch_size=8, width=64, layers=2,
+                                                             head_width=32, mlp_ratio=2.0),
+                               text_cfg=dict(context_length=16, vocab_size=1000, width=64, heads=2, layers=2))
+    else:
+        model = open_clip.create_model(spec)  # no pretrained tag: random init (speed only)
+    size = model.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else int(size)
+    return model.to(device), size, int(getattr(model, "vocab_size", 49408)), int(getattr(model, "context_length", 77))
+
+
+def section_peer(cfg: dict, work: Path, budget, reserve_after: float) -> dict:
+    """open_clip's own CLIP training step on the same card: ClipLoss, fused AdamW, bf16 autocast, eager and
+    torch.compile'd (the model's forward, as open_clip's --torchcompile does), interleaved."""
+    import torch
+    import open_clip
+
+    import train_step
+    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.evaluation.efficiency import gflops, loop_math, peak_bf16_flops
+
+    pc, device = cfg["peer"], torch.device(cfg["device"])
+    cuda = device.type == "cuda"
+    amp = amp_dtype_for("bf16", device)
+    modes = ["eager"]
+    notes = []
+    if not pc["compile"]:
+        notes.append("compiled step not measured in the tiny CPU run (a CPU compile takes minutes)")
+    elif budget.left() - reserve_after < 2 * cfg["reserve"]["peer"]:
+        notes.append(f"compiled step not measured: {budget.left():.0f} s of the budget left")
+    else:
+        modes.append("compiled")
+    steps, flops, models = {}, None, []
+    gen = torch.Generator().manual_seed(0)
+    for mode in modes:
+        model, size, vocab, ctx = _openclip_peer(pc["model"], cfg["device"])
+        model.train()
+        models.append(model)
+        images = torch.randn(pc["batch_size"], 3, size, size, generator=gen).to(device)
+        texts = torch.randint(0, vocab, (pc["batch_size"], ctx), generator=gen).to(device)
+        loss_fn = open_clip.ClipLoss()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+        forward = torch.compile(model) if mode == "compiled" else model
+
+        def fwd_bwd(forward=forward, loss_fn=loss_fn, images=images, texts=texts):
+            with autocast(device, amp):
+                img, txt, scale = forward(images, texts)[:3]
+                loss = loss_fn(img, txt, scale)
+            loss.backward()
+
+        def step(fwd_bwd=fwd_bwd, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            fwd_bwd()
+            opt.step()
+
+        steps[mode] = step
+        if mode == "eager" and peak_bf16_flops(device) is not None:  # for MFU; slow on CPU
+            with loop_math(device):
+                flops = gflops(fwd_bwd, grad=True) * 1e9
+    rows = []
+    with loop_math(device):
+        timed = train_step.time_interleaved(steps, device, pc["steps"], pc["warmup"], pc["block"])
+        for mode, fn in steps.items():
+            row = {"name": f"open_clip {pc['model']} {mode}", "model": pc["model"], "compile": mode == "compiled",
+                   "batch_size": pc["batch_size"], **timed[mode]}
+            row.update(train_step.step_figures(fn, device, pc["batch_size"], row["step_ms"], flops))
+            rows.append(row)
+    del models, steps
+    _free_device_memory()
+    return {"rows": rows, "notes": notes,
+            "description": f"open_clip {open_clip.__version__} CLIP {pc['model']} (random init), ClipLoss, fused "
+                           f"AdamW, {'bf16' if amp is not None else 'fp32 (CPU)'}, batch {pc['batch_size']}, "
+                           "synthetic images and token ids; FLOPs counted on the eager step (where an MFU can "
+                           "be computed)"}
 
 
 def section_train_step(cfg: dict, work: Path, budget, shards: str | None) -> dict:
-    """benchmarks/train_step.py's own plan: A/E/D stored, D plain, D with the teacher online."""
+    """benchmarks/train_step.py's plan for D: stored embeddings, no teacher (plain), the teacher online."""
     import train_step
 
     s = cfg["step"]
     out = work / "train_step.json"
     argv = ["--size", s["size"], "--teachers", cfg["teacher"], "--batch-size", str(s["batch_size"]),
-            "--steps", str(s["steps"]), "--warmup", str(s["warmup"]), "--workers", str(s["workers"]),
-            "--device", cfg["device"], "--json-out", str(out)]
+            "--steps", str(s["steps"]), "--warmup", str(s["warmup"]), "--block", str(s["block"]),
+            "--workers", str(s["workers"]), "--device", cfg["device"], "--json-out", str(out),
+            "--only", "D"]  # A and E stored: the loop section's (same loop, same shards)
     if shards:
         argv += ["--shards", shards]
     train_step.main(argv)
+    _free_device_memory()
     rows = json.loads(out.read_text())
     by = {r["name"]: r["step_ms"] for r in rows}
     online = next((r["step_ms"] for r in rows if r["name"].startswith("D online")), None)
@@ -144,33 +365,25 @@ def section_train_step(cfg: dict, work: Path, budget, shards: str | None) -> dic
             "plain_over_stored": plain / stored if plain and stored else None}
 
 
-def section_table(cfg: dict, work: Path, budget, shards: str | None, students: dict | None) -> dict:
-    """The ablation's cost table for A-E: loop step ms (Trainer, stored embeddings) + synthetic figures."""
-    import train_step
-
-    s = cfg["step"]
+def section_table(cfg: dict, loop: dict | None, students: dict | None) -> dict:
+    """The ablation's cost table for A-E: the loop's step (section 3) beside the synthetic figures (section 2)."""
     family = cfg["table_family"]
     pattern = cfg["families"][family][0]
-    if shards is None:
-        shards = str(train_step.build_phantom(work / "table-shards", 96, 128))
-    base = dict(shards=shards, batch_size=s["batch_size"], workers=s["workers"], device=cfg["device"],
-                amp="bf16", steps=10_000, progress=False, eval_every=0, **{"optim.warmup_steps": 1})
-    trainers = {v: train_step.make_trainer({**base, "out": str(work / f"table-run-{v}")}, model=pattern.format(v=v))
-                for v in VARIANTS}
-    loop = {r["name"]: r for r in train_step.time_round_robin(trainers, s["steps"], s["warmup"])}
     synthetic = {r["variant"]: r for r in (students or {}).get("rows", []) if r["family"] == family}
+    looped = {r["name"]: r for r in (loop or {}).get("rows", [])}
     rows = []
     for v in VARIANTS:
-        e = synthetic.get(v, {})
-        step_ms = loop[v]["step_ms"]
+        e, lr = synthetic.get(v, {}), looped.get(v, {})
         # The keys and their meaning are those of train.evaluation.runner's summary (ablation rows).
         rows.append({"run": v, "config": pattern.format(v=v), "inference_img_per_s": e.get("inference_img_per_s"),
                      "train_step_ms": e.get("train_step_ms"), "synthetic_train_img_per_s": e.get("train_img_per_s"),
                      "latency_ms": e.get("latency_ms_per_img"), "peak_memory_mb": e.get("peak_memory_mb"),
                      "step_memory_delta_mb": e.get("step_memory_delta_mb"), "gflops_per_img": e.get("gflops_per_img"),
-                     "patch_usage_pct": e.get("patch_usage_pct"), "step_ms": step_ms,
-                     "train_img_per_s": 1000.0 * s["batch_size"] / step_ms})
-    return {"family": family, "rows": rows, "batch_size": s["batch_size"], "shards": shards}
+                     "patch_usage_pct": e.get("patch_usage_pct"), "step_ms": lr.get("step_ms"),
+                     "train_img_per_s": lr.get("img_per_s"), "gpu_busy_pct": lr.get("gpu_busy_pct"),
+                     "mfu_pct": lr.get("mfu_pct"), "loop_peak_memory_mb": lr.get("peak_memory_mb")})
+    return {"family": family, "rows": rows, "batch_size": cfg["loop"]["batch_size"],
+            "synthetic_batch_size": cfg["students"]["batch_size"]}
 
 
 # --------------------------------------------------------------------------- running, targets, report
@@ -204,57 +417,142 @@ def device_name(device: str, tiny: bool) -> str:
     return slug + ("-tiny" if tiny else "")
 
 
-def evaluate_targets(sections: dict, tiny: bool) -> list[dict]:
+def _target(name: str, op: str, threshold: float, value) -> dict:
+    met = None if value is None else bool(value >= threshold if op == ">=" else value <= threshold)
+    return {"name": name, "required": f"{op} {threshold:g}", "op": op, "threshold": threshold, "value": value,
+            "met": met}
+
+
+def _loop_targets(loop: dict | None, label: str, desc: str, eager: bool) -> list[dict]:
+    """The real-loop targets on one section's rows (names "A".."E" or "A compiled"...)."""
+    rows = (loop or {}).get("rows", [])
+    by = {r["name"].split()[0]: r for r in rows if bool(r.get("compile")) != eager}
+    get = lambda v, k: (by.get(v) or {}).get(k)  # noqa: E731
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    syncs = [get(v, "host_syncs_per_step") for v in "ADE" if v in by]
+    max_syncs = max(syncs) if syncs and None not in syncs else None
+    return [
+        _target(f"D training, real loop, img/s [{label}] ({desc})", ">=", 3500, get("D", "img_per_s")),
+        _target(f"D training, real loop, GPU busy % [{label}]", ">=", 85, get("D", "gpu_busy_pct")),
+        _target(f"A training, real loop, img/s [{label}]", ">=", 4500, get("A", "img_per_s")),
+        _target(f"D step / A step, real loop [{label}]", "<=", 1.25, ratio(get("D", "step_ms"), get("A", "step_ms"))),
+        _target(f"E / A train img/s, real loop, E at its target keep rate [{label}]", ">=", 1.5,
+                ratio(get("E", "img_per_s"), get("A", "img_per_s"))),
+        _target(f"host syncs per non-log step, max of A, D, E [{label}]", "<=", 2, max_syncs),
+    ]
+
+
+def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
+    """The issue's targets, each {name, required, value, met} (+ op, threshold); value None: not measured."""
     build = sections.get("build") or {}
     students = sections.get("students") or {}
-    family = "tiny" if tiny else "vit-s16"
-    e_over_a = (students.get("E_over_A") or {}).get(family, {}).get("train_img_per_s")
-    targets = [("build throughput / teacher forward (ViT-B/16 teacher)", ">= 0.9", build.get("ratio"),
-                TARGETS["build_ratio"]),
-               (f"E train img/s / A train img/s ({family}{'' if tiny else ', 224 px, bf16'})", ">= 1.5", e_over_a,
-                TARGETS["e_over_a_train"])]
-    return [{"name": name, "target": text, "value": value,
-             "met": None if value is None else bool(value >= threshold)} for name, text, value, threshold in targets]
+    family = cfg["loop"]["family"]
+    b = cfg["build"]
+    desc = (sections.get("loop") or {}).get("description") or TARGET_CONFIG
+    e_over_a_infer = (students.get("E_over_A") or {}).get(family, {}).get("inference_img_per_s")
+    targets = _loop_targets(sections.get("loop"), "eager", desc, eager=True)
+    targets.append(_target(f"E / A inference img/s ({family}, image encoder, batch {cfg['students']['batch_size']})",
+                           ">=", 2, e_over_a_infer))
+    targets.append(_target(f"build / teacher forward ({cfg['teacher']} teacher, K={b['n_aug']}, {b['store_size']} px)",
+                           ">=", 0.9, build.get("ratio")))
+    if (sections.get("loop_compiled") or {}).get("rows"):
+        targets += _loop_targets(sections["loop_compiled"], "compiled", desc, eager=False)
+    return targets
 
 
-def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print) -> dict:
+def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, compile_: bool = True) -> dict:
     import torch
 
     cfg = settings(tiny, device)
+    cfg["compile"] = cfg["compile"] and compile_
+    cfg["peer"]["compile"] = cfg["peer"]["compile"] and compile_
     budget = Budget(budget_s)
-    result = {"device": device_name(device, tiny), "device_kind": device, "mode": "tiny" if tiny else "full",
+    name = device_name(device, tiny)
+    result = {"device": name, "device_kind": device, "mode": "tiny" if tiny else "full",
               "torch": torch.__version__, "cuda": torch.version.cuda,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "budget_s": budget_s,
+              "peak_bf16_flops": _peak_flops(device),
               "settings": {k: v for k, v in cfg.items() if k != "families"} | {
-                  "families": {f: {"configs": p, "overrides": o} for f, (p, o) in cfg["families"].items()}},
+                  "families": {f: {"configs": p, "overrides": o, "variants": vs}
+                               for f, (p, o, vs) in cfg["families"].items()}},
               "sections": {}, "skipped": [], "errors": {}, "section_seconds": {}}
     sections = result["sections"]
+    order = ["build", "students", "loop", "peer", "loop_compiled", "train_step", "table"]
+
+    def after(name):  # seconds the sections after ``name`` reserve
+        return sum(cfg["reserve"][n] for n in order[order.index(name) + 1:])
+
+    def skip(name, note):
+        result["skipped"].append({"section": name, "reason": note})
+        log(f"[{name}] {note}")
 
     def run(name, fn):
         if budget.left() < cfg["reserve"][name]:
-            note = f"skipped: {budget.left():.0f} s of the {budget_s:.0f} s budget left, the section needs ~{cfg['reserve'][name]} s"
-            result["skipped"].append({"section": name, "reason": note})
-            log(f"[{name}] {note}")
+            skip(name, f"skipped: {budget.left():.0f} s of the {budget_s:.0f} s budget left, the section needs "
+                       f"~{cfg['reserve'][name]} s")
             return
         log(f"[{name}] starting ({budget.elapsed():.0f} s elapsed)")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             sections[name] = fn()
         except Exception as exc:  # noqa: BLE001 - record it, measure the rest
             result["errors"][name] = f"{type(exc).__name__}: {exc}"
             log(f"[{name}] failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            _free_device_memory()
         result["section_seconds"][name] = round(time.perf_counter() - start, 1)
-        log(f"[{name}] done in {result['section_seconds'][name]} s")
+        log(f"[{name}] done in {result['section_seconds'][name]} s ({time.process_time() - cpu:.1f} CPU s of "
+            f"this process)")
 
     run("build", lambda: section_build(cfg, work, budget))
-    shards = (sections.get("build") or {}).get("shards")
+    built = (sections.get("build") or {}).get("shards")
+    phantom: list[str] = []
+
+    def shards() -> str:  # the build's shards; without them (build failed) a phantom build of the loop's own
+        if built:
+            return built
+        if not phantom:
+            import train_step
+
+            phantom.append(str(train_step.build_phantom(work / "loop-shards", 96 if tiny else 2048,
+                                                        64 if tiny else 256)))
+        return phantom[0]
+
     run("students", lambda: section_students(cfg, work, budget))
-    run("train_step", lambda: section_train_step(cfg, work, budget, shards))
-    run("table", lambda: section_table(cfg, work, budget, shards, sections.get("students")))
-    result["targets"] = evaluate_targets(sections, tiny)
+    run("loop", lambda: section_loop(cfg, work, budget, shards()))
+    run("peer", lambda: section_peer(cfg, work, budget, after("peer")))
+    if not cfg["compile"]:
+        skip("loop_compiled", "skipped: " + ("the tiny CPU run times no compiled step (a CPU compile takes minutes)"
+                                             if tiny else "--no-compile"))
+    else:
+        run("loop_compiled", lambda: section_loop_compiled(cfg, work, budget, shards(), after("loop_compiled")))
+    run("train_step", lambda: section_train_step(cfg, work, budget, built))
+    if "loop" in sections or "students" in sections:
+        run("table", lambda: section_table(cfg, sections.get("loop"), sections.get("students")))
+    else:
+        skip("table", "skipped: neither the loop nor the students section was measured")
+    result["targets"] = evaluate_targets(sections, cfg, tiny)
+    result["targets_device"] = name
+    result["targets_note"] = (
+        f"tiny CPU run: every value was measured here, on {name}, at test size ({_describe_tiny(cfg)}); 'met' "
+        f"compares these CPU figures with the GPU thresholds, so it says nothing about the GPU configuration "
+        f"({TARGET_CONFIG}), whose figures only a --device cuda run gives" if tiny else
+        f"measured on {name} in this run; GPU busy % and host syncs need CUDA")
     result["elapsed_s"] = round(budget.elapsed(), 1)
     return result
+
+
+def _peak_flops(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None  # without importing the models (efficiency imports them): a spent budget stays quick
+    from cxrdr.train.evaluation.efficiency import peak_bf16_flops
+
+    return peak_bf16_flops(device)
+
+
+def _describe_tiny(cfg: dict) -> str:
+    return (f"students {cfg['families'][cfg['loop']['family']][0].format(v='A-E')}, loop batch "
+            f"{cfg['loop']['batch_size']}, fp32, build {cfg['build']['n']} samples with {cfg['teacher']}")
 
 
 def _fmt(v) -> str:
@@ -271,21 +569,32 @@ def _table(rows: list[dict], cols: list[tuple[str, str]]) -> list[str]:
     return out
 
 
+FIGURE_COLUMNS = [("img_per_s", "img/s"), ("step_ms", "ms/step"), ("gpu_busy_pct", "GPU busy %"),
+                  ("mfu_pct", "MFU %"), ("peak_memory_mb", "peak MB"), ("host_syncs_per_step", "host syncs/step"),
+                  ("gflops_per_img", "GFLOPs/img (fwd+bwd)"), ("warmup_s", "warm-up s")]
+
+
 def markdown(result: dict) -> str:
     from cxrdr.train.evaluation.report import COST_COLUMNS, markdown_table
 
     s = result["sections"]
+    tiny = result["mode"] == "tiny"
     md = [f"# GPU benchmark suite: {result['device']}", "",
           f"- mode **{result['mode']}**, torch {result['torch']}, CUDA {result['cuda']}, {result['date']}",
           f"- command: `python benchmarks/{result['command']}`; {result['elapsed_s']} s of a {result['budget_s']:.0f} s budget",
+          f"- MFU against {_fmt(result['peak_bf16_flops'])} dense bf16 FLOP/s" if result["peak_bf16_flops"] else
+          "- MFU: not computed (no bf16 peak known for this device); GPU busy % and host syncs: CUDA only",
+          "- peak memory: CUDA max allocated on GPU (whatever else the process holds included), process RSS on CPU",
           ""]
-    if result["mode"] == "tiny":
-        md += ["*Tiny CPU run (test-sized models and data): it checks that the suite works; its figures say "
-               "nothing about the targets, which apply to the GPU run.*", ""]
-    md += ["## Targets", "", "| target | required | measured | met |", "|---|---|---|---|"]
+    if tiny:
+        md += ["*Tiny CPU run (test-sized models and data): it checks that the suite works. Its figures, and the "
+               "targets' values and 'met' below, are CPU measurements at tiny size, not the GPU targets' "
+               "measurements.*", ""]
+    md += ["## Targets", "", f"{result['targets_note']}.", "",
+           "| target | required | measured | met |", "|---|---|---|---|"]
     for t in result["targets"]:
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        md.append(f"| {t['name']} | {t['target']} | {_fmt(t['value'])} | {met} |")
+        md.append(f"| {t['name']} | {t['required']} | {_fmt(t['value'])} | {met} |")
     md.append("")
     for item in result["skipped"]:
         md += [f"- section **{item['section']}** {item['reason']}"]
@@ -304,30 +613,56 @@ def markdown(result: dict) -> str:
                f"time split (s): {b['time_split_seconds']}", ""]
     if "students" in s:
         st = s["students"]
-        md += ["## 2. Students A-E", "", st["note"] + ".", "",
+        md += ["## 2. Students (synthetic batch)", "", st["note"] + ".", "",
                *_table(st["rows"], [("family", "family"), ("config", "config"), ("image_tower", "image tower"),
                                     ("image_size", "px"), ("params_m", "params M"),
-                                    ("train_img_per_s", "train img/s"), ("inference_img_per_s", "infer img/s"),
-                                    ("latency_ms_per_img", "latency ms"), ("peak_memory_mb", "peak MB"),
-                                    ("gflops_per_img", "GFLOPs/img"), ("patch_usage_pct", "patch use %")]), ""]
+                                    ("train_img_per_s", "train img/s"), ("train_gpu_busy_pct", "train busy %"),
+                                    ("train_mfu_pct", "train MFU %"), ("peak_memory_mb", "train peak MB"),
+                                    ("host_syncs_per_step", "syncs/step"),
+                                    ("inference_img_per_s", "infer img/s"), ("inference_gpu_busy_pct", "infer busy %"),
+                                    ("inference_mfu_pct", "infer MFU %"), ("inference_peak_memory_mb", "infer peak MB"),
+                                    ("latency_ms_per_img", "latency ms"), ("train_gflops_per_img", "train GFLOPs/img"),
+                                    ("gflops_per_img", "infer GFLOPs/img"), ("patch_usage_pct", "patch use %")]), ""]
         for family, r in st["E_over_A"].items():
             md.append(f"- {family}: E / A train img/s {_fmt(r['train_img_per_s'])}x, inference "
                       f"{_fmt(r['inference_img_per_s'])}x, GFLOPs {_fmt(r['gflops_per_img'])}x")
         md += [f"- not measured: {x}" for x in st["skipped"]] + [""]
+    if "loop" in s:
+        lp = s["loop"]
+        md += ["## 3. Real training loop (Trainer.train_step)", "", f"{lp['description']}; {lp['note']}.", "",
+               *_table(lp["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), "",
+               f"- D step / A step {_fmt(lp.get('D_over_A_step'))}; E / A img/s {_fmt(lp.get('E_over_A_img_per_s'))}",
+               f"- CUDA math after the Trainer's start-up: {lp['cuda_math']}" if lp.get("cuda_math") else "", ""]
+    if "peer" in s:
+        pe = s["peer"]
+        md += ["## 4. Peer: open_clip's own CLIP step on the same device", "", pe["description"] + ".", "",
+               *_table(pe["rows"], [("name", "step"), *FIGURE_COLUMNS]), ""]
+        md += [f"- {n}" for n in pe["notes"]] + [""]
+    if "loop_compiled" in s:
+        lc = s["loop_compiled"]
+        md += ["## 5. Real training loop, torch.compile (TrainConfig.compile)", "", lc["note"] + ".", ""]
+        if lc["rows"]:
+            md += [*_table(lc["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), "",
+                   "- compiled / eager img/s: " + ", ".join(f"{k} {_fmt(v)}x" for k, v in
+                                                             lc["compiled_over_eager_img_per_s"].items()),
+                   ""]
     if "train_step" in s:
         ts = s["train_step"]
-        md += ["## 3. Training step: stored embeddings vs teacher online vs no teacher", "",
-               f"Trainer steps (data + forward + losses + backward + AdamW) on {ts['shards']}.", "",
-               *_table(ts["rows"], [("name", "configuration"), ("model", "model"), ("step_ms", "ms/step"),
-                                    ("data_ms", "data ms"), ("teacher_ms", "teacher ms"), ("batch_size", "batch")]), "",
+        md += ["## 6. Training step: stored embeddings vs teacher online vs no teacher", "",
+               f"Trainer steps (data + forward + losses + backward + AdamW) on {ts['shards']}; the online "
+               "teacher's cost is its row's ms/step minus D stored's.", "",
+               *_table(ts["rows"], [("name", "configuration"), ("model", "model"), *FIGURE_COLUMNS,
+                                    ("data_ms", "data wait ms"), ("batch_size", "batch")]), "",
                f"online / stored: {_fmt(ts['online_over_stored'])}x; no teacher / stored: "
                f"{_fmt(ts['plain_over_stored'])}x", ""]
     if "table" in s:
         tb = s["table"]
-        md += [f"## 4. Efficiency table ({tb['family']}, the layout of `train experiment ablation`)", "",
-               "infer img/s, synth step ms, latency, GFLOPs, peak MB: section 2 (synthetic inputs, target keep "
-               f"rate); loop step ms / train img/s: the training loop's mean step at batch {tb['batch_size']}.", "",
-               markdown_table(tb["rows"], COST_COLUMNS + ["step_ms", "train_img_per_s"], first="run"), ""]
+        md += [f"## 7. Efficiency table ({tb['family']}, the layout of `train experiment ablation`)", "",
+               f"infer img/s, synth step ms, latency, GFLOPs, peak MB: section 2 (synthetic batch of "
+               f"{tb['synthetic_batch_size']}, target keep rate); step ms, train img/s, GPU busy %, MFU: the real "
+               f"loop's (section 3, batch {tb['batch_size']}).", "",
+               markdown_table(tb["rows"], COST_COLUMNS + ["step_ms", "train_img_per_s", "gpu_busy_pct", "mfu_pct"],
+                              first="run"), ""]
     return "\n".join(md)
 
 
@@ -348,6 +683,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds for all sections [480; tiny: 120]")
     parser.add_argument("--out-dir", default=str(HERE / "results"), help="where <device>.json/.md go")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled loop and peer steps")
     args = parser.parse_args(argv)
 
     import torch
@@ -365,7 +701,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     budget = args.budget or (120.0 if args.tiny else 480.0)
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
-        result = run_suite(args.tiny, device, budget, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True))
+        result = run_suite(args.tiny, device, budget, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True),
+                           compile_=not args.no_compile)
     json_path, md_path = write_results(result, Path(args.out_dir))
     print(markdown(result))
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)

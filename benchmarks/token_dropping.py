@@ -11,7 +11,9 @@ drifting load on a shared machine hits both alike.
 
 Inference: the image encoder on a batch (``cxrdr.train.evaluation.efficiency.image_encoder_metrics``).
 Training: one AdamW step of the student on a synthetic batch (the trainer's Task: forward and the
-training objective, then backward and update), as ``efficiency_metrics`` measures it.
+training objective, then backward and update), as ``efficiency_metrics`` measures it: on CUDA as the
+loop runs it (bf16 autocast, the loop's CUDA math, fused AdamW). The real loop's E / A (data,
+host work and all) is benchmarks/gpu_suite.py's loop section.
 """
 from __future__ import annotations
 

@@ -11,7 +11,14 @@ and prints them with ratios to "D stored". The interesting ratio is online / sto
 storing the teacher's embeddings saves per step (MobileCLIP's argument).
 
     python benchmarks/train_step.py                      # the CPU ladder, phantom shards, CPU/GPU auto
-    python benchmarks/train_step.py --size full --shards shards/ --device cuda --teachers random:tiny,biomedclip
+    python benchmarks/train_step.py --size full --shards shards/ --device cuda --teachers random:tiny,biomedclip \
+        --batch-size 256 --block 5 [--compile]
+
+The step is the loop's own (``Trainer.train_step``, non-log steps), timed as a black box with the
+device synchronised only at block edges (``time_interleaved``); beside ms/step it prints the data
+wait, GPU busy %, model FLOPs utilisation, peak memory and host syncs per step
+(cxrdr.train.evaluation.efficiency defines them). What the online teacher costs is its row's
+ms/step minus "D stored"'s.
 """
 from __future__ import annotations
 
@@ -33,49 +40,163 @@ def build_phantom(out: Path, n: int, store_size: int) -> Path:
     return out
 
 
+class TimedBatches:
+    """The trainer's batch iterator, adding up the seconds each ``next`` waits: the loop's data wait,
+    measured outside ``Trainer.train_step`` (its returned numbers are not read: on CUDA some are
+    device tensors, and reading one is a host sync the loop does not pay on a non-log step)."""
+
+    def __init__(self, batches):
+        self.batches, self.waits = batches, []  # seconds of each next()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.batches)
+        finally:
+            self.waits.append(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """End the loader (its worker processes) now rather than at garbage collection."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
+
+
 def make_trainer(base: dict, **overrides):
     from cxrdr.train.config import TrainConfig
     from cxrdr.train.loop import Trainer
 
     trainer = Trainer(TrainConfig.load(None, **{**base, **overrides}))
     # time the student as trained: token dropping (E) and Top-K at their target rates, not in warm-up
-    trainer.step = trainer.student.config.warmup_steps_to_target
-    return trainer, trainer._batches()
+    # (and, with --compile, past the schedules, where the loop runs its compiled forward)
+    start = trainer.student.config.warmup_steps_to_target
+    if hasattr(trainer.student, "step_schedules_end"):
+        start = max(start, int(trainer.student.step_schedules_end()))
+    trainer.step = start
+    return trainer, TimedBatches(trainer._batches())
 
 
-def time_round_robin(trainers: dict, steps: int, warmup: int) -> list[dict]:
-    """Mean ms per optimiser step of each configuration, steps interleaved round-robin.
+def compile_supported() -> bool:
+    """Whether this checkout's TrainConfig has the ``compile`` option (torch.compile of the student)."""
+    import dataclasses
 
-    Interleaving makes every configuration see the same background load (shared machines), so
-    the ratios stay meaningful even when absolute times drift. The first `warmup` steps of each
-    are untimed (start-up costs: worker start, allocator, autotuning); the slowest 10% dropped.
-    """
+    from cxrdr.train.config import TrainConfig
+
+    return "compile" in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _sync_fn(device):
     import torch
 
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = {name: [] for name in trainers}
-    data = {name: [] for name in trainers}
-    teacher = {name: [] for name in trainers}
-    for round_ in range(warmup + steps):
-        for name, (trainer, batches) in trainers.items():
-            sync()
-            t0 = time.perf_counter()
-            result = trainer.train_step(batches, log_balance=False)
-            sync()
-            if round_ >= warmup:
-                times[name].append(time.perf_counter() - t0)
-                data[name].append(result["data_time"])
-                teacher[name].append(result["teacher_time"])
-    out = []
-    for name, (trainer, _) in trainers.items():
-        t = sorted(times[name])
-        trimmed = t[: max(1, int(len(t) * 0.9))]
+    if str(device).startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def time_interleaved(steps: dict, device, timed_steps: int, warmup: int, block: int = 1) -> dict:
+    """Wall time per call of each callable in ``steps``, interleaved round-robin in blocks.
+
+    Each round runs ``block`` consecutive calls of one configuration, then the next's: within a
+    block nothing waits for the device, so the host queues the next step while the GPU runs the
+    last one, as the training loop does between log steps; the device is synchronised only at
+    block edges. Interleaving makes every configuration see the same background load and clocks,
+    so ratios stay meaningful when absolute times drift. ``warmup`` untimed calls of each (in
+    whole blocks) come first (the first configuration of a process pays start-up costs: allocator, autotuning,
+    compilation: ../shared/gpu/compile-h100.txt). The slowest tenth of the blocks is dropped
+    (none with fewer than 10). Peak memory: the largest over the timed blocks
+    (``efficiency.PeakMemory``: CUDA max allocated, whatever else the process holds included; CPU:
+    process RSS). Returns per name: step_ms, median_ms, warmup_s, peak_memory_mb,
+    step_memory_delta_mb, peak_memory_kind, steps."""
+    from cxrdr.train.evaluation.efficiency import PeakMemory
+
+    sync = _sync_fn(device)
+    blocks = {name: [] for name in steps}
+    warm = {name: 0.0 for name in steps}
+    peaks = {name: (0.0, 0.0) for name in steps}
+    rounds, warm_rounds = max(1, -(-timed_steps // block)), -(-warmup // block)
+    for round_ in range(warm_rounds + rounds):
+        for name, fn in steps.items():
+            with PeakMemory(device) as peak:
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(block):
+                    fn()
+                sync()
+                dt = time.perf_counter() - t0
+            if round_ < warm_rounds:
+                warm[name] += dt
+            else:
+                blocks[name].append(dt / block)
+                peaks[name] = max(peaks[name], (peak.peak_mb, peak.peak_mb - peak.start_mb))
+    out = {}
+    for name, times in blocks.items():
+        t = sorted(times)
+        kept = t[: len(t) - len(t) // 10]
+        out[name] = {"step_ms": 1000 * sum(kept) / len(kept), "median_ms": 1000 * t[len(t) // 2],
+                     "warmup_s": round(warm[name], 2), "peak_memory_mb": peaks[name][0],
+                     "step_memory_delta_mb": peaks[name][1],
+                     "peak_memory_kind": "cuda_max_allocated" if str(device).startswith("cuda") else "process_rss",
+                     "steps": len(t) * block}
+    return out
+
+
+def step_figures(fn, device, items: int, step_ms: float, flops_per_call: float | None,
+                 profile_calls: int = 3, sync_calls: int = 2) -> dict:
+    """GPU busy %, MFU and host syncs per call of a warmed-up step ``fn`` (None off CUDA / unknown
+    device), as cxrdr.train.evaluation.efficiency defines them; ``items``: samples per call;
+    ``flops_per_call``: counted FLOPs of one call (efficiency.gflops(grad=True) x 1e9) or None."""
+    from cxrdr.train.evaluation.efficiency import busy_pct, count_host_syncs, gpu_busy_ms, mfu_pct
+
+    busy = gpu_busy_ms(fn, profile_calls, device)
+    per_s = 1000.0 * items / step_ms
+    return {"img_per_s": per_s, "gpu_busy_ms": busy, "gpu_busy_pct": busy_pct(busy, step_ms),
+            "gflops_per_img": None if flops_per_call is None else flops_per_call / items / 1e9,
+            "mfu_pct": mfu_pct(None if flops_per_call is None else flops_per_call / items, per_s, device),
+            "host_syncs_per_step": count_host_syncs(fn, sync_calls, device)}
+
+
+def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, figures: bool = True,
+                     count_flops: bool | None = None) -> list[dict]:
+    """``Trainer.train_step`` (non-log steps) of each configuration: ``time_interleaved`` figures,
+    then per configuration GPU busy %, MFU and host syncs per step (``step_figures``; extra steps
+    after the timed ones). The step is a black box: its returned numbers are not read (no host
+    sync of ours inside it); the data wait comes from ``TimedBatches``.
+
+    FLOPs per image: one eager step counted by torch.utils.flop_counter (forward and backward; an
+    online teacher's forward included: work the GPU does); a compiled configuration takes its
+    eager twin's (same model, mode, teacher) as the count cannot run through a compiled graph,
+    and has none without a twin. ``count_flops`` None: count only where an MFU can be computed
+    (a CUDA device in efficiency.PEAK_BF16_FLOPS): the count costs several steps' time on CPU."""
+    from cxrdr.train.evaluation.efficiency import gflops, peak_bf16_flops
+
+    def step_of(trainer, batches):
+        return lambda: trainer.train_step(batches, log_balance=False)
+
+    fns = {name: step_of(*tb) for name, tb in trainers.items()}
+    timed = time_interleaved(fns, next(iter(trainers.values()))[0].device if trainers else "cpu",
+                             steps, warmup, block)
+    flops, out = {}, []
+    for name, (trainer, batches) in trainers.items():
+        count = count_flops if count_flops is not None else peak_bf16_flops(trainer.device) is not None
         cfg = trainer.cfg
-        out.append({"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
-                    "step_ms": 1000 * sum(trimmed) / len(trimmed), "median_ms": 1000 * t[len(t) // 2],
-                    "data_ms": 1000 * sum(data[name]) / len(data[name]),
-                    "teacher_ms": 1000 * sum(teacher[name]) / len(teacher[name]), "batch_size": cfg.batch_size,
-                    "device": str(trainer.device)})
+        compiled = bool(getattr(cfg, "compile", False))
+        key = (cfg.model, cfg.mode, cfg.online_teacher)
+        row = {"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
+               "compile": compiled, "batch_size": cfg.batch_size, "device": str(trainer.device), **timed[name]}
+        # the timed steps' waits only (the last ones so far): the first warm-up step starts the loader
+        waits = batches.waits[-timed[name]["steps"] * cfg.accum_steps:]
+        row["data_ms"] = 1000 * sum(waits) / max(1, timed[name]["steps"])
+        if figures:
+            if count and not compiled and key not in flops:
+                flops[key] = gflops(fns[name], grad=True) * 1e9
+            row.update(step_figures(fns[name], trainer.device, cfg.batch_size * cfg.accum_steps,
+                                    row["step_ms"], flops.get(key)))
+        else:
+            row["img_per_s"] = 1000.0 * cfg.batch_size * cfg.accum_steps / row["step_ms"]
+        out.append(row)
     return out
 
 
@@ -85,8 +206,13 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=("cpu", "tiny", "full"), default="cpu",
                         help="cpu-A/E/D (the CPU ladder), tiny-A/E/D (test-sized) or A/E/D (GPU-sized) students")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration first")
+    parser.add_argument("--block", type=int, default=1,
+                        help="consecutive steps of one configuration between device syncs (GPU: e.g. 5)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the student (TrainConfig.compile)")
+    parser.add_argument("--only", default=None,
+                        help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--amp", default="bf16")
@@ -109,6 +235,10 @@ def main(argv=None) -> int:
     base = dict(shards=str(shards), batch_size=args.batch_size, workers=args.workers, device=args.device,
                 amp=args.amp, steps=10_000, progress=False, out=str(Path(tmp.name) / "run"),
                 eval_every=0, **{"optim.warmup_steps": 1})
+    if args.compile:
+        if not compile_supported():
+            parser.error("--compile: this checkout's TrainConfig has no 'compile' option")
+        base["compile"] = True
 
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),
@@ -116,6 +246,8 @@ def main(argv=None) -> int:
             ("D plain (no teacher)", dict(model=f"{prefix}D", mode="plain"))]
     for spec in [s.strip() for s in args.teachers.split(",") if s.strip()]:
         plan.append((f"D online {spec}", dict(model=f"{prefix}D", online_teacher=spec)))
+    if args.only:
+        plan = [(name, overrides) for name, overrides in plan if name.split()[0] in args.only.split(",")]
     trainers = {}
     for name, overrides in plan:
         try:
@@ -123,15 +255,26 @@ def main(argv=None) -> int:
                                           **overrides)
         except Exception as exc:  # e.g. a teacher without local weights: say so and go on
             print(f"skipped {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-    results = time_round_robin(trainers, args.steps, args.warmup)
+    try:
+        results = time_round_robin(trainers, args.steps, args.warmup, block=args.block)
+    finally:
+        for _, batches in trainers.values():
+            batches.close()
+
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0])
 
     ref = next((r["step_ms"] for r in results if r["name"] == "D stored"), None)
     print(f"\ntrain step time ({results[0]['device'] if results else '?'}, batch {args.batch_size}, "
-          f"{args.size} students, mean of {args.steps} interleaved steps after {args.warmup} warm-up, slowest 10% dropped)")
-    print(f"{'configuration':<30} {'ms/step':>9} {'data ms':>8} {'teacher ms':>10} {'x D stored':>10}")
+          f"{args.size} students, {args.steps} interleaved steps in blocks of {args.block} after {args.warmup} "
+          f"warm-up; GPU busy, MFU and host syncs: None off CUDA)")
+    print(f"{'configuration':<30} {'ms/step':>9} {'img/s':>8} {'data ms':>8} {'busy %':>7} {'MFU %':>6} "
+          f"{'peak MB':>8} {'syncs':>6} {'x D stored':>10}")
     for r in results:
-        ratio = f"{r['step_ms'] / ref:10.2f}" if ref else "         -"
-        print(f"{r['name']:<30} {r['step_ms']:9.1f} {r['data_ms']:8.1f} {r['teacher_ms']:10.1f} {ratio}")
+        ratio = r["step_ms"] / ref if ref else None
+        print(f"{r['name']:<30} {r['step_ms']:9.1f} {r['img_per_s']:8.1f} {r['data_ms']:8.1f} "
+              f"{fmt(r.get('gpu_busy_pct'), '7.1f')} {fmt(r.get('mfu_pct'), '6.1f')} {r['peak_memory_mb']:8.0f} "
+              f"{fmt(r.get('host_syncs_per_step'), '6.1f')} {fmt(ratio, '10.2f')}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     tmp.cleanup()

@@ -1,14 +1,31 @@
-"""Compute cost of a model: throughput, step time, latency, peak memory, GFLOPs, patch usage.
+"""Compute cost of a model: throughput, step time, latency, peak memory, GFLOPs, patch usage,
+and on CUDA the share of wall time the GPU is busy, model FLOPs utilisation and host syncs.
 
 All timings use synthetic inputs at the model's own image size and context length, after
-warm-up iterations, with CUDA synchronised around the clock. Peak memory is CUDA
-``max_memory_allocated`` on GPU; on CPU it is the process's peak resident set size sampled
-during the measurement (``/proc/self/status`` VmRSS; falls back to ``ru_maxrss``), which
-includes the Python process itself: compare models within one run, not across machines.
+warm-up iterations, with CUDA synchronised around the clock. They run as the training loop
+runs: on CUDA under bf16 autocast (``amp``, via ``cxrdr.train.device``) with the loop's CUDA math
+settings (``loop_math``: TF32 for the fp32 work autocast leaves), and the optimiser is the loop's
+(``cxrdr.train.optim.build_optimizer``: fused AdamW on CUDA, the loop's parameter groups). On CPU
+autocast is off, as in the loop.
+
+Peak memory is CUDA ``max_memory_allocated`` on GPU; on CPU it is the process's peak resident
+set size sampled during the measurement (``/proc/self/status`` VmRSS; falls back to
+``ru_maxrss``), which includes the Python process itself: compare models within one run, not
+across machines (``peak_memory_kind`` says which).
+
+GPU busy %: kernel (and memcpy/memset) time on the GPU, as the union of their intervals in a
+torch.profiler trace of a few extra calls, per call, over the un-profiled wall time per call
+(``gpu_busy_ms``, ``busy_pct``); None off CUDA. Model FLOPs utilisation (MFU): FLOPs per image counted by
+``torch.utils.flop_counter`` (forward and backward for training) x images/s / the device's
+dense bf16 peak (``PEAK_BF16_FLOPS``); None on CPU or on a device not in that table.
+Host syncs: ``torch.cuda.set_sync_debug_mode("warn")`` warnings per call; None off CUDA.
+Training FLOPs are counted only where an MFU can be computed (the count is slow on CPU).
 
 The training step is the trainer's Task (forward of report and caption, the default objective
 with a stored teacher's embeddings) + backward + AdamW step on a synthetic batch: the same
-computation as a reinforced training step without needing shards.
+computation as a reinforced training step without needing shards. The real loop's step
+(``Trainer.train_step``: data, host work and all) is timed by benchmarks/train_step.py and
+benchmarks/gpu_suite.py with the helpers here.
 """
 from __future__ import annotations
 
@@ -17,21 +34,147 @@ import copy
 import resource
 import threading
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from cxrdr.common.allocator import keep_freed_memory
 from cxrdr.train.checkpoint import load_checkpoint
+from cxrdr.train import device as train_device
+from cxrdr.train.device import amp_dtype_for, autocast
 from cxrdr.train.losses import LossConfig
+from cxrdr.train.optim import OptimConfig, build_optimizer
 from cxrdr.train.task import Task
 
 FAR_STEP = 10**9  # past any keep-rate warm-up, so token dropping runs at its final rate
 
 
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s from the vendors' data sheets, matched on the
+# lower-cased ``torch.cuda.get_device_name``: (every substring that must occur, peak). The first
+# match wins; a device matching none has no MFU (None) rather than a guessed one.
+PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("h200",), 989e12),
+    (("h100", "pcie"), 756e12),
+    (("h100", "hbm3"), 989e12),  # the SXM5 card names itself "NVIDIA H100 80GB HBM3"
+    (("h100", "sxm"), 989e12),
+    (("a100",), 312e12),  # SXM4 and PCIe alike
+)
+
+SYNC_WARNING = "synchronizing CUDA operation"  # the text of set_sync_debug_mode("warn")'s warning
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def peak_bf16_flops_of(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU named ``name`` (``torch.cuda.get_device_name``); None if unknown."""
+    name = name.lower()
+    return next((peak for needles, peak in PEAK_BF16_FLOPS if all(n in name for n in needles)), None)
+
+
+def peak_bf16_flops(device) -> float | None:
+    """The device's dense bf16 peak FLOP/s from ``PEAK_BF16_FLOPS``; None on CPU or an unknown GPU."""
+    if not _is_cuda(device):
+        return None
+    return peak_bf16_flops_of(torch.cuda.get_device_name(torch.device(device)))
+
+
+def mfu_pct(flops_per_item: float | None, items_per_s: float | None, device) -> float | None:
+    """Model FLOPs utilisation in percent: counted FLOPs per item x items/s / the device's bf16 peak."""
+    peak = peak_bf16_flops(device)
+    if peak is None or not flops_per_item or not items_per_s:
+        return None
+    return 100.0 * flops_per_item * items_per_s / peak
+
+
+@contextlib.contextmanager
+def loop_math(device):
+    """The CUDA math settings a training process runs with, on CUDA only, restored on exit (a
+    measurement must not change the numerics of the rest of the process, e.g. ``train eval``):
+    ``cxrdr.train.device.cuda_math_settings`` where it exists (TF32 for the fp32 work autocast
+    leaves, its attention-kernel choice), else TF32 through torch's own flags."""
+    if not _is_cuda(device):
+        yield
+        return
+    backends = torch.backends
+    saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+             backends.cuda.cudnn_sdp_enabled() if hasattr(backends.cuda, "cudnn_sdp_enabled") else None)
+    settings = getattr(train_device, "cuda_math_settings", None)
+    if settings is not None:
+        settings()
+    else:
+        backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[2])
+        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved[0], saved[1]
+        if saved[3] is not None:
+            backends.cuda.enable_cudnn_sdp(saved[3])
+
+
+def gpu_busy_ms(fn, calls: int, device) -> float | None:
+    """Milliseconds per call during which the GPU runs a kernel, memcpy or memset: the union of their
+    intervals in a torch.profiler trace (CUDA activity only) of ``calls`` back-to-back calls
+    (overlapping kernels on several streams count once), divided by ``calls``. None off CUDA.
+
+    Divide by the un-profiled step time for a busy share: the profiler slows the host side (which
+    is what leaves a GPU idle), not the kernels, so the profiled wall time would understate it.
+    The trace's raw events are read (``kineto_results``), not ``prof.events()``, whose Python
+    event tree takes seconds to build for a step of thousands of kernels."""
+    if not _is_cuda(device) or calls <= 0:
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None:
+        spans = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in raw.events() if e.device_type() == DeviceType.CUDA]
+    else:  # an older torch: the slower parsed events
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in sorted(s for s in spans if s[1] > s[0]):
+        if stop <= end:
+            continue
+        busy_us += stop - max(start, end)
+        end = stop
+    return busy_us / 1000.0 / calls
+
+
+def busy_pct(busy_ms: float | None, step_ms: float | None) -> float | None:
+    return None if busy_ms is None or not step_ms else 100.0 * busy_ms / step_ms
+
+
+def count_host_syncs(fn, calls: int, device) -> float | None:
+    """Host-device synchronisations per call of ``fn``, counted as the warnings
+    ``torch.cuda.set_sync_debug_mode("warn")`` raises (blocking copies, ``.item()``, ``nonzero``,
+    stream syncs...). None off CUDA. The caller's own synchronisation stays outside the count."""
+    if not _is_cuda(device) or calls <= 0:
+        return None
+    _sync(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    _sync(device)
+    return sum(SYNC_WARNING in str(w.message) for w in caught) / calls
 
 
 def _rss_mb() -> float:
@@ -119,42 +262,75 @@ def _time(fn, iters: int, warmup: int, device) -> float:
     return times[len(times) // 2]
 
 
-def gflops(fn) -> float:
-    """GFLOPs of one call of ``fn`` counted by torch.utils.flop_counter (matmul/conv/attention)."""
+def gflops(fn, grad: bool = False) -> float:
+    """GFLOPs of one call of ``fn`` counted by torch.utils.flop_counter (matmul/conv/attention).
+    ``grad``: run with autograd on, so a ``fn`` that calls ``backward`` has its backward counted too
+    (a training step's FLOPs); otherwise under no_grad (a forward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
+    with counter, (contextlib.nullcontext() if grad else torch.no_grad()):
         fn()
     return counter.get_total_flops() / 1e9
 
 
+def _with(contexts, fn):
+    """``fn`` called inside fresh instances of ``contexts`` (factories), e.g. autocast + TF32."""
+    def call():
+        with contextlib.ExitStack() as stack:
+            for make in contexts:
+                stack.enter_context(make())
+            return fn()
+    return call
+
+
 def image_encoder_metrics(encode_images, image_size: int, batch_size: int = 32, iters: int = 5,
-                          warmup: int = 2, device="cpu") -> dict:
-    """Inference throughput, batch-1 latency and GFLOPs/img of any ``encode_images(B,1,S,S)``."""
+                          warmup: int = 2, device="cpu", amp_dtype: torch.dtype | None = None) -> dict:
+    """Inference throughput, batch-1 latency, GFLOPs/img of any ``encode_images(B,1,S,S)``, and
+    at the batch: peak memory, GPU busy % and MFU (None off CUDA). ``amp_dtype``: autocast dtype
+    (the training loop's ``amp_dtype_for``) or None for full precision; TF32 on CUDA."""
+    device = torch.device(device)
     x = torch.rand(batch_size, 1, image_size, image_size, device=device)
     x1 = x[:1]
+    contexts = [lambda: autocast(device, amp_dtype), lambda: loop_math(device)]
+    run_batch, run_one = _with(contexts, lambda: encode_images(x)), _with(contexts, lambda: encode_images(x1))
     with torch.no_grad():
-        t_batch = _time(lambda: encode_images(x), iters, warmup, device)
-        t_one = _time(lambda: encode_images(x1), iters * 2, warmup, device)
+        with PeakMemory(device) as peak:
+            t_batch = _time(run_batch, iters, warmup, device)
+        t_one = _time(run_one, iters * 2, warmup, device)
+        busy = gpu_busy_ms(run_batch, min(iters, 3), device)
+    per_img = gflops(lambda: encode_images(x1))
     return {"inference_img_per_s": batch_size / t_batch, "latency_ms_per_img": t_one * 1000,
-            "gflops_per_img": gflops(lambda: encode_images(x1)), "eval_batch_size": batch_size}
+            "gflops_per_img": per_img, "eval_batch_size": batch_size,
+            "inference_peak_memory_mb": peak.peak_mb,
+            "inference_gpu_busy_pct": busy_pct(busy, t_batch * 1000),
+            "inference_mfu_pct": mfu_pct(per_img * 1e9, batch_size / t_batch, device)}
 
 
 def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None = None,
-                       iters: int = 5, warmup: int = 2, step: int = FAR_STEP) -> dict:
+                       iters: int = 5, warmup: int = 2, step: int = FAR_STEP, amp: str = "bf16",
+                       train_flops: bool | None = None) -> dict:
     """Inference img/s, training img/s and step ms, latency ms/img at batch 1, peak memory (MB)
-    of the training step, GFLOPs per image (image tower; and of the full forward), patch usage %.
+    of the training step, GFLOPs per image (image tower; and of the full forward), patch usage %;
+    training GFLOPs per image (forward + backward, counted), GPU busy %, MFU and host syncs per
+    step of the training step (None off CUDA), the same for inference.
+
+    Runs as the loop does (module docstring): ``amp`` autocast on CUDA (``bf16``, ``fp16`` or
+    ``none``), the loop's CUDA math (``loop_math``), the loop's optimiser. ``train_flops``: count
+    the training step's FLOPs (None: only where an MFU can be computed, a CUDA device in
+    ``PEAK_BF16_FLOPS``; the count runs the step through a Python dispatch mode, several steps'
+    time on CPU, for a figure only MFU needs).
 
     ``model`` is a PatchIBStudent (needs ``forward``/``tokenize``); the model is restored to its
     original train/eval mode and parameters are not changed (the optimizer step runs on a copy).
     """
     device = model_device(model)
+    amp_dtype = amp_dtype_for(amp, device)
     was_training = model.training
     train_bs = train_batch_size or batch_size
     model.eval()
     out = image_encoder_metrics(model.encode_image, int(model.image_size), batch_size, iters,
-                                warmup, device)
+                                warmup, device, amp_dtype=amp_dtype)
     images, ids, mask = synthetic_batch(model, 1, device)
     with torch.no_grad():
         fwd = model(images, ids, mask, step=step)
@@ -166,21 +342,40 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
 
     trainee = copy.deepcopy(model).train()
     task = Task(trainee, LossConfig(), total_steps=step + 1, device=device)
-    opt = torch.optim.AdamW(trainee.parameters(), lr=1e-5)
+    opt = build_optimizer(trainee, OptimConfig(lr=1e-5))  # the loop's: fused AdamW on CUDA, its groups
     batch = synthetic_train_batch(trainee, train_bs, device, seed=1)
+
+    def forward_backward():
+        with autocast(device, amp_dtype):
+            loss = task.forward(batch, step)["total"]
+        loss.backward()
 
     def train_step():
         opt.zero_grad(set_to_none=True)
-        task.forward(batch, step)["total"].backward()
+        forward_backward()
         opt.step()
 
-    train_step()  # allocate optimizer state before measuring memory
-    with PeakMemory(device) as peak:
-        t_step = _time(train_step, iters, warmup, device)
+    with loop_math(device):
+        train_step()  # allocate optimizer state before measuring memory
+        with PeakMemory(device) as peak:
+            t_step = _time(train_step, iters, warmup, device)
+        busy = gpu_busy_ms(train_step, min(iters, 3), device)
+        syncs = count_host_syncs(train_step, 1, device)
+        if train_flops if train_flops is not None else peak_bf16_flops(device) is not None:
+            opt.zero_grad(set_to_none=True)
+            train_gflops = gflops(forward_backward, grad=True) / train_bs  # forward + backward, per image
+            opt.zero_grad(set_to_none=True)
+        else:
+            train_gflops = None
     out.update({"train_step_ms": t_step * 1000, "train_img_per_s": train_bs / t_step,
                 "train_batch_size": train_bs, "peak_memory_mb": peak.peak_mb,
                 "step_memory_delta_mb": peak.peak_mb - peak.start_mb,  # above the state before the step
                 "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_rss",
+                "train_gflops_per_img": train_gflops, "train_gpu_busy_pct": busy_pct(busy, t_step * 1000),
+                "train_mfu_pct": mfu_pct(train_gflops and train_gflops * 1e9, train_bs / t_step, device),
+                "host_syncs_per_step": syncs,
+                "autocast": None if amp_dtype is None else str(amp_dtype).removeprefix("torch."),
+                "loop_math": device.type == "cuda", "peak_bf16_flops": peak_bf16_flops(device),
                 "device": str(device), "threads": torch.get_num_threads()})
     del trainee, task, opt
     model.train(was_training)
