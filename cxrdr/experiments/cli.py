@@ -8,6 +8,9 @@ reinforcement: K stored views, B_syn, caption source, 1 vs 2 teachers, lambda; e
 
 The recipe (cxrdr/experiments/recipe.py; every key documented in configs/experiments/cpu-demo.yaml) names
 the shards, built when missing; finished runs and evaluations are reused (cxrdr/experiments/runs.py).
+In chunks (a GPU lent for a few minutes per command): ``--chunk-s N`` stops between units of work after N
+seconds (exit 3: rerun to continue), ``--status`` lists what is done and what is left (efficiency;
+cxrdr/experiments/chunks.py, status.py; scripts/gpu-experiment.sh runs both).
 """
 from __future__ import annotations
 
@@ -19,12 +22,15 @@ import typer
 
 from cxrdr.common.errors import UserError
 from cxrdr.experiments.ablation import ablation_experiment
+from cxrdr.experiments.chunks import ChunkTimeUp, start_chunk
 from cxrdr.experiments.efficiency import efficiency_experiment
 from cxrdr.experiments.recipe import load_recipe
 from cxrdr.experiments.reinforcement import reinforcement_experiment
+from cxrdr.experiments.status import efficiency_status, format_status, left
 
 EXPERIMENTS = {"efficiency": efficiency_experiment, "ablation": ablation_experiment,
                "reinforcement": reinforcement_experiment}
+WORK_LEFT = 3  # exit code of a chunk that stopped with work left, and of --status while work is left
 
 
 def cli_experiment(
@@ -37,6 +43,12 @@ def cli_experiment(
     fresh: Annotated[bool, typer.Option(help="Retrain every run even when a finished identical run "
                                              "exists.")] = False,
     quiet: Annotated[bool, typer.Option(help="No progress bars.")] = False,
+    chunk_s: Annotated[Optional[float], typer.Option(
+        help="Stop cleanly before the next unit of work (shard build, teacher, add-teacher, run, evaluation, "
+             "step benchmark) once this many seconds have passed; at least one unit runs. Exit 3 when work is "
+             "left: rerun to continue (interrupted runs continue from their last.pt with resume_runs: true).")] = None,
+    status: Annotated[bool, typer.Option(help="Only list the units done and left (efficiency), with what the done "
+                                              "ones measured; exit 0 when nothing is left, 3 otherwise.")] = False,
 ) -> None:
     """Run an experiment recipe: build shards if missing, train every run, evaluate, write tables and plots."""
     if name not in EXPERIMENTS:
@@ -49,8 +61,23 @@ def cli_experiment(
         recipe["reuse_runs"] = False
     if quiet:
         recipe.setdefault("train", {})["progress"] = False
-    out_dir = out or Path(recipe.get("out", f"runs/experiments/{recipe['name']}")) / name
+    out_dir = Path(out or Path(recipe.get("out", f"runs/experiments/{recipe['name']}")) / name)
+    if status:
+        if name != "efficiency":
+            raise UserError("--status lists the units of the efficiency experiment only")
+        units = efficiency_status(recipe, out_dir)
+        typer.echo(format_status(recipe, out_dir, units))
+        raise typer.Exit(WORK_LEFT if left(units) else 0)
     started = time.perf_counter()
-    EXPERIMENTS[name](recipe, Path(out_dir), progress=not quiet)
+    start_chunk(chunk_s)
+    try:
+        EXPERIMENTS[name](recipe, out_dir, progress=not quiet)
+    except ChunkTimeUp as stop:
+        typer.echo(f"{name}: {stop} ({time.perf_counter() - started:.0f} s); rerun the command to continue", err=True)
+        if name == "efficiency":
+            typer.echo(format_status(recipe, out_dir, efficiency_status(recipe, out_dir)))
+        raise typer.Exit(WORK_LEFT)
+    finally:
+        start_chunk(None)
     typer.echo(f"{name} finished in {time.perf_counter() - started:.0f} s; wrote {out_dir}/results.json, "
                f"table.md and plots")

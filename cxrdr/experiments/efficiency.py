@@ -13,11 +13,15 @@ once per seed in ``efficiency.seeds``. Outputs (``<out>/efficiency/``):
 - ``metric_vs_samples.png`` / ``auc_vs_samples.png`` (seed-mean curves with 95 % CI bands), ``step_time.png``.
 
 Teachers named in the recipe's ``teachers`` key are trained and added to the shards first
-(cxrdr/experiments/teacher_prep.py).
+(cxrdr/experiments/teacher_prep.py). A run marked ``plus_teacher_samples: true`` trains for the experiment's
+samples plus every sample the reinforced arm's teachers were trained on (plain CLIP given the pipeline's
+whole sample count). With ``resume_runs: true`` an interrupted run continues from its last.pt, so the
+experiment can finish through repeated short commands (cxrdr/experiments/chunks.py, status.py).
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -25,17 +29,22 @@ from pathlib import Path
 import torch
 import typer
 
-from cxrdr.experiments.efficiency_report import BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency
+from cxrdr.experiments.chunks import begin
+from cxrdr.experiments.efficiency_report import (BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency,
+                                                  plot_per_seed)
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
                                    result_row, run_training)
 from cxrdr.experiments.stats import crossing_ratio, mean_curve, mean_sd, samples_to_target, t_interval
-from cxrdr.experiments.teacher_prep import prepare_teachers, teacher_seconds
+from cxrdr.experiments.teacher_prep import planned_train_samples, prepare_teachers, teacher_seconds
 from cxrdr.train.evaluation.report import seed_summary, write_json
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.loop import Trainer
 
 DEFAULT_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}}
+# run options of efficiency.runs.<arm> that are not TrainConfig fields
+PLUS_TEACHER = "plus_teacher_samples"  # train for the experiment's samples + the teachers' training samples
+TIMED_ONLY = "step_benchmark_only"     # only timed by the step benchmark (the break-even's online step)
 DEFAULT_METRIC = "mean_recall"
 
 
@@ -50,39 +59,66 @@ def metrics_of(spec: dict) -> tuple[str, str, float]:
 # --------------------------------------------------------------------------- runs
 
 
-def curve_set(recipe: dict, shards: Path) -> dict:
+def curve_set(recipe: dict, shards: Path, build: bool = True) -> dict:
     """Where the curves are measured: ``efficiency.curve_split: report`` (default) = the report set, so
     every arm's crossing is read on data no choice read; a split name = that split of the training shards
     (``val``: the selection set, for probes that choose settings)."""
     split = (recipe.get("efficiency") or {}).get("curve_split", "report")
     if split != "report":
         return {"eval_split": split}
-    report_shards, report_split = report_set(recipe)
+    report_shards, report_split = report_set(recipe, build=build)
     separate = report_shards.resolve() != Path(shards).resolve()
     return {"eval_split": report_split, **({"eval_shards": str(report_shards)} if separate else {})}
 
 
 def _arm_runs(recipe: dict, shards: Path, out_dir: Path, name: str, overrides: dict,
-              seeds: list[int]) -> list[tuple[int, TrainConfig]]:
+              seeds: list[int], build: bool = True) -> list[tuple[int, TrainConfig]]:
     """(seed, config) of every run of one arm. A run's ``shards: {dir, build}`` trains it on shards of its
     own (e.g. plain on the students' and the teacher's images); its final evaluation still reads the report
-    set, and its probe is fitted on the recipe's training shards, as every arm's is."""
+    set, and its probe is fitted on the recipe's training shards, as every arm's is. ``build=False``
+    builds no missing shard folder (a status listing)."""
     spec = recipe.get("efficiency") or {}
     every = spec.get("eval_every_samples")
     overrides = dict(overrides)
     own_shards = overrides.pop("shards", None)
-    train_shards = ensure_shards(own_shards) if own_shards else shards
-    curves = curve_set(recipe, shards)
+    plus_teacher = bool(overrides.pop(PLUS_TEACHER, False))
+    train_shards = (ensure_shards(own_shards) if build else Path(own_shards["dir"])) if own_shards else shards
+    curves = curve_set(recipe, shards, build)
     runs = []
     for seed in seeds:
         run_dir = out_dir / "runs" / name / f"seed-{seed}"
         base = train_config(recipe, train_shards, run_dir, overrides, "efficiency")
         per_step = base.batch_size * base.accum_steps
         eval_every = max(1, round(every / per_step)) if every else 0
+        extra = {"steps": base.steps + math.ceil(teacher_samples(recipe) / per_step)} if plus_teacher else {}
         runs.append((int(seed), train_config(recipe, train_shards, run_dir,
-                                             {"eval_every": eval_every, **curves, "seed": int(seed), **overrides},
+                                             {"eval_every": eval_every, **curves, "seed": int(seed), **overrides,
+                                              **extra},
                                              "efficiency")))
     return runs
+
+
+def teacher_samples(recipe: dict) -> int:
+    """Samples the reinforced arm's stored teachers were trained on (from their configs)."""
+    runs = (recipe.get("efficiency") or {}).get("runs") or DEFAULT_RUNS
+    rein = {k: v for k, v in (runs.get("reinforced") or {}).items()
+            if k not in ("shards", "seeds", PLUS_TEACHER, TIMED_ONLY)}
+    names = train_config(recipe, Path("."), Path("."), rein, "efficiency").teachers
+    return planned_train_samples(recipe, "efficiency", [n.strip() for n in names.split(",")] if names else None)
+
+
+def arm_plan(recipe: dict, shards: Path, out_dir: Path, build: bool = True) -> tuple[dict, dict, set]:
+    """(arm -> its runs' (seed, config), arm -> its run options without the seeds, the timed-only arms)."""
+    spec = recipe.get("efficiency") or {}
+    runs = {k: dict(v or {}) for k, v in (spec.get("runs") or DEFAULT_RUNS).items()}
+    seeds = recipe_seeds(recipe, spec)
+    # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit;
+    # an arm marked step_benchmark_only is only timed (the break-even needs its step cost), not trained
+    timed_only = {name for name, o in runs.items() if o.pop(TIMED_ONLY, False)}
+    arm_runs = {name: _arm_runs(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds), build)
+                for name, overrides in runs.items() if name not in timed_only}
+    options = {name: {k: v for k, v in o.items() if k not in ("seeds", PLUS_TEACHER)} for name, o in runs.items()}
+    return arm_runs, options, timed_only
 
 
 def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, TrainConfig]]]) -> dict:
@@ -96,7 +132,8 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
         per_step = cfg.batch_size * cfg.accum_steps
         typer.echo(f"[efficiency] {name} seed {seed}: {cfg.steps} steps x {per_step} samples (mode {cfg.mode}, "
                    f"online teacher {cfg.online_teacher}, shards {cfg.shards})", err=True)
-        summary = run_training(cfg, recipe.get("reuse_runs", True), lock=lock)
+        summary = run_training(cfg, recipe.get("reuse_runs", True), lock=lock,
+                               resume=recipe.get("resume_runs", False))
         results = evaluate_run(recipe, run_dir, shards, recipe.get("isolated_efficiency", False),
                                efficiency=first)  # cost is the architecture's: one seed
         record = {"seed": seed, "train_config": cfg.to_dict(), "train_summary": summary,
@@ -124,6 +161,7 @@ def _step_benchmark(recipe: dict, shards: Path, out_dir: Path, runs: dict, seed:
     bench = (recipe.get("efficiency") or {}).get("step_benchmark", {"steps": 10, "warmup": 2})
     if not bench or not bench.get("steps"):
         return {}
+    begin("step benchmark")
     typer.echo(f"[efficiency] interleaved step benchmark: {bench['steps']} steps per arm", err=True)
     cfgs = {r: train_config(recipe, shards, out_dir / "step-benchmark" / r,
                             # scratch folders: a re-run of the experiment measures afresh over them
@@ -233,16 +271,10 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     shards = ensure_shards(recipe["shards"], progress)
     teachers = prepare_teachers(recipe, shards, progress, experiment="efficiency")
     spec = recipe.get("efficiency") or {}
-    runs = {k: dict(v or {}) for k, v in (spec.get("runs") or DEFAULT_RUNS).items()}
     seeds = recipe_seeds(recipe, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # a run may name its own seeds (a subset), e.g. an online arm whose teacher-in-the-loop steps do not fit;
-    # an arm marked step_benchmark_only is only timed (the break-even needs its step cost), not trained
-    timed_only = {name for name, o in runs.items() if o.pop("step_benchmark_only", False)}
-    arm_runs = {name: _arm_runs(recipe, shards, out_dir, name, overrides, _arm_seeds(overrides, seeds))
-                for name, overrides in runs.items() if name not in timed_only}
+    arm_runs, runs, timed_only = arm_plan(recipe, shards, out_dir)
     trained = _train_arms(recipe, shards, arm_runs)  # two copies of the command split the runs
-    runs = {name: {k: v for k, v in o.items() if k != "seeds"} for name, o in runs.items()}
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     curve_metric, final_metric, fraction = metrics_of(spec)
     arms, rows = _summarise_arms(trained, bench, curve_metric, final_metric)
@@ -268,6 +300,9 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     plot_efficiency(arms, bench, rows, spec.get("curve_split", "report"), out_dir,
                     samples_limit(plain_x.get("plain_samples") or plain_total, fraction), curve_metric,
                     f"{Fraction(fraction).limit_denominator(10)} of plain's first crossing")
+    plot_per_seed({n: [(r["seed"], r["curve"]) for r in t["seeds"]] for n, t in trained.items()}, curve_metric,
+                  f"{curve_metric} ({spec.get('curve_split', 'report')})", out_dir / "metric_vs_samples_per_seed.png",
+                  plain_x.get("target"))
     md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"],
                              curve_metric, final_metric)
     (out_dir / "table.md").write_text("\n".join(md))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cxrdr.experiments.stats import mean_curve
 from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_sd, plot_bars
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall", "mean_recall_findings",
@@ -23,6 +24,33 @@ def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str,
     plot_bars({r["run"]: r.get("bench_step_ms") or r["step_ms"] for r in rows}, "ms / step",
               "training step time (interleaved median)" if bench else "training step time (run mean)",
               out_dir / "step_time.png")
+
+
+def plot_per_seed(per_seed: dict, metric: str, ylabel: str, path: Path, target: float | None = None) -> None:
+    """Every seed's own curve (thin lines, one colour per arm) with the arm's seed mean (thick): the spread
+    the mean-and-band plot summarises, and where single seeds cross plain's final."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.4, 3.6))
+    for i, (name, curves) in enumerate(per_seed.items()):
+        color = f"C{i}"
+        for seed, curve in curves:
+            points = [(p["samples_seen"], p[metric]) for p in curve if p.get(metric) is not None]
+            if points:
+                ax.plot(*zip(*points), "-", lw=0.7, alpha=0.5, color=color)
+        mean = mean_curve([c for _, c in curves], metric)
+        if mean["xs"]:
+            ax.plot(mean["xs"], [float("nan") if y is None else y for y in mean["mean"]], "-", lw=2, color=color,
+                    label=f"{name} ({len(curves)} seeds)")
+    if target is not None:
+        ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (seed mean)")
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{metric} vs samples seen, every seed (thin) and the seed mean (thick)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None,
@@ -85,16 +113,25 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
             f"{r['run']} {_num(r['samples_ratio'])} [{_num(r['samples_ratio_ci'][0])}, "
             f"{_num(r['samples_ratio_ci'][1])}]" for r in ratio_rows), ""]
     if teachers:
+        columns = ["shard name", "model", "steps", "train_wall_s", "own mean R", "students' test mean R",
+                   "chance", "students' test i2t R@1", "add-teacher s"]
+        # a teacher judged on the report set too (teachers.evaluate): its retrieval and pointing games there
+        report_cols = {"report mean R": "mean_recall", "report chance": "chance_mean_recall",
+                       "report PG z": "pointing_z", "report PG z train prior": "train_prior_pointing_z",
+                       "report PG attn": "pointing_attn", "report PG attn train prior": "train_prior_pointing_attn"}
+        on_report = any(t.get("report") for t in teachers.values())
+        if on_report:
+            columns[-1:-1] = list(report_cols)
         md += ["## Teachers (trained once on their own shards: see the recipe's teachers.build)", "",
                markdown_table([{"run": n, "shard name": t["shard_name"], "model": t["model"],
                                 "steps": t["steps"], "train_wall_s": t["train_wall_s"],
-                                "own mean R": t["own_test"].get("mean_recall"),
-                                "students' test mean R": t["student_test"].get("mean_recall"),
-                                "chance": t["student_test"].get("chance_mean_recall"),
-                                "students' test i2t R@1": t["student_test"].get("i2t_R@1"),
-                                "add-teacher s": t["add_teacher_seconds"]} for n, t in teachers.items()],
-                              ["shard name", "model", "steps", "train_wall_s", "own mean R", "students' test mean R",
-                               "chance", "students' test i2t R@1", "add-teacher s"], first="run"), ""]
+                                "own mean R": (t.get("own_test") or {}).get("mean_recall"),
+                                "students' test mean R": (t.get("student_test") or {}).get("mean_recall"),
+                                "chance": (t.get("student_test") or {}).get("chance_mean_recall"),
+                                "students' test i2t R@1": (t.get("student_test") or {}).get("i2t_R@1"),
+                                "add-teacher s": t["add_teacher_seconds"],
+                                **{c: (t.get("report") or {}).get(k) for c, k in report_cols.items()}}
+                               for n, t in teachers.items()], columns, first="run"), ""]
     md += ["## Cost accounting", "", break_even_line(cost), ""]
     if cost.get("teacher_train_samples"):
         md += [f"The teacher's data: its training saw {cost['teacher_train_samples']:,} samples "
@@ -106,7 +143,8 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
                f"distillation buys.", ""]
     md += ["## Bars", ""]
     md += [bar_line(b) for b in measured_bars]
-    md += ["", "![metric vs samples](metric_vs_samples.png)", "", "![auc vs samples](auc_vs_samples.png)", "",
+    md += ["", "![metric vs samples](metric_vs_samples.png)", "",
+           "![every seed's curve](metric_vs_samples_per_seed.png)", "", "![auc vs samples](auc_vs_samples.png)", "",
            "![step time](step_time.png)", ""]
     return md
 

@@ -19,7 +19,8 @@ from cxrdr.common.yamlio import read_yaml_mapping
 from cxrdr.train.config import TrainConfig
 
 TOP_KEYS = {"name", "out", "threads", "device", "shards", "train", "eval", "efficiency", "ablation",
-            "reuse_runs", "isolated_efficiency", "teachers", "reinforcement", "report", "selection"}
+            "reuse_runs", "isolated_efficiency", "teachers", "reinforcement", "report", "selection",
+            "resume_runs"}
 # TrainConfig dict fields that later layers update key by key instead of replacing
 MERGED_KEYS = ("model_overrides", "optim", "loss")
 

@@ -1,12 +1,16 @@
 """The units of work of every study, each reused when already done: shards, training runs, evaluations.
 
 Finished runs (RUN/summary.json + RUN/last.pt with the same config) and evaluations (same request on the
-same checkpoint) are reused, so an interrupted experiment continues where it stopped. A run folder is
+same checkpoint) are reused, so an interrupted experiment continues where it stopped; an unfinished run
+continues from its last.pt when the caller asks (``run_training(resume=True)``, recipe key ``resume_runs``),
+else it restarts. Where a unit's real work starts, ``chunks.begin`` may stop a chunked command
+(cxrdr/experiments/chunks.py). A run folder is
 claimed (its folder lock) for its training and evaluation, so two copies of an experiment never work on
 one run: the other copy waits for it, or does another run first (``claim_run(wait=False)``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -19,6 +23,7 @@ import yaml
 
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
+from cxrdr.experiments.chunks import begin
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.evaluation.efficiency import measure_in_subprocess
@@ -47,6 +52,7 @@ def ensure_shards(spec: dict, progress: bool = True) -> Path:
     try:
         if waited and (out / "dataset.json").is_file():
             return out  # the other process built it (a rebuild it did counts)
+        begin(f"build {out}")
         return _build_shards(out, spec, progress)
     finally:
         lock.release()
@@ -118,9 +124,13 @@ def _clear_run_folder(run_dir: Path) -> None:
             entry.unlink()
 
 
-def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None = None) -> dict:
+def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None = None,
+                 resume: bool = False) -> dict:
     """Train (or reuse a finished identical run); returns the loop summary plus wall seconds. ``lock``:
-    the run folder's lock if the caller holds it (``claim_run``); else it is claimed here, waiting."""
+    the run folder's lock if the caller holds it (``claim_run``); else it is claimed here, waiting.
+    ``resume``: an unfinished run of this config continues from its last.pt (the loop's exact resume:
+    the same run as one never interrupted; its ``wall_s`` is then this command's part only) instead of
+    restarting."""
     run_dir = Path(cfg.out)
     own = claim_run(run_dir) if lock is None else None
     try:
@@ -130,9 +140,12 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
             summary.setdefault("wall_s", None)
             summary["reused"] = True
             return summary
-        _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
+        go_on = resume and reuse and unfinished_alike(run_dir, cfg)
+        begin(f"{'resume' if go_on else 'train'} {run_dir}")
+        if not go_on:
+            _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
         started = time.perf_counter()
-        summary = train(cfg, lock=own or lock)
+        summary = train(dataclasses.replace(cfg, resume=True) if go_on else cfg, lock=own or lock)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
         return summary
@@ -144,7 +157,26 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
 def _finished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
     """RUN holds a finished run (summary, last checkpoint) trained with this very config. The saved config
     is read through TrainConfig, so a field added since (at its default, the old behaviour) still matches."""
-    if not all((run_dir / f).is_file() for f in ("summary.json", "last.pt", "config.yaml")):
+    if not (run_dir / "summary.json").is_file():
+        return False
+    return _saved_alike(run_dir, cfg)
+
+
+def run_state(run_dir: Path, cfg: TrainConfig) -> str:
+    """'done' (a finished run of this config), 'partial' (an interrupted one: ``resume=True`` continues it)
+    or 'todo'."""
+    if _finished_alike(run_dir, cfg):
+        return "done"
+    return "partial" if unfinished_alike(run_dir, cfg) else "todo"
+
+
+def unfinished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
+    """RUN holds an interrupted run of this very config (config.yaml and a last.pt, no summary.json)."""
+    return not (run_dir / "summary.json").is_file() and _saved_alike(run_dir, cfg)
+
+
+def _saved_alike(run_dir: Path, cfg: TrainConfig) -> bool:
+    if not all((run_dir / f).is_file() for f in ("last.pt", "config.yaml")):
         return False
     try:
         previous = TrainConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), warn=False)
@@ -154,7 +186,10 @@ def _finished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
 
 
 def _as_saved(cfg: TrainConfig) -> dict:
-    return yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    # neither changes what is trained: a resumed run saves its config with resume: true, and `--quiet`
+    # (progress off) must not make a status listing or a later command take a finished run for another
+    return yaml.safe_load(yaml.safe_dump(dataclasses.replace(cfg, resume=False, progress=True).to_dict(),
+                                         sort_keys=False))
 
 
 def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
@@ -173,31 +208,31 @@ def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
     return points
 
 
-def report_set(recipe: dict, progress: bool = True) -> tuple[Path, str]:
+def report_set(recipe: dict, progress: bool = True, build: bool = True) -> tuple[Path, str]:
     """(shard folder, split) of the recipe's report set: the set no choice reads (``report:``).
 
     ``report.shards`` is a shard folder of its own (reused, or built from ``report.shards.build``: for
-    the phantom an evaluation phantom drawn with its own source seed); without it the report set is
-    ``report.split`` (default ``eval.split``, else ``test``) of the training shards (real data: the test
-    split). Settings are chosen on ``selection.split`` (val) of the training shards, never here."""
+    the phantom an evaluation phantom drawn with its own source seed; ``build=False``: only its path);
+    without it the report set is ``report.split`` (default ``eval.split``, else ``test``) of the training
+    shards (real data: the test split). Settings are chosen on ``selection.split`` (val) of the training
+    shards, never here."""
     spec = recipe.get("report") or {}
     split = spec.get("split") or (recipe.get("eval") or {}).get("split") or "test"
     if spec.get("shards"):
-        return ensure_shards(spec["shards"], progress), split
+        return (ensure_shards(spec["shards"], progress) if build else Path(spec["shards"]["dir"])), split
     return Path(recipe["shards"]["dir"]), split
 
 
-def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> dict:
-    """Full evaluation of RUN/last.pt on the recipe's report set (``report_set``; the linear probe is
-    fitted on the training shards' train split). Cost is measured in a fresh process on CPU, and only
-    when ``efficiency`` and the recipe's eval options allow it."""
+def evaluation_request(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True,
+                       build: bool = True) -> tuple[Path, dict, dict]:
+    """(evaluation folder, request as recorded in its eval_request.json, the remaining ``evaluate`` options)
+    of ``evaluate_run``; ``build=False`` builds no missing report set (a status listing)."""
     opts = dict(recipe.get("eval") or {})
     opts.pop("split", None)
-    report_shards, split = report_set(recipe, progress=False)
+    report_shards, split = report_set(recipe, progress=False, build=build)
     eff_batch = int(opts.pop("efficiency_batch", 32))
     measure = bool(opts.pop("efficiency", True)) and efficiency
     benchmark = opts.pop("benchmark", None)  # e.g. nih-bbox:PATH: its summary joins the run's row
-    ckpt = run_dir / "last.pt"
     separate = report_shards.resolve() != Path(shards).resolve()
     eval_dir = run_dir / ("eval-report" if separate else f"eval-{split}")
     request = {"split": split, "efficiency_batch": eff_batch, "efficiency": measure, "isolated": isolated, **opts}
@@ -205,9 +240,28 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
         request["report_shards"] = str(report_shards)
     if benchmark:
         request["benchmark"] = benchmark
+    return eval_dir, request, opts
+
+
+def evaluation_done(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> bool:
+    """``evaluate_run`` would reuse an earlier evaluation (side-effect free: a status listing)."""
+    eval_dir, request, _ = evaluation_request(recipe, run_dir, shards, isolated, efficiency, build=False)
+    return _previous_evaluation(eval_dir, run_dir / "last.pt", request) is not None
+
+
+def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> dict:
+    """Full evaluation of RUN/last.pt on the recipe's report set (``report_set``; the linear probe is
+    fitted on the training shards' train split). Cost is measured in a fresh process on CPU, and only
+    when ``efficiency`` and the recipe's eval options allow it."""
+    eval_dir, request, opts = evaluation_request(recipe, run_dir, shards, isolated, efficiency)
+    report_shards = Path(request.get("report_shards") or shards)
+    split, eff_batch, measure = request["split"], request["efficiency_batch"], request["efficiency"]
+    benchmark = request.get("benchmark")
+    ckpt = run_dir / "last.pt"
     previous = _previous_evaluation(eval_dir, ckpt, request)
     if previous is not None:
         return previous
+    begin(f"evaluate {run_dir}")
     use_subprocess = measure and isolated and not torch.cuda.is_available()
     results = evaluate(str(ckpt), report_shards, split, eval_dir, progress=False, quiet=True,
                        efficiency=measure and not use_subprocess, efficiency_batch=eff_batch,
@@ -230,9 +284,12 @@ def _previous_evaluation(eval_dir: Path, ckpt: Path, request: dict) -> dict | No
     done, asked = eval_dir / "eval.json", eval_dir / "eval_request.json"
     if not (done.is_file() and asked.is_file() and ckpt.is_file()):
         return None
-    if done.stat().st_mtime < ckpt.stat().st_mtime or json.loads(asked.read_text()) != jsonable(request):
+    try:  # a command killed while writing them leaves a file that does not parse: evaluate again
+        if done.stat().st_mtime < ckpt.stat().st_mtime or json.loads(asked.read_text()) != jsonable(request):
+            return None
+        return json.loads(done.read_text())
+    except json.JSONDecodeError:
         return None
-    return json.loads(done.read_text())
 
 
 def result_row(name: str, summary: dict, results: dict, batch: int) -> dict:

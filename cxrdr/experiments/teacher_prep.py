@@ -16,13 +16,16 @@ Recipe::
       train: {...}          # TrainConfig fields of every teacher run (mode is forced to plain)
       models:               # name -> {source_seed, train overrides}
         lite2-s1: {source_seed: 1}
+      evaluate: [own, students, report]   # which test sets judge it (default: own, students)
 
 Everything is reused when present: a finished run, the copied checkpoint, a teacher already in the shards
-(change a teacher: delete its folder and rebuild the students' shards).
+(change a teacher: delete its folder and rebuild the students' shards). add-teacher runs on the recipe's
+``device`` (cpu when unset).
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -31,14 +34,20 @@ import typer
 from cxrdr.common.checksums import recorded_checksums
 from cxrdr.common.shards.info import read_dataset_info
 from cxrdr.common.shards.members import DATASET_JSON, IMAGE_EXTS
+from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.recipe import make_train_config
-from cxrdr.experiments.runs import claim_run, ensure_shards, run_training
+from cxrdr.experiments.runs import claim_run, ensure_shards, report_set, run_training
 from cxrdr.reinforce.add_teacher import add_teachers
 from cxrdr.teachers.base import file_safe_name
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.evaluation.runner import evaluate
 
-TEACHER_KEYS = {"dir", "build", "train", "models", "add_teacher_batch_size"}
+TEACHER_KEYS = {"dir", "build", "train", "models", "add_teacher_batch_size", "evaluate"}
+# the test sets a teacher can be judged on: its own shards' test split, the students' test split, the
+# recipe's report set (an evaluation phantom no choice reads)
+TEACHER_EVALS = ("own", "students", "report")
+DEFAULT_TEACHER_EVALS = ("own", "students")
+QUALITY_KEYS = {"own": "own_test", "students": "student_test", "report": "report"}  # keys of a teacher's record
 
 
 def teacher_shard_name(name: str) -> str:
@@ -46,19 +55,53 @@ def teacher_shard_name(name: str) -> str:
     return "ckpt-" + file_safe_name(name)
 
 
-def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, experiment: str | None = None) -> dict:
-    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to ``student_shards``; a teacher
-    whose entry lists ``experiments`` is made only for those (e.g. the ensemble's second teacher).
-
-    Returns name -> record (shard name, checkpoint, train summary, quality on both test splits,
-    add-teacher seconds)."""
+def teacher_plans(recipe: dict, experiment: str | None = None) -> dict:
+    """name -> what preparing that teacher means (no side effects): its build spec, TrainConfig,
+    checkpoint path and shard name. A teacher whose entry lists ``experiments`` is planned only for those
+    (e.g. the ensemble's second teacher)."""
     spec = recipe.get("teachers") or {}
     if not spec:
         return {}
     unknown = sorted(set(spec) - TEACHER_KEYS)
     if unknown:
         raise ValueError(f"teachers: unknown key(s) {unknown}; known: {sorted(TEACHER_KEYS)}")
+    evals = list(spec.get("evaluate") or DEFAULT_TEACHER_EVALS)
+    if set(evals) - set(TEACHER_EVALS):
+        raise ValueError(f"teachers.evaluate: {evals}; known: {list(TEACHER_EVALS)}")
     root = Path(spec["dir"])
+    plans = {}
+    for name, model in (spec.get("models") or {}).items():
+        model = dict(model or {})
+        wanted = model.pop("experiments", None)
+        if wanted is not None and experiment not in wanted:
+            continue
+        build = dict(spec.get("build") or {})
+        build["source_options"] = {**(build.get("source_options") or {}), "seed": int(model.pop("source_seed", 1))}
+        shards = root / name / "shards"
+        plans[name] = {"shards": {"dir": str(shards), "build": build}, "ckpt": root / f"{name}.pt",
+                       "cfg": _teacher_config(recipe, spec, model, shards, root / name / "run"),
+                       "shard_name": teacher_shard_name(name), "evaluate": evals}
+    return plans
+
+
+def planned_train_samples(recipe: dict, experiment: str | None = None, shard_names: list[str] | None = None) -> int:
+    """Samples the recipe's teachers (those stored as ``shard_names``, default all) are trained on: steps x
+    batch x accumulation of each teacher's config, known before any is trained."""
+    return sum(p["cfg"].steps * p["cfg"].batch_size * p["cfg"].accum_steps
+               for p in teacher_plans(recipe, experiment).values()
+               if shard_names is None or p["shard_name"] in shard_names)
+
+
+def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, experiment: str | None = None) -> dict:
+    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to ``student_shards``; a teacher
+    whose entry lists ``experiments`` is made only for those (e.g. the ensemble's second teacher).
+
+    Returns name -> record (shard name, checkpoint, train summary, quality on its test sets,
+    add-teacher seconds)."""
+    plans = teacher_plans(recipe, experiment)
+    if not (recipe.get("teachers") or {}):
+        return {}
+    root = Path(recipe["teachers"]["dir"])
     # one process prepares the teachers; a second copy of the experiment waits, then reuses them (else
     # it would train the same teacher alongside, or find the shards locked by the first one's add-teacher)
     lock = claim_run(root, wait=False)
@@ -66,42 +109,45 @@ def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, 
         typer.echo(f"[teachers] another process is preparing the teachers in {root}; waiting", err=True)
         lock = claim_run(root)
     try:
-        out = {}
-        for name, model in (spec.get("models") or {}).items():
-            model = dict(model or {})
-            wanted = model.pop("experiments", None)
-            if wanted is not None and experiment not in wanted:
-                continue
-            out[name] = _prepare_one(recipe, spec, root, name, model, student_shards, progress)
-        return out
+        return {name: _prepare_one(recipe, name, plan, student_shards, progress) for name, plan in plans.items()}
     finally:
         lock.release()
 
 
-def _prepare_one(recipe: dict, spec: dict, root: Path, name: str, model: dict, student_shards: Path,
-                 progress: bool) -> dict:
-    build = dict(spec.get("build") or {})
-    build["source_options"] = {**(build.get("source_options") or {}), "seed": int(model.pop("source_seed", 1))}
-    shards = ensure_shards({"dir": str(root / name / "shards"), "build": build}, progress)
-    cfg = _teacher_config(recipe, spec, model, shards, root / name / "run")
+def _prepare_one(recipe: dict, name: str, plan: dict, student_shards: Path, progress: bool) -> dict:
+    spec = recipe["teachers"]
+    build = plan["shards"]["build"]
+    shards = ensure_shards(plan["shards"], progress)
+    cfg = plan["cfg"]
     typer.echo(f"[teachers] {name}: {cfg.model}, {cfg.steps} steps on its own shards "
                f"(source seed {build['source_options']['seed']})", err=True)
-    summary = run_training(cfg, recipe.get("reuse_runs", True))
-    ckpt = root / f"{name}.pt"
+    summary = run_training(cfg, recipe.get("reuse_runs", True), resume=recipe.get("resume_runs", False))
+    ckpt = plan["ckpt"]
     last = Path(cfg.out) / "last.pt"
     if not ckpt.is_file() or ckpt.stat().st_mtime < last.stat().st_mtime:
         _refuse_stale(student_shards, name)
-        shutil.copyfile(last, ckpt)
-    quality = {"own_test": _quality(recipe, Path(cfg.out), shards, "own"),
-               "student_test": _quality(recipe, Path(cfg.out), student_shards, "students")}
+        # through a temporary name: a command killed while copying must not leave a truncated checkpoint
+        # newer than last.pt, which the next command would take for the finished copy
+        partial = ckpt.with_name(ckpt.name + ".partial")
+        shutil.copyfile(last, partial)
+        os.replace(partial, ckpt)
+    sets = {"own": lambda: (shards, "test"), "students": lambda: (student_shards, "test"),
+            "report": lambda: report_set(recipe, progress)}
+    quality = {QUALITY_KEYS[tag]: _quality(recipe, Path(cfg.out), *sets[tag](), tag) for tag in plan["evaluate"]}
     seconds = add_teacher_once(student_shards, name, ckpt, int(spec.get("add_teacher_batch_size", 64)),
-                               progress)
-    return {"shard_name": teacher_shard_name(name), "checkpoint": str(ckpt), "model": cfg.model,
+                               progress, device=recipe.get("device") or "cpu")
+    return {"shard_name": plan["shard_name"], "checkpoint": str(ckpt), "model": cfg.model,
             "source_seed": build["source_options"]["seed"], "steps": cfg.steps,
             "train_samples": summary.get("samples_seen") or cfg.steps * cfg.batch_size * cfg.accum_steps,
-            "train_wall_s": summary.get("wall_s"), "train_step_ms": summary.get("mean_step_ms"),
+            "train_wall_s": summary.get("wall_s"), "train_time_s": summary.get("train_time_s"),
+            "train_step_ms": summary.get("mean_step_ms"),
             "add_teacher_seconds": seconds, "train_images_shared": shared_train_images(shards, student_shards),
             **quality}
+
+
+def teacher_eval_dir(run_dir: Path, tag: str) -> Path:
+    """Where ``_quality`` writes the teacher's evaluation on one test set."""
+    return run_dir / f"eval-{tag}-test"
 
 
 def shared_train_images(teacher_shards: Path, student_shards: Path) -> float | None:
@@ -139,17 +185,29 @@ def _teacher_config(recipe: dict, spec: dict, model: dict, shards: Path, out: Pa
     return make_train_config(recipe, data)
 
 
-def _quality(recipe: dict, run_dir: Path, shards: Path, tag: str) -> dict:
-    """Retrieval/AUC summary of the teacher on one shard folder's test split (no cost measurement)."""
+def _quality(recipe: dict, run_dir: Path, shards: Path, split: str, tag: str) -> dict:
+    """Retrieval/AUC/pointing-game summary of the teacher on one test set (no cost measurement)."""
     opts = {k: v for k, v in (recipe.get("eval") or {}).items()
             if k not in ("split", "efficiency", "efficiency_batch", "benchmark")}
-    out_dir = run_dir / f"eval-{tag}-test"
+    out_dir = teacher_eval_dir(run_dir, tag)
     done = out_dir / "eval.json"
-    if done.is_file() and done.stat().st_mtime >= (run_dir / "last.pt").stat().st_mtime:
+    if teacher_eval_done(run_dir, tag):
         return json.loads(done.read_text())["summary"]
-    results = evaluate(str(run_dir / "last.pt"), shards, "test", out_dir, progress=False, quiet=True,
+    begin(f"evaluate teacher {run_dir} on {tag}")
+    results = evaluate(str(run_dir / "last.pt"), shards, split, out_dir, progress=False, quiet=True,
                        efficiency=False, **opts)
     return results["summary"]
+
+
+def teacher_eval_done(run_dir: Path, tag: str) -> bool:
+    done = teacher_eval_dir(run_dir, tag) / "eval.json"
+    if not (done.is_file() and done.stat().st_mtime >= (run_dir / "last.pt").stat().st_mtime):
+        return False
+    try:  # a command killed while writing it leaves a file that does not parse: evaluate again
+        json.loads(done.read_text())
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _refuse_stale(student_shards: Path, name: str) -> None:
@@ -161,14 +219,17 @@ def _refuse_stale(student_shards: Path, name: str) -> None:
                          f"checkpoint; rebuild the students' shards (shards.rebuild: true)")
 
 
-def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: int, progress: bool) -> float | None:
-    """``reinforce add-teacher ckpt:CKPT`` unless the shards already hold it; the one-off seconds it took
-    (from dataset.json's teacher_additions, also for an earlier addition), None if unrecorded."""
+def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: int, progress: bool,
+                     device: str = "cpu") -> float | None:
+    """``reinforce add-teacher ckpt:CKPT`` unless the shards already hold it (an interrupted addition
+    resumes: shards that hold it are skipped); the one-off seconds it took (from dataset.json's
+    teacher_additions, also for an earlier addition), None if unrecorded."""
     info = json.loads((Path(student_shards) / "dataset.json").read_text())
     shard_name = teacher_shard_name(name)
     if shard_name not in {t["name"] for t in info.get("teachers", [])}:
+        begin(f"add-teacher {name} to {student_shards}")
         typer.echo(f"[teachers] add-teacher ckpt:{ckpt} -> {student_shards}", err=True)
-        info = add_teachers(Path(student_shards), f"ckpt:{ckpt}", device="cpu", batch_size=batch_size,
+        info = add_teachers(Path(student_shards), f"ckpt:{ckpt}", device=device, batch_size=batch_size,
                             progress=progress)
     return teacher_seconds(info, [shard_name])
 
