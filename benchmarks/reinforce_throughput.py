@@ -19,6 +19,13 @@ prepared for a CPU teacher (its process or the workers), the teacher's threads, 
 (``cpu_policy.where_to_prepare``: from the first two batches, prepared and timed in the build's process)
 and, when it prepared in turn with the forward, the bound that puts on the ratio: t / (t + p).
 
+``--replay`` takes ``cpu``, ``device`` or ``auto`` (as ``reinforce build --replay``), or several
+separated by ``,``: each teacher set is then built once per replay location, e.g. both paths on a GPU
+(``device``: the workers only decode, the build's process replays each batch's views on the GPU):
+
+    python benchmarks/reinforce_throughput.py --n 1024 --workers 12 --batch-size 64 --device cuda \
+        --teachers openclip:ViT-B-16 --replay cpu,device
+
 ``--teachers`` takes several teacher sets separated by ``;``: each is built and timed in turn, and
 a table of their ratios ends the run, e.g. the cheap, the text and the image teacher on CPU:
 
@@ -26,7 +33,7 @@ a table of their ratios ends the run, e.g. the cheap, the text and the image tea
         --teachers "random:tiny;text:minilm;openclip:ViT-B-32,text:minilm"
 
 (``openclip:ViT-B-32`` without a pretrained tag: random weights, the speed of the real architecture.)
-Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:tiny] [--workers 2]
+Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:tiny] [--workers 2] [--replay auto]
 """
 from __future__ import annotations
 
@@ -78,7 +85,7 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
 
 def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch_size: int = 32, n_aug: int = 10,
             n_captions: int = 5, store_size: int = 256, device: str = "auto", files: bool = False,
-            out: str | None = None, teacher_repeats: int = 2) -> dict:
+            out: str | None = None, teacher_repeats: int = 2, replay: str = "auto") -> dict:
     """Build N phantom samples, then time the teachers alone on the same inputs; returns the figures."""
     import torch
 
@@ -102,7 +109,7 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
         source = f"jsonl:{write_phantom_dataset(n, root / 'data', progress=False)}"
     opts = BuildOptions(source=source, teachers=teachers, out=shards, n_aug=n_aug,
                         n_captions=n_captions, store_size=store_size, shard_size=max(1, n // 4),
-                        workers=workers, batch_size=batch_size, device=device, progress=False)
+                        workers=workers, batch_size=batch_size, device=device, replay=replay, progress=False)
     threads_before = torch.get_num_threads()
     # The first build in a process pays one-time costs that do not grow with the samples, as
     # loading the teachers does: imports (pyarrow imports pandas, where installed, on its first
@@ -134,7 +141,9 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
         for k, v in (r.get("main_cpu_seconds") or {}).items():
             main_cpu[k] = main_cpu.get(k, 0.0) + v
     choice = next((r["cpu_threads"] for r in info["build"].get("ranks", []) if r.get("cpu_threads")), None)
+    replayed = ", ".join(sorted({str(r.get("replay")) for r in info["build"].get("ranks", [])}))
     return {"source": source, "device": device, "teachers": teachers, "workers": workers, "cpu_threads": choice,
+            "replay": replayed,
             "batch_size": batch_size, "n_aug": n_aug, "n_captions": n_captions, "store_size": store_size,
             "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "samples": info["total_samples"], "build_seconds": build_wall, "build_samples_per_s": build_rate,
@@ -150,7 +159,7 @@ def report(m: dict) -> None:
     teacher_rate, build_wall = m["teacher_samples_per_s"], m["build_seconds"]
     print(f"source {m['source']}, device {m['device']}, torch threads {m['torch_threads']}, cpus {m['cpus']}, "
           f"teachers {m['teachers']}, workers {m['workers']}, batch {m['batch_size']}, K={m['n_aug']}, "
-          f"S={m['n_captions']}, store {m['store_size']}")
+          f"S={m['n_captions']}, store {m['store_size']}, replay {m['replay']}")
     print(f"build: {m['samples']} samples in {build_wall:.2f} s = {m['build_samples_per_s']:.1f} samples/s "
           f"(time split s: {split})")
     print(f"teacher forward only, same batches: {m['teacher_seconds']:.2f} s = {teacher_rate:.1f} samples/s "
@@ -162,7 +171,8 @@ def report(m: dict) -> None:
     print(f"wall per sample (ms): prepare {ms(split['decode_augment']):.1f} (summed over the workers or the "
           f"build process, whichever prepared), "
           f"teacher {ms(split['teacher']):.1f} (alone {1000 / teacher_rate:.1f}), "
-          f"assemble+queue {ms(m['assemble_seconds']):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
+          + (f"replay in the build's process {ms(split['replay']):.1f}, " if "replay" in split else "")
+          + f"assemble+queue {ms(m['assemble_seconds']):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
           f"writer thread {ms(split['write']):.1f}; teacher busy {split['teacher'] / build_wall:.0%} of wall")
     print(f"CPU per sample (ms): prepare {ms(prep_cpu):.1f} ["
           + ", ".join(f"{k} {ms(v):.2f}" for k, v in prep.items())
@@ -179,7 +189,9 @@ def report(m: dict) -> None:
     # Workers, main process and writer share the same cores: whatever the pipeline does, the
     # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(split["write"])
+    # device replay on a CPU device is CPU work of the build's process too
+    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(split["write"]) \
+        + (ms(split.get("replay", 0.0)) if m["device"] == "cpu" else 0.0)
     cpu_ms = ms(prep_cpu) + 1000 / teacher_rate + other_ms
     bound = cores * 1000 / cpu_ms
     budget = cores * 1000 / (0.8 * teacher_rate) - 1000 / teacher_rate - other_ms
@@ -192,14 +204,14 @@ def report(m: dict) -> None:
 
 def report_table(results: list[dict]) -> None:
     """One row per teacher set: rates, ratio, CPU ms per sample by stage, the build's thread choice."""
-    print("\n| teachers | samples | build /s | teacher alone /s (threads) | ratio | CPU ms/sample: prepare, "
+    print("\n| teachers | replay | samples | build /s | teacher alone /s (threads) | ratio | CPU ms/sample: prepare, "
           "teacher (main thread), teacher (process), assemble | build's teacher threads |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for m in results:
         n = max(1, m["samples"])
         cpu = m["main_cpu_seconds"]
         choice = m.get("cpu_threads") or {}
-        print(f"| `{m['teachers']}` | {m['samples']} | {m['build_samples_per_s']:.2f} | "
+        print(f"| `{m['teachers']}` | {m['replay']} | {m['samples']} | {m['build_samples_per_s']:.2f} | "
               f"{m['teacher_samples_per_s']:.2f} ({m['teacher_best_threads']}) | {m['ratio']:.3f} | "
               f"{1000 * sum(m['prepare_cpu_seconds'].values()) / n:.1f}, {1000 * cpu.get('teacher', 0.0) / n:.1f}, "
               f"{1000 * cpu.get('teacher_process', 0.0) / n:.1f}, {1000 * cpu.get('assemble', 0.0) / n:.2f} | "
@@ -218,6 +230,8 @@ def main() -> None:
     parser.add_argument("--n-captions", type=int, default=5)
     parser.add_argument("--store-size", type=int, default=256)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--replay", default="auto",
+                        help="auto, cpu or device (reinforce build --replay), or several separated by ','")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the main process")
     parser.add_argument("--files", action="store_true",
                         help="write the phantom studies as PNG files first (untimed) and build from "
@@ -234,11 +248,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     results = []
     sets = [t.strip() for t in args.teachers.split(";") if t.strip()]
-    for i, teachers in enumerate(sets):
-        out = None if args.out is None else (args.out if len(sets) == 1 else str(Path(args.out) / f"set-{i}"))
+    replays = [r.strip() for r in args.replay.split(",") if r.strip()]
+    runs = [(teachers, replay) for teachers in sets for replay in replays]
+    for i, (teachers, replay) in enumerate(runs):
+        out = None if args.out is None else (args.out if len(runs) == 1 else str(Path(args.out) / f"set-{i}"))
         results.append(measure(n=args.n, teachers=teachers, workers=args.workers, batch_size=args.batch_size,
                                n_aug=args.n_aug, n_captions=args.n_captions, store_size=args.store_size,
-                               device=args.device, files=args.files, out=out, teacher_repeats=args.teacher_repeats))
+                               device=args.device, files=args.files, out=out, teacher_repeats=args.teacher_repeats,
+                               replay=replay))
         report(results[-1])
     if len(results) > 1:
         report_table(results)

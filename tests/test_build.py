@@ -121,6 +121,7 @@ def test_fresh_build_follows_the_contract(fresh):
     assert info["build"]["samples_per_second"] > 0
     sizes = json.loads((fresh / "sizes.json").read_text())
     assert sizes == {s["name"]: s["samples"] for s in info["shards"]}
+    assert info["build"]["ranks"][0]["replay"] == "cpu"  # --replay auto on a CPU teacher: the workers replay
     choice = info["build"]["ranks"][0]["cpu_threads"]  # where the CPU policy prepared, and why
     assert choice["workers"] == 2 and choice["workers_used"] in (0, 2) and choice["teacher_threads"] >= 1
     assert choice["prepare_ms_per_sample"] > 0 and choice["teacher_ms_per_sample"] > 0
@@ -308,6 +309,53 @@ def test_shards_prepared_in_workers_equal_those_prepared_in_this_process(fresh, 
     assert info["build"]["ranks"][0]["cpu_threads"]["workers_used"] == 2
     assert manifest_rows(tmp_path / "workers") == manifest_rows(fresh)
     assert_same_samples(read_samples(tmp_path / "workers"), read_samples(fresh))
+
+
+def test_device_replay_builds_the_shards_of_cpu_replay(fresh, teachers, tmp_path, monkeypatch):
+    """--replay device: the workers only decode and this process replays each batch's views at once (on
+    the CPU here, as on a GPU); same-size images replay to the very crops of the per-sample replay, so
+    the shards equal a CPU-replay build's. The folder says which replay it was built with."""
+    from cxrdr.reinforce.cpu_policy import CpuPolicy
+
+    monkeypatch.setattr(CpuPolicy, "PROBE", 0)  # every record through the worker, its chunks regrouped
+    out = tmp_path / "device"
+    info = build(options(out, workers=1, replay="device"), teachers=teachers)
+    rank = info["build"]["ranks"][0]
+    assert rank["replay"] == "device" and rank["time_split_seconds"]["replay"] > 0
+    assert "params_replay" in rank["prepare_cpu_seconds"]
+    assert manifest_rows(out) == manifest_rows(fresh)
+    assert_same_samples(read_samples(out), read_samples(fresh))
+    inspected = CliRunner().invoke(app(), ["inspect", str(out)])
+    assert inspected.exit_code == 0 and "replay: device (each batch's views replayed at once" in inspected.output
+    assert "replay: cpu (each image's views replayed on the CPU" in CliRunner().invoke(app(), ["inspect", str(fresh)]).output
+    assert "- replay of the views the teachers embedded: device (" in (out / "README.md").read_text()
+    assert "- replay of the views the teachers embedded: cpu (" in (fresh / "README.md").read_text()
+
+
+def test_device_replay_of_stored_images_of_different_sizes():
+    """The build's device replay of worker chunks holding images of different sizes (zero-padded into
+    one canvas per chunk, then per batch) gives each sample's per-sample replay within 1/255."""
+    from cxrdr.common.augment import AugConfig, replay_many, sample_param_sets
+    from cxrdr.reinforce.options import resolve_replay
+    from cxrdr.reinforce.pipeline import _regroup
+    from cxrdr.reinforce.prepare import collate_prepared, replay_on_device
+
+    assert [resolve_replay(r, d) for r, d in [("auto", "cuda:1"), ("auto", "cpu"), ("cpu", "cuda"), ("device", "cpu")]] \
+        == ["device", "cpu", "cpu", "device"]
+    rng = np.random.default_rng(0)
+    prepared, images = [], []
+    for i, (w, h) in enumerate([(80, 64), (64, 96), (64, 64), (120, 64)]):
+        pixels = torch.from_numpy(rng.integers(0, 256, (h, w), dtype=np.uint8))
+        params = sample_param_sets(f"s{i}", w, h, 3, AugConfig(max_angle=10, hflip=True), seed=i)
+        prepared.append({"key": str(i), "pixels": pixels.unsqueeze(0), "aug": params, "image_size": [w, h]})
+        images.append(pixels.numpy())
+    batch = next(_regroup([collate_prepared(prepared[:2]), collate_prepared(prepared[2:])], batch_size=4))
+    assert batch["pixels"].shape == (4, 1, 96, 120) and batch["pixels"].dtype == torch.uint8
+    crops = replay_on_device(batch["pixels"], batch["samples"], (32, 48), "cpu")
+    for size in (32, 48):
+        expected = torch.cat([replay_many(image, p["aug"], size) for image, p in zip(images, prepared)])
+        assert crops[size].shape == expected.shape
+        assert float((crops[size] - expected).abs().max()) <= 1 / 255
 
 
 def test_inspect_and_verify_commands(fresh):
@@ -526,6 +574,8 @@ def test_bad_input_is_a_one_line_user_error(tmp_path, teachers):
         build(options(tmp_path / "b", teachers="bogus:model"))
     with pytest.raises(UserError, match="--emb-dtype"):
         build(options(tmp_path / "c", emb_dtype="bf8"))
+    with pytest.raises(UserError, match="--replay must be one of auto, cpu, device"):
+        build(options(tmp_path / "c", replay="gpu"))
     with pytest.raises(UserError, match="rank"):
         build(options(tmp_path / "d", rank=2, world_size=2))
     result = CliRunner().invoke(app(), ["build", "--crop-scale", "1.0", "--out", str(tmp_path / "e")])
@@ -716,7 +766,7 @@ def test_build_flags_are_derived_from_build_options(monkeypatch):
     args = ["--source", "csv:x.csv", "--teachers", "random:tiny", "--out", "o", "--n-aug", "3", "--n-captions", "4",
             "--store-size", "96", "--image-format", "JPEG", "--jpeg-quality", "80", "--emb-dtype", "int8",
             "--shard-size", "7", "--compression", "none", "--seed", "5", "--workers", "0", "--batch-size", "6",
-            "--device", "cpu", "--model-cache", "mc", "--resume", "--rank", "1", "--world-size", "2",
+            "--device", "cpu", "--replay", "device", "--model-cache", "mc", "--resume", "--rank", "1", "--world-size", "2",
             "--limit", "9", "--merge-timeout", "12.5", "--crop-scale", "0.5,0.9", "--crop-ratio", "0.8,1.2",
             "--max-angle", "3", "--randaugment", "2", "--randaugment-magnitude", "4", "--image-root", "imgs",
             "--col-id", "a", "--col-image", "b", "--col-report", "c", "--col-findings", "d", "--col-impression", "e",
@@ -729,7 +779,7 @@ def test_build_flags_are_derived_from_build_options(monkeypatch):
     assert seen.pop() == BuildOptions(
         source="csv:x.csv", teachers="random:tiny", out=Path("o"), n_aug=3, n_captions=4, store_size=96,
         image_format="jpg", jpeg_quality=80, emb_dtype="int8", shard_size=7, compression="none", seed=5, workers=0,
-        batch_size=6, device="cpu", model_cache="mc", resume=True, rank=1, world_size=2, limit=9,
+        batch_size=6, device="cpu", replay="device", model_cache="mc", resume=True, rank=1, world_size=2, limit=9,
         aug=AugConfig(scale=(0.5, 0.9), ratio=(0.8, 1.2), max_angle=3.0, randaugment_n=2, randaugment_magnitude=4.0),
         source_options=dict(image_root="imgs", col_id="a", col_image="b", col_report="c", col_findings="d",
                             col_impression="e", col_labels="f", col_split="g", col_subject="h", col_study="i",

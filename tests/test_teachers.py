@@ -365,3 +365,19 @@ def test_teacher_registry_does_not_import_stage_2():
             "print([m for m in sys.modules if m.startswith('cxrdr.train')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_teachers_run_in_bf16_autocast_on_cuda_and_in_fp32_on_cpu():
+    """The build's GPU teacher forward autocasts to bf16 (DESIGN: the teacher runs in bf16); on the CPU
+    nothing is autocast, so CPU builds stay fp32."""
+    import dataclasses
+    import warnings
+
+    teacher = load_teacher("random:tiny", device="cpu")
+    on_cpu = teacher._autocast()
+    assert on_cpu.device == "cpu" and not on_cpu._enabled
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without CUDA torch disables the context but keeps its dtype
+        on_cuda = dataclasses.replace(teacher, device="cuda:0")._autocast()
+    assert on_cuda.device == "cuda" and on_cuda.fast_dtype == torch.bfloat16
+    assert on_cuda._enabled == torch.cuda.is_available()

@@ -2,7 +2,10 @@
 
 Parameters are plain JSON numbers, stored in each sample's metadata. ``replay(image, params,
 size)`` is the single function both stages call: the teacher in ``reinforce build`` and the
-student in ``train run`` therefore see pixel-identical crops at the same size.
+student in ``train run`` therefore see pixel-identical crops at the same size. It is the one-view
+case of ``replay_batch``, which a build with ``--replay device`` runs on many images' views at once
+on the teacher's GPU: there the crops equal replay's within 1/255 per pixel (float rounding of
+another device; a pixel lying on a posterize/solarize step may land on its other side).
 
 Geometry is expressed in stored-image pixels and applied as one affine resampling
 (``torch.nn.functional.grid_sample``) from the output grid into the image. That makes the
@@ -169,7 +172,7 @@ def replay(image, params: dict, size: int) -> torch.Tensor:
     """Apply one stored parameter set: float32 tensor (1, size, size) in [0, 1].
 
     Pure and deterministic: the same (image, params, size) always gives the same tensor. The
-    one-view case of :func:`replay_many`, so a view replayed alone or among others is the same bits.
+    one-view case of :func:`replay_batch`, so a view replayed alone or among others is the same bits.
     """
     return replay_many(image, [params], size)[0]
 
@@ -177,124 +180,200 @@ def replay(image, params: dict, size: int) -> torch.Tensor:
 def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
     """Replay several parameter sets on one image: (K, 1, size, size) float32 in [0, 1].
 
-    Each view: crop + rotation + flip as one affine sampling grid (:func:`view_to_image`, float64)
-    read by bilinear ``grid_sample`` from the image box-filtered by an integer factor first
-    (anti-aliasing strong down-sampling; the grid is in the pooled image's pixel units), then the
-    photometric ops. Work shared by the views is done once: the image is converted and pooled
-    once per factor, the grids computed in one numpy pass and resampled by one batched
-    ``grid_sample``; the photometric ops (whose ``mean`` is a reduction) run one view at a time,
-    so a view's bits do not depend on the other views.
+    :func:`replay_batch` of one image: the image is converted and pooled once for all its views.
     """
     if size < 1:
         raise ValueError(f"replay size must be >= 1 pixel, got {size}")
     if not params_list:
         return torch.empty(0, 1, size, size)
-    src = to_float_image(image)
-    uv = _output_uv(size)
-    out = torch.empty(len(params_list), 1, size, size)
+    return replay_batch(to_float_image(image).unsqueeze(0), None, params_list, [0] * len(params_list), size)
+
+
+def replay_batch(images: torch.Tensor, image_sizes, params_list: list[dict], owners: list[int],
+                 size: int) -> torch.Tensor:
+    """Replay views of several images at once, on the images' device: (n, 1, size, size) float32 in [0, 1].
+
+    ``images``: (B, 1, H, W) float in [0, 1], image ``i`` in its top-left ``image_sizes[i]`` = (w, h)
+    pixels and zero beyond (None: every image fills H x W); view ``j`` replays ``params_list[j]`` on
+    image ``owners[j]``. This is the one implementation of replay: :func:`replay` and
+    :func:`replay_many` call it with one image, so the build's batched (GPU) replay does the same
+    arithmetic as the per-sample CPU replay of stage 2 (within float rounding on another device or
+    canvas size: the contract is 1/255 per pixel, tested).
+
+    Each view: crop + rotation + flip as one affine sampling grid (:func:`view_to_image`, float64)
+    read by bilinear ``grid_sample`` from the image box-filtered by an integer factor first
+    (anti-aliasing strong down-sampling; the grid is in the pooled image's pixel units), then the
+    photometric ops. Images are pooled once per factor, the grids of all views computed together,
+    and each photometric step runs on all the views it applies to at once; a view's value never
+    depends on the other views (reductions are per view, in the same order whatever the batch).
+    """
+    out = torch.empty(len(params_list), 1, size, size, device=images.device)
     groups: dict[int, list[int]] = {}
-    for i, params in enumerate(params_list):
+    for j, params in enumerate(params_list):
         _, _, w, h = params["crop"]
         k = int(min(w, h) / size / 1.5)
-        groups.setdefault(k if k >= 2 else 1, []).append(i)
+        groups.setdefault(k if k >= 2 else 1, []).append(j)
     for k, members in groups.items():
-        pooled = F.avg_pool2d(src.unsqueeze(0), kernel_size=k, stride=k).squeeze(0) if k >= 2 else src
-        _, ph, pw = pooled.shape
-        grid = _grids([params_list[i] for i in members], uv, k, pw, ph, size)
-        batch = pooled.unsqueeze(0).expand(len(members), -1, -1, -1)
-        sampled = F.grid_sample(batch, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-        for j, i in enumerate(members):
-            out[i] = _photometric(sampled[j], params_list[i]).clamp_(0.0, 1.0)
-    return out
+        pooled = F.avg_pool2d(images, kernel_size=k, stride=k) if k >= 2 else images
+        if image_sizes is not None and k >= 2:
+            pooled = pooled * _inside(image_sizes, k, pooled.shape[-2:], images.device)
+        _, _, ph, pw = pooled.shape
+        grid = _grids([params_list[j] for j in members], k, pw, ph, size, images.device)
+        out[torch.tensor(members, device=images.device)] = _sample(pooled, grid, [owners[j] for j in members])
+    return _photometric(out, params_list).clamp_(0.0, 1.0)
 
 
-_UV_CACHE: dict[int, np.ndarray] = {}
+def _sample(images: torch.Tensor, grid: torch.Tensor, owners: list[int]) -> torch.Tensor:
+    """Bilinear reads of views (grids (m, S, S, 2), view ``r`` of image ``owners[r]``): (m, 1, S, S).
+
+    One ``grid_sample`` reads every image once, with no copy of it per view: image i's views are
+    stacked along its grid's rows (its s-th view at rows s*S..), and an image with fewer views than
+    the most gets grid points outside every image (zero-padded reads, dropped)."""
+    n_images, size = images.shape[0], grid.shape[1]
+    count: dict[int, int] = {}
+    slot = []
+    for owner in owners:
+        slot.append(count.get(owner, 0))
+        count[owner] = slot[-1] + 1
+    per_image = max(count.values())
+    rows = [owner * per_image + s for owner, s in zip(owners, slot)]
+    stacked = rows == list(range(n_images * per_image))  # as laid out already (one image: always)
+    if not stacked:
+        full = grid.new_full((n_images * per_image, size, size, 2), -4.0)
+        full[torch.tensor(rows, device=grid.device)] = grid
+        grid = full
+    sampled = F.grid_sample(images, grid.view(n_images, per_image * size, size, 2), mode="bilinear",
+                            padding_mode="zeros", align_corners=False).view(-1, 1, size, size)
+    return sampled if stacked else sampled[torch.tensor(rows, device=grid.device)]
 
 
-def _output_uv(size: int) -> np.ndarray:
-    """Output pixel centres in view coordinates, (size*size, 2) float64, as :func:`replay` makes them."""
+def _inside(image_sizes, k: int, shape, device) -> torch.Tensor:
+    """(B, 1, ph, pw) 1/0 mask of the pooled cells that lie wholly inside each image: pooling a canvas
+    makes edge cells that average an image's last pixels with the padding; pooling the image alone
+    (what replay does) has no such cells, so zero-padded sampling reads zeros there."""
+    rows = torch.arange(shape[0], device=device).view(1, 1, -1, 1)
+    cols = torch.arange(shape[1], device=device).view(1, 1, 1, -1)
+    w = torch.tensor([s[0] // k for s in image_sizes], device=device).view(-1, 1, 1, 1)
+    h = torch.tensor([s[1] // k for s in image_sizes], device=device).view(-1, 1, 1, 1)
+    return ((rows < h) & (cols < w)).float()
+
+
+_UV_CACHE: dict[int, torch.Tensor] = {}
+
+
+def _output_uv(size: int) -> torch.Tensor:
+    """Output pixel centres along one axis in view coordinates, (size,) float64 (rows and columns alike)."""
     uv = _UV_CACHE.get(size)
     if uv is None:
-        steps = (torch.arange(size, dtype=torch.float64) + 0.5) / size * 2 - 1
-        vv, uu = torch.meshgrid(steps, steps, indexing="ij")
-        uv = torch.stack([uu.reshape(-1), vv.reshape(-1)], dim=1).numpy()
-        uv.setflags(write=False)
-        _UV_CACHE[size] = uv
+        uv = _UV_CACHE[size] = (torch.arange(size, dtype=torch.float64) + 0.5) / size * 2 - 1
     return uv
 
 
-def _grids(params_list: list[dict], uv: np.ndarray, k: int, pw: int, ph: int, size: int) -> torch.Tensor:
+def _grids(params_list: list[dict], k: int, pw: int, ph: int, size: int, device) -> torch.Tensor:
     """grid_sample grids (n, size, size, 2) of several views: :func:`view_to_image` vectorised over views.
 
     The output grid is separable (u depends on the column only, v on the row only), so every
     product is taken on (n, size) vectors and only the final sums and the pixel -> grid scaling
-    touch (n, size, size); each value is still the same float64 expression as in :func:`replay`.
+    touch (n, size, size); each value is the same float64 expression as in :func:`view_to_image`.
     """
-    n = len(params_list)
-    crop = np.array([p["crop"] for p in params_list], dtype=np.float64)
+    crop = torch.tensor([p["crop"] for p in params_list], dtype=torch.float64, device=device)
     w, h = crop[:, 2:3], crop[:, 3:4]
     cx, cy = crop[:, 0:1] + w / 2, crop[:, 1:2] + h / 2
     radians = [math.radians(p.get("angle", 0.0)) for p in params_list]
-    cos = np.array([math.cos(a) for a in radians])[:, None]  # math, not np: the same libm values as replay
-    sin = np.array([math.sin(a) for a in radians])[:, None]
-    u = np.broadcast_to(uv[:size, 0], (n, size)).copy()  # uv rows 0..size-1: v fixed, u = every column
-    v = uv[::size, 1][None, :]  # every size-th row: u fixed, v = every row
-    flip = np.array([bool(p.get("hflip")) for p in params_list])
-    u[flip] = -u[flip]
+    # math, not torch: the libm values view_to_image uses
+    cos = torch.tensor([math.cos(a) for a in radians], dtype=torch.float64, device=device)[:, None]
+    sin = torch.tensor([math.sin(a) for a in radians], dtype=torch.float64, device=device)[:, None]
+    steps = _output_uv(size).to(device)
+    flip = torch.tensor([bool(p.get("hflip")) for p in params_list], device=device)[:, None]
+    u = torch.where(flip, -steps, steps)  # (n, size): u of every column
+    v = steps[None, :]  # (1, size): v of every row
     dx, dy = u * w / 2, v * h / 2  # (n, size): dx per column, dy per row
-    grid = np.empty((n, size, size, 2), dtype=np.float64)
+    grid = torch.empty(len(params_list), size, size, 2, device=device)
     for axis, col_term, row_term, scale in ((0, cx + dx * cos, dy * sin, pw), (1, cy - dx * sin, dy * cos, ph)):
-        xy = col_term[:, None, :] + row_term[:, :, None]  # (n, row, col), as c + dx*. + dy*. in replay
+        xy = col_term[:, None, :] + row_term[:, :, None]  # (n, row, col), as c + dx*. + dy*. in view_to_image
         xy /= k
         xy *= 2
         xy /= scale
         xy -= 1
         grid[..., axis] = xy
-    return torch.from_numpy(grid).float()
+    return grid
 
 
-def _photometric(x: torch.Tensor, params: dict) -> torch.Tensor:
-    """Brightness, contrast, gamma, then the RandAugment-style ops (in place after the first product)."""
-    x = x * params.get("brightness", 1.0)
-    contrast = params.get("contrast", 1.0)
-    if contrast != 1.0:
-        mean = x.mean()
-        x = x.sub_(mean).mul_(contrast).add_(mean)
+def _column(values, device) -> torch.Tensor:
+    """Per-view float32 factors shaped (n, 1, 1, 1): each rounds to float32 as a Python scalar operand
+    would, so a batched product has the bits of the one-view product."""
+    return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+
+
+def _where(flags: list[bool], x: torch.Tensor, fn) -> None:
+    """Apply ``fn(selected views, their indices)`` to the views with a true flag, in place in ``x``."""
+    chosen = [i for i, flag in enumerate(flags) if flag]
+    if chosen:
+        index = torch.tensor(chosen, device=x.device)
+        x.index_copy_(0, index, fn(x.index_select(0, index), chosen))
+
+
+def _photometric(x: torch.Tensor, params_list: list[dict]) -> torch.Tensor:
+    """Brightness, contrast, gamma, then the RandAugment-style ops of each view, on (n, 1, S, S).
+
+    A step that leaves a view unchanged (contrast or gamma 1) is not applied to it at all, and each
+    op position runs once per op name on the views that have that op there."""
+    get = lambda key, default: [float(p.get(key, default)) for p in params_list]  # noqa: E731
+    contrast, gamma = get("contrast", 1.0), get("gamma", 1.0)
+    x = x * _column(get("brightness", 1.0), x.device)
+
+    def stretch(v, chosen):
+        mean = _means(v)
+        return v.sub_(mean).mul_(_column([contrast[i] for i in chosen], v.device)).add_(mean)
+
+    _where([c != 1.0 for c in contrast], x, stretch)
     x = x.clamp_(0.0, 1.0)
-    gamma = params.get("gamma", 1.0)
-    if gamma != 1.0:
-        x = x.pow_(gamma)
-    for name, magnitude in params.get("ops", []):
-        x = _apply_op(x, name, float(magnitude), params.get("noise_seed", 0))
+    _where([g != 1.0 for g in gamma], x, lambda v, chosen: v.pow_(_column([gamma[i] for i in chosen], v.device)))
+    ops = [p.get("ops", []) for p in params_list]
+    for position in range(max(map(len, ops), default=0)):
+        for name in sorted({o[position][0] for o in ops if position < len(o)}):
+            _where([position < len(o) and o[position][0] == name for o in ops], x, lambda v, chosen: _apply_op(
+                v, name, [float(ops[i][position][1]) / 10.0 for i in chosen],
+                [params_list[i].get("noise_seed", 0) for i in chosen]))
     return x
 
 
+def _means(x: torch.Tensor) -> torch.Tensor:
+    """Per-view mean (n, 1, 1, 1), each view summed whole on one thread, whatever n and torch's threads:
+    torch splits a reduction to one value across threads (its bits then depend on their number) but
+    reduces each of several values on one thread, so a single view is reduced as one of two."""
+    if x.shape[0] == 1:
+        return x.expand(2, -1, -1, -1).mean(dim=(1, 2, 3), keepdim=True)[:1]
+    return x.mean(dim=(1, 2, 3), keepdim=True)
+
+
 def _blur(x: torch.Tensor) -> torch.Tensor:
-    kernel = torch.tensor([1.0, 2.0, 1.0])
+    kernel = torch.tensor([1.0, 2.0, 1.0], device=x.device)
     kernel = (kernel[:, None] * kernel[None, :]) / 16.0
-    padded = F.pad(x.unsqueeze(0), (1, 1, 1, 1), mode="replicate")
-    return F.conv2d(padded, kernel.view(1, 1, 3, 3)).squeeze(0)
+    return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), kernel.view(1, 1, 3, 3))
 
 
-def _apply_op(x: torch.Tensor, name: str, magnitude: float, noise_seed: int) -> torch.Tensor:
-    m = magnitude / 10.0
+def _apply_op(x: torch.Tensor, name: str, m: list[float], noise_seeds: list[int]) -> torch.Tensor:
+    """One op on views (n, 1, S, S), view ``i`` at magnitude ``m[i]`` in 0..1."""
+    mt = _column(m, x.device)
     if name == "autocontrast":
-        lo, hi = x.min(), x.max()
+        lo, hi = x.amin(dim=(1, 2, 3), keepdim=True), x.amax(dim=(1, 2, 3), keepdim=True)
         stretched = (x - lo) / (hi - lo).clamp_min(1e-6)
-        return x + m * (stretched - x)
+        return x + mt * (stretched - x)
     if name == "sharpness":
-        return (x + m * (x - _blur(x))).clamp(0, 1)
+        return (x + mt * (x - _blur(x))).clamp(0, 1)
     if name == "posterize":
-        levels = 2 ** max(2, int(round(8 - 4 * m)))
-        return torch.floor(x * (levels - 1) + 0.5) / (levels - 1)
+        steps = _column([2 ** max(2, int(round(8 - 4 * v))) - 1 for v in m], x.device)
+        return torch.floor(x * steps + 0.5) / steps
     if name == "solarize":
-        threshold = 1.0 - 0.5 * m
-        return torch.where(x >= threshold, 1.0 - x, x)
+        return torch.where(x >= _column([1.0 - 0.5 * v for v in m], x.device), 1.0 - x, x)
     if name == "blur":
-        return x + m * (_blur(x) - x)
+        return x + mt * (_blur(x) - x)
     if name == "noise":
-        gen = torch.Generator().manual_seed(int(noise_seed))
-        return (x + torch.randn(x.shape, generator=gen) * 0.05 * m).clamp(0, 1)
+        # Drawn on the CPU from the view's own seed: the same numbers whichever device replays.
+        noise = torch.stack([torch.randn(x.shape[1:], generator=torch.Generator().manual_seed(int(seed)))
+                             for seed in noise_seeds]).to(x.device)
+        return (x + noise * 0.05 * mt).clamp(0, 1)
     raise ValueError(f"unknown augmentation op {name!r}; known: {', '.join(RANDAUGMENT_OPS)}")
 
 

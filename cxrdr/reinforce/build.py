@@ -10,8 +10,11 @@ Pipeline (one rank):
    then sample K augmentation parameter sets, replay them (``replay_many``: bit-identical to one
    ``replay`` per set, shared work done once) at every distinct teacher input size, and make S
    captions. An unreadable image is skipped into the build's SkipLog, never fatal. Workers hand
-   over chunks of about B/(2*workers) records with their crops in one tensor per size.
-3. The main process regroups the chunks into batches of B = ``--batch-size`` records and runs
+   over chunks of about B/(2*workers) records with their crops in one tensor per size. With
+   ``--replay device`` (the default with a CUDA teacher) they replay nothing and hand over the
+   stored pixels instead (uint8, one zero-padded tensor per chunk).
+3. The main process regroups the chunks into batches of B = ``--batch-size`` records (``--replay
+   device``: replays the batch's views at once on the teachers' device, ``replay_batch``) and runs
    the teacher forwards (K*B crops per image forward; reports + captions per text forward).
 4. A background thread writes the tar (bounded queue), as ``shard-NNNNNN.tar.tmp`` renamed
    with its ``stats/shard-NNNNNN.json`` when complete.

@@ -30,6 +30,22 @@ def source_license(source: dict) -> tuple[str, str]:
     return SOURCE_LICENSES.get(name, ("unknown", "not declared by the source: fill in before sharing"))
 
 
+REPLAY_NOTES = {
+    "cpu": "each image's views replayed on the CPU, as training replays them",
+    "device": "each batch's views replayed at once on the teachers' device, equal to the CPU replay "
+              "within 1/255 per pixel",
+    "none": "no views embedded (no images, or no image teacher)",
+}
+
+
+def replay_text(dataset: dict) -> str:
+    """Where the views the teachers embedded were replayed (``reinforce build --replay``), from the ranks
+    of the build (a Ray rank lists its actors' kinds); ranks built before the option replayed on the CPU."""
+    ranks = (dataset.get("build") or {}).get("ranks") or [{}]
+    kinds = sorted({kind for r in ranks for kind in (r.get("replay", "cpu") or "none").split(", ")})
+    return "; ".join(f"{kind} ({REPLAY_NOTES.get(kind, 'unknown')})" for kind in kinds)
+
+
 def size_category(n: int) -> str:
     bounds = [(1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
               (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M")]
@@ -137,6 +153,7 @@ def dataset_card(dataset: dict) -> str:
              f"- seed {dataset.get('seed')}, shard size {dataset.get('shard_size')}, "
              f"compression {dataset.get('compression', 'none')}",
              f"- augmentation: `{json.dumps(dataset.get('aug'))}`",
+             f"- replay of the views the teachers embedded: {replay_text(dataset)}",
              f"- captions: `{json.dumps(dataset.get('captions'))}`",
              "- bytes per sample (payload): " + ", ".join(f"{k} {v:.0f}" for k, v in
                                                          (dataset.get("bytes_per_sample") or {}).items())]

@@ -10,6 +10,7 @@ import typer
 from cxrdr.common.errors import UserError
 from cxrdr.common.shards import (iter_tar_samples, load_meta, npy_load, read_dataset_info, sample_embeddings,
                                  teacher_ext)
+from cxrdr.reinforce.card import replay_text
 
 
 def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[str, dict] | None:
@@ -72,6 +73,8 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
     if b:
         lines.append(f"build: {b.get('samples_per_second')} samples/s, wall {b.get('wall_seconds')} s, "
                      f"time split {b.get('time_split_seconds')}")
+    if info.get("images", True):
+        lines.append(f"replay: {replay_text(info)}")
     sk = info.get("skipped", {})
     lines.append(f"skipped: source {sk.get('source', {}).get('count', 0)} "
                  f"{sk.get('source', {}).get('by_reason', {})}, build {sk.get('build', {}).get('count', 0)} "

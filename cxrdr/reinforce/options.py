@@ -51,6 +51,10 @@ class BuildOptions:
                            "first two batches and may prepare in its own process instead (it prints why).")
     batch_size: int = _opt(32, "Records per teacher batch (K*B crops per image forward).")
     device: str = _opt("auto", "auto, cpu or cuda[:N] for the teachers.")
+    # where the K views are replayed (resolve_replay); the teachers' inputs agree within 1/255 per pixel either way
+    replay: str = _opt("auto", "Where the teachers' K views are replayed: cpu (each image's views in the preparing "
+                               "workers), device (the batch's views at once on the teachers' device; the workers "
+                               "only decode) or auto (device when the teachers run on CUDA, else cpu).")
     model_cache: Optional[str] = _opt(None, "Folder with local teacher weights.")
     resume: bool = _opt(False, "Skip shards already complete in --out.")
     rank: Optional[int] = _opt(None, "This process's rank (default: $RANK or 0).")
@@ -160,6 +164,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+REPLAYS = ("auto", "cpu", "device")
+
+
+def resolve_replay(replay: str, device: str) -> str:
+    """--replay for teachers on ``device``: ``cpu`` or ``device`` (auto: device on CUDA, where per-image CPU
+    replay of K views cannot keep the teacher busy; on a CPU device batching gains nothing)."""
+    if replay == "auto":
+        return "device" if str(device).startswith("cuda") else "cpu"
+    return replay
+
+
 def open_source_of(opts: BuildOptions):
     options = {k: v for k, v in opts.source_options.items() if v is not None}
     try:
@@ -205,6 +220,7 @@ def validate_options(opts: BuildOptions) -> None:
         (opts.limit is None or opts.limit >= 1, f"--limit must be >= 1 (got {opts.limit})"),
         (opts.device == "auto" or opts.device == "cpu" or opts.device.startswith("cuda"),
          f"--device must be auto, cpu or cuda[:N] (got {opts.device!r})"),
+        (opts.replay in REPLAYS, f"--replay must be one of {', '.join(REPLAYS)} (got {opts.replay!r})"),
         (opts.engine in ("local", "ray"), f"--engine must be local or ray (got {opts.engine!r})"),
         (opts.ray_actors is None or opts.ray_actors >= 1, f"--ray-actors must be >= 1 (got {opts.ray_actors})"),
         (opts.ray_retries >= 0, f"--ray-retries must be >= 0 (got {opts.ray_retries})"),

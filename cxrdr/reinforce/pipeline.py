@@ -8,9 +8,14 @@ shard's tar with its stats file when complete. With a CPU teacher the first two 
 prepared in this process and timed; from them ``where_to_prepare`` chooses where the rest is
 prepared (here, or in the workers) and the teacher's intra-op threads, and the choice is printed
 (``cpu_policy``). The shards do not depend on the choice.
+
+``--replay`` (``options.resolve_replay``): ``cpu`` has the workers replay each image's K views;
+``device`` has them only decode, and this process replays each batch's views at once on the
+teachers' device just before the forward (``prepare.replay_on_device``), timed as ``replay``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -21,9 +26,9 @@ from cxrdr.common.shards import shard_name
 from cxrdr.reinforce.assemble import assemble_sample
 from cxrdr.reinforce.cpu_policy import CpuPolicy, cpu_settings
 from cxrdr.reinforce.embed import embed_batch
-from cxrdr.reinforce.options import BuildOptions
+from cxrdr.reinforce.options import BuildOptions, resolve_replay
 from cxrdr.reinforce.plan import ShardPlan
-from cxrdr.reinforce.prepare import PrepareDataset, PrepareSpec, collate_prepared
+from cxrdr.reinforce.prepare import PrepareDataset, PrepareSpec, collate_prepared, pad_cat, replay_on_device
 from cxrdr.reinforce.writer import BackgroundWriter
 
 TIMING_KEYS = ("decode_augment", "teacher", "write", "loader_wait")
@@ -35,13 +40,18 @@ class SimulatedKill(RuntimeError):
 
 def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path,
                skiplog, fail_after_shards: int | None, rank: int, announce: bool = True) -> dict:
-    """Build the shards ``todo``; returns the rank's timing and counts. ``announce``: print the
-    CPU choice (with ``opts.progress``)."""
+    """Build the shards ``todo``; returns the rank's timing and counts, and where the views were
+    replayed (``replay``: cpu or device, None without image teachers). ``announce``: print the CPU
+    choice (with ``opts.progress``)."""
+    device = next((str(t.device) for t in teachers if t.has_images), "cpu")
+    spec = dataclasses.replace(spec, replay=resolve_replay(opts.replay, device))
+    replay = {"replay": spec.replay if spec.sizes else None}
     items = [(s.index, key, rec) for s in todo for key, rec in s.items]
     if not items:
-        return {"samples_built": 0, "pipeline_seconds": 0.0, "time_split_seconds": dict.fromkeys(TIMING_KEYS, 0.0)}
+        return {"samples_built": 0, "pipeline_seconds": 0.0, "time_split_seconds": dict.fromkeys(TIMING_KEYS, 0.0),
+                **replay}
     started = time.perf_counter()
-    loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards)
+    loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device)
     bar = tqdm(total=len(items), unit="rec", desc=f"build[{rank}]", disable=not opts.progress)
     policy = CpuPolicy(teachers, opts.workers, say=bar.write if announce and opts.progress else None)
     try:
@@ -60,7 +70,7 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
         raise
     finally:
         bar.close()
-    return {**loop.result(time.perf_counter() - started), **policy.result()}
+    return {**loop.result(time.perf_counter() - started), **policy.result(), **replay}
 
 
 def _prepared_chunks(items: list, spec: PrepareSpec, opts: BuildOptions, policy: CpuPolicy):
@@ -90,18 +100,19 @@ class _ShardLoop:
     """Main-process side: embed each batch, assemble its samples and feed the writer in order."""
 
     def __init__(self, todo, teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path, skiplog,
-                 fail_after_shards: int | None):
-        self.teachers, self.spec, self.opts, self.skiplog = teachers, spec, opts, skiplog
+                 fail_after_shards: int | None, device: str):
+        self.teachers, self.spec, self.opts, self.skiplog, self.device = teachers, spec, opts, skiplog, device
         self.fail_after_shards, self.shards_done = fail_after_shards, 0
         self.remaining = {s.index: len(s.items) for s in todo}
         self.splits = {s.index: s.split for s in todo}
-        self.timing = dict.fromkeys(TIMING_KEYS, 0.0)
+        # replay: this process's replay of the views before the forwards (--replay device only)
+        self.timing = dict.fromkeys(TIMING_KEYS + (("replay",) if spec.replay == "device" else ()), 0.0)
         self.assemble_seconds = 0.0  # packing samples and queueing them to the writer
         self.stage_seconds: dict[str, float] = {}  # worker CPU seconds per preparation step
         # CPU seconds (wall lies on a busy machine): the teacher forwards on the main thread and in the
         # whole process (its intra-op threads, their spin-waits and the writer thread meanwhile), assembling
         self.main_cpu = {"teacher": 0.0, "teacher_process": 0.0, "assemble": 0.0}
-        self.last_batch = (0.0, 0.0, 0)  # preparation wall s (summed), teacher wall s, samples (CPU policy)
+        self.last_batch = (0.0, 0.0, 0)  # preparation wall s (summed), replay + teacher wall s, samples (CPU policy)
         self.errors: dict[int, dict] = {}
         self.cosines: dict[int, dict] = {}
         self.position: dict[int, int] = {}
@@ -118,13 +129,22 @@ class _ShardLoop:
     def handle(self, collated: dict) -> None:
         batch = collated["samples"]
         ok = [b for b in batch if "skip" not in b]
+        replay_seconds, crops = 0.0, collated["crops"]
+        if "pixels" in collated:
+            t = time.perf_counter()
+            crops = replay_on_device(collated["pixels"], ok, self.spec.sizes, self.device)
+            if self.device.startswith("cuda"):  # the kernels are queued: wait, so that replay's time is its own
+                torch.cuda.synchronize(self.device)
+            replay_seconds = time.perf_counter() - t
+            self.timing["replay"] += replay_seconds
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        embs = embed_batch(self.teachers, ok, self.spec.images, crops=collated["crops"])
+        embs = embed_batch(self.teachers, ok, self.spec.images, crops=crops)
         t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
         self.main_cpu["teacher"] += c1 - c0
         self.main_cpu["teacher_process"] += p1 - p0
         self.timing["teacher"] += t1 - t0
-        self.last_batch = (sum(b["prep_seconds"] for b in ok), t1 - t0, len(ok))
+        # the CPU policy weighs this process's work against the workers': replay is part of it
+        self.last_batch = (sum(b["prep_seconds"] for b in ok), replay_seconds + t1 - t0, len(ok))
         emb_of = {b["key"]: e for b, e in zip(ok, embs)}
         for b in batch:
             self._write(b, emb_of)
@@ -181,9 +201,13 @@ def _regroup(chunks, batch_size: int):
 
     def merged() -> dict:
         sizes = {size for c in pending for size in c["crops"]}
-        return {"samples": [b for c in pending for b in c["samples"]],
-                "crops": {size: torch.cat([c["crops"][size] for c in pending if size in c["crops"]])
-                          for size in sizes}}
+        out = {"samples": [b for c in pending for b in c["samples"]],
+               "crops": {size: torch.cat([c["crops"][size] for c in pending if size in c["crops"]])
+                         for size in sizes}}
+        pixels = [c["pixels"] for c in pending if "pixels" in c]
+        if pixels:
+            out["pixels"] = pad_cat(pixels)
+        return out
 
     count = 0
     for chunk in chunks:

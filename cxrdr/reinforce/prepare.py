@@ -1,6 +1,9 @@
 """Record preparation, in DataLoader workers: the stored image (encoded, then decoded again so the
 teacher sees exactly the pixels stage 2 will decode), K augmentation parameter sets replayed at
-every teacher input size, S captions, the sample's metadata and manifest row."""
+every teacher input size, S captions, the sample's metadata and manifest row.
+
+With ``--replay device`` the workers stop at the stored pixels and the parameter sets; the build's
+process replays a whole batch's views at once on the teachers' device (:func:`replay_on_device`)."""
 from __future__ import annotations
 
 import io
@@ -10,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
-from cxrdr.common.augment import replay_many, resize_short_side, sample_param_sets
+from cxrdr.common.augment import replay_batch, replay_many, resize_short_side, sample_param_sets
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import encode_meta
 from cxrdr.reinforce.captions import make_captions
@@ -32,6 +36,7 @@ class PrepareSpec:
     aug: object
     seed: int
     sizes: tuple  # distinct teacher input sizes
+    replay: str = "cpu"  # cpu: the workers replay the crops; device: the build's process does (replay_on_device)
 
 
 def encode_image(image, image_format: str, jpeg_quality: int) -> bytes:
@@ -92,8 +97,10 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
         meta, row = _sample_meta(key, record, captions, view)
     except ValueError as exc:  # a value that has no place in the json member's types
         return {**out, "skip": f"bad metadata: {exc}", "prep_seconds": time.perf_counter() - start}
+    replayed = {"pixels": view["pixels"], "aug": view["aug"], "image_size": view["image_size"]} \
+        if "pixels" in view else {}
     return {**out, "image": view["image"], "report": record.report, "meta": meta, "row": row,
-            "crops": view["crops"], "texts": [record.report] + [c["text"] for c in captions],
+            "crops": view["crops"], **replayed, "texts": [record.report] + [c["text"] for c in captions],
             "prep_seconds": time.perf_counter() - start,
             "stage_seconds": {**stages, "rest": time.thread_time() - cpu - sum(stages.values())}}
 
@@ -118,10 +125,15 @@ def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:
     size = list(stored.size)
     params = sample_param_sets(key, size[0], size[1], spec.n_aug, spec.aug, spec.seed)
     pixels = np.asarray(stored)  # converted once for every teacher size
-    crops = {s: replay_many(pixels, params, s) for s in spec.sizes}
-    boxes = _scale_boxes(record.boxes, orig_size, size)
+    out = {"image": image_bytes, "aug": params, "crops": {}, "image_size": size,
+           "boxes": _scale_boxes(record.boxes, orig_size, size)}
+    if spec.replay == "device":
+        if spec.sizes:  # one byte a pixel to the build's process instead of K float crops per teacher size
+            out["pixels"] = torch.from_numpy(np.array(pixels)).unsqueeze(0)
+    else:
+        out["crops"] = {s: replay_many(pixels, params, s) for s in spec.sizes}
     stages["params_replay"] = time.thread_time() - t
-    return {"image": image_bytes, "aug": params, "crops": crops, "image_size": size, "boxes": boxes}
+    return out
 
 
 def _captions(record, spec: PrepareSpec) -> tuple[list[dict], str | None]:
@@ -169,11 +181,33 @@ class PrepareDataset:
 def collate_prepared(batch: list[dict]) -> dict:
     """Worker-side collate: one (sum K, 1, S, S) crop tensor per teacher size for the batch's
     usable samples, so the main process gets one shared-memory tensor per size (not one per
-    sample) and does not have to concatenate them before the forward."""
+    sample) and does not have to concatenate them before the forward. With ``--replay device``
+    instead one (B, 1, H, W) uint8 tensor of their stored pixels (``pixels``, :func:`pad_cat`)."""
     ok = [b for b in batch if "skip" not in b]
-    crops = {}
+    out = {"samples": batch, "crops": {}}
     if ok and ok[0].get("crops"):
-        crops = {size: torch.cat([b["crops"][size] for b in ok]) for size in ok[0]["crops"]}
+        out["crops"] = {size: torch.cat([b["crops"][size] for b in ok]) for size in ok[0]["crops"]}
+    if ok and "pixels" in ok[0]:
+        out["pixels"] = pad_cat([b.pop("pixels") for b in ok])
     for b in ok:
         b.pop("crops", None)
-    return {"samples": batch, "crops": crops}
+    return out
+
+
+def pad_cat(images: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (n, 1, H, W) or (1, H, W) images along the first axis, each zero-padded at the bottom
+    and right to the largest H and W (the canvas :func:`cxrdr.common.augment.replay_batch` reads)."""
+    images = [x.unsqueeze(0) if x.ndim == 3 else x for x in images]
+    h, w = max(x.shape[-2] for x in images), max(x.shape[-1] for x in images)
+    return torch.cat([F.pad(x, (0, w - x.shape[-1], 0, h - x.shape[-2])) for x in images])
+
+
+def replay_on_device(pixels: torch.Tensor, samples: list[dict], sizes, device) -> dict:
+    """``--replay device``: every view of a batch at every teacher size, ``{size: (sum K, 1, S, S)}`` on
+    ``device``, replayed in one batch from the samples' stored pixels (``pixels``: (B, 1, H, W) uint8 from
+    :func:`collate_prepared`, sample ``i``'s image in its top-left ``image_size``)."""
+    images = pixels.to(device, non_blocking=True).float() / 255.0  # as augment.to_float_image converts
+    owners = [i for i, b in enumerate(samples) for _ in b["aug"]]
+    params = [p for b in samples for p in b["aug"]]
+    image_sizes = [tuple(b["image_size"]) for b in samples]
+    return {size: replay_batch(images, image_sizes, params, owners, size) for size in sizes}

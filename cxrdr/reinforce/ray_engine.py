@@ -204,6 +204,8 @@ def run_shards_ray(todo: list, teachers: list, spec, opts, out_dir: Path, skiplo
             "prepare_cpu_seconds": _sum_dicts(r.get("prepare_cpu_seconds", {}) for r in results),
             "main_cpu_seconds": _sum_dicts(r.get("main_cpu_seconds", {}) for r in results),
             "engine": "ray", "actors": actors, "device": "cuda" if use_gpu else "cpu",
+            # each actor resolves --replay for its own teachers' device
+            "replay": ", ".join(sorted({r["replay"] for r in results if r.get("replay")})) or None,
             "hosts": sorted({r["host"] for r in results}),
             "shards": [{k: r[k] for k in ("index", "host", "attempts", "shard_seconds")} for r in results]}
 

@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 
 
+CUDA_DTYPE = torch.bfloat16  # the teachers' autocast dtype on CUDA
+
+
 class TeacherError(ValueError):
     """A teacher spec that cannot be loaded (bad spec, missing weights); message is one line."""
 
@@ -25,7 +28,7 @@ class Teacher:
 
     Subclasses implement ``_encode_images`` (float (B, 3, S, S), already normalised) and
     ``_encode_texts``; this base handles grayscale->RGB, normalisation, batching, inference
-    mode, CUDA autocast and L2-normalisation so every teacher behaves the same.
+    mode, CUDA autocast (bf16) and L2-normalisation so every teacher behaves the same.
     """
 
     name: str  # file-safe key used in shard extensions ('biomedclip', 'minilm', ...)
@@ -76,8 +79,10 @@ class Teacher:
         return F.normalize(out.float(), dim=-1).cpu()
 
     def _autocast(self):
+        """bf16 autocast on CUDA (fp32's exponent range, so no activation overflows, and the dtype the
+        training loop runs in); fp32 on the CPU."""
         enabled = str(self.device).startswith("cuda")
-        return torch.autocast(device_type="cuda", dtype=torch.float16, enabled=enabled) if enabled \
+        return torch.autocast(device_type="cuda", dtype=CUDA_DTYPE, enabled=enabled) if enabled \
             else torch.autocast(device_type="cpu", enabled=False)
 
     def _encode_images(self, images: torch.Tensor) -> torch.Tensor:
