@@ -534,18 +534,21 @@ def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
         add_teachers(out, "text:minilm", progress=False, teachers=teachers[1:])
 
 
-def test_add_teacher_with_an_image_teacher(fresh, teachers, tmp_path):
-    """Image embeddings added later equal those of a build that had the teacher from the start."""
+@pytest.mark.parametrize("replay", ["cpu", "device"])
+def test_add_teacher_with_an_image_teacher(fresh, teachers, tmp_path, replay):
+    """Image embeddings added later equal those of a build that had the teacher from the start, whether
+    the views are replayed image by image or a batch at once (``--replay device``, here on the CPU)."""
     from cxrdr.reinforce.add_teacher import add_teachers
 
     out = tmp_path / "text-first"
     build(options(out, teachers="text:minilm", limit=4), teachers=teachers[1:])
-    add_teachers(out, "random:tiny", progress=False, teachers=teachers[:1])
+    info = add_teachers(out, "random:tiny", progress=False, teachers=teachers[:1], replay=replay)
     after, reference = read_samples(out), read_samples(fresh)
     for key, sample in after.items():
         np.testing.assert_allclose(sample_embedding(sample, "random-tiny", "img"),
                                    sample_embedding(reference[key], "random-tiny", "img"), atol=2e-3)
     assert verify(out)[0] == []
+    assert info["teacher_additions"][-1]["replay"] == replay
 
 
 def test_missing_and_unreadable_images_are_skipped_and_reported(tmp_path, teachers):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
+import torch
 import typer
 from tqdm import tqdm
 
@@ -33,27 +34,38 @@ from cxrdr.common.shards import (SCHEMA_VERSION, encode_meta, encode_teacher, it
                                  shard_compression, shard_index, teacher_ext)
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.embed import embed_batch
-from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device
-from cxrdr.reinforce.prepare import decode_stored_image, json_safe
+from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device, resolve_replay
+from cxrdr.reinforce.prepare import decode_stored_image, json_safe, pad_cat, replay_on_device
 from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_path, write_json_atomic
 
 
-def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict) -> list[dict]:
+def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict, replay: str = "cpu",
+                         device: str = "cpu") -> list[dict]:
+    """Every teacher's rows of these samples. ``replay`` as the build's (``options.resolve_replay``):
+    ``cpu`` replays each image's views here, ``device`` the whole batch's views at once on ``device``."""
     images = info.get("images", True)
     sizes = sorted({t.image_size for t in teachers if t.has_images}) if images else []
-    prepared = []
+    prepared, stored = [], []
     for key, sample in samples:
         meta = load_meta(sample["json"])
         texts = [sample["txt"].decode("utf-8")] + [c["text"] for c in meta["captions"]]
         crops = {}
         if sizes:
             pixels = np.asarray(decode_stored_image(sample[info["image_format"]]))
-            crops = {s: replay_many(pixels, meta["aug"], s) for s in sizes}
-        prepared.append({"key": key, "texts": texts, "crops": crops})
+            if replay == "device":
+                stored.append(torch.from_numpy(np.array(pixels)).unsqueeze(0))
+            else:
+                crops = {s: replay_many(pixels, meta["aug"], s) for s in sizes}
+        prepared.append({"key": key, "texts": texts, "crops": crops, "aug": meta["aug"],
+                         "image_size": pixels.shape[::-1] if sizes else None})
+    if stored:
+        crops = replay_on_device(pad_cat(stored), prepared, sizes, device)
+        return embed_batch(teachers, prepared, images, crops=crops)
     return embed_batch(teachers, prepared, images)
 
 
-def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_size: int) -> dict:
+def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_size: int, replay: str = "cpu",
+                  device: str = "cpu") -> dict:
     """Add ``teachers`` to one shard; returns its updated stats."""
     index = shard_index(shard["name"])
     path = shards_dir / shard["name"]
@@ -72,7 +84,7 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
         pending: list[tuple[str, dict]] = []
 
         def flush():
-            embs = _embed_shard_samples(pending, teachers, info)
+            embs = _embed_shard_samples(pending, teachers, info, replay, device)
             for (key, sample), emb in zip(pending, embs):
                 out = {"__key__": key}
                 # Keep every original member byte-for-byte; drop stale members of the new teachers.
@@ -118,27 +130,32 @@ def rewrite_shard(shards_dir: Path, shard: dict, teachers, info: dict, batch_siz
 
 
 def add_teachers(shards_dir: Path, specs: str, device: str = "auto", model_cache: str | None = None,
-                 batch_size: int = 32, progress: bool = True, teachers: list | None = None) -> dict:
+                 batch_size: int = 32, progress: bool = True, teachers: list | None = None,
+                 replay: str = "auto") -> dict:
     """Add the teachers in ``specs`` to every shard of ``shards_dir``; returns the new dataset.json.
 
     ``teachers``: already loaded teachers for ``specs`` (tests reuse them); default: load them.
+    ``replay``: where the stored views are replayed, as ``reinforce build --replay`` (auto: on a CUDA
+    device the whole batch's views at once there, else image by image on the CPU).
     """
     shards_dir = Path(shards_dir)
     info = read_dataset_info(shards_dir)  # before locking: a missing folder is not created
     with lock_folder(shards_dir, "reinforce add-teacher"):
         remove_stale_temp_files(shards_dir)
-        return _add_teachers(shards_dir, info, specs, device, model_cache, batch_size, progress, teachers)
+        return _add_teachers(shards_dir, info, specs, device, model_cache, batch_size, progress, teachers, replay)
 
 
 def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_cache: str | None,
-                  batch_size: int, progress: bool, teachers: list | None) -> dict:
+                  batch_size: int, progress: bool, teachers: list | None, replay: str = "auto") -> dict:
     """``add_teachers`` while holding the folder lock."""
     plan = manifest.read_plan(shards_dir)
     missing = manifest.missing_shards(shards_dir, plan)
     if missing:
         raise UserError(f"{shards_dir} has incomplete shards ({missing[:5]}); finish the build first")
+    device = resolve_device(device)
     if teachers is None:
-        teachers = load_build_teachers(BuildOptions(teachers=specs, model_cache=model_cache), resolve_device(device))
+        teachers = load_build_teachers(BuildOptions(teachers=specs, model_cache=model_cache), device)
+    replay = resolve_replay(replay, device)
     existing = {t["name"] for t in plan["teachers"]}
     clash = sorted({t.name for t in teachers} & existing)
     if clash:
@@ -149,13 +166,13 @@ def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_c
     todo = [s for s in info["shards"]
             if not names <= set(read_shard_stats(shards_dir, shard_index(s["name"])).get("teachers", []))]
     for shard in tqdm(todo, unit="shard", desc="add-teacher", disable=not progress):
-        rewrite_shard(shards_dir, shard, teachers, info, batch_size)
+        rewrite_shard(shards_dir, shard, teachers, info, batch_size, replay, device)
     plan["teachers"] = plan["teachers"] + [json_safe(t.describe()) for t in teachers]
     if plan.get("schema_version", 1) < SCHEMA_VERSION:  # rewrite_shard upgraded every shard
         plan.setdefault("upgraded_from_schema_version", plan.get("schema_version", 1))
         plan["schema_version"] = SCHEMA_VERSION
     plan.setdefault("teacher_additions", []).append(
-        {"teachers": [t.name for t in teachers], "spec": specs, "shards_rewritten": len(todo),
+        {"teachers": [t.name for t in teachers], "spec": specs, "shards_rewritten": len(todo), "replay": replay,
          "seconds": round(time.perf_counter() - started, 3)})
     write_json_atomic(manifest.plan_path(shards_dir), plan)
     return manifest.merge(shards_dir)
@@ -167,12 +184,17 @@ def cli_add_teacher(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
     model_cache: Annotated[str | None, typer.Option(help="Folder with local teacher weights.")] = None,
     batch_size: Annotated[int, typer.Option(help="Samples per teacher batch.")] = 32,
+    replay: Annotated[str, typer.Option(help="Where the stored views are replayed: auto (device on CUDA), cpu "
+                                             "(image by image), device (each batch's views at once there).")] = "auto",
 ) -> None:
     """Add teacher embeddings to existing shards by replaying their stored aug params and captions."""
     if not shards_dir.is_dir():
         raise UserError(f"shard folder not found: {shards_dir}")
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
-    dataset = add_teachers(shards_dir, teachers, device=device, model_cache=model_cache, batch_size=batch_size)
+    if replay not in ("auto", "cpu", "device"):
+        raise UserError(f"--replay must be auto, cpu or device (got {replay!r})")
+    dataset = add_teachers(shards_dir, teachers, device=device, model_cache=model_cache, batch_size=batch_size,
+                           replay=replay)
     typer.echo(f"{shards_dir}: teachers now {[t['name'] for t in dataset['teachers']]}; "
                f"bytes/sample {dataset['bytes_per_sample']}")
