@@ -789,3 +789,17 @@ def test_build_flags_are_derived_from_build_options(monkeypatch):
                             col_view="j", labels_format="k", scene_graphs="sg", frontal_only=False,
                             min_report_chars=11, size=128, seed=8),
         merge_timeout=12.5, progress=False, engine="ray", ray_actors=2, ray_retries=1)
+
+
+def test_default_workers_follow_the_teachers_device(monkeypatch):
+    """--workers unset: 2 beside a CPU teacher (it needs the cores), every core but two (at most 16)
+    beside a CUDA one, which waits on preparation; a given count is kept."""
+    from cxrdr.reinforce.options import resolve_workers
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert resolve_workers(None, "cpu") == 2 and resolve_workers(None, "cuda:0") == 14
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    assert resolve_workers(None, "cuda") == 16
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert resolve_workers(None, "cuda") == 2
+    assert resolve_workers(5, "cuda") == 5 and resolve_workers(0, "cpu") == 0

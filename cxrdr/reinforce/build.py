@@ -33,6 +33,7 @@ loop over steps 2-4), ``cpu_policy`` (where a CPU teacher's build prepares), ``m
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from cxrdr.common.locking import lock_build_rank, plan_lock, remove_stale_temp_f
 from cxrdr.common.shards import SCHEMA_VERSION, assign_keys
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.options import (BuildOptions, load_build_teachers, open_source_of, resolve_device,
-                                     resolve_rank, validate_options)
+                                     resolve_rank, resolve_workers, validate_options)
 from cxrdr.reinforce.pipeline import run_shards
 from cxrdr.reinforce.plan import cut_shards
 from cxrdr.reinforce.prepare import PrepareSpec, json_safe
@@ -73,6 +74,8 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
         raise UserError(f"--out {out_dir} exists and is not a folder")
     # ray: the driver loads the teachers only to describe them; actors pick their own device.
     device = "cpu" if opts.engine == "ray" else resolve_device(opts.device)
+    # ray: each actor's DataLoader; its device is the actor's, so the default is the CPU one
+    opts = dataclasses.replace(opts, workers=resolve_workers(opts.workers, device))
 
     source = open_source_of(opts)
     records = list(itertools.islice(iter(source), opts.limit))
