@@ -45,6 +45,7 @@ from cxrdr.common.errors import UserError
 from cxrdr.common.locking import lock_build_rank, plan_lock, remove_stale_temp_files
 from cxrdr.common.shards import SCHEMA_VERSION, assign_keys
 from cxrdr.reinforce import manifest
+from cxrdr.reinforce.captioners import load_captioner
 from cxrdr.reinforce.options import (BuildOptions, load_build_teachers, open_source_of, resolve_device,
                                      resolve_rank, resolve_workers, validate_options)
 from cxrdr.reinforce.pipeline import run_shards
@@ -78,15 +79,20 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
     opts = dataclasses.replace(opts, workers=resolve_workers(opts.workers, device))
 
     source = open_source_of(opts)
+    if opts.captioner:  # the captioner gives an image without report text its text: keep such records
+        source.allow_image_only = True
     records = list(itertools.islice(iter(source), opts.limit))
     images = bool(getattr(source, "requires_images", True))
+    if opts.captioner and not images:
+        raise UserError(f"--captioner {opts.captioner} captions images: --source {opts.source} has none")
     shards = cut_shards(assign_keys(records), opts.shard_size, opts.compression)
     if not shards:
         raise UserError(f"--source {opts.source} yielded no usable records "
                         f"({getattr(source, 'skipped', SkipLog()).summary()})")
     teachers = teachers if teachers is not None else load_build_teachers(opts, device)
+    captioner = load_captioner(opts.captioner, teachers, records) if opts.captioner else None
 
-    plan = _plan(opts, source, images, teachers, aug, records, shards)
+    plan = _plan(opts, source, images, teachers, aug, records, shards, captioner)
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_build_rank(out_dir, rank, world)
     try:
@@ -94,14 +100,16 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
             remove_stale_temp_files(out_dir)
         with plan_lock(out_dir):
             manifest.write_plan(out_dir, plan, opts.resume)
+        if captioner is not None:  # every rank writes the same bank (each file renamed into place)
+            captioner.write(out_dir)
         return _build_rank(opts, out_dir, shards, teachers, images, aug, device, rank, world, started,
-                           fail_after_shards)
+                           fail_after_shards, captioner)
     finally:
         lock.release()
 
 
 def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, images: bool, aug, device: str,
-                rank: int, world: int, started: float, fail_after_shards: int | None) -> dict:
+                rank: int, world: int, started: float, fail_after_shards: int | None, captioner=None) -> dict:
     """The part of ``build`` that writes, run while holding this rank's lock on ``out_dir``."""
     mine = [s for s in shards if s.index % world == rank]
     complete = [s for s in mine if is_shard_complete(out_dir, s.index)]
@@ -111,7 +119,7 @@ def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, image
     todo = [s for s in mine if not is_shard_complete(out_dir, s.index)]
     spec = PrepareSpec(images=images, store_size=opts.store_size, image_format=opts.image_format,
                        jpeg_quality=opts.jpeg_quality, n_aug=opts.n_aug, n_captions=opts.n_captions,
-                       aug=aug, seed=opts.seed,
+                       aug=aug, seed=opts.seed, captioner=captioner is not None,
                        sizes=tuple(sorted({t.image_size for t in teachers if t.has_images})) if images else ())
     skiplog = SkipLog()
     if opts.progress:
@@ -121,7 +129,7 @@ def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, image
     if opts.engine == "ray":
         result = run_shards_ray(todo, teachers, spec, opts, out_dir, skiplog)
     else:
-        result = run_shards(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, rank)
+        result = run_shards(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, rank, captioner=captioner)
     wall = time.perf_counter() - started
     rank_info = {"rank": rank, "world_size": world, "device": device, "workers": opts.workers,
                  "batch_size": opts.batch_size, "wall_seconds": round(wall, 3),
@@ -136,9 +144,12 @@ def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, image
     return dataset
 
 
-def _plan(opts: BuildOptions, source, images: bool, teachers, aug, records: list, shards: list) -> dict:
-    """``stats/plan.json``: the settings and the shard boundaries every rank agrees on."""
-    return {
+def _plan(opts: BuildOptions, source, images: bool, teachers, aug, records: list, shards: list,
+          captioner=None) -> dict:
+    """``stats/plan.json``: the settings and the shard boundaries every rank agrees on. A captioner adds
+    ``captioner`` (its describe(): spec, teacher, bank) and names itself the captions' generator; a build
+    without one writes exactly the plan it wrote before the option."""
+    plan = {
         "schema_version": SCHEMA_VERSION,
         "source": json_safe(source.describe()),
         "images": images,
@@ -159,3 +170,11 @@ def _plan(opts: BuildOptions, source, images: bool, teachers, aug, records: list
         "shards": [s.describe() for s in shards],
         "source_skipped": getattr(source, "skipped", SkipLog()).to_json(),
     }
+    if captioner is not None:
+        plan["captions"] = {"n": opts.n_captions, "per": "view", "seed": opts.seed,
+                            "generator": f"cxrdr.reinforce.captioners ({captioner.name})",
+                            "caption_source": captioner.caption_source}
+        plan = {**{k: v for k, v in plan.items() if k not in ("shards", "source_skipped")},
+                "captioner": json_safe(captioner.describe()),
+                "shards": plan["shards"], "source_skipped": plan["source_skipped"]}
+    return plan

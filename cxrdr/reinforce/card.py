@@ -59,11 +59,38 @@ def _yaml_list(name: str, values: list[str]) -> list[str]:
 def _text_source_lines(source: dict) -> list[str]:
     """Where the sample texts come from; templated text from labels is said so, never passed off as reports."""
     counts = (source.get("counts") or {}).get("text_source") or {}
-    if not counts.get("labels"):
+    lines = []
+    if counts.get("labels"):
+        lines.append(f"- text_source: {counts}. **{counts['labels']} samples have no report**: their text is composed "
+                     "from their labels by cxrdr's caption templates (`text_source: labels` in each sample's "
+                     "`extra`), not written by a radiologist")
+    if counts.get("retrieved"):
+        lines.append(f"- text_source: {counts}. **{counts['retrieved']} samples are image-only** (neither report nor "
+                     "labels): their text is the S caption-bank sentences nearest the mean of their views' teacher "
+                     "image embeddings (`text_source: retrieved` in each sample's `extra`), not their report")
+    return lines
+
+
+def _captioner_lines(dataset: dict) -> list[str]:
+    """Where a captioner build's captions come from (none without a captioner: the card is as before)."""
+    captioner = dataset.get("captioner")
+    if not captioner:
         return []
-    return [f"- text_source: {counts}. **{counts['labels']} samples have no report**: their text is composed "
-            "from their labels by cxrdr's caption templates (`text_source: labels` in each sample's "
-            "`extra`), not written by a radiologist"]
+    bank = captioner.get("bank") or {}
+    lines = ["## Captions", "",
+             f"Every caption is `{captioner.get('caption_source')}` (each caption's `source` and the sample's "
+             f"`caption_source`): made by `--captioner {captioner.get('spec')}` from teacher "
+             f"`{captioner.get('teacher')}`'s image embedding of each stored view, S = {dataset.get('n_captions')} "
+             "per view, best first. No caption is a report sentence of the sample itself unless the bank holds it."]
+    if bank:
+        lines.append(f"- bank: {bank.get('sentences')} sentences ({bank.get('from')}; {bank.get('reports')} "
+                     f"reports; left out as not train: {bank.get('left_out_not_train')}), embedded by "
+                     f"`{bank.get('teacher')}` (fingerprint {bank.get('teacher_fingerprint')}); files in "
+                     f"`{bank.get('dir')}/` (`sentences.npy`, `embeddings.npy`: `np.load(allow_pickle=False)`)")
+    lines += ["- per sample (json): `captions` = the distinct captions of all K views; `caption_views[k]` = "
+              "view k's S caption indexes; `caption_scores[k]` = their cosines; `caption_bank_ids` = each "
+              "caption's bank row. Training picks a caption of the replayed view.", ""]
+    return lines
 
 
 def _configs_block(dataset: dict) -> list[str]:
@@ -162,7 +189,8 @@ def dataset_card(dataset: dict) -> str:
     for what in ("source", "build"):
         skipped = (dataset.get("skipped") or {}).get(what) or {}
         body.append(f"- skipped by the {what}: {skipped.get('count', 0)} {skipped.get('by_reason', {})}")
-    body += ["", "## Loading", "",
+    body += [""] + _captioner_lines(dataset)
+    body += ["## Loading", "",
              "cxrdr (stage 2 training, reads every member):", "", "```bash",
              "train run --shards THIS_FOLDER --model tiny-D --steps 1000 --out runs/D", "```", "",
              "webdataset (decode the embeddings with cxrdr's `cxrdr.common.shards.sample_embeddings`):", "",

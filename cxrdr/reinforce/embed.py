@@ -1,7 +1,15 @@
-"""Teacher forwards of a batch of prepared records: every teacher's img, syn and txt rows."""
+"""Teacher forwards of a batch of prepared records: every teacher's img, syn and txt rows.
+
+With a captioner (``--captioner``) the image forwards come first: the captioner turns its teacher's
+image rows into each sample's captions (and the text of a record without a report), then the texts
+are embedded. A sample's number of captions may then differ from the others'."""
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from cxrdr.reinforce.captioners.views import attach_view_captions
+from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_RETRIEVED
 
 
 def _forward(fn, inputs, chunk: int = 512):
@@ -9,17 +17,18 @@ def _forward(fn, inputs, chunk: int = 512):
     return torch.cat(outs).numpy() if outs else None
 
 
-def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None = None) -> list[dict]:
+def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None = None,
+                captioner=None, n_captions: int | None = None) -> list[dict]:
     """Teacher forwards for a batch: per sample {teacher: {'img': (K,D), 'syn': (S,D), 'txt': (D,)}}.
 
     ``crops``: the samples' crops already concatenated per teacher size ({size: (B*K, 1, S, S)},
     from :func:`collate_prepared`); default: each sample's own ``sample["crops"][size]`` (K, 1, S, S).
+    ``captioner`` (with ``n_captions`` per view): captions the samples from the image rows first.
     """
     out = [{} for _ in samples]
     if not samples:
         return out
-    n_syn = len(samples[0]["texts"]) - 1
-    texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
+    img_of: dict[str, np.ndarray] = {}
     for teacher in teachers:
         if images and teacher.has_images:
             if crops is not None:
@@ -27,12 +36,28 @@ def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None 
             else:
                 x = torch.cat([s["crops"][teacher.image_size] for s in samples])
             img = _forward(teacher.encode_images, x)
-            img = img.reshape(len(samples), x.shape[0] // len(samples), -1)
+            img_of[teacher.name] = img.reshape(len(samples), x.shape[0] // len(samples), -1)
+    if captioner is not None:
+        caption_samples(captioner, samples, img_of[captioner.teacher], n_captions)
+    counts = [len(s["texts"]) - 1 for s in samples]
+    ends = np.cumsum(counts)
+    texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
+    for teacher in teachers:
         txt_all = _forward(teacher.encode_texts, texts)
-        txt, syn = txt_all[:len(samples)], txt_all[len(samples):].reshape(len(samples), n_syn, -1)
+        txt, syn = txt_all[:len(samples)], txt_all[len(samples):]
         for i in range(len(samples)):
-            parts = {"syn": syn[i], "txt": txt[i]}
-            if images and teacher.has_images:
-                parts["img"] = img[i]
+            parts = {"syn": syn[ends[i] - counts[i]:ends[i]], "txt": txt[i]}
+            if teacher.name in img_of:
+                parts["img"] = img_of[teacher.name][i]
             out[i][teacher.name] = parts
     return out
+
+
+def caption_samples(captioner, samples: list[dict], image_rows: np.ndarray, n_captions: int) -> None:
+    """Each sample's captions from its views' image rows (B, K, D); a record without a report
+    (``text_source: retrieved``) gets its text from the captioner too."""
+    for sample, rows in zip(samples, image_rows):
+        report = captioner.report_for(rows, n_captions) if not (sample["report"] or "").strip() else None
+        if report is not None and sample.get("text_source") != TEXT_SOURCE_RETRIEVED:
+            raise ValueError(f"record {sample['id']!r} has no report text and is not marked text_source: retrieved")
+        attach_view_captions(sample, captioner.view_captions(rows, n_captions), captioner.caption_source, report)

@@ -63,6 +63,13 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
         lines.append(f"  {t['name']:<16} kind={t['kind']:<4} dim={t['embed_dim']:<5} "
                      f"logit_scale={t['logit_scale']:.2f} size={t.get('image_size')} "
                      f"fingerprint={t['fingerprint']}  ({t['spec']}){flag}")
+    captioner = info.get("captioner")
+    if captioner:
+        bank = captioner.get("bank") or {}
+        lines.append(f"captioner: {captioner['spec']} -> captions {captioner.get('caption_source')} by teacher "
+                     f"{captioner.get('teacher')}, S={info['n_captions']} per view"
+                     + (f"; bank {bank.get('sentences')} sentences from {bank.get('from')} in {bank.get('dir')}/"
+                        if bank else ""))
     lines.append("bytes/sample by part:")
     for part, n in info["bytes_per_sample"].items():
         lines.append(f"  {part:<16} {n:>10.0f}")
@@ -89,7 +96,7 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
               f"  report: {raw['txt'].decode('utf-8')[:300]}",
               "  positive labels: " + (", ".join(k for k, v in meta["labels"].items() if v == 1) or "none"),
               "  captions:"]
-    lines += [f"    [{c['source']}] {c['text']}" for c in meta["captions"]]
+    lines += [f"    [{c['source']}] {c['text']}{_views_of(meta, i)}" for i, c in enumerate(meta["captions"])]
     lines.append(f"  aug params (first {min(n_params, len(meta['aug']))} of {len(meta['aug'])}):")
     lines += [f"    {json.dumps(p)}" for p in meta["aug"][:n_params]]
     for t in info["teachers"]:
@@ -97,6 +104,16 @@ def describe_text(shards_dir: Path, info: dict, sample: tuple[str, dict] | None,
         shapes = {part: tuple(emb.shape) for part, emb in parts.items()}
         lines.append(f"  {t['name']} embeddings: {shapes}")
     return "\n".join(lines)
+
+
+def _views_of(meta: dict, index: int) -> str:
+    """'  (view 0 #1 cos 0.312, view 3 #2 cos 0.298; bank row 17)' for a captioner build's caption."""
+    views = meta.get("caption_views")
+    if not views:
+        return ""
+    where = [f"view {k} #{rank + 1} cos {meta['caption_scores'][k][rank]:.3f}"
+             for k, ids in enumerate(views) for rank, i in enumerate(ids) if i == index]
+    return f"  ({', '.join(where)}; bank row {meta['caption_bank_ids'][index]})"
 
 
 def cli_inspect(

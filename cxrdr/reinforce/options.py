@@ -12,6 +12,7 @@ import torch
 
 from cxrdr.common.errors import UserError
 from cxrdr.common.shards import EMB_DTYPES, SHARD_SUFFIXES, TEACHER_NAME_RE
+from cxrdr.reinforce.captioners import parse_captioner_spec
 from cxrdr.reinforce.sources import open_source
 from cxrdr.teachers import load_teachers
 
@@ -38,7 +39,13 @@ class BuildOptions:
                                         "(random:tiny is for tests).", cli_default="biomedclip")
     out: Path = _opt(DEFAULT_OUT, "Output shard folder.")
     n_aug: int = _opt(10, "K augmentation parameter sets per image.")
-    n_captions: int = _opt(5, "S synthetic captions per sample.")
+    n_captions: int = _opt(5, "S synthetic captions per sample (with --captioner: per stored view).")
+    # None: captions from each record's own text (report sentences, RDF/label templates), byte-identical
+    # to builds before the option; retrieval:BANK: cxrdr.reinforce.captioners
+    captioner: Optional[str] = _opt(None, "Synthetic captions from the image-text teacher instead of the record's "
+                                          "own text: retrieval:train (the source's train reports) or "
+                                          "retrieval:PATH.jsonl|.txt (a report file); top-S sentences per view. "
+                                          "Keeps image-only records (no report).")
     store_size: int = _opt(256, "Short side of the stored image in pixels.")
     image_format: str = _opt("jpg", "Stored image format: jpg or png.")
     jpeg_quality: int = _opt(95, "JPEG quality of stored images.")
@@ -237,9 +244,13 @@ def validate_options(opts: BuildOptions) -> None:
         (opts.engine in ("local", "ray"), f"--engine must be local or ray (got {opts.engine!r})"),
         (opts.ray_actors is None or opts.ray_actors >= 1, f"--ray-actors must be >= 1 (got {opts.ray_actors})"),
         (opts.ray_retries >= 0, f"--ray-retries must be >= 0 (got {opts.ray_retries})"),
+        (opts.engine != "ray" or not opts.captioner,
+         "--captioner runs in the build's own process: use --engine local (torchrun ranks work)"),
         (opts.engine != "ray" or (opts.world_size or 1) == 1,
          "--engine ray schedules the shards itself: drop --rank/--world-size (they are for torchrun)"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if opts.captioner:
+        parse_captioner_spec(opts.captioner)  # a bad spec fails before any teacher is loaded

@@ -39,10 +39,11 @@ class SimulatedKill(RuntimeError):
 
 
 def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path,
-               skiplog, fail_after_shards: int | None, rank: int, announce: bool = True) -> dict:
+               skiplog, fail_after_shards: int | None, rank: int, announce: bool = True, captioner=None) -> dict:
     """Build the shards ``todo``; returns the rank's timing and counts, and where the views were
     replayed (``replay``: cpu or device, None without image teachers). ``announce``: print the CPU
-    choice (with ``opts.progress``)."""
+    choice (with ``opts.progress``). ``captioner``: makes the captions from the image rows
+    (``cxrdr.reinforce.captioners``; ``spec.captioner`` must then be true)."""
     device = next((str(t.device) for t in teachers if t.has_images), "cpu")
     spec = dataclasses.replace(spec, replay=resolve_replay(opts.replay, device))
     replay = {"replay": spec.replay if spec.sizes else None}
@@ -51,7 +52,7 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
         return {"samples_built": 0, "pipeline_seconds": 0.0, "time_split_seconds": dict.fromkeys(TIMING_KEYS, 0.0),
                 **replay}
     started = time.perf_counter()
-    loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device)
+    loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device, captioner)
     bar = tqdm(total=len(items), unit="rec", desc=f"build[{rank}]", disable=not opts.progress)
     policy = CpuPolicy(teachers, opts.workers, say=bar.write if announce and opts.progress else None)
     try:
@@ -100,8 +101,9 @@ class _ShardLoop:
     """Main-process side: embed each batch, assemble its samples and feed the writer in order."""
 
     def __init__(self, todo, teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path, skiplog,
-                 fail_after_shards: int | None, device: str):
+                 fail_after_shards: int | None, device: str, captioner=None):
         self.teachers, self.spec, self.opts, self.skiplog, self.device = teachers, spec, opts, skiplog, device
+        self.captioner = captioner
         self.fail_after_shards, self.shards_done = fail_after_shards, 0
         self.remaining = {s.index: len(s.items) for s in todo}
         self.splits = {s.index: s.split for s in todo}
@@ -138,7 +140,8 @@ class _ShardLoop:
             replay_seconds = time.perf_counter() - t
             self.timing["replay"] += replay_seconds
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        embs = embed_batch(self.teachers, ok, self.spec.images, crops=crops)
+        embs = embed_batch(self.teachers, ok, self.spec.images, crops=crops, captioner=self.captioner,
+                           n_captions=self.spec.n_captions)
         t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
         self.main_cpu["teacher"] += c1 - c0
         self.main_cpu["teacher_process"] += p1 - p0

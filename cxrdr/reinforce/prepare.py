@@ -37,6 +37,8 @@ class PrepareSpec:
     seed: int
     sizes: tuple  # distinct teacher input sizes
     replay: str = "cpu"  # cpu: the workers replay the crops; device: the build's process does (replay_on_device)
+    # a --captioner build: the captions are made after the image forwards (captioners), not here
+    captioner: bool = False
 
 
 def encode_image(image, image_format: str, jpeg_quality: int) -> bytes:
@@ -89,7 +91,7 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
         if "skip" in view:
             return {**out, "skip": view["skip"], "prep_seconds": time.perf_counter() - start}
     t = time.thread_time()
-    captions, why = _captions(record, spec)
+    captions, why = ([], None) if spec.captioner else _captions(record, spec)
     if why:
         return {**out, "skip": why, "prep_seconds": time.perf_counter() - start}
     stages["captions"] = time.thread_time() - t
@@ -101,8 +103,14 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
         if "pixels" in view else {}
     return {**out, "image": view["image"], "report": record.report, "meta": meta, "row": row,
             "crops": view["crops"], **replayed, "texts": [record.report] + [c["text"] for c in captions],
-            "prep_seconds": time.perf_counter() - start,
+            "prep_seconds": time.perf_counter() - start, **_text_source(record, spec),
             "stage_seconds": {**stages, "rest": time.thread_time() - cpu - sum(stages.values())}}
+
+
+def _text_source(record, spec: PrepareSpec) -> dict:
+    """A captioner build's samples carry where their report text came from (the captioner fills in a
+    record marked ``retrieved``, which has none)."""
+    return {"text_source": (record.extra or {}).get("text_source", "report")} if spec.captioner else {}
 
 
 def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:

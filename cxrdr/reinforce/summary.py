@@ -13,6 +13,12 @@ def summary_text(dataset: dict) -> str:
     if dataset.get("int8_max_abs_error"):
         lines.append(f"int8 max abs error: {dataset['int8_max_abs_error']}; "
                      f"min cosine to float32: {dataset.get('int8_min_cosine')}")
+    captioner = dataset.get("captioner")
+    if captioner:
+        bank = captioner.get("bank") or {}
+        lines.append(f"captions: {captioner['caption_source']} per view by {captioner['spec']} (teacher "
+                     f"{captioner['teacher']}" + (f", bank of {bank['sentences']} sentences in {bank['dir']}/)"
+                                                  if bank else ")"))
     src = dataset["skipped"]["source"]
     bld = dataset["skipped"]["build"]
     lines.append(f"skipped by source: {src.get('count', 0)} {src.get('by_reason', {})}; "

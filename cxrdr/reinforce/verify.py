@@ -5,7 +5,8 @@ truncated tar is caught even when it was cut between two members) and matches th
 stats file recorded; every sample has all its parts; embedding shapes and dtypes match
 dataset.json (K, S, D per teacher, int8 scales), values are finite and rows L2-normalised;
 metadata agrees with its shard (key, split, K params, S captions, image size) and, from schema 3,
-has every field in its declared type; stored images decode; every member's bytes match the CRC-32 the build recorded in the shard's stats (bit rot); the manifest lists exactly the tars' keys in order and sizes.json their counts.
+has every field in its declared type; a captioner build's captions: S..K*S distinct, K per-view lists of S
+indexes and scores (cosines, best first), each caption its bank sentence; stored images decode; every member's bytes match the CRC-32 the build recorded in the shard's stats (bit rot); the manifest lists exactly the tars' keys in order and sizes.json their counts.
 Any problem -> exit 1, one line per problem naming the shard and key.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from cxrdr.common.checksums import checksum_problems
 from cxrdr.common.errors import UserError
+from cxrdr.reinforce.captioners.check import caption_problems, load_bank_sentences
 from cxrdr.common.shards import (DATASET_JSON, MANIFEST, SHARD_RE, SIZES_JSON, check_stored_meta, decode_meta, emb_ext,
                                  expected_members, int8_row_dtype, iter_tar_samples, npy_load, read_dataset_info,
                                  sample_embeddings, scale_ext, teacher_ext, teacher_shapes)
@@ -59,8 +61,22 @@ def _check_stored(where: str, sample: dict, info: dict, t: dict, expected: dict)
     return []
 
 
-def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict) -> list[str]:
+def _caption_count(sample: dict, info: dict) -> int:
+    """The sample's own number of captions in a captioner build (S..K*S), else dataset.json's S."""
+    if not info.get("captioner"):
+        return info["n_captions"]
+    try:
+        return len(json.loads(sample["json"]).get("captions") or [])
+    except (KeyError, ValueError, AttributeError):
+        return info["n_captions"]  # the json check below names the problem
+
+
+def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict,
+                 bank: list[str] | None = None) -> list[str]:
     where = f"{shard['name']}: key {key}"
+    n_captions = _caption_count(sample, info)
+    if n_captions != info["n_captions"]:
+        expected = expected_members(info, n_captions)
     problems = [f"{where}: missing {ext}" for ext in expected if ext not in sample]
     problems += [f"{where}: unexpected member {key}.{ext}" for ext in sample if ext not in expected]
     if problems:
@@ -72,7 +88,7 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
             problems += stored
             continue
         parts = sample_embeddings(sample, t["name"], info["n_aug"] if info.get("images", True) else 0,
-                                  info["n_captions"])
+                                  n_captions)
         for part, values in parts.items():
             ext = f"{t['name']}.{part}"
             if not np.isfinite(values).all():
@@ -85,7 +101,7 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
     try:
         member = json.loads(sample["json"])
         if info.get("schema_version", 1) >= 3:  # one type per field, as the dataset card declares
-            check_stored_meta(member)
+            check_stored_meta(member, captioned=bool(info.get("captioner")))
         meta = decode_meta(member)
     except (ValueError, AttributeError) as exc:
         return problems + [f"{where}: json is not valid ({exc})"]
@@ -93,7 +109,9 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
         problems.append(f"{where}: json key is {meta.get('key')!r}")
     if meta.get("split") != shard["split"]:
         problems.append(f"{where}: split {meta.get('split')!r} in a {shard['split']} shard")
-    if len(meta.get("captions", [])) != info["n_captions"]:
+    if info.get("captioner"):
+        problems += caption_problems(where, meta, info, bank)
+    elif len(meta.get("captions", [])) != info["n_captions"]:
         problems.append(f"{where}: {len(meta.get('captions', []))} captions, expected {info['n_captions']}")
     if len(meta.get("aug", [])) != info["n_aug"]:
         problems.append(f"{where}: {len(meta.get('aug', []))} aug param sets, expected {info['n_aug']}")
@@ -110,14 +128,8 @@ def check_sample(shard: dict, key: str, sample: dict, info: dict, expected: dict
     return problems
 
 
-def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
-    """All problems found (empty = valid) and a few totals."""
-    shards_dir = Path(shards_dir)
-    try:
-        info = read_dataset_info(shards_dir)
-    except UserError as exc:
-        return [str(exc)], {}
-    problems: list[str] = []
+def _sizes_and_manifest(shards_dir: Path, problems: list[str]) -> tuple[dict, list[dict] | None]:
+    """sizes.json ({} when unreadable) and the manifest's rows (None when unreadable), noting problems."""
     sizes, manifest_rows = {}, None
     try:
         sizes = json.loads((shards_dir / SIZES_JSON).read_text())
@@ -127,11 +139,25 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
         manifest_rows = pq.read_table(shards_dir / MANIFEST).to_pylist()
     except Exception as exc:  # noqa: BLE001
         problems.append(f"{MANIFEST}: unreadable ({exc})")
+    return sizes, manifest_rows
+
+
+def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
+    """All problems found (empty = valid) and a few totals."""
+    shards_dir = Path(shards_dir)
+    try:
+        info = read_dataset_info(shards_dir)
+    except UserError as exc:
+        return [str(exc)], {}
+    problems: list[str] = []
+    sizes, manifest_rows = _sizes_and_manifest(shards_dir, problems)
     by_shard: dict[str, list[dict]] = OrderedDict()
     for row in manifest_rows or []:
         by_shard.setdefault(row["shard"], []).append(row)
 
     expected = expected_members(info)
+    bank, bank_problems = load_bank_sentences(shards_dir, info)  # a captioner build's caption-bank/
+    problems += bank_problems
     listed = {s["name"] for s in info["shards"]}
     on_disk = {p.name for p in shards_dir.glob("shard-*") if SHARD_RE.match(p.name)}
     problems += [f"{name}: tar on disk but not listed in {DATASET_JSON}" for name in sorted(on_disk - listed)]
@@ -164,7 +190,7 @@ def verify(shards_dir: Path, on_shard=None) -> tuple[list[str], dict]:
                 if key in seen_keys:
                     problems.append(f"{name}: key {key}: duplicate (also in {seen_keys[key]})")
                 seen_keys[key] = name
-                problems += check_sample(shard, key, sample, info, expected)
+                problems += check_sample(shard, key, sample, info, expected, bank)
                 problems += checksum_problems(f"{name}: key {key}", key, sample, checksums)
         except (tarfile.TarError, EOFError, OSError) as exc:
             after = f" after key {last}" if last else ""

@@ -147,11 +147,13 @@ class SampleView:
         return int(rng.integers(n))
 
     def _caption(self, captions: list, report: str, rng: np.random.Generator,
-                 epoch: int = 0) -> tuple[int, str]:
+                 epoch: int = 0, candidates: list[int] | None = None) -> tuple[int, str]:
         """One stored caption (its index into the stored rows); a sample with none of the wanted
-        sources falls back to its report (index -1: the report's own embedding)."""
-        usable = [i for i, c in enumerate(captions)
-                  if self.caption_sources is None or c.get("source") in self.caption_sources]
+        sources falls back to its report (index -1: the report's own embedding). ``candidates``: the
+        caption indexes to pick from (a captioner build's captions of the picked view), default all."""
+        indexes = range(len(captions)) if candidates is None else candidates
+        usable = [i for i in indexes
+                  if self.caption_sources is None or captions[i].get("source") in self.caption_sources]
         if not usable:
             return -1, report
         index = usable[self._index(len(usable), rng, epoch)]
@@ -182,7 +184,11 @@ class SampleView:
             caption_index = -1
             caption = sample.report
         else:
-            caption_index, caption = self._caption(captions, sample.report, rng, epoch)
+            # A captioner build (meta caption_views) captioned each stored view: the replayed view's own
+            # captions. A fresh view (plain mode) has none of its own: any caption, as before.
+            views = meta.get("caption_views")
+            candidates = views[aug_index] if views and aug_index >= 0 else None
+            caption_index, caption = self._caption(captions, sample.report, rng, epoch, candidates)
         if self.mode == "reinforced" and not self.full_image:
             for name in self.teachers:
                 teachers_out[name] = _teacher_rows(sample, name, aug_index, caption_index)

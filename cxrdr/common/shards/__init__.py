@@ -18,9 +18,15 @@ short sha1 suffix when two ids sanitise alike):
   "captions" [{"text", "source"}] (S), "aug" [params] (K), "boxes" [{"label", "box", "extra"}],
   "image_size", "extra" (JSON text)}``, every field always present in one type (``meta``:
   :data:`META_TYPES`, :func:`encode_meta` writes it, :func:`decode_meta` gives readers the meaning
-  they use: labels None when not mentioned, ``extra`` a dict, ...);
+  they use: labels None when not mentioned, ``extra`` a dict, ...). A build with a captioner
+  (dataset.json ``captioner``, ``reinforce build --captioner retrieval:BANK``) stores in ``captions``
+  the distinct captions of all K views (S..K*S, source ``retrieved``) and adds, in every sample,
+  :data:`CAPTIONER_META_TYPES`: ``caption_source``, ``caption_views`` (K lists of S indexes into
+  ``captions``), ``caption_scores`` (K lists of S cosines), ``caption_bank_ids`` (each caption's row
+  of ``caption-bank/sentences.npy``);
 - ``<teacher>.npy``: the teacher's rows img (K, image-text teachers of image builds only),
-  syn (S), txt (1), L2-normalised before storage.
+  syn (one per caption: S, or the sample's count in a captioner build), txt (1), L2-normalised
+  before storage.
 
 Embedding encodings (``embeddings``): float16 / float32 ``(R, D)``; int8 a structured ``(R,)``
 array of ``(q int8[D], scale float32)`` records, value = q * scale.
@@ -45,16 +51,18 @@ from cxrdr.common.shards.members import (DATASET_JSON, EMB_DTYPES, EMB_PARTS, IM
                                          part_of, scale_ext, shard_compression, shard_index, shard_name,
                                          shard_stats_path,
                                          teacher_ext, teacher_shapes)
-from cxrdr.common.shards.meta import (LABEL_NOT_MENTIONED, META_TYPES, check_stored_meta, decode_meta, encode_meta,
-                                      hf_features, load_meta, meta_member)
+from cxrdr.common.shards.meta import (CAPTIONER_META_TYPES, LABEL_NOT_MENTIONED, META_TYPES, check_stored_meta,
+                                      decode_meta, encode_meta, hf_features, load_meta, meta_member, meta_types,
+                                      with_caption_provenance)
 from cxrdr.common.shards.reader import Sample, decode_sample, iter_raw_samples, iter_tar_samples
 
 __all__ = [
-    "DATASET_JSON", "EMB_DTYPES", "EMB_PARTS", "IMAGE_EXTS", "LABEL_NOT_MENTIONED", "MANIFEST", "META_TYPES",
+    "CAPTIONER_META_TYPES", "DATASET_JSON", "EMB_DTYPES", "EMB_PARTS", "IMAGE_EXTS", "LABEL_NOT_MENTIONED", "MANIFEST", "META_TYPES",
     "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION", "SHARD_PATTERN", "SHARD_RE", "SHARD_SUFFIXES", "SIZES_JSON", "STATS_DIR", "TEACHER_NAME_RE",
     "MissingDatasetError", "Sample", "assign_keys", "check_stored_meta", "check_unique_keys", "dataset_identity",
-    "decode_embedding", "decode_meta", "decode_sample", "encode_meta", "hf_features", "load_meta", "meta_member",
+    "decode_embedding", "decode_meta", "decode_sample", "encode_meta", "hf_features", "load_meta", "meta_member", "meta_types",
+    "with_caption_provenance",
     "emb_ext", "encode_embedding", "encode_rows", "encode_teacher", "expected_members", "int8_row_dtype",
     "iter_raw_samples", "iter_tar_samples", "merge_int8_quality", "npy_bytes", "npy_load", "part_of",
     "read_dataset_info", "repack_v1_teacher", "safe_key", "sample_embedding", "sample_embeddings",

@@ -76,22 +76,25 @@ def part_of(ext: str) -> str:
     return ext.split(".", 1)[0]  # '<teacher>.npy', schema 1 '<teacher>.<part>[.scale].npy'
 
 
-def teacher_shapes(info: dict, teacher: dict) -> dict[str, tuple]:
-    """part -> decoded shape of one teacher's embeddings in the build described by ``info``."""
-    K, S, D = info["n_aug"], info["n_captions"], teacher["embed_dim"]
+def teacher_shapes(info: dict, teacher: dict, n_captions: int | None = None) -> dict[str, tuple]:
+    """part -> decoded shape of one teacher's embeddings in the build described by ``info``.
+    ``n_captions``: the sample's own caption count (a captioner build stores S..K*S per sample)."""
+    K, D = info["n_aug"], teacher["embed_dim"]
+    S = info["n_captions"] if n_captions is None else n_captions
     shapes = {"syn": (S, D), "txt": (D,)}
     if info.get("images", True) and teacher["kind"] == "clip":
         shapes = {"img": (K, D), **shapes}
     return shapes
 
 
-def expected_members(info: dict) -> dict[str, tuple | None]:
-    """Every member ext of a sample -> its stored array shape (None for non-array members)."""
+def expected_members(info: dict, n_captions: int | None = None) -> dict[str, tuple | None]:
+    """Every member ext of a sample -> its stored array shape (None for non-array members);
+    ``n_captions``: the sample's own caption count where it varies (a build with a captioner)."""
     members: dict[str, tuple | None] = {"txt": None, "json": None}
     if info.get("images", True):
         members[info["image_format"]] = None
     for t in info["teachers"]:
-        shapes = teacher_shapes(info, t)
+        shapes = teacher_shapes(info, t, n_captions)
         if info.get("schema_version", 1) >= 2:
             rows = sum(shape[0] if len(shape) > 1 else 1 for shape in shapes.values())
             members[teacher_ext(t["name"])] = (rows,) if info["emb_dtype"] == "int8" else (rows, t["embed_dim"])

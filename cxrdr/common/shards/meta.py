@@ -43,6 +43,25 @@ META_TYPES = {
     "image_size": ["int64"],  # [] without an image
     "extra": "string",  # JSON object text, "{}" when none
 }
+# Caption provenance, written by a build with a captioner (dataset.json ``captioner``, e.g. retrieval):
+# present in every sample of such a build and in none of any other build, so a build without one writes
+# exactly the bytes it wrote before (and readers of older folders see nothing new).
+CAPTIONER_META_TYPES = {
+    "caption_source": "string",  # how the captions were made: "retrieved"
+    "caption_views": [["int64"]],  # K lists of S indexes into captions: view k's captions, best first
+    "caption_scores": [["float64"]],  # K lists of S cosines: view k's teacher image embedding vs that caption
+    "caption_bank_ids": ["int64"],  # per caption: its row in the build's caption-bank/sentences.npy
+}
+
+
+def meta_types(captioned: bool = False) -> dict:
+    """The json member's field types: :data:`META_TYPES`, plus :data:`CAPTIONER_META_TYPES` in a build
+    with a captioner."""
+    return {**META_TYPES, **CAPTIONER_META_TYPES} if captioned else META_TYPES
+
+
+def _captioned(obj: dict) -> bool:
+    return any(key in obj for key in CAPTIONER_META_TYPES)
 
 
 def encode_meta(meta: dict) -> dict:
@@ -53,7 +72,14 @@ def encode_meta(meta: dict) -> dict:
         stored = _stored_fields(meta)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"json: {type(exc).__name__}: {exc}") from None
-    return _conform(stored, META_TYPES, "json")
+    return _conform(stored, meta_types(_captioned(meta)), "json")
+
+
+def with_caption_provenance(stored: dict, captions: list[dict], provenance: dict) -> dict:
+    """A stored json object (:func:`encode_meta`) with the captioner's ``captions`` and its
+    :data:`CAPTIONER_META_TYPES` fields (``provenance``) in their declared types (ValueError otherwise)."""
+    out = {**stored, "captions": captions, **provenance}
+    return _conform(out, meta_types(True), "json")
 
 
 def _stored_fields(meta: dict) -> dict:
@@ -105,10 +131,13 @@ def load_meta(data) -> dict:
     return decode_meta(stored)
 
 
-def check_stored_meta(stored: dict) -> None:
+def check_stored_meta(stored: dict, captioned: bool | None = None) -> None:
     """ValueError naming the first field of a schema-3 json member's object that is missing, unknown or
-    not exactly of its declared type (an int where floats are declared counts: Arrow would type it apart)."""
-    _conform(stored, META_TYPES, "json", strict=True)
+    not exactly of its declared type (an int where floats are declared counts: Arrow would type it apart).
+    ``captioned``: whether the build had a captioner (its fields are then required, else unknown);
+    None: whether the object holds any of them."""
+    captioned = _captioned(stored) if captioned is None else captioned
+    _conform(stored, meta_types(captioned), "json", strict=True)
 
 
 def meta_member(stored: dict) -> bytes:
@@ -127,7 +156,8 @@ def hf_features(info: dict) -> list[dict] | None:
     features = [{"name": "__key__", "dtype": "string"}, {"name": "__url__", "dtype": "string"}]
     if info.get("images", True):
         features.append({"name": info["image_format"], "dtype": "image"})
-    features += [{"name": "txt", "dtype": "string"}, {"name": "json", **_hf_feature(META_TYPES)}]
+    features += [{"name": "txt", "dtype": "string"},
+                 {"name": "json", **_hf_feature(meta_types(bool(info.get("captioner"))))}]
     if info.get("emb_dtype") in ("float16", "float32"):
         features += [{"name": teacher_ext(t["name"]), **_hf_feature([[info["emb_dtype"]]])} for t in info["teachers"]]
     return features

@@ -12,6 +12,8 @@ from cxrdr.reinforce.captions.rdf import NORMAL_CAPTIONS, frame, join_units, wor
 PRESENT = ("HAS_STATUS", "present")  # predicate/object of a label-derived triple (ignored by the templates)
 TEXT_SOURCE_LABELS = "labels"
 TEXT_SOURCE_REPORT = "report"
+# a record without report text in a build with a captioner: its text is retrieved (cxrdr.reinforce.captioners)
+TEXT_SOURCE_RETRIEVED = "retrieved"
 
 
 def label_triples(findings: list[str]) -> list[tuple[str, str, str]]:

@@ -52,6 +52,11 @@ def split_sentences(text: str) -> list[str]:
     return sentences
 
 
+def usable_sentence(sentence: str) -> bool:
+    """At least two words and a letter that is not part of an anonymisation token ('XXXX')."""
+    return _usable(sentence)
+
+
 def _usable(sentence: str) -> bool:
     letters = re.sub(r"X{2,}", "", sentence)
     return len(sentence.split()) >= 2 and bool(re.search(r"[A-Za-z]", letters))

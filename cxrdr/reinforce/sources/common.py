@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from cxrdr.common.views import is_frontal
-from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_LABELS, TEXT_SOURCE_REPORT, report_from_labels
+from cxrdr.reinforce.captions.from_labels import (TEXT_SOURCE_LABELS, TEXT_SOURCE_REPORT, TEXT_SOURCE_RETRIEVED,
+                                                  report_from_labels)
 from cxrdr.reinforce.records import SPLITS, Record, SkipLog
 
 _SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val", "validate": "val",
@@ -144,6 +145,9 @@ class BaseSource:
 
     name = "source"
     requires_images = True
+    # A build with a captioner sets this: an image without report text (nor labels to compose one from) is
+    # then kept, marked text_source: retrieved (the captioner gives it its text); otherwise "empty report".
+    allow_image_only = False
 
     def __init__(self, spec: str, min_report_chars: int = 30):
         self.spec = spec
@@ -190,6 +194,9 @@ class BaseSource:
                 self.skipped.skip(item.id, item.reason)
                 continue
             label_text(item)
+            if self.allow_image_only and self.requires_images and not (item.report or "").strip() \
+                    and item.image is not None:
+                item.extra["text_source"] = TEXT_SOURCE_RETRIEVED
             reason = self._problem(item, seen)
             if reason:
                 self.skipped.skip(item.id, reason)
@@ -217,9 +224,10 @@ class BaseSource:
         if rec.split not in SPLITS:
             return f"bad split: {rec.split!r}"
         report = (rec.report or "").strip()
-        if not report:
+        image_only = rec.extra.get("text_source") == TEXT_SOURCE_RETRIEVED and not report
+        if not report and not image_only:
             return "empty report: no findings/impression text"
-        if rec.extra.get("text_source") != TEXT_SOURCE_LABELS and len(report) < self.min_report_chars:
+        if not image_only and rec.extra.get("text_source") != TEXT_SOURCE_LABELS and len(report) < self.min_report_chars:
             return f"short report: {len(report)} chars < {self.min_report_chars}"
         if self.requires_images:
             if rec.image is None:
