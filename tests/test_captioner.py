@@ -282,3 +282,24 @@ def test_nih_bbox_builds_with_captions_retrieved_from_iu_reports(shared_data, ti
         assert meta["caption_source"] == "retrieved" and meta["extra"]["text_source"] == "labels"
     with pytest.raises(UserError, match="sentence bank is empty"):  # NIH has no report text of its own
         build(_options(tmp_path / "nih2", f"nih-bbox:{nih}", limit=4), teachers=tiny)
+
+
+# --------------------------------------------------------------------------- grounding (phantom's known findings)
+
+
+def test_sentence_findings_and_the_hit_rate_against_the_banks_base_rate(retrieved):
+    from cxrdr.reinforce.captioners.grounding import grounding, sentence_findings, shard_grounding
+
+    assert sentence_findings("Moderate right pleural effusion with adjacent atelectasis.") == {
+        "Pleural Effusion", "Atelectasis"}
+    assert sentence_findings("No pleural effusion or pneumothorax.") == frozenset()
+    assert sentence_findings("Heart size is normal.") == frozenset()
+    bank = ["Mild cardiomegaly.", "Small left pleural effusion.", "No pneumothorax.", "Nodule in the right lung."]
+    # sample 1 has cardiomegaly: view 0 retrieves it (hit) and the negation (asserts nothing), view 1 the nodule
+    result = grounding(bank, [({"Cardiomegaly"}, [[0, 2], [3, 0]]), ({"Pleural Effusion"}, [[1, 0], [1, 3]])])
+    assert result["retrieved_sentences"] == 8 and result["asserting_a_finding"] == 7
+    assert result["hit_rate"] == pytest.approx(4 / 7)  # 0, 0 | 1, 1 of the 7 asserting slots hit
+    assert result["bank_base_rate"] == pytest.approx(1 / 3)  # one of the 3 asserting bank sentences per sample
+    assert result["bank_asserting_fraction"] == 0.75
+    measured = shard_grounding(retrieved, split="train")
+    assert measured["samples"] == 8 and measured["retrieved_sentences"] == 8 * 2 * 2
