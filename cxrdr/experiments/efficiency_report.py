@@ -43,14 +43,8 @@ def plot_per_seed(per_seed: dict, metric: str, ylabel: str, path: Path, target: 
                     label=f"{name} ({len(curves)} seeds)")
     if target is not None:
         ax.axhline(target, ls="--", lw=0.8, color="gray", label="plain final (seed mean)")
-    ax.set_xlabel("samples seen")
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"{metric} vs samples seen, every seed (thin) and the seed mean (thick)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_samples_plot(plt, fig, ax, ylabel, f"{metric} vs samples seen, every seed (thin) and the seed mean (thick)",
+                       path)
 
 
 def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: float | None = None,
@@ -80,9 +74,14 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
     if metric == main == "mean_recall" and chance:
         ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")
+    _save_samples_plot(plt, fig, ax, ylabel, f"{metric} vs samples seen (mean ± 95% CI over seeds)", path)
+
+
+def _save_samples_plot(plt, fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Axes, title, grid and legend of a metric-vs-samples-seen plot; written to ``path`` and closed."""
     ax.set_xlabel("samples seen")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{metric} vs samples seen (mean ± 95% CI over seeds)", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
