@@ -32,6 +32,7 @@ import typer
 from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.efficiency_report import (BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency,
                                                   plot_per_seed)
+from cxrdr.experiments.image_only import image_only_markdown, image_only_results
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
                                    result_row, run_training)
@@ -287,6 +288,9 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     cost.update(teacher_data(teachers, used, arms))
     plain_total = max((r["samples_seen"] or 0) for r in trained.get("plain", trained[next(iter(trained))])["rows"])
     measured_bars = bars(arms, bench, plain_total, curve_metric, final_metric, fraction)
+    image_only = image_only_results(spec["judge"], trained, shards, final_metric) if spec.get("judge") else None
+    if image_only:
+        measured_bars += image_only["bars"]
     report_shards, report_split = report_set(recipe)
     result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards), "seeds": seeds,
               "curve_split": spec.get("curve_split", "report"), "curve_metric": curve_metric,
@@ -294,7 +298,8 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
               "protocol": {"report_shards": str(report_shards), "report_split": report_split,
                            "selection": recipe.get("selection") or {}}, "teachers": teachers, "arms": arms,
               "bench_step_ms": bench, "cost": cost, "bars": measured_bars, "table": rows,
-              "runs": {n: t["seeds"] for n, t in trained.items()}}
+              "runs": {n: t["seeds"] for n, t in trained.items()},
+              **({"image_only": image_only} if image_only else {})}
     write_json(result, out_dir / "results.json")
     plain_x = (arms.get("plain") or {}).get("crossing", {}) or {}
     plot_efficiency(arms, bench, rows, spec.get("curve_split", "report"), out_dir,
@@ -305,6 +310,7 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
                   plain_x.get("target"))
     md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"],
                              curve_metric, final_metric)
+    md += image_only_markdown(image_only) if image_only else []
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result

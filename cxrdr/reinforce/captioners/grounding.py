@@ -61,8 +61,9 @@ def grounding(bank: list[str], samples: list[tuple[set[str], list[list[int]]]]) 
             "bank_asserting_fraction": len(asserting) / len(bank) if bank else None}
 
 
-def shard_grounding(shards_dir: Path, split: str | None = None) -> dict:
-    """:func:`grounding` of a captioner build with a bank (labels from each sample's json)."""
+def shard_grounding(shards_dir: Path, split: str | None = None, labels: dict | None = None) -> dict:
+    """:func:`grounding` of a captioner build with a bank (labels from each sample's json; ``labels``:
+    record id -> its labels instead, e.g. the true findings of records whose labels a build hid)."""
     info = read_dataset_info(shards_dir)
     if not (info.get("captioner") or {}).get("bank"):
         raise ValueError(f"{shards_dir}: not a build with a retrieval captioner (dataset.json captioner.bank)")
@@ -73,7 +74,8 @@ def shard_grounding(shards_dir: Path, split: str | None = None) -> dict:
             continue
         for _, raw in iter_tar_samples(Path(shards_dir) / shard["name"]):
             meta = load_meta(raw["json"])
-            positives = {name for name, value in meta["labels"].items() if value == 1}
+            known = meta["labels"] if labels is None else labels.get(meta["id"], {})
+            positives = {name for name, value in known.items() if value == 1}
             ids = meta["caption_bank_ids"]
             samples.append((positives, [[ids[i] for i in view] for view in meta["caption_views"]]))
     return {"split": split or "all", "samples": len(samples), **grounding(bank, samples)}

@@ -14,7 +14,9 @@ Options (CLI flags map 1:1; ``None`` means "not given"): image_root, seed (phant
 and split (phantom: every study in that split),
 min_report_chars (30), frontal_only, scene_graphs and label_order (mimic), col_id, col_image,
 col_report, col_findings, col_impression, col_labels, col_split, col_subject, col_study, col_view,
-col_triples, col_boxes, labels_format (jsonl/csv). An option a source does not use is ignored
+col_triples, col_boxes, labels_format (jsonl/csv); hide_reports (a fraction of the train studies lose their
+report) and hidden (image-only | labels | drop: what becomes of them), any source
+(``cxrdr.reinforce.sources.hidden``). An option a source does not use is ignored
 (logged when it was given a non-default value), so one set of CLI flags serves every source.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Iterator, Protocol, runtime_checkable
 
 from cxrdr.reinforce.phantom import PhantomSource
 from cxrdr.reinforce.records import Record, SkipLog
+from cxrdr.reinforce.sources.hidden import HiddenReports
 from cxrdr.reinforce.sources.iu_xray import IuXraySource
 from cxrdr.reinforce.sources.mimic import MimicSource
 from cxrdr.reinforce.sources.nih_bbox import NihBboxSource
@@ -79,6 +82,9 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 def open_source(spec: str, **options) -> Source:
     """Open a source from its spec string (see the module docstring for specs and options)."""
+    hide, hidden = options.pop("hide_reports", None), options.pop("hidden", None)
+    if hide is not None or hidden is not None:
+        return HiddenReports(open_source(spec, **options), 0.0 if hide is None else hide, hidden)
     scheme, arg = parse_spec(spec)
     given = {k: v for k, v in options.items() if v is not None}
     known = set().union(*_ACCEPTS.values())
@@ -120,6 +126,11 @@ def parse_source_options(pairs: list[str] | None) -> dict:
                 out[key] = [int(v) for v in value.split(",")]
             except ValueError:
                 raise ValueError(f"bad source option {pair!r}: seed needs integers") from None
+        elif key == "hide_reports":
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ValueError(f"bad source option {pair!r}: hide_reports needs a fraction") from None
         elif key in ("min_report_chars", "seed", "size"):
             try:
                 out[key] = int(value)
