@@ -42,6 +42,20 @@ def _wait_for(proc, ready, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.005)
 
 
+def _resume_at_once(cmd: list[str], env: dict, killed: float, workers: list[int], *locks):
+    """After the main process was SIGKILLed at ``killed``: each of ``locks`` (callables taking a lock)
+    is free although its orphaned ``workers`` live on, and ``cmd --resume`` starts within 1 s."""
+    for take in locks:
+        with take():
+            pass
+    alive = sum(kill_resume.alive(w) for w in workers)
+    proc = python_m(cmd + ["--resume"], env, REPO)
+    assert time.monotonic() - killed < 1.0
+    assert alive, "the orphaned workers were gone already: the kill tested nothing"
+    _reap(workers)
+    return proc
+
+
 def test_lock_is_not_inherited_by_forked_children(tmp_path):
     """The mechanism alone: a holder forks a child and is SIGKILLed; the lock is free at once although
     the child lives; a child's release never unlocks its parent."""
@@ -49,13 +63,18 @@ def test_lock_is_not_inherited_by_forked_children(tmp_path):
 
     from cxrdr.common.locking import FolderBusyError, lock_folder
 
+    # The parent names its child only once the child runs (and so has passed the at-fork hook): until a
+    # forked child is first scheduled it still holds its copy of the lock, whatever the hook does.
     script = ("import os, sys, time\n"
               "from cxrdr.common.locking import lock_folder\n"
               "lock = lock_folder(sys.argv[1], 'holder')\n"
+              "ready_r, ready_w = os.pipe()\n"
               "child = os.fork()\n"
               "if child == 0:\n"
               "    lock.release()  # a child's release must not unlock the parent's lock\n"
+              "    os.write(ready_w, b'x')\n"
               "    time.sleep(30); os._exit(0)\n"
+              "os.read(ready_r, 1)\n"
               "print(child, flush=True)\n"
               "time.sleep(30)\n")
     import subprocess
@@ -110,13 +129,7 @@ def test_train_run_main_process_killed_and_resumed_at_once_ten_times(phantom_sha
             assert len(workers) == 2, workers  # the loader workers were up when it was killed
             orphans += workers
             logged = kill_resume.last_step(run)
-            with lock_folder(run, "test"):  # free although the orphaned workers live on
-                pass
-            alive = sum(kill_resume.alive(w) for w in workers)
-            proc = python_m(cmd + ["--resume"], env, REPO)
-            assert time.monotonic() - killed < 1.0
-            assert alive, "the orphaned workers were gone already: the kill tested nothing"
-            _reap(workers)
+            proc = _resume_at_once(cmd, env, killed, workers, lambda: lock_folder(run, "test"))
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
     finally:
@@ -163,15 +176,8 @@ def test_build_main_process_killed_and_resumed_at_once_equals_uninterrupted(tmp_
             proc.wait()
             killed, kills = time.monotonic(), kills + 1
             orphans += workers
-            with lock_folder(out, "test"):  # the folder's lock is free although the orphaned workers live on
-                pass
-            with lock_build_rank(out, 0, 1):  # and so is the rank's
-                pass
-            alive = sum(kill_resume.alive(w) for w in workers)
-            proc = python_m(cmd + ["--resume"], env, REPO)
-            assert time.monotonic() - killed < 1.0
-            assert alive, "the orphaned workers were gone already: the kill tested nothing"
-            _reap(workers)
+            proc = _resume_at_once(cmd, env, killed, workers, lambda: lock_folder(out, "test"),
+                                   lambda: lock_build_rank(out, 0, 1))  # the folder's lock, and the rank's
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
     finally:
