@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cxrdr.common.shards import iter_tar_samples, load_meta, read_dataset_info
 from cxrdr.experiments.stats import mean_sd
+from cxrdr.reinforce.captioners.grounding import shard_grounding
 
 JUDGE_KEYS = {"arm", "baseline", "ceiling", "ceiling_fraction", "sd_multiple"}
 # final summary columns reported per arm: (value, its baseline or None)
@@ -89,7 +90,6 @@ def true_labels(shards: Path) -> dict:
 
 def arm_grounding(trained: dict, labels_shards: Path) -> dict:
     """arm -> retrieval grounding (train split and all) for arms trained on a retrieval captioner's shards."""
-    from cxrdr.reinforce.captioners.grounding import shard_grounding
     out, labels = {}, None
     for name, arm in trained.items():
         shards = Path(arm["seeds"][0]["train_config"]["shards"])

@@ -23,6 +23,7 @@ from typing import Iterator
 
 from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_RETRIEVED
 from cxrdr.reinforce.records import Record
+from cxrdr.reinforce.sources.common import label_text
 
 HIDDEN_MODES = ("image-only", "labels", "drop")
 
@@ -75,7 +76,6 @@ class HiddenReports:
             if self.mode == "drop":
                 continue
             if self.mode == "labels":
-                from cxrdr.reinforce.sources.common import label_text
                 rec = dataclasses.replace(rec, report="", findings="", impression="", triples=[],
                                           extra=dict(rec.extra or {}))
                 label_text(rec)
