@@ -34,6 +34,7 @@ from cxrdr.experiments.efficiency_report import (BENCHMARK_COLS, QUALITY, effici
                                                   plot_per_seed)
 from cxrdr.experiments.image_only import image_only_markdown, image_only_results
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
+from cxrdr.experiments.repro import code_version
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
                                    result_row, run_training)
 from cxrdr.experiments.stats import crossing_ratio, mean_curve, mean_sd, samples_to_target, t_interval
@@ -292,7 +293,8 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     if image_only:
         measured_bars += image_only["bars"]
     report_shards, report_split = report_set(recipe)
-    result = {"experiment": "efficiency", "recipe": recipe, "shards": str(shards), "seeds": seeds,
+    result = {"experiment": "efficiency", "code": code_version(),  # the runs' own: runs/<arm>[].train_summary.code
+              "recipe": recipe, "shards": str(shards), "seeds": seeds,
               "curve_split": spec.get("curve_split", "report"), "curve_metric": curve_metric,
               "final_metric": final_metric,
               "protocol": {"report_shards": str(report_shards), "report_split": report_split,

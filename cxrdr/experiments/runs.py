@@ -24,6 +24,7 @@ import yaml
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
 from cxrdr.experiments.chunks import begin
+from cxrdr.experiments.repro import code_version, note_other_code
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.evaluation.efficiency import measure_in_subprocess
@@ -139,6 +140,8 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
             summary = json.loads(summary_path.read_text())
             summary.setdefault("wall_s", None)
             summary["reused"] = True
+            # reused whatever code trained it: a run of another code version has other numbers (repro.py)
+            note_other_code(f"run {run_dir}", summary.get("code"))
             return summary
         go_on = resume and reuse and unfinished_alike(run_dir, cfg)
         begin(f"{'resume' if go_on else 'train'} {run_dir}")
@@ -147,6 +150,7 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
         started = time.perf_counter()
         summary = train(dataclasses.replace(cfg, resume=True) if go_on else cfg, lock=own or lock)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
+        summary["code"] = code_version()  # which code trained it: reuse does not check it, results show it
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
         return summary
     finally:

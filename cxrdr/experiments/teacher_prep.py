@@ -142,6 +142,7 @@ def _prepare_one(recipe: dict, name: str, plan: dict, student_shards: Path, prog
             "train_wall_s": summary.get("wall_s"), "train_time_s": summary.get("train_time_s"),
             "train_step_ms": summary.get("mean_step_ms"),
             "add_teacher_seconds": seconds, "train_images_shared": shared_train_images(shards, student_shards),
+            "code": summary.get("code"),  # the code that trained it (None: trained before it was recorded)
             **quality}
 
 
