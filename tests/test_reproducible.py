@@ -49,12 +49,12 @@ def _tiny_twin(path):
     for part in ("shards", "teachers"):
         recipe[part]["build"].update(n_aug=2, n_captions=2, store_size=64, batch_size=16)
     recipe["teachers"]["train"].update(model="tiny-A", steps=2, batch_size=8, log_every=1)
-    recipe["train"].update(model="tiny-D", steps=3, batch_size=8, log_every=1, eval_batch_size=16, progress=False,
-                           eval_prompts=str(REPO / "configs" / "prompts-nih.yaml"))
+    # eval_prompts stays `configs/prompts-nih.yaml`: read from the shipped configs in an empty folder
+    recipe["train"].update(model="tiny-D", steps=3, batch_size=8, log_every=1, eval_batch_size=16, progress=False)
     # the cost block (efficiency: a process of its own) holds only measured fields: not computed here
     recipe["eval"].update(min_positives=1, probe_max_train=16, n_localisation=2, n_faithfulness=1, faith_steps=2,
                           n_plots=0, efficiency=False)
-    recipe["efficiency"].update(seeds=[0], eval_every_samples=8, step_benchmark={"steps": 1, "warmup": 0})
+    recipe["efficiency"].update(seeds=[0], eval_every_samples=12, step_benchmark={"steps": 1, "warmup": 0})
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
@@ -86,6 +86,8 @@ def test_the_nih_recipe_twice_from_empty_folders_gives_the_same_results(tmp_path
         assert isinstance(run["train_summary"]["last_loss"], float)
     assert kept["teachers"]["lite2-nih"]["own_test"]["mean_recall"] is not None
     assert kept["code"] == kept["runs"]["plain"][0]["train_summary"]["code"] == kept["teachers"]["lite2-nih"]["code"]
+    assert kept["runs"]["plain"][0]["train_summary"]["torch_threads"] == 1  # the recipe's `threads`
+    assert kept["runs"]["plain"][0]["train_config"]["eval_prompts"].endswith("prompts-nih.yaml")
     # and only measured fields were left out: each appears in the full results
     text = json.dumps(first)
     assert {"wall_s", "mean_step_ms", "bench_step_ms", "add_teacher_s"} <= {k for k in MEASURED_KEYS

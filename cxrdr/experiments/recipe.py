@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cxrdr.common.configs import find_config
+from cxrdr.common.configs import config_root, find_config
 from cxrdr.common.yamlio import read_yaml_mapping
 from cxrdr.train.config import TrainConfig
 
@@ -82,6 +82,13 @@ def make_train_config(recipe: dict, data: dict) -> TrainConfig:
     """The one place a recipe's training keys become a TrainConfig (the recipe's device unless given)."""
     if recipe.get("device"):
         data.setdefault("device", recipe["device"])
+    prompts = data.get("eval_prompts")
+    if prompts and not Path(prompts).is_file() and Path(prompts).parts[:1] == ("configs",):
+        # a shipped prompt file named as from the checkout (configs/prompts-nih.yaml): the recipe then runs
+        # from any folder, e.g. an empty one, not only the checkout's root; there the path stays as written
+        shipped = config_root().joinpath(*Path(prompts).parts[1:])
+        if shipped.is_file():
+            data["eval_prompts"] = str(shipped)
     return TrainConfig.load(None, **data)
 
 

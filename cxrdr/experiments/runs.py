@@ -151,6 +151,8 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
         summary = train(dataclasses.replace(cfg, resume=True) if go_on else cfg, lock=own or lock)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary["code"] = code_version()  # which code trained it: reuse does not check it, results show it
+        # CPU intra-op threads change reductions' rounding (recipe `threads`; reuse does not check it either)
+        summary["torch_threads"] = torch.get_num_threads()
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
         return summary
     finally:
