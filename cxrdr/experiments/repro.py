@@ -7,10 +7,12 @@ quality) is a function of the recipe and the code.
 
 What does change a result is the code: a change "exact to rounding" still changes the float rounding of the
 first step, and 100 steps amplify it into a different final AUC. Between the NIH results (20d0d7f) and today
-two commits did so (measured on the recipe's tiny twin: d4f941d, the text tower skipping unused padding, and
-77c3dda, the step without host reads). Runs, teachers and shards are reused when their config matches, whatever code made them, so a
-results file may mix runs of several code versions; every run summary, teacher record and results file
-therefore records ``code_version()``, and a reused unit made by another version is named on stderr.
+two commits did so (measured on the recipe's twins: d4f941d, the text tower skipping unused padding, and
+77c3dda, the step without host reads). So do torch's CPU threads (recipe ``threads``). Runs, teachers and
+shards are reused when their config matches, whatever code made them, so a results file may mix runs of
+several code versions; every run summary, teacher record and results file therefore records
+``code_version()`` (run summaries their ``torch_threads`` too), and a reused run made by another version is
+named on stderr.
 
 ``python -m cxrdr.experiments.repro A/results.json B/results.json`` lists the fields that differ beyond
 the measured ones (exit 1 if any).
