@@ -96,8 +96,9 @@ def arm_grounding(trained: dict, labels_shards: Path) -> dict:
         if not (read_dataset_info(shards).get("captioner") or {}).get("bank"):
             continue
         labels = labels if labels is not None else true_labels(labels_shards)
+        # val: no val study's report is in a train bank, so none can retrieve its own sentences
         out[name] = {"labels_from": str(labels_shards), "train": shard_grounding(shards, "train", labels),
-                     "all": shard_grounding(shards, None, labels)}
+                     "val": shard_grounding(shards, "val", labels), "all": shard_grounding(shards, None, labels)}
     return out
 
 
@@ -124,7 +125,8 @@ def image_only_markdown(result: dict) -> list[str]:
         lines.append(f"- {bar['bar']}: {value} (margin {margin}) -> "
                      f"{'met' if bar['met'] else 'missed' if bar['met'] is False else 'n/a'}")
     for name, g in result["grounding"].items():
-        t = g["train"]
-        lines.append(f"- {name} retrieved captions (train): {t['hit_rate']} assert a finding the image has "
-                     f"vs bank base rate {t['bank_base_rate']} ({t['asserting_a_finding']} asserting sentences)")
+        for split in ("train", "val"):
+            t = g[split]
+            lines.append(f"- {name} retrieved captions ({split}): {t['hit_rate']} assert a finding the image has "
+                         f"vs bank base rate {t['bank_base_rate']} ({t['asserting_a_finding']} asserting sentences)")
     return lines
