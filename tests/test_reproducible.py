@@ -104,6 +104,7 @@ def test_only_the_measured_fields_are_left_out_of_the_comparison():
                                   "bars": [{"bar": "stored step <= 1.05x no-teacher step"},
                                            {"bar": "reinforced final mean R - plain's > 2 sd", "value": 0.03,
                                             "met": False}]}
+    assert differences({"pointing_z": float("nan")}, {"pointing_z": float("nan")}) == []
     other = json.loads(json.dumps(result))
     other["final"]["zero_shot_auc_mean"] = 0.5158877807736046
     assert differences(comparable(result), comparable(other)) == [

@@ -147,10 +147,11 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
         begin(f"{'resume' if go_on else 'train'} {run_dir}")
         if not go_on:
             _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
+        code = code_version()  # asked before training: a commit made meanwhile is not the code that trains
         started = time.perf_counter()
         summary = train(dataclasses.replace(cfg, resume=True) if go_on else cfg, lock=own or lock)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
-        summary["code"] = code_version()  # which code trained it: reuse does not check it, results show it
+        summary["code"] = code  # which code trained it: reuse does not check it, results show it
         # CPU intra-op threads change reductions' rounding (recipe `threads`; reuse does not check it either)
         summary["torch_threads"] = torch.get_num_threads()
         summary_path.write_text(json.dumps(summary, indent=1, default=str))
