@@ -191,3 +191,18 @@ def test_a_nan_loss_stops_the_run_at_the_next_logging_step_before_any_save(phant
         trainer.run()
     assert max(steps_run) == 5  # the save after step 6 checks first: nothing trained on past it
     assert load_training_state(tmp_path / "run" / "last.pt")["step"] == 4  # the save before the NaN
+
+
+def test_training_cuda_math_applies_the_loop_settings_and_restores_the_previous_ones():
+    """The flags are process-wide torch settings (no GPU needed to set them): a measurement inside the
+    block runs with the loop's TF32 / attention choice, and the process keeps its own after it."""
+    from cxrdr.train.device import training_cuda_math
+
+    def flags():
+        return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                torch.get_float32_matmul_precision(), torch.backends.cuda.cudnn_sdp_enabled())
+
+    before = flags()
+    with training_cuda_math():
+        assert flags() == (True, True, "high", False)
+    assert flags() == before

@@ -54,6 +54,25 @@ def to_device(x, device: torch.device | str):
     return x
 
 
+@contextlib.contextmanager
+def training_cuda_math():
+    """``cuda_math_settings`` for a block, the process's previous settings restored after it: a
+    measurement (``cxrdr.train.evaluation.efficiency``) runs as the loop does without changing the
+    numerics of the rest of its process (e.g. ``train eval``)."""
+    backends = torch.backends
+    sdp = getattr(backends.cuda, "cudnn_sdp_enabled", None)
+    saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+             sdp() if sdp is not None else None)
+    cuda_math_settings()
+    try:
+        yield
+    finally:
+        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved[0], saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+        if saved[3] is not None:
+            backends.cuda.enable_cudnn_sdp(saved[3])
+
+
 def cuda_math_settings() -> None:
     """TF32 for the float32 matmuls and convolutions autocast leaves (losses, norms), and the fused
     SDPA kernels preferred over cuDNN's attention, whose launch cost ~1 ms of CPU per call on the

@@ -94,30 +94,10 @@ def mfu_pct(flops_per_item: float | None, items_per_s: float | None, device) -> 
     return 100.0 * flops_per_item * items_per_s / peak
 
 
-@contextlib.contextmanager
 def loop_math(device):
-    """The CUDA math settings a training process runs with, on CUDA only, restored on exit (a
-    measurement must not change the numerics of the rest of the process, e.g. ``train eval``):
-    ``cxrdr.train.device.cuda_math_settings`` where it exists (TF32 for the fp32 work autocast
-    leaves, its attention-kernel choice), else TF32 through torch's own flags."""
-    if not _is_cuda(device):
-        yield
-        return
-    backends = torch.backends
-    saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
-             backends.cuda.cudnn_sdp_enabled() if hasattr(backends.cuda, "cudnn_sdp_enabled") else None)
-    settings = getattr(train_device, "cuda_math_settings", None)
-    if settings is not None:
-        settings()
-    else:
-        backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved[2])
-        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved[0], saved[1]
-        if saved[3] is not None:
-            backends.cuda.enable_cudnn_sdp(saved[3])
+    """The CUDA math settings a training process runs with (``cxrdr.train.device.training_cuda_math``:
+    TF32 for the fp32 work autocast leaves, its attention-kernel choice), restored on exit; on CUDA only."""
+    return train_device.training_cuda_math() if _is_cuda(device) else contextlib.nullcontext()
 
 
 def gpu_busy_ms(fn, calls: int, device) -> float | None:
