@@ -236,8 +236,6 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
     """D, A, E with TrainConfig.compile, interleaved with their eager twins: as many as the budget allows."""
     import train_step
 
-    if not train_step.compile_supported():
-        return {"rows": [], "note": "not measured: this checkout's TrainConfig has no 'compile' option"}
     fit = int((budget.left() - reserve_after) // COMPILE_ESTIMATE_S)
     variants = COMPILED_ORDER[:max(0, min(len(COMPILED_ORDER), fit))]
     if not variants:

@@ -72,20 +72,8 @@ def make_trainer(base: dict, **overrides):
     trainer = Trainer(TrainConfig.load(None, **{**base, **overrides}))
     # time the student as trained: token dropping (E) and Top-K at their target rates, not in warm-up
     # (and, with --compile, past the schedules, where the loop runs its compiled forward)
-    start = trainer.student.config.warmup_steps_to_target
-    if hasattr(trainer.student, "step_schedules_end"):
-        start = max(start, int(trainer.student.step_schedules_end()))
-    trainer.step = start
+    trainer.step = trainer.student.config.warmup_steps_to_target
     return trainer, TimedBatches(trainer._batches())
-
-
-def compile_supported() -> bool:
-    """Whether this checkout's TrainConfig has the ``compile`` option (torch.compile of the student)."""
-    import dataclasses
-
-    from cxrdr.train.config import TrainConfig
-
-    return "compile" in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def _sync_fn(device):
@@ -236,8 +224,6 @@ def main(argv=None) -> int:
                 amp=args.amp, steps=10_000, progress=False, out=str(Path(tmp.name) / "run"),
                 eval_every=0, **{"optim.warmup_steps": 1})
     if args.compile:
-        if not compile_supported():
-            parser.error("--compile: this checkout's TrainConfig has no 'compile' option")
         base["compile"] = True
 
     plan = [("A stored", dict(model=f"{prefix}A")),

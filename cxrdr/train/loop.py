@@ -304,7 +304,7 @@ class Trainer:
         """The compiled forward once the student's step schedules (k-ratio annealing, keep-rate warm-up)
         are over: no step number reaches the compiled graph (each would be a recompile). Before that,
         and without --compile, None: the eager module runs."""
-        if self._compiled is not None and self.step >= self.student.step_schedules_end():
+        if self._compiled is not None and self.step >= self.student.config.warmup_steps_to_target:
             return self._compiled
         return None
 

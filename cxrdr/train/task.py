@@ -79,7 +79,7 @@ class Task:
     def forward(self, batch: dict, step: int, compiled: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """``compiled``: the trainer's torch.compile of ``self.model``, run in its place with the model's
         step None (one graph for every step), which it may only pass once the student's step schedules
-        are over (``PatchIBStudent.step_schedules_end``): the forward then equals the step's."""
+        are over (``StudentConfig.warmup_steps_to_target``): the forward then equals the step's."""
         batch = to_device(batch, self.device)  # every tensor at once, without waiting for the GPU
         args = [batch["images"], batch["report_ids"], batch["report_mask"]]
         if self.loss_cfg.use_syn:

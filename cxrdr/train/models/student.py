@@ -130,16 +130,6 @@ class PatchIBStudent(nn.Module):
         """E whose kept tokens are the Top-K of its Patch-IB mask (patch_score 'mask')."""
         return self.config.use_token_dropping and self.config.patch_score == "mask"
 
-    def step_schedules_end(self) -> int:
-        """The first training step from which the forward no longer depends on the step: the mask's
-        k-ratio annealing and the token-dropping keep-rate warm-up are over (0 without either). From
-        there the forward with step None is the same computation (the targets, not a schedule)."""
-        ends = [0]
-        if self.mask_head is not None and getattr(self.mask_head, "k_ratio_start", None) is not None:
-            ends.append(int(self.mask_head.anneal_steps))
-        ends.append(int(getattr(self.image_tower, "warmup_steps", 0)))
-        return max(ends)
-
     def _image(self, images: torch.Tensor, step: int | None):
         """The tower's output alone (the global embedding needs no heads, unless the mask picks E's tokens)."""
         if self.drops_by_mask:
