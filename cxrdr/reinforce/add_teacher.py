@@ -21,11 +21,9 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-import torch
 import typer
 from tqdm import tqdm
 
-from cxrdr.common.augment import replay_many
 from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
@@ -35,7 +33,7 @@ from cxrdr.common.shards import (SCHEMA_VERSION, encode_meta, encode_teacher, it
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.embed import embed_batch
 from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device, resolve_replay
-from cxrdr.reinforce.prepare import decode_stored_image, json_safe, pad_cat, replay_on_device
+from cxrdr.reinforce.prepare import decode_stored_image, json_safe, pad_cat, replay_on_device, views_or_pixels
 from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_path, write_json_atomic
 
 
@@ -45,22 +43,18 @@ def _embed_shard_samples(samples: list[tuple[str, dict]], teachers, info: dict, 
     ``cpu`` replays each image's views here, ``device`` the whole batch's views at once on ``device``."""
     images = info.get("images", True)
     sizes = sorted({t.image_size for t in teachers if t.has_images}) if images else []
-    prepared, stored = [], []
+    prepared = []
     for key, sample in samples:
         meta = load_meta(sample["json"])
         texts = [sample["txt"].decode("utf-8")] + [c["text"] for c in meta["captions"]]
-        crops = {}
+        entry = {"key": key, "texts": texts, "crops": {}, "aug": meta["aug"], "image_size": None}
         if sizes:
             pixels = np.asarray(decode_stored_image(sample[info["image_format"]]))
-            if replay == "device":
-                stored.append(torch.from_numpy(np.array(pixels)).unsqueeze(0))
-            else:
-                crops = {s: replay_many(pixels, meta["aug"], s) for s in sizes}
-        prepared.append({"key": key, "texts": texts, "crops": crops, "aug": meta["aug"],
-                         "image_size": pixels.shape[::-1] if sizes else None})
-    if stored:
-        crops = replay_on_device(pad_cat(stored), prepared, sizes, device)
-        return embed_batch(teachers, prepared, images, crops=crops)
+            entry.update(views_or_pixels(pixels, meta["aug"], sizes, replay), image_size=pixels.shape[::-1])
+        prepared.append(entry)
+    if replay == "device" and sizes:
+        pixels = pad_cat([entry.pop("pixels") for entry in prepared])
+        return embed_batch(teachers, prepared, images, crops=replay_on_device(pixels, prepared, sizes, device))
     return embed_batch(teachers, prepared, images)
 
 

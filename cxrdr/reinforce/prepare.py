@@ -135,13 +135,18 @@ def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:
     pixels = np.asarray(stored)  # converted once for every teacher size
     out = {"image": image_bytes, "aug": params, "crops": {}, "image_size": size,
            "boxes": _scale_boxes(record.boxes, orig_size, size)}
-    if spec.replay == "device":
-        if spec.sizes:  # one byte a pixel to the build's process instead of K float crops per teacher size
-            out["pixels"] = torch.from_numpy(np.array(pixels)).unsqueeze(0)
-    else:
-        out["crops"] = {s: replay_many(pixels, params, s) for s in spec.sizes}
+    out.update(views_or_pixels(pixels, params, spec.sizes, spec.replay))
     stages["params_replay"] = time.thread_time() - t
     return out
+
+
+def views_or_pixels(pixels: np.ndarray, params: list[dict], sizes, replay: str) -> dict:
+    """What a prepared image hands on for the teachers: ``{"crops": {size: (K, 1, S, S)}}``, its views
+    replayed here (``replay`` cpu), or ``{"pixels": (1, H, W) uint8}`` for :func:`replay_on_device`
+    (``replay`` device: one byte a pixel instead of K float crops per teacher size); nothing without sizes."""
+    if replay == "device":
+        return {"pixels": torch.from_numpy(np.array(pixels)).unsqueeze(0)} if sizes else {}
+    return {"crops": {s: replay_many(pixels, params, s) for s in sizes}}
 
 
 def _captions(record, spec: PrepareSpec) -> tuple[list[dict], str | None]:
