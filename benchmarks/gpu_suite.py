@@ -67,6 +67,7 @@ COMPILED_ORDER = "DAE"  # the compiled loop configurations, most wanted first (b
 # nearly every step (a graph break on the text length); one clean compile should take less.
 COMPILE_ESTIMATE_S = 75
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
+SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 
 
 def settings(tiny: bool, device: str) -> dict:
@@ -458,7 +459,10 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
     return targets
 
 
-def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, compile_: bool = True) -> dict:
+def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, compile_: bool = True,
+              skip_sections: tuple[str, ...] = (), on_section=None) -> dict:
+    """Every section in order within the budget. ``on_section(result)`` runs after each section with the
+    result so far (targets included), so a run cut short still leaves what it measured."""
     import torch
 
     cfg = settings(tiny, device)
@@ -476,7 +480,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
                                for f, (p, o, vs) in cfg["families"].items()}},
               "sections": {}, "skipped": [], "errors": {}, "section_seconds": {}}
     sections = result["sections"]
-    order = ["build", "students", "loop", "peer", "loop_compiled", "train_step", "table"]
+    order = list(SECTIONS)
 
     def after(name):  # seconds the sections after ``name`` reserve
         return sum(cfg["reserve"][n] for n in order[order.index(name) + 1:])
@@ -485,7 +489,28 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
         result["skipped"].append({"section": name, "reason": note})
         log(f"[{name}] {note}")
 
+    def finish_result():
+        result["targets"] = evaluate_targets(sections, cfg, tiny)
+        result["targets_device"] = name
+        result["targets_note"] = (
+            f"tiny CPU run: every value was measured here, on {name}, at test size ({_describe_tiny(cfg)}); 'met' "
+            f"compares these CPU figures with the GPU thresholds, so it says nothing about the GPU configuration "
+            f"({TARGET_CONFIG}), whose figures only a --device cuda run gives" if tiny else
+            f"measured on {name} in this run; GPU busy % and host syncs need CUDA")
+        result["elapsed_s"] = round(budget.elapsed(), 1)
+
     def run(name, fn):
+        try:
+            _run(name, fn)
+        finally:
+            if on_section is not None:
+                finish_result()
+                on_section(result)
+
+    def _run(name, fn):
+        if name in skip_sections:
+            skip(name, "skipped: --skip")
+            return
         if budget.left() < cfg["reserve"][name]:
             skip(name, f"skipped: {budget.left():.0f} s of the {budget_s:.0f} s budget left, the section needs "
                        f"~{cfg['reserve'][name]} s")
@@ -529,14 +554,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
         run("table", lambda: section_table(cfg, sections.get("loop"), sections.get("students")))
     else:
         skip("table", "skipped: neither the loop nor the students section was measured")
-    result["targets"] = evaluate_targets(sections, cfg, tiny)
-    result["targets_device"] = name
-    result["targets_note"] = (
-        f"tiny CPU run: every value was measured here, on {name}, at test size ({_describe_tiny(cfg)}); 'met' "
-        f"compares these CPU figures with the GPU thresholds, so it says nothing about the GPU configuration "
-        f"({TARGET_CONFIG}), whose figures only a --device cuda run gives" if tiny else
-        f"measured on {name} in this run; GPU busy % and host syncs need CUDA")
-    result["elapsed_s"] = round(budget.elapsed(), 1)
+    finish_result()
     return result
 
 
@@ -682,6 +700,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=str(HERE / "results"), help="where <device>.json/.md go")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled loop and peer steps")
+    parser.add_argument("--skip", default="", help=f"comma-separated sections to leave out ({', '.join(SECTIONS)})")
     args = parser.parse_args(argv)
 
     import torch
@@ -697,11 +716,19 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    skip_sections = tuple(x for x in args.skip.split(",") if x)
+    unknown = sorted(set(skip_sections) - set(SECTIONS))
+    if unknown:
+        print(f"gpu_suite: --skip {','.join(unknown)}: no such section (sections: {', '.join(SECTIONS)})",
+              file=sys.stderr)
+        return 2
     budget = args.budget or (120.0 if args.tiny else 480.0)
+    out_dir = Path(args.out_dir)
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
         result = run_suite(args.tiny, device, budget, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True),
-                           compile_=not args.no_compile)
-    json_path, md_path = write_results(result, Path(args.out_dir))
+                           compile_=not args.no_compile, skip_sections=skip_sections,
+                           on_section=lambda partial: write_results(partial, out_dir))
+    json_path, md_path = write_results(result, out_dir)
     print(markdown(result))
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     return 1 if result["errors"] else 0

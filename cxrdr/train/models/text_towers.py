@@ -282,15 +282,18 @@ class HFTextTower(nn.Module):
 
 def _quiet_from_pretrained(cls, path: Path) -> nn.Module:
     """from_pretrained without the pooler (unused; DDP dislikes unused parameters) and without the
-    load report about the dropped pooler weights."""
+    load report about the dropped pooler weights, in float32 whatever the checkpoint holds: a student
+    keeps fp32 master weights (autocast does the bf16), and transformers 5 would otherwise keep a
+    half-precision checkpoint's dtype."""
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         try:
-            return cls.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
+            model = cls.from_pretrained(str(path), local_files_only=True, add_pooling_layer=False)
         except TypeError:
-            return cls.from_pretrained(str(path), local_files_only=True)
+            model = cls.from_pretrained(str(path), local_files_only=True)
+        return model.float()
     finally:
         hf_logging.set_verbosity(level)
         if bars:
