@@ -182,8 +182,9 @@ def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str
     trainers = {}
     for name, model, compiled in plan:
         extra = {"compile": True} if compiled else {}
-        trainers[name] = train_step.make_trainer({**base, "out": str(work / f"loop-{len(trainers)}-{model}"), **extra},
-                                                 model=model)
+        # a fresh run folder each: the compiled section builds trainers of the same models again
+        out = tempfile.mkdtemp(prefix=f"loop-{model}-", dir=work)
+        trainers[name] = train_step.make_trainer({**base, "out": out, "overwrite": True, **extra}, model=model)
     return trainers
 
 
