@@ -663,3 +663,25 @@ def test_feature_loss_is_one_minus_cosine_to_the_teacher_and_a_weighted_term():
     assert float(weighted["feature_syn"]) == pytest.approx(3.0 * float(feature_loss(*zip(*b_syn))), rel=1e-5)
     real.teacher_space = None  # a student without teacher heads: no term, no error
     assert "feature" not in objective_terms(real, syn, batch, LossConfig(w_feature=3.0))
+
+
+def test_cosine_to_words_equals_normalising_the_pooled_vectors_first():
+    """pair_similarity's cosine without a normalised copy of the (B_text, B_image, L, D) tensor gives what
+    F.normalize then the dot product gave, gradients included, and 0 (not NaN) for a zero vector."""
+    import torch.nn.functional as F
+
+    from cxrdr.train.models.heads import cosine_to_words
+
+    g = torch.Generator().manual_seed(3)
+    pooled = torch.randn(3, 4, 5, 6, generator=g)
+    pooled[0, 1, 2] = 0.0
+    words = F.normalize(torch.randn(3, 5, 6, generator=g), dim=-1)
+    a, b = pooled.clone().requires_grad_(), pooled.clone().requires_grad_()
+    ours = cosine_to_words(a, words)
+    reference = (F.normalize(b, dim=-1) * words.unsqueeze(1)).sum(-1)
+    assert ours.shape == (3, 4, 5)
+    assert torch.allclose(ours, reference, atol=1e-6)
+    assert ours[0, 1, 2] == 0.0
+    (ours * torch.arange(60.0).reshape(3, 4, 5)).sum().backward()
+    (reference * torch.arange(60.0).reshape(3, 4, 5)).sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-5)

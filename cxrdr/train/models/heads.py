@@ -137,6 +137,15 @@ def build_patch_heads(config, dim: int, grid_size) -> tuple[nn.Module | None, nn
     return head_conv, mask_head
 
 
+def cosine_to_words(pooled: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """cos(pooled[i, j, k], words[i, k]) over the last dim: (B_text, B_image, L, D) x (B_text, L, D) unit
+    words -> (B_text, B_image, L). The dot product over the pooled vector's norm, as F.normalize would
+    give (eps 1e-12), without a normalised copy of ``pooled``: at batch 256 it holds B^2 x L x D
+    values, and its copy and that copy's backward were a visible part of a GPU step."""
+    dots = (pooled * words.unsqueeze(1)).sum(-1)
+    return dots / torch.linalg.vector_norm(pooled, dim=-1).clamp_min(1e-12)
+
+
 def zero_padded_words(text_mask: torch.Tensor | None, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each (B, L, ...) tensor with the rows of padded words (text_mask False/0) set to 0."""
     if text_mask is None:
@@ -196,8 +205,7 @@ class LocalAlign(nn.Module):
             bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
         pooled = F.scaled_dot_product_attention(q.expand(b_img, -1, -1, -1), k, v, attn_mask=bias)
         pooled = pooled.transpose(1, 2).reshape(b_img, b_txt, length, width).transpose(0, 1)
-        pooled = F.normalize(self.attn.out_proj(pooled), dim=-1)  # (B_text, B_image, L, D)
-        return (pooled * F.normalize(t, dim=-1).unsqueeze(1)).sum(-1)
+        return cosine_to_words(self.attn.out_proj(pooled), F.normalize(t, dim=-1))  # pooled: (B_text, B_image, L, D)
 
     def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """cos(v~_{i,k}, t_{i,m}) within each pair: (B, L, L), the region word k pools from its own image
@@ -267,8 +275,7 @@ class CosineLocalAlign(nn.Module):
             bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
         pooled = F.scaled_dot_product_attention(q, p.unsqueeze(1), self._values(p, values).unsqueeze(1),
                                                 attn_mask=bias, scale=1.0 / self.temperature)
-        pooled = F.normalize(pooled[:, 0].reshape(b_img, b_txt, length, width).transpose(0, 1), dim=-1)
-        return (pooled * t.unsqueeze(1)).sum(-1)
+        return cosine_to_words(pooled[:, 0].reshape(b_img, b_txt, length, width).transpose(0, 1), t)
 
     def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
                         values: torch.Tensor | None = None) -> torch.Tensor:
