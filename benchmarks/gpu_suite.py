@@ -62,10 +62,11 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repos
 
 VARIANTS = "ABCDE"
 COMPILED_ORDER = "DAE"  # the compiled loop configurations, most wanted first (budget may cut the tail)
-# Seconds one compiled loop configuration is assumed to add (compilation of forward and backward +
-# its timed steps). ../shared/gpu/compile-h100.txt measured 73-112 s warm-ups, but those recompiled
-# nearly every step (a graph break on the text length); one clean compile should take less.
-COMPILE_ESTIMATE_S = 75
+# Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and
+# backward + its timed steps, beside its eager twin). ../shared/gpu/compile-h100.txt measured 73-112 s
+# warm-ups that recompiled nearly every step; on the H200 (benchmarks/results/nvidia-h200.md) D, A and
+# E compiled in one block did not finish within 350 s.
+COMPILE_ESTIMATE_S = 150
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 
@@ -234,31 +235,39 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
                     "target rates"}
 
 
-def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float) -> dict:
-    """D, A, E with TrainConfig.compile, interleaved with their eager twins: as many as the budget allows."""
-    import train_step
+def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
+                          publish=lambda partial: None) -> dict:
+    """D, A, E with TrainConfig.compile, each timed interleaved with its eager twin, one variant at a
+    time while the budget allows; ``publish(partial)`` gets the section after each variant, so a run
+    cut short (a compilation slower than COMPILE_ESTIMATE_S) keeps the variants it finished."""
+    pattern = cfg["families"][cfg["loop"]["family"]][0]
+    rows, done = [], []
 
-    fit = int((budget.left() - reserve_after) // COMPILE_ESTIMATE_S)
-    variants = COMPILED_ORDER[:max(0, min(len(COMPILED_ORDER), fit))]
-    if not variants:
+    def summary(note_left: str) -> dict:
+        by = {r["name"]: r for r in rows}
+        compiled = {r["name"].split()[0]: r for r in rows if r["compile"]}
+        left_out = [v for v in COMPILED_ORDER if v not in done]
+        return {"rows": list(rows), **_ratios([{**r, "name": v} for v, r in compiled.items()]),
+                "compiled_over_eager_img_per_s": {v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"]
+                                                  for v, r in compiled.items()},
+                "description": _loop_description(cfg),
+                "note": "each compiled configuration timed interleaved with its eager twin, one variant at a time; "
+                        "warmup_s holds the compilation" + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
+
+    for v in COMPILED_ORDER:
+        if budget.left() - reserve_after < COMPILE_ESTIMATE_S:
+            break
+        trainers = _loop_trainers(cfg, work, shards, [(f"{v} eager", pattern.format(v=v), False),
+                                                      (f"{v} compiled", pattern.format(v=v), True)])
+        rows += _run_loop(cfg, trainers)
+        done.append(v)
+        del trainers
+        _free_device_memory()
+        publish(summary("still to measure"))
+    if not done:
         return {"rows": [], "note": f"not measured: {budget.left():.0f} s left, one compiled configuration needs "
                                     f"~{COMPILE_ESTIMATE_S} s"}
-    pattern = cfg["families"][cfg["loop"]["family"]][0]
-    plan = [(f"{v} eager", pattern.format(v=v), False) for v in variants]
-    plan += [(f"{v} compiled", pattern.format(v=v), True) for v in variants]
-    trainers = _loop_trainers(cfg, work, shards, plan)
-    rows = _run_loop(cfg, trainers)
-    del trainers
-    _free_device_memory()
-    by = {r["name"]: r for r in rows}
-    compiled = {r["name"].split()[0]: r for r in rows if r["compile"]}
-    left_out = [v for v in COMPILED_ORDER if v not in variants]
-    return {"rows": rows, **_ratios([{**r, "name": v} for v, r in compiled.items()]),
-            "compiled_over_eager_img_per_s": {v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"]
-                                              for v, r in compiled.items()},
-            "description": _loop_description(cfg),
-            "note": "compiled configurations timed interleaved with their eager twins; warmup_s holds the "
-                    "compilation" + (f"; left out for the budget: {', '.join(left_out)}" if left_out else "")}
+    return summary("left out for the budget")
 
 
 def _openclip_peer(spec: str, device: str):
@@ -549,7 +558,14 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
         skip("loop_compiled", "skipped: " + ("the tiny CPU run times no compiled step (a CPU compile takes minutes)"
                                              if tiny else "--no-compile"))
     else:
-        run("loop_compiled", lambda: section_loop_compiled(cfg, work, budget, shards(), after("loop_compiled")))
+        def publish(partial):
+            sections["loop_compiled"] = partial
+            if on_section is not None:
+                finish_result()
+                on_section(result)
+
+        run("loop_compiled", lambda: section_loop_compiled(cfg, work, budget, shards(), after("loop_compiled"),
+                                                           publish))
     run("train_step", lambda: section_train_step(cfg, work, budget, built))
     if "loop" in sections or "students" in sections:
         run("table", lambda: section_table(cfg, sections.get("loop"), sections.get("students")))

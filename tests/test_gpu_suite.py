@@ -146,3 +146,41 @@ def test_full_suite_refuses_cpu(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "--tiny" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_compiled_section_publishes_each_variant_and_stops_at_the_budget(monkeypatch):
+    """The compiled loop is timed one variant at a time (D, then A, then E), each beside its eager twin,
+    and handed over after each: a run killed during a slow compilation keeps the variants it finished."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    class Clock:  # a budget that each timed variant spends by 100 s
+        left_s = 260.0
+
+        def left(self):
+            return self.left_s
+
+    clock, plans, published = Clock(), [], []
+
+    def fake_trainers(cfg, work, shards, plan):
+        plans.append([(name, compiled) for name, _, compiled in plan])
+        return {name: compiled for name, _, compiled in plan}
+
+    def fake_run(cfg, trainers):
+        clock.left_s -= 100
+        return [{"name": n, "compile": c, "img_per_s": 200.0 if c else 100.0, "step_ms": 10.0 if c else 20.0}
+                for n, c in trainers.items()]
+
+    monkeypatch.setattr(gpu_suite, "_loop_trainers", fake_trainers)
+    monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
+    monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    monkeypatch.setattr(gpu_suite, "COMPILE_ESTIMATE_S", 100)
+    cfg = gpu_suite.settings(tiny=True, device="cpu")
+    section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=50,
+                                              publish=published.append)
+    assert plans == [[("D eager", False), ("D compiled", True)], [("A eager", False), ("A compiled", True)]]
+    assert [[r["name"] for r in p["rows"]] for p in published] == [
+        ["D eager", "D compiled"], ["D eager", "D compiled", "A eager", "A compiled"]]
+    assert "still to measure: A, E" in published[0]["note"]
+    assert section["compiled_over_eager_img_per_s"] == {"D": 2.0, "A": 2.0}
+    assert section["D_over_A_step"] == 1.0 and "left out for the budget: E" in section["note"]
