@@ -91,3 +91,32 @@ def test_the_twin_runs_end_to_end(tmp_path, monkeypatch, one_thread):
     assert grounding["asserting_a_finding"] > 0 and 0 <= grounding["hit_rate"] <= 1
     assert set(image_only["grounding"]) == {"reinforced-retrieved"}
     assert "## Image-only" in (Path(recipe["out"]) / "efficiency" / "table.md").read_text()
+
+
+def test_the_nih_variant_differs_from_the_nih_recipe_only_in_its_captions():
+    """Issue 39 part 4 (configs/experiments/nih-retrieved.yaml): nih.yaml's teacher, students and settings;
+    the retrieved arm's shards are the recipe's build but for the build teacher (the NIH-trained one, which
+    the captioner needs) and IU train-report captions; fresh seeds."""
+    from cxrdr.experiments.recipe import load_recipe
+
+    configs = ROOT / "configs" / "experiments"
+    nih, variant = load_recipe(configs / "nih.yaml"), load_recipe(configs / "nih-retrieved.yaml")
+
+    def same_paths(block):
+        return json.loads(json.dumps(block).replace("runs/experiments/nih-retrieved/", "runs/experiments/nih/"))
+
+    assert same_paths(variant["teachers"]) == nih["teachers"]
+    assert variant["train"] == nih["train"]
+    assert same_paths(variant["shards"]) == nih["shards"]
+    spec = variant["efficiency"]
+    assert list(spec["runs"]) == ["reinforced-labels", "reinforced-retrieved"]
+    assert spec["train"] == nih["efficiency"]["train"] and spec["final_metric"] == nih["efficiency"]["final_metric"]
+    assert not set(spec["seeds"]) & set(nih["efficiency"]["seeds"])
+    labels, retrieved = spec["runs"]["reinforced-labels"], spec["runs"]["reinforced-retrieved"]
+    assert labels == nih["efficiency"]["runs"]["reinforced"] and "shards" not in labels
+    build = dict(retrieved["shards"]["build"])
+    assert build.pop("captioner").startswith("retrieval:") and build.pop("teachers") == \
+        "ckpt:runs/experiments/nih-retrieved/teachers/lite2-nih.pt"
+    assert build["source"].endswith("nih_bbox/nih_bbox.jsonl")
+    assert {k: v for k, v in nih["shards"]["build"].items() if k != "teachers"} == build
+    assert {k: v for k, v in retrieved.items() if k != "shards"} == labels
