@@ -7,15 +7,18 @@ params replayed (the crops the teacher saw during the build), batched like the b
 
     ratio = build samples/s / teacher-forward samples/s
 
-A ratio near 1 means decoding, augmenting and writing are hidden behind the teacher. Both sides
+A ratio near 1 means decoding, augmenting and writing are hidden behind the teacher. Next to it,
+the steady state: ``build_steady_samples_per_s`` counts the build's samples from the first batch the
+build's main loop received to the end of the build (the workers' start-up and the first batch's
+preparation left out), and ``steady_ratio`` compares it with the same teacher rate. Both sides
 are timed warm: the teachers after a first forward (best of ``--teacher-repeats``), the build after
 an untimed build of two records that pays the first build's one-time costs (imports).
 It also prints wall and CPU milliseconds per sample for each step (worker steps: load/render +
-resize, encode+decode, params+replay, captions; main thread: teacher, assembling) and the
-CPU bound: with workers, teacher and writer sharing the same cores the build cannot exceed
-cores / (CPU ms per sample), whatever the pipeline does; on a machine that other jobs also
-use, the CPU figures are the ones that do not depend on the load. It also prints where the build
-prepared for a CPU teacher (its process or the workers), the teacher's threads, and why
+resize, encode+decode, params+replay, captions; main thread: teacher, queueing; writer thread:
+assembling, writing) and the CPU bound: with workers, teacher and writer sharing the same cores
+the build cannot exceed cores / (CPU ms per sample), whatever the pipeline does; on a machine that
+other jobs also use, the CPU figures are the ones that do not depend on the load. It also prints
+where the build prepared for a CPU teacher (its process or the workers), the teacher's threads, and why
 (``cpu_policy.where_to_prepare``: from the first two batches, prepared and timed in the build's process)
 and, when it prepared in turn with the forward, the bound that puts on the ratio: t / (t + p).
 
@@ -140,6 +143,8 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
             prep[k] = prep.get(k, 0.0) + v
         for k, v in (r.get("main_cpu_seconds") or {}).items():
             main_cpu[k] = main_cpu.get(k, 0.0) + v
+    steady_s = steady_seconds(info, build_wall)
+    steady_rate = info["total_samples"] / steady_s if steady_s else None
     choice = next((r["cpu_threads"] for r in info["build"].get("ranks", []) if r.get("cpu_threads")), None)
     replayed = ", ".join(sorted({str(r.get("replay")) for r in info["build"].get("ranks", [])}))
     return {"source": source, "device": device, "teachers": teachers, "workers": workers, "cpu_threads": choice,
@@ -149,8 +154,26 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
             "samples": info["total_samples"], "build_seconds": build_wall, "build_samples_per_s": build_rate,
             "teacher_seconds": n_built / teacher_rate, "teacher_samples_per_s": teacher_rate,
             "teacher_best_threads": best_threads, "teacher_rate_by_threads": rates,
-            "ratio": build_rate / teacher_rate, "time_split_seconds": split, "assemble_seconds": assemble_s,
+            "ratio": build_rate / teacher_rate, "build_steady_seconds": steady_s,
+            "build_steady_samples_per_s": steady_rate,
+            "steady_ratio": steady_rate / teacher_rate if steady_rate else None,
+            "time_split_seconds": split, "assemble_seconds": assemble_s,
             "prepare_cpu_seconds": prep, "main_cpu_seconds": main_cpu, "shards": str(shards)}
+
+
+def steady_seconds(info: dict, build_wall: float) -> float | None:
+    """Seconds of the build (``build_wall``: its call, timed by the caller) from the moment its main
+    loop received the first batch to its end, from the rank's stats: ``wall_seconds`` (the build's
+    start to the end of its shard loop) less ``pipeline_seconds`` (the shard loop) is the setup before
+    the loop, ``first_batch_seconds`` the loop's wait for the first batch. None without those (one
+    local rank only)."""
+    ranks = info["build"].get("ranks") or []
+    if len(ranks) != 1 or ranks[0].get("first_batch_seconds") is None:
+        return None
+    r = ranks[0]
+    before_first_batch = r["wall_seconds"] - r["pipeline_seconds"] + r["first_batch_seconds"]
+    steady = build_wall - before_first_batch
+    return steady if steady > 0 else None
 
 
 def report(m: dict) -> None:
@@ -162,6 +185,9 @@ def report(m: dict) -> None:
           f"S={m['n_captions']}, store {m['store_size']}, replay {m['replay']}")
     print(f"build: {m['samples']} samples in {build_wall:.2f} s = {m['build_samples_per_s']:.1f} samples/s "
           f"(time split s: {split})")
+    if m.get("build_steady_samples_per_s"):
+        print(f"build from its first batch on (no worker start-up): {m['build_steady_seconds']:.2f} s = "
+              f"{m['build_steady_samples_per_s']:.1f} samples/s, steady ratio {m['steady_ratio']:.3f}")
     print(f"teacher forward only, same batches: {m['teacher_seconds']:.2f} s = {teacher_rate:.1f} samples/s "
           f"(torch threads {m['teacher_best_threads']}; by threads: "
           + ", ".join(f"{t}: {r:.1f}/s" for t, r in m["teacher_rate_by_threads"].items()) + ")")
@@ -172,12 +198,14 @@ def report(m: dict) -> None:
           f"build process, whichever prepared), "
           f"teacher {ms(split['teacher']):.1f} (alone {1000 / teacher_rate:.1f}), "
           + (f"replay in the build's process {ms(split['replay']):.1f}, " if "replay" in split else "")
-          + f"assemble+queue {ms(m['assemble_seconds']):.1f}, loader wait {ms(split['loader_wait']):.1f}, "
-          f"writer thread {ms(split['write']):.1f}; teacher busy {split['teacher'] / build_wall:.0%} of wall")
+          + f"loader wait {ms(split['loader_wait']):.1f}, waiting for the writer {ms(split.get('write_wait', 0.0)):.1f}; "
+          f"writer thread: assemble {ms(m['assemble_seconds']):.1f}, write {ms(split['write']):.1f}; "
+          f"teacher busy {split['teacher'] / build_wall:.0%} of wall")
     print(f"CPU per sample (ms): prepare {ms(prep_cpu):.1f} ["
           + ", ".join(f"{k} {ms(v):.2f}" for k, v in prep.items())
           + f"]; main thread: teacher {ms(main_cpu.get('teacher', 0.0)):.1f}, "
-          f"assemble+queue {ms(main_cpu.get('assemble', 0.0)):.2f}; the process during the teacher's forwards "
+          f"queue {ms(main_cpu.get('queue', 0.0)):.2f}; writer thread: assemble {ms(main_cpu.get('assemble', 0.0)):.2f}; "
+          f"the process during the teacher's forwards "
           f"(all its threads, spin-waits included) {ms(main_cpu.get('teacher_process', 0.0)):.1f}")
     if m.get("cpu_threads"):
         print(f"build's choice: {m['cpu_threads']['line']}")
@@ -190,7 +218,7 @@ def report(m: dict) -> None:
     # build runs at most at cores / (CPU per sample), with the teacher at its stand-alone cost.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # device replay on a CPU device is CPU work of the build's process too
-    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(split["write"]) \
+    other_ms = ms(main_cpu.get("assemble", 0.0)) + ms(main_cpu.get("queue", 0.0)) + ms(split["write"]) \
         + (ms(split.get("replay", 0.0)) if m["device"] == "cpu" else 0.0)
     cpu_ms = ms(prep_cpu) + 1000 / teacher_rate + other_ms
     bound = cores * 1000 / cpu_ms
@@ -198,22 +226,24 @@ def report(m: dict) -> None:
     print(f"CPU bound: {cpu_ms:.1f} ms CPU per sample on {cores} cores -> at most {bound:.1f} samples/s on idle "
           f"cores, ratio at most {bound / teacher_rate:.3f}; ratio 0.8 needs prepare <= {budget:.1f} ms CPU/sample. "
           f"Load average {os.getloadavg()[0]:.1f} (other processes share these cores)")
-    print(f"ratio build/teacher throughput: {m['ratio']:.3f}")
+    print(f"ratio build/teacher throughput: {m['ratio']:.3f}"
+          + (f" (steady, from the first batch: {m['steady_ratio']:.3f})" if m.get("steady_ratio") else ""))
     print(f"shards in {m['shards']}")
 
 
 def report_table(results: list[dict]) -> None:
     """One row per teacher set: rates, ratio, CPU ms per sample by stage, the build's thread choice."""
-    print("\n| teachers | replay | samples | build /s | teacher alone /s (threads) | ratio | CPU ms/sample: prepare, "
-          "teacher (main thread), teacher (process), assemble | build's teacher threads |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| teachers | replay | samples | build /s | teacher alone /s (threads) | ratio | steady ratio | CPU "
+          "ms/sample: prepare, teacher (main thread), teacher (process), assemble | build's teacher threads |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in results:
         n = max(1, m["samples"])
         cpu = m["main_cpu_seconds"]
         choice = m.get("cpu_threads") or {}
         print(f"| `{m['teachers']}` | {m['replay']} | {m['samples']} | {m['build_samples_per_s']:.2f} | "
               f"{m['teacher_samples_per_s']:.2f} ({m['teacher_best_threads']}) | {m['ratio']:.3f} | "
-              f"{1000 * sum(m['prepare_cpu_seconds'].values()) / n:.1f}, {1000 * cpu.get('teacher', 0.0) / n:.1f}, "
+              + (f"{m['steady_ratio']:.3f} | " if m.get("steady_ratio") else "- | ")
+              + f"{1000 * sum(m['prepare_cpu_seconds'].values()) / n:.1f}, {1000 * cpu.get('teacher', 0.0) / n:.1f}, "
               f"{1000 * cpu.get('teacher_process', 0.0) / n:.1f}, {1000 * cpu.get('assemble', 0.0) / n:.2f} | "
               f"{choice.get('teacher_threads', '-')} |")
 

@@ -117,7 +117,7 @@ def test_fresh_build_follows_the_contract(fresh):
     assert info["total_samples"] == N == sum(info["counts"].values()) == totals["samples"]
     assert (info["n_aug"], info["n_captions"], info["store_size"], info["emb_dtype"]) == (2, 2, 64, "float16")
     assert set(info["bytes_per_sample"]) >= {"image", "text", "json", "random-tiny", "minilm", "total"}
-    assert set(info["build"]["time_split_seconds"]) == {"decode_augment", "teacher", "write", "loader_wait"}
+    assert set(info["build"]["time_split_seconds"]) == {"decode_augment", "teacher", "write", "loader_wait", "write_wait"}
     assert info["build"]["samples_per_second"] > 0
     sizes = json.loads((fresh / "sizes.json").read_text())
     assert sizes == {s["name"]: s["samples"] for s in info["shards"]}

@@ -136,8 +136,10 @@ def _build_timing(out_dir: Path) -> dict:
             "time_split_note": "pipeline = first batch requested to last shard written (the image "
                                "work); wall also counts opening the source and loading teachers; "
                                "decode_augment = CPU seconds summed over DataLoader workers; "
-                               "teacher = main-process forward seconds; write = writer-thread seconds; "
-                               "loader_wait = main process waiting for workers; all summed over ranks. "
+                               "teacher = main-process forward seconds; write = writer-thread seconds "
+                               "writing tars (it packs the samples too: ranks' assemble_seconds); "
+                               "loader_wait = main process waiting for workers; write_wait = main "
+                               "process waiting for the writer thread; all summed over ranks. "
                                "Counts only the last run of each rank (a resumed build counts the "
                                "shards built by the resuming run).",
             "ranks": ranks}

@@ -3,11 +3,13 @@
 
 Workers hand over chunks of about B/(2*workers) records with their crops in one tensor per
 teacher size; this process regroups them into batches of B = ``--batch-size`` records for the
-teacher forwards, assembles the samples and queues them to the writer, which renames each
-shard's tar with its stats file when complete. With a CPU teacher the first two batches are
-prepared in this process and timed; from them ``where_to_prepare`` chooses where the rest is
-prepared (here, or in the workers) and the teacher's intra-op threads, and the choice is printed
-(``cpu_policy``). The shards do not depend on the choice.
+teacher forwards and queues each batch's records with their embeddings to the writer thread,
+which assembles the samples and writes the tars while this process loads and embeds the next
+batches (``writer.BackgroundWriter``), renaming each shard's tar with its stats file when
+complete. With a CPU teacher the first two batches are prepared in this process and timed; from
+them ``where_to_prepare`` chooses where the rest is prepared (here, or in the workers) and the
+teacher's intra-op threads, and the choice is printed (``cpu_policy``). The shards do not depend
+on the choice, nor on the writer thread (``run_shards(overlap_writes=False)`` writes in turn).
 
 ``--replay`` (``options.resolve_replay``): ``cpu`` has the workers replay each image's K views;
 ``device`` has them only decode, and this process replays each batch's views at once on the
@@ -16,6 +18,7 @@ teachers' device just before the forward (``prepare.replay_on_device``), timed a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -31,7 +34,10 @@ from cxrdr.reinforce.plan import ShardPlan
 from cxrdr.reinforce.prepare import PrepareDataset, PrepareSpec, collate_prepared, pad_cat, replay_on_device
 from cxrdr.reinforce.writer import BackgroundWriter
 
-TIMING_KEYS = ("decode_augment", "teacher", "write", "loader_wait")
+# write: the writer thread's seconds writing tars; write_wait: this process blocked on the writer
+# (its queue full, and at the end until the last shard is written)
+TIMING_KEYS = ("decode_augment", "teacher", "write", "loader_wait", "write_wait")
+WRITER_QUEUE_BATCHES = 4  # batches waiting for the writer thread at most (memory stays flat)
 
 
 class SimulatedKill(RuntimeError):
@@ -39,11 +45,14 @@ class SimulatedKill(RuntimeError):
 
 
 def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path,
-               skiplog, fail_after_shards: int | None, rank: int, announce: bool = True, captioner=None) -> dict:
+               skiplog, fail_after_shards: int | None, rank: int, announce: bool = True, captioner=None,
+               overlap_writes: bool = True) -> dict:
     """Build the shards ``todo``; returns the rank's timing and counts, and where the views were
     replayed (``replay``: cpu or device, None without image teachers). ``announce``: print the CPU
     choice (with ``opts.progress``). ``captioner``: makes the captions from the image rows
-    (``cxrdr.reinforce.captioners``; ``spec.captioner`` must then be true)."""
+    (``cxrdr.reinforce.captioners``; ``spec.captioner`` must then be true). ``overlap_writes=False``
+    (internal, the tests' reference): assemble and write in this thread, between the batches; the
+    shards are the same bytes."""
     device = next((str(t.device) for t in teachers if t.has_images), "cpu")
     spec = dataclasses.replace(spec, replay=resolve_replay(opts.replay, device))
     replay = {"replay": spec.replay if spec.sizes else None}
@@ -52,24 +61,28 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
         return {"samples_built": 0, "pipeline_seconds": 0.0, "time_split_seconds": dict.fromkeys(TIMING_KEYS, 0.0),
                 **replay}
     started = time.perf_counter()
-    loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device, captioner)
     bar = tqdm(total=len(items), unit="rec", desc=f"build[{rank}]", disable=not opts.progress)
     policy = CpuPolicy(teachers, opts.workers, say=bar.write if announce and opts.progress else None)
+    loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device, captioner,
+                      overlap_writes)
     try:
         with cpu_settings(policy, opts.workers):
             t_wait = time.perf_counter()
             for collated in _regroup(_prepared_chunks(items, spec, opts, policy), opts.batch_size):
                 loop.timing["loader_wait"] += time.perf_counter() - t_wait
+                if loop.first_batch_seconds is None:
+                    loop.first_batch_seconds = time.perf_counter() - started
                 loop.handle(collated)
                 policy.observe(*loop.last_batch)
                 bar.update(len(collated["samples"]))
                 t_wait = time.perf_counter()
             policy.settle()
-            loop.writer.close()
-    except BaseException:
-        loop.writer.abort()
-        raise
+            loop.writer.close()  # waits for the last shard; raises a writer failure
     finally:
+        # Whatever raised here (the loader, a teacher, the writer, Ctrl-C): the shards already queued
+        # complete, the one left incomplete is dropped, and the writer thread is joined. After a
+        # close this does nothing.
+        loop.writer.abort()
         bar.close()
     return {**loop.result(time.perf_counter() - started), **policy.result(), **replay}
 
@@ -98,10 +111,11 @@ def _loader(items: list, spec: PrepareSpec, batch_size: int, workers: int):
 
 
 class _ShardLoop:
-    """Main-process side: embed each batch, assemble its samples and feed the writer in order."""
+    """Main-process side: embed each batch and queue its records with their embeddings to the writer
+    thread in order (one queue item a batch), which assembles the samples (``_assemble``) and writes."""
 
     def __init__(self, todo, teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path, skiplog,
-                 fail_after_shards: int | None, device: str, captioner=None):
+                 fail_after_shards: int | None, device: str, captioner=None, overlap_writes: bool = True):
         self.teachers, self.spec, self.opts, self.skiplog, self.device = teachers, spec, opts, skiplog, device
         self.captioner = captioner
         self.fail_after_shards, self.shards_done = fail_after_shards, 0
@@ -109,19 +123,20 @@ class _ShardLoop:
         self.splits = {s.index: s.split for s in todo}
         # replay: this process's replay of the views before the forwards (--replay device only)
         self.timing = dict.fromkeys(TIMING_KEYS + (("replay",) if spec.replay == "device" else ()), 0.0)
-        self.assemble_seconds = 0.0  # packing samples and queueing them to the writer
         self.stage_seconds: dict[str, float] = {}  # worker CPU seconds per preparation step
         # CPU seconds (wall lies on a busy machine): the teacher forwards on the main thread and in the
-        # whole process (its intra-op threads, their spin-waits and the writer thread meanwhile), assembling
-        self.main_cpu = {"teacher": 0.0, "teacher_process": 0.0, "assemble": 0.0}
+        # whole process (its intra-op threads, their spin-waits and the writer thread meanwhile);
+        # queue: handing the batches to the writer (main thread); assemble: packing the samples (writer thread)
+        self.main_cpu = {"teacher": 0.0, "teacher_process": 0.0, "queue": 0.0}
+        self.first_batch_seconds: float | None = None  # from the start to the first batch in this loop
         self.last_batch = (0.0, 0.0, 0)  # preparation wall s (summed), replay + teacher wall s, samples (CPU policy)
         self.errors: dict[int, dict] = {}
         self.cosines: dict[int, dict] = {}
         self.position: dict[int, int] = {}
         self.current = None
         self.built = 0
-        self.writer = BackgroundWriter(out_dir, maxsize=max(64, 4 * opts.batch_size),
-                                       on_shard_done=self._on_shard_done, compression=opts.compression)
+        self.writer = BackgroundWriter(out_dir, maxsize=WRITER_QUEUE_BATCHES, on_shard_done=self._on_shard_done,
+                                       compression=opts.compression, threaded=overlap_writes)
 
     def _on_shard_done(self, stats) -> None:
         self.shards_done += 1
@@ -151,8 +166,8 @@ class _ShardLoop:
         emb_of = {b["key"]: e for b, e in zip(ok, embs)}
         for b in batch:
             self._write(b, emb_of)
-        self.assemble_seconds += time.perf_counter() - t1
-        self.main_cpu["assemble"] += time.thread_time() - c1
+        self.writer.flush()  # the batch as one queue item; raises a writer failure
+        self.main_cpu["queue"] += time.thread_time() - c1
 
     def _write(self, b: dict, emb_of: dict) -> None:
         self.timing["decode_augment"] += b["prep_seconds"]
@@ -165,27 +180,37 @@ class _ShardLoop:
         if "skip" in b:
             self.skiplog.skip(b["id"], b["skip"])
             self.writer.skip(b["id"], b["skip"])
-        else:
-            sample = assemble_sample(b, emb_of[b["key"]], self.spec.image_format, self.opts.emb_dtype,
-                                     self.errors.setdefault(shard, {}), self.cosines.setdefault(shard, {}))
-            self.writer.add(sample, {**b["row"], "shard": shard_name(shard, self.opts.compression),
-                                     "index_in_shard": self.position.get(shard, 0)})
+        else:  # assembled in the writer thread (the int8 quality dicts are the writer thread's alone)
+            self.writer.add(functools.partial(self._assemble, b, emb_of[b["key"]], shard),
+                            {**b["row"], "shard": shard_name(shard, self.opts.compression),
+                             "index_in_shard": self.position.get(shard, 0)})
             self.position[shard] = self.position.get(shard, 0) + 1
             self.built += 1
         self.remaining[shard] -= 1
         if self.remaining[shard] == 0:
-            self.writer.end({"teachers": [t.name for t in self.teachers],
-                             "int8_max_abs_error": self.errors.pop(shard, {}) or None,
-                             "int8_min_cosine": self.cosines.pop(shard, {}) or None})
+            self.writer.end(functools.partial(self._shard_extra, shard))
             self.current = None
+
+    # writer thread (or this one, overlap_writes=False) --------------------------------------
+    def _assemble(self, b: dict, embeddings: dict, shard: int) -> dict:
+        return assemble_sample(b, embeddings, self.spec.image_format, self.opts.emb_dtype,
+                               self.errors.setdefault(shard, {}), self.cosines.setdefault(shard, {}))
+
+    def _shard_extra(self, shard: int) -> dict:
+        return {"teachers": [t.name for t in self.teachers],
+                "int8_max_abs_error": self.errors.pop(shard, {}) or None,
+                "int8_min_cosine": self.cosines.pop(shard, {}) or None}
 
     def result(self, pipeline_seconds: float) -> dict:
         self.timing["write"] = self.writer.write_seconds
+        self.timing["write_wait"] = self.writer.wait_seconds  # full queue, and close() until the last shard
+        main_cpu = {**self.main_cpu, "assemble": self.writer.assemble_cpu_seconds}
         return {"samples_built": self.built, "pipeline_seconds": round(pipeline_seconds, 3),
+                "first_batch_seconds": round(self.first_batch_seconds or 0.0, 3),
                 "time_split_seconds": {k: round(v, 3) for k, v in self.timing.items()},
-                "assemble_seconds": round(self.assemble_seconds, 3),
+                "assemble_seconds": round(self.writer.assemble_seconds, 3),
                 "prepare_cpu_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
-                "main_cpu_seconds": {k: round(v, 3) for k, v in self.main_cpu.items()}}
+                "main_cpu_seconds": {k: round(v, 3) for k, v in main_cpu.items()}}
 
 
 def _chunk_size(batch_size: int, workers: int) -> int:

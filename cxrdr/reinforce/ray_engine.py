@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from cxrdr.common.errors import UserError
 from cxrdr.reinforce.options import load_build_teachers
-from cxrdr.reinforce.pipeline import run_shards
+from cxrdr.reinforce.pipeline import TIMING_KEYS, run_shards
 from cxrdr.reinforce.prepare import json_safe
 from cxrdr.reinforce.records import SkipLog
 from cxrdr.reinforce.writer import is_shard_complete, stats_path, write_json_atomic
@@ -142,7 +142,7 @@ def run_shards_ray(todo: list, teachers: list, spec, opts, out_dir: Path, skiplo
     ray = import_ray()
     if not todo:
         return {"samples_built": 0, "pipeline_seconds": 0.0, "engine": "ray",
-                "time_split_seconds": {"decode_augment": 0.0, "teacher": 0.0, "write": 0.0, "loader_wait": 0.0}}
+                "time_split_seconds": dict.fromkeys(TIMING_KEYS, 0.0)}
     started_here = not ray.is_initialized()
     if started_here:
         # RAY_ADDRESS (or a local instance when unset), as every Ray program.

@@ -7,8 +7,9 @@ the tar's size equals the size recorded in the stats (``is_shard_complete``). Ev
 The per-shard stats file carries the shard's manifest rows, bytes per part and skipped records,
 so ``reinforce merge`` never has to reopen the tars.
 
-``BackgroundWriter`` runs the tar writing in a thread fed through a bounded queue, so teacher
-forwards in the main process never wait for the disk (and the disk never waits for a forward).
+``BackgroundWriter`` packs the samples and writes the tars in one thread fed through a bounded
+queue, so the teacher forwards in the main process never wait for the disk or the packing (and
+the disk never waits for a forward); the bytes are those of writing in the calling thread.
 """
 from __future__ import annotations
 
@@ -151,92 +152,181 @@ class ShardFile:
             self.tmp.unlink(missing_ok=True)
 
 
-class BackgroundWriter:
-    """Feeds ShardFiles from a thread. Messages arrive in order: begin, add/skip..., end."""
+class WriterFailed(RuntimeError):
+    """The shard writer thread failed; ``__cause__`` is its original exception."""
 
-    def __init__(self, out_dir: Path, maxsize: int = 64, on_shard_done=None, compression: str = "gzip"):
+
+class BackgroundWriter:
+    """Writes the shards in order, in one thread fed through a small bounded queue.
+
+    The main thread calls ``begin``, ``add``/``skip``..., ``end`` per shard, then ``flush`` once per
+    teacher batch: the batch's operations travel as one queue item (``maxsize`` items, so at most
+    that many batches wait and memory stays flat). ``add`` takes the sample or a zero-argument
+    callable that makes it, and ``end`` its extra stats or a callable: those run in the writer
+    thread, so packing the samples (``assemble_sample``) overlaps the next batch's loading and
+    teacher forward too.
+
+    Why a thread: the work is encoding (numpy, zlib) and file writes, which release the GIL for
+    their bulk, and a process would have to pickle every batch's images and embeddings to reach
+    it. One thread, consuming in order: the tars are the same bytes as written serially
+    (``threaded=False`` writes in the calling thread, the reference the tests compare against).
+
+    A failure in the thread (a full disk, a bad sample, ``on_shard_done`` raising) drops the shard in
+    progress and is raised in the main thread as :class:`WriterFailed` (naming the shard and chaining
+    the original) by the next ``flush`` or by ``close``; the thread keeps taking queue items without
+    writing them, so the main thread never blocks on a full queue. ``abort`` (the main loop failed)
+    writes what was queued, drops the shard left incomplete and joins the thread.
+
+    Timing: ``write_seconds`` (tar writing, fsync, rename: the ShardFiles' own seconds),
+    ``assemble_seconds`` / ``assemble_cpu_seconds`` (the callables, in the thread), ``wait_seconds``
+    (the main thread blocked on a full queue, and in ``close`` until the last shard is written).
+    """
+
+    def __init__(self, out_dir: Path, maxsize: int = 4, on_shard_done=None, compression: str = "gzip",
+                 threaded: bool = True):
         self.out_dir = Path(out_dir)
         self.compression = compression
         self.on_shard_done = on_shard_done  # called in the writer thread with the stats dict
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
+        self.error_at: str | None = None  # the shard the writer was on when it failed
         self.completed: list[dict] = []
         self.write_seconds = 0.0
+        self.assemble_seconds = 0.0
+        self.assemble_cpu_seconds = 0.0
+        self.wait_seconds = 0.0
+        self._pending: list[tuple] = []
         self._current: ShardFile | None = None
-        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True) if threaded else None
+        if self._thread is not None:
+            self._thread.start()
 
     # main-thread side -------------------------------------------------------------------
-    def _put(self, message) -> None:
-        while True:
-            self._raise_if_failed()
-            try:
-                self.queue.put(message, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"shard writer failed: {self.error}") from self.error
-
     def begin(self, index: int, split: str, records: int) -> None:
-        self._put(("begin", index, split, records))
+        self._pending.append(("begin", index, split, records))
 
-    def add(self, sample: dict, row: dict) -> None:
-        self._put(("add", sample, row))
+    def add(self, sample, row: dict) -> None:
+        """``sample``: the tar members, or a callable returning them (called in the writer thread)."""
+        self._pending.append(("add", sample, row))
 
     def skip(self, record_id: str, reason: str) -> None:
-        self._put(("skip", record_id, reason))
+        self._pending.append(("skip", record_id, reason))
 
-    def end(self, extra: dict | None = None) -> None:
-        self._put(("end", extra))
+    def end(self, extra=None) -> None:
+        """``extra``: stats to add, or a callable returning them (called in the writer thread)."""
+        self._pending.append(("end", extra))
+
+    def flush(self) -> None:
+        """Queue the operations given since the last flush as one item; raises a writer failure."""
+        self._raise_if_failed()
+        if self._pending:
+            ops, self._pending = self._pending, []
+            self._put(ops)
+        self._raise_if_failed()
 
     def close(self) -> None:
-        """Wait until everything queued is written; re-raise a writer error here."""
-        self._put(None)
-        self._thread.join()
+        """Wait until everything queued is written and stop the thread; raises a writer failure."""
+        self.flush()
+        if self._thread is not None:
+            start = time.perf_counter()
+            self._put(None)
+            self._thread.join()
+            self.wait_seconds += time.perf_counter() - start
         self._raise_if_failed()
 
     def abort(self) -> None:
-        """Stop without completing the shard in progress (its temp file is removed)."""
+        """The main loop failed: write what was queued (its complete shards), drop the incomplete
+        shard's temp file and stop the thread. Never raises a writer failure (the caller is raising)."""
+        ops, self._pending = self._pending, []
+        if self._thread is not None and not self._thread.is_alive():
+            return  # closed already (or never ran): nothing to stop
+        if self._thread is None:
+            self._handle_item(ops + [("abort",)])
+            return
+        if ops:
+            self._put(ops, check=False)
+        self._put([("abort",)], check=False)
+        self._thread.join()
+
+    def _put(self, item, check: bool = True) -> None:
+        if self._thread is None:
+            if item is not None:
+                self._handle_item(item)
+            return
+        start = time.perf_counter()
         try:
-            self.queue.put(("abort",), timeout=5)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=30)
+            while True:
+                if check:
+                    self._raise_if_failed()
+                if not self._thread.is_alive():  # gone without a recorded error: nothing will take the item
+                    if check:
+                        raise WriterFailed("shard writer thread is not running")
+                    return
+                try:
+                    self.queue.put(item, timeout=0.2)
+                    return
+                except queue.Full:
+                    continue
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            where = f" on {self.error_at}" if self.error_at else ""
+            raise WriterFailed(f"shard writer failed{where}: {type(self.error).__name__}: {self.error}") \
+                from self.error
 
     # writer-thread side -----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            message = self.queue.get()
-            if message is None:
+            item = self.queue.get()
+            if item is None or self._handle_item(item):
                 return
-            if message[0] == "abort":
-                if self._current is not None:
-                    self._current.abort()
-                    self._current = None
-                return
+
+    def _handle_item(self, ops: list) -> bool:
+        """Carry out one batch's operations; True at ``abort``. After a failure only ``abort`` acts
+        (the items are still taken, so the main thread never waits on a full queue)."""
+        for op in ops:
+            if op[0] == "abort":
+                self._drop_current()
+                return True
             if self.error is not None:
-                continue  # keep draining so the main thread never blocks on a full queue
+                continue
             try:
-                self._handle(message)
+                self._handle(op)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 self.error = exc
-                if self._current is not None:
-                    self._current.abort()
-                    self._current = None
+                self._drop_current()
+        return False
 
-    def _handle(self, message) -> None:
-        kind = message[0]
+    def _drop_current(self) -> None:
+        """Remove the shard in progress (its temp file), as a killed build would leave it for resume."""
+        shard, self._current = self._current, None
+        if shard is None:
+            return
+        try:
+            shard.abort()
+        except Exception as exc:  # noqa: BLE001 - a failure is being handled already; keep the first
+            self.error = self.error or exc
+
+    def _handle(self, op) -> None:
+        kind = op[0]
         if kind == "begin":
-            self._current = ShardFile(self.out_dir, *message[1:], compression=self.compression)
+            self.error_at = shard_name(op[1], self.compression)
+            self._current = ShardFile(self.out_dir, *op[1:], compression=self.compression)
         elif kind == "add":
-            self._current.add(message[1], message[2])
+            sample = op[1]
+            if callable(sample):
+                start, cpu = time.perf_counter(), time.thread_time()
+                sample = sample()
+                self.assemble_seconds += time.perf_counter() - start
+                self.assemble_cpu_seconds += time.thread_time() - cpu
+            self._current.add(sample, op[2])
         elif kind == "skip":
-            self._current.skip(message[1], message[2])
+            self._current.skip(op[1], op[2])
         elif kind == "end":
-            stats = self._current.finish(message[1])
+            extra = op[1]() if callable(op[1]) else op[1]
+            stats = self._current.finish(extra)  # raising, the shard is still current: dropped
             self.write_seconds += self._current.write_seconds
             self._current = None
             self.completed.append(stats)
