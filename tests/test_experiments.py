@@ -44,6 +44,7 @@ def _with_teacher_and_seeds(path, root):
     recipe["efficiency"]["train"] = {"teachers": "ckpt-t1"}
     recipe["efficiency"]["runs"]["online"]["online_teacher"] = f"ckpt:{root / 'teachers' / 't1.pt'}"
     recipe["efficiency"]["runs"]["online"]["seeds"] = [0]  # a run may name its own seeds
+    recipe["efficiency"]["comparisons"] = [["reinforced", "plain"]]  # read against another arm as against plain
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
 
@@ -86,6 +87,18 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     assert " ± " in table and "mean R chance" in table and "break-even:" in table
     assert "training runs" in table and ("MET" in table or "MISSED" in table)
     assert "of images the students never see" in table
+    # the samples ratio at three targets, the teacher's compute, the runs' own step ratio, the comparison
+    assert data["target_fractions"] == [1.0, 0.95, 0.9]
+    crossings = data["arms"]["reinforced"]["crossings"]
+    assert [c.get("fraction", 1.0) for c in crossings] == [1.0, 0.95, 0.9]
+    assert crossings[0] == data["arms"]["reinforced"]["crossing"]
+    teacher_s = data["cost"]["teacher_compute_s"]
+    assert teacher_s == pytest.approx(teacher["train_wall_s"] + data["cost"]["total_s"]) and teacher_s > 0
+    assert data["step_ratio"]["reinforced"]["runs_ratio"] > 0 and data["step_ratio"]["reinforced"]["bench_ratio"] > 0
+    (comparison,) = data["comparisons"]
+    assert (comparison["arm"], comparison["against"], comparison["n_arm"]) == ("reinforced", "plain", 2)
+    assert "Teacher compute:" in table and "by the runs' own mean steps" in table
+    assert "Samples ratio at three targets" in table and "## reinforced against plain" in table
     # a second invocation reuses the runs and measures the step benchmark afresh over its scratch folders
     result = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(path), "--quiet"])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -207,6 +220,93 @@ def test_crossing_ratio_reads_every_arm_by_its_first_crossing():
     assert got["ratio_ci"] == pytest.approx([2 / 3, 2 / 3])  # identical seeds: no spread
     never = crossing_ratio([curve([0.1, 0.2, 0.2, 0.2])] * 2, plain, n_boot=20)
     assert never["ratio"] is None and never["ratio_ci"][1] == float("inf")
+
+
+def test_crossing_ratio_at_a_fraction_of_the_reference_final():
+    from cxrdr.experiments.stats import crossing_ratio
+
+    def curve(ys):
+        return [{"samples_seen": 100 * (i + 1), "mean_recall": y} for i, y in enumerate(ys)]
+
+    plain = [curve([0.1, 0.3, 0.4, 0.4])] * 2
+    fast = [curve([0.2, 0.4, 0.5, 0.5])] * 2
+    assert crossing_ratio(fast, plain, n_boot=20, fraction=1.0) == crossing_ratio(fast, plain, n_boot=20)
+    got = crossing_ratio(fast, plain, n_boot=20, fraction=0.9)  # target 0.36: plain at 260, fast at 180
+    assert got["fraction"] == 0.9 and got["target"] == pytest.approx(0.36)
+    assert got["plain_samples"] == pytest.approx(260) and got["samples"] == pytest.approx(180)
+    assert got["ratio"] == pytest.approx(180 / 260) and got["ratio_ci"] == pytest.approx([180 / 260] * 2)
+
+
+def test_gap_interval_is_welchs():
+    from scipy import stats
+
+    from cxrdr.experiments.stats import gap_interval
+
+    a, b = [0.36, 0.33, 0.39, 0.35, 0.37], [0.30, 0.26, 0.35, 0.31, 0.28, 0.33, 0.29, 0.27]
+    got = gap_interval(a, b)
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert got["gap"] == pytest.approx(np.mean(a) - np.mean(b)) and got["gap_ci"] == pytest.approx([ci.low, ci.high])
+    assert got["ref_sd"] == pytest.approx(np.std(b, ddof=1)) and (got["n_arm"], got["n_ref"]) == (5, 8)
+    assert gap_interval([0.3], b)["gap_ci"] is None
+
+
+def test_step_ratios_and_the_comparison_of_two_arms():
+    from cxrdr.experiments.efficiency import compare_arms, step_ratios, target_fractions
+    from cxrdr.experiments.efficiency_report import comparison_lines, step_ratio_lines
+
+    rows = [{"run": "plain", "step_ms": 250.0}, {"run": "reinforced", "step_ms": 275.0}]
+    got = step_ratios(rows, {"plain": 200.0, "reinforced": 202.0})
+    assert got["reinforced"]["runs_ratio"] == pytest.approx(1.1)
+    assert got["reinforced"]["bench_ratio"] == pytest.approx(1.01)
+    assert "1.01x by the interleaved benchmark" in step_ratio_lines(got)[0]
+    assert step_ratios(rows, {})["reinforced"]["bench_ratio"] is None
+
+    def arm(ys, finals):
+        return {"rows": [{"mean_recall": f} for f in finals],
+                "seeds": [{"curve": [{"samples_seen": 100 * (i + 1), "mean_recall": y} for i, y in enumerate(ys)]}
+                          for _ in finals]}
+
+    trained = {"reinforced": arm([0.2, 0.4, 0.5, 0.5], [0.5, 0.52]),
+               "plain-minilm": arm([0.1, 0.3, 0.4, 0.4], [0.4, 0.42])}
+    c = compare_arms(trained, "reinforced", "plain-minilm", fractions=[1.0, 0.9])
+    assert c["gap"] == pytest.approx(0.1) and c["two_sd_against"] == pytest.approx(2 * np.std([0.4, 0.42], ddof=1))
+    assert [x["ratio"] for x in c["crossings"]] == pytest.approx([200 / 300, 180 / 260])
+    text = "\n".join(comparison_lines(c))
+    assert "## reinforced against plain-minilm" in text and "gap **0.1**" in text
+    assert target_fractions({}) == [1.0, 0.95, 0.9] and target_fractions({"target_fractions": [0.9]}) == [1.0, 0.9]
+    with pytest.raises(ValueError):
+        target_fractions({"target_fractions": [1.5]})
+
+
+def test_the_controls_recipe_changes_only_the_text_tower_of_plain_minilm():
+    from pathlib import Path
+
+    from cxrdr.experiments.efficiency import arm_plan, comparison_pairs
+    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.train.models.config import StudentConfig
+
+    recipe, demo = load_recipe("configs/experiments/cpu-demo-controls.yaml"), load_recipe("cpu-demo")
+    arm_runs, _, timed_only = arm_plan(recipe, Path(recipe["shards"]["dir"]), Path("unused"), build=False)
+    assert timed_only == {"online"} and comparison_pairs(recipe["efficiency"], list(arm_runs))
+    seeds = {n: [s for s, _ in runs] for n, runs in arm_runs.items()}
+    assert len(seeds["plain"]) == len(seeds["plain-minilm"]) == 8 and len(seeds["reinforced"]) == 5
+    used = set(demo["efficiency"]["seeds"]) | {0, 1, 2}
+    assert not used & {s for v in seeds.values() for s in v}  # fresh seeds
+    (_, plain), (_, minilm) = arm_runs["plain"][0], arm_runs["plain-minilm"][0]
+    a, b = plain.to_dict(), minilm.to_dict()
+    assert a.pop("model_overrides") == {"global_pool": "avg"}
+    assert b.pop("model_overrides") == {"global_pool": "avg", "text_tower": "minilm"}
+    assert {k for k in a if a[k] != b[k]} == {"out"}
+    assert StudentConfig.from_yaml(b["model"], text_tower="minilm").text_pool is None  # mean-pooled as the teacher's
+    # cpu-demo's data, teacher and student settings, in folders of its own
+    for key in ("train", "eval", "selection"):
+        assert recipe[key] == demo[key], key
+    for key in ("shards", "teachers", "report"):
+        assert str(recipe[key]).replace("cpu-demo-controls", "cpu-demo") == str(
+            demo[key] if key != "teachers" else dict(demo[key], models={"lite2-s1": {"source_seed": 1}})), key
+    for key in ("model", "steps", "teachers", "optim", "loss"):
+        assert recipe["efficiency"]["train"][key] == demo["efficiency"]["train"][key], key
+    assert recipe["efficiency"]["runs"]["reinforced"]["optim"] == demo["efficiency"]["runs"]["reinforced"]["optim"]
 
 
 def test_curve_plot_marks_where_each_arm_reaches_plain_and_the_samples_limit(tmp_path, monkeypatch):

@@ -7,7 +7,12 @@ once per seed in ``efficiency.seeds``. Outputs (``<out>/efficiency/``):
 - ``results.json``: per arm ``final_mean_recall`` (list over seeds, test split, full ``train eval``),
   ``samples_to_plain_final`` (samples at which the arm's seed-mean validation curve first reaches plain's
   final seed-mean validation mean R, linearly interpolated; null if never), per-seed curves and rows,
-  the cost accounting (one-off teacher seconds, per-run saving, break-even runs) and the bars;
+  the cost accounting (one-off teacher seconds, per-run saving, break-even runs, the teachers' training wall
+  seconds and ``teacher_compute_s`` = training + embedding) and the bars; per arm ``crossings``: the samples
+  ratio (one crossing rule) at ``efficiency.target_fractions`` of plain's final (default 1, 0.95, 0.9);
+  ``step_ratio``: each arm's step over plain's by the interleaved benchmark and by the runs' own mean steps;
+  ``comparisons``: each ``efficiency.comparisons`` pair [arm, reference] read as every arm is against plain
+  (final metric gap with its Welch interval, samples ratio to the reference's own final);
 - ``table.md``: mean ± 95 % CI (t-interval over seeds) with chance next to mean R, samples-to-target,
   step costs (interleaved measurement), break-even line, bars met/missed;
 - ``metric_vs_samples.png`` / ``auc_vs_samples.png`` (seed-mean curves with 95 % CI bands), ``step_time.png``.
@@ -37,7 +42,8 @@ from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.repro import code_version
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
                                    result_row, run_training)
-from cxrdr.experiments.stats import crossing_ratio, mean_curve, mean_sd, samples_to_target, t_interval
+from cxrdr.experiments.stats import (crossing_ratio, gap_interval, mean_curve, mean_sd, samples_to_target,
+                                    t_interval)
 from cxrdr.experiments.teacher_prep import planned_train_samples, prepare_teachers, teacher_seconds
 from cxrdr.train.evaluation.report import seed_summary, write_json
 from cxrdr.train.config import TrainConfig
@@ -48,6 +54,28 @@ DEFAULT_RUNS = {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"}
 PLUS_TEACHER = "plus_teacher_samples"  # train for the experiment's samples + the teachers' training samples
 TIMED_ONLY = "step_benchmark_only"     # only timed by the step benchmark (the break-even's online step)
 DEFAULT_METRIC = "mean_recall"
+# the samples ratio is read at these fractions of the reference's final seed mean (1.0 first: the bars' target)
+DEFAULT_TARGET_FRACTIONS = (1.0, 0.95, 0.9)
+
+
+def target_fractions(spec: dict) -> list[float]:
+    """``efficiency.target_fractions`` (default 1.0, 0.95, 0.9): the targets, as fractions of plain's final
+    seed-mean curve value, at which every arm's samples ratio is read; 1.0 always comes first."""
+    given = [float(f) for f in spec.get("target_fractions") or DEFAULT_TARGET_FRACTIONS]
+    if any(not 0 < f <= 1 for f in given):
+        raise ValueError(f"efficiency.target_fractions must be in (0, 1], got {given}")
+    return [1.0] + [f for f in dict.fromkeys(given) if f != 1.0]
+
+
+def comparison_pairs(spec: dict, arms: list[str]) -> list[tuple[str, str]]:
+    """``efficiency.comparisons``: [[arm, reference arm], ...] read against each other (final metric gap,
+    samples ratio to the reference's own final), besides every arm against plain."""
+    pairs = [tuple(p) for p in spec.get("comparisons") or []]
+    bad = [p for p in pairs if len(p) != 2 or any(a not in arms for a in p)]
+    if bad:
+        raise ValueError(f"efficiency.comparisons: each entry is [arm, reference arm] of trained arms {arms}, "
+                         f"got {bad}")
+    return pairs
 
 
 def metrics_of(spec: dict) -> tuple[str, str, float]:
@@ -279,7 +307,9 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     trained = _train_arms(recipe, shards, arm_runs)  # two copies of the command split the runs
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     curve_metric, final_metric, fraction = metrics_of(spec)
-    arms, rows = _summarise_arms(trained, bench, curve_metric, final_metric)
+    fractions = target_fractions(spec)
+    pairs = comparison_pairs(spec, list(trained))
+    arms, rows = _summarise_arms(trained, bench, curve_metric, final_metric, fractions)
     rows += [{"run": name, "bench_step_ms": bench.get(name), "note": "step benchmark only"} for name in timed_only]
     info = json.loads((shards / "dataset.json").read_text())
     steps = trained[next(iter(trained))]["seeds"][0]["train_config"]["steps"]
@@ -287,6 +317,10 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     cost = one_off_teacher_seconds(info, used)
     cost.update(break_even(cost["total_s"], bench.get("online"), bench.get("reinforced"), steps))
     cost.update(teacher_data(teachers, used, arms))
+    cost["teacher_compute_s"] = (cost["teacher_train_wall_s"] + cost["total_s"]
+                                 if cost.get("teacher_train_wall_s") is not None else None)
+    steps_ratio = step_ratios(rows, bench)
+    comparisons = [compare_arms(trained, a, b, curve_metric, final_metric, fractions) for a, b in pairs]
     plain_total = max((r["samples_seen"] or 0) for r in trained.get("plain", trained[next(iter(trained))])["rows"])
     measured_bars = bars(arms, bench, plain_total, curve_metric, final_metric, fraction)
     image_only = image_only_results(spec["judge"], trained, shards, final_metric) if spec.get("judge") else None
@@ -299,7 +333,8 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
               "final_metric": final_metric,
               "protocol": {"report_shards": str(report_shards), "report_split": report_split,
                            "selection": recipe.get("selection") or {}}, "teachers": teachers, "arms": arms,
-              "bench_step_ms": bench, "cost": cost, "bars": measured_bars, "table": rows,
+              "bench_step_ms": bench, "step_ratio": steps_ratio, "cost": cost, "bars": measured_bars,
+              "target_fractions": fractions, "comparisons": comparisons, "table": rows,
               "runs": {n: t["seeds"] for n, t in trained.items()},
               **({"image_only": image_only} if image_only else {})}
     write_json(result, out_dir / "results.json")
@@ -311,7 +346,7 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
                   f"{curve_metric} ({spec.get('curve_split', 'report')})", out_dir / "metric_vs_samples_per_seed.png",
                   plain_x.get("target"))
     md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"],
-                             curve_metric, final_metric)
+                             curve_metric, final_metric, steps_ratio, comparisons)
     md += image_only_markdown(image_only) if image_only else []
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
@@ -328,7 +363,10 @@ def teacher_data(teachers: dict, used: list[str], arms: dict) -> dict:
     c = rein.get("crossing") or {}
     own, plain_x = c.get("samples"), c.get("plain_samples")
     total = None if own is None else own + samples
+    walls = [t.get("train_wall_s") for t in mine]
     return {"teacher_train_samples": samples, "teacher_train_images_shared": min(shared) if shared else None,
+            # the teachers' own training, wall seconds as their runs recorded them (None: one was not recorded)
+            "teacher_train_wall_s": sum(walls) if walls and None not in walls else None,
             "reinforced_samples_with_teacher": total,
             "reinforced_ratio_with_teacher": None if total is None or not plain_x else total / plain_x,
             "plain_samples_to_own_final": plain_x or (plain.get("crossing") or {}).get("plain_samples")}
@@ -348,7 +386,8 @@ def _stored_teachers(trained: dict, info: dict) -> list[str]:
 
 
 def _summarise_arms(trained: dict, bench: dict, metric: str = DEFAULT_METRIC,
-                    final_metric: str = DEFAULT_METRIC) -> tuple[dict, list[dict]]:
+                    final_metric: str = DEFAULT_METRIC, fractions: list[float] | None = None
+                    ) -> tuple[dict, list[dict]]:
     curves = {n: mean_curve([s["curve"] for s in t["seeds"]], metric) for n, t in trained.items()}
     plain = curves.get("plain")
     target = plain["mean"][-1] if plain and plain["mean"] else None
@@ -362,13 +401,16 @@ def _summarise_arms(trained: dict, bench: dict, metric: str = DEFAULT_METRIC,
                                       [p[metric] for p in s["curve"]], target) if target is not None else None
                     for s in t["seeds"]]
         crossing = crossing_ratio([s["curve"] for s in t["seeds"]], plain_curves, metric) if plain_curves else None
+        # the same rule at lower targets (fractions of plain's final): how far the ratio leans on the last points
+        crossings = ([crossing] + [crossing_ratio([s["curve"] for s in t["seeds"]], plain_curves, metric, fraction=f)
+                                   for f in (fractions or [])[1:]]) if plain_curves else None
         row.update(samples_to_plain_final=reach, bench_step_ms=bench.get(name),
                    samples_ratio=crossing["ratio"] if crossing else None,
                    samples_ratio_ci=crossing["ratio_ci"] if crossing else None)
         rows.append(row)
         arms[name] = {f"final_{final_metric}": row[f"{final_metric}_seeds"], "samples_to_plain_final": reach,
                       "final_metric": final_metric, "curve_metric": metric,
-                      "crossing": crossing,
+                      "crossing": crossing, **({"crossings": crossings} if fractions else {}),
                       "curve_probe_mean_auc": mean_curve([s["curve"] for s in t["seeds"]], "probe_mean_auc"),
                       "samples_to_plain_final_per_seed": per_seed, "plain_final_target": target,
                       "chance_mean_recall": row.get("chance_mean_recall"), "curve_mean": c,
@@ -376,3 +418,27 @@ def _summarise_arms(trained: dict, bench: dict, metric: str = DEFAULT_METRIC,
     return arms, rows
 
 
+def step_ratios(rows: list[dict], bench: dict, reference: str = "plain") -> dict:
+    """Each arm's step cost over the reference arm's, two ways: the interleaved benchmark's medians
+    (every config steps in turn, same load) and the runs' own mean step times (``train_summary``
+    mean_step_ms, averaged over seeds: whatever else the machine did during each run)."""
+    runs = {r["run"]: r.get("step_ms") for r in rows}
+    ref_run, ref_bench = runs.get(reference), bench.get(reference)
+    return {name: {"bench_step_ms": bench.get(name), "run_step_ms": ms,
+                   "bench_ratio": bench[name] / ref_bench if bench.get(name) and ref_bench else None,
+                   "runs_ratio": ms / ref_run if ms and ref_run else None}
+            for name, ms in runs.items() if name != reference}
+
+
+def compare_arms(trained: dict, arm: str, reference: str, metric: str = DEFAULT_METRIC,
+                 final_metric: str = DEFAULT_METRIC, fractions: list[float] | None = None) -> dict:
+    """``arm`` read against ``reference`` as every arm is read against plain: the final metric's gap (Welch
+    95 % interval over the two arms' seeds, each arm's sd, the reference's 2 sd) and the samples ratio
+    (first crossings of the seed-mean curves) at ``fractions`` of the reference's own final."""
+    finals = [[row.get(final_metric) for row in trained[x]["rows"]] for x in (arm, reference)]
+    gap = gap_interval(*finals)
+    curves = [[s["curve"] for s in trained[x]["seeds"]] for x in (arm, reference)]
+    return {"arm": arm, "against": reference, "final_metric": final_metric, "curve_metric": metric,
+            f"final_{final_metric}": finals[0], f"against_final_{final_metric}": finals[1], **gap,
+            "two_sd_against": None if gap["ref_sd"] is None else 2 * gap["ref_sd"],
+            "crossings": [crossing_ratio(*curves, metric, fraction=f) for f in (fractions or [1.0])]}

@@ -90,7 +90,8 @@ def _save_samples_plot(plt, fig, ax, ylabel: str, title: str, path: Path) -> Non
 
 
 def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, protocol=None,
-                        curve_metric="mean_recall", final_metric="mean_recall") -> list[str]:
+                        curve_metric="mean_recall", final_metric="mean_recall", step_ratio=None,
+                        comparisons=None) -> list[str]:
     protocol = protocol or {}
     extra = [c for c in dict.fromkeys((final_metric,) + BENCHMARK_COLS)
              if c not in TABLE_COLS and any(f"{c}_seeds" in r for r in rows)]
@@ -111,6 +112,8 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
         md += ["Samples ratio to plain (first crossing for every arm) with its 95 % interval: " + "; ".join(
             f"{r['run']} {_num(r['samples_ratio'])} [{_num(r['samples_ratio_ci'][0])}, "
             f"{_num(r['samples_ratio_ci'][1])}]" for r in ratio_rows), ""]
+    md += targets_table(arms, curve_metric)
+    md += step_ratio_lines(step_ratio)
     if teachers:
         columns = ["shard name", "model", "steps", "train_wall_s", "own mean R", "students' test mean R",
                    "chance", "students' test i2t R@1", "add-teacher s"]
@@ -132,6 +135,7 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
                                 **{c: (t.get("report") or {}).get(k) for c, k in report_cols.items()}}
                                for n, t in teachers.items()], columns, first="run"), ""]
     md += ["## Cost accounting", "", break_even_line(cost), ""]
+    md += teacher_compute_lines(cost, rows)
     if cost.get("teacher_train_samples"):
         md += [f"The teacher's data: its training saw {cost['teacher_train_samples']:,} samples "
                f"{_teacher_images(cost.get('teacher_train_images_shared'))}. Counted in, reinforced needs "
@@ -140,12 +144,74 @@ def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_ba
                f"first crossing ({_num(cost.get('plain_samples_to_own_final'))}). The arm trained plain on the "
                f"students' and the teacher's images (if present above) separates what more data buys from what "
                f"distillation buys.", ""]
+    for c in comparisons or []:
+        md += comparison_lines(c)
     md += ["## Bars", ""]
     md += [bar_line(b) for b in measured_bars]
     md += ["", "![metric vs samples](metric_vs_samples.png)", "",
            "![every seed's curve](metric_vs_samples_per_seed.png)", "", "![auc vs samples](auc_vs_samples.png)", "",
            "![step time](step_time.png)", ""]
     return md
+
+
+def _ratio(c: dict | None) -> str:
+    """A crossing's ratio with its interval and the two crossings: '0.36 [0.32, 0.49] (4,589 / 12,800)'."""
+    if not c:
+        return "n/a"
+    lo, hi = c.get("ratio_ci") or [None, None]
+    return (f"{_num(c.get('ratio'))} [{_num(lo)}, {_num(hi)}] ({_num(c.get('samples'))} / "
+            f"{_num(c.get('plain_samples'))})")
+
+
+def targets_table(arms: dict, curve_metric: str = "mean_recall") -> list[str]:
+    """The samples ratio at every target (fractions of plain's final seed mean), one row per arm."""
+    with_targets = {n: a["crossings"] for n, a in arms.items() if a.get("crossings")}
+    if not with_targets:
+        return []
+    first = next(iter(with_targets.values()))
+    heads = [f"{c.get('fraction', 1.0):.0%} of plain's final ({_num(c.get('target'))})" for c in first]
+    lines = ["| arm | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+    lines += [f"| {n} | " + " | ".join(_ratio(c) for c in cs) + " |" for n, cs in with_targets.items()]
+    return [f"Samples ratio at three targets (one rule: each arm's first crossing of its seed-mean {curve_metric} "
+            f"curve / plain's own first crossing of the same target; [95 % bootstrap interval over seeds] "
+            f"(arm's samples / plain's); 'inf': some resamples never reach it; n/a: the seed mean never does):", ""
+            ] + lines + [""]
+
+
+def step_ratio_lines(step_ratio: dict | None) -> list[str]:
+    """Each arm's step over plain's: the interleaved benchmark beside the runs' own mean steps."""
+    if not step_ratio:
+        return []
+    return ["Step cost over plain's: " + "; ".join(
+        f"{n} {_num(r.get('bench_ratio'))}x by the interleaved benchmark (median {_num(r.get('bench_step_ms'))} ms), "
+        f"{_num(r.get('runs_ratio'))}x by the runs' own mean steps ({_num(r.get('run_step_ms'))} ms, seed mean)"
+        for n, r in step_ratio.items()), ""]
+
+
+def teacher_compute_lines(cost: dict, rows: list[dict]) -> list[str]:
+    """The teachers' compute in seconds: their training runs' wall time plus the embedding passes."""
+    if cost.get("teacher_compute_s") is None:
+        return []
+    plain = next((r for r in rows if r["run"] == "plain"), None)
+    run_s = f"; one plain student run took {_num(plain.get('wall_s'))} s (seed mean)" if plain else ""
+    return [f"Teacher compute: training {_num(cost['teacher_train_wall_s'])} s (wall, as the teacher runs recorded "
+            f"it) + embedding the students' shards {_num(cost['total_s'])} s (build + add-teacher) = "
+            f"**{_num(cost['teacher_compute_s'])} s**{run_s}.", ""]
+
+
+def comparison_lines(c: dict) -> list[str]:
+    """One arm read against a reference arm: final metric gap and the samples ratio to its own final."""
+    metric = c["final_metric"]
+    lo, hi = c.get("gap_ci") or [None, None]
+    ratios = "; ".join(f"{x.get('fraction', 1.0):.0%} of its final ({_num(x.get('target'))}): {_ratio(x)}"
+                       for x in c["crossings"])
+    return [f"## {c['arm']} against {c['against']}", "",
+            f"- final {metric}: {c['arm']} {_num(c.get('arm_mean'))} (sd {_num(c.get('arm_sd'))}, {c['n_arm']} seeds) "
+            f"vs {c['against']} {_num(c.get('ref_mean'))} (sd {_num(c.get('ref_sd'))}, {c['n_ref']} seeds): gap "
+            f"**{_num(c.get('gap'))}** [95 % Welch {_num(lo)}, {_num(hi)}]; 2 sd of {c['against']}'s seeds "
+            f"{_num(c.get('two_sd_against'))}",
+            f"- samples ratio, {c['arm']}'s first crossing / {c['against']}'s own first crossing of a target: {ratios}",
+            ""]
 
 
 def _teacher_images(shared: float | None) -> str:

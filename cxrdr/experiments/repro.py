@@ -38,6 +38,8 @@ TIMING_KEYS = frozenset({
     "bench_step_ms", "online_step_ms", "stored_step_ms", "saving_per_run_s", "break_even_runs",
     # one-off teacher seconds and the build's speed (dataset.json timings)
     "add_teacher_s", "build_teacher_s", "total_s", "build_samples_per_s",
+    # the teachers' training + embedding seconds, and the step ratios (benchmark's, the runs' own) over plain's
+    "teacher_train_wall_s", "teacher_compute_s", "run_step_ms", "bench_ratio", "runs_ratio",
     # `train eval`'s cost block (cxrdr.train.evaluation.efficiency)
     "inference_img_per_s", "latency_ms", "synthetic_train_img_per_s",
 })

@@ -18,6 +18,23 @@ def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float | N
     return mean, float(t.ppf(0.5 + confidence / 2, len(values) - 1)) * sd / math.sqrt(len(values))
 
 
+def gap_interval(arm: list[float], ref: list[float], confidence: float = 0.95) -> dict:
+    """Mean of ``arm`` - mean of ``ref`` with its Welch t-interval (two samples of seeds, unequal
+    variances) and each side's sd; the half-width is None when either side has fewer than 2 values."""
+    a = [float(v) for v in arm if v is not None and math.isfinite(float(v))]
+    b = [float(v) for v in ref if v is not None and math.isfinite(float(v))]
+    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+    gap = None if ma is None or mb is None else ma - mb
+    half = None
+    if gap is not None and sa is not None and sb is not None:
+        va, vb = sa ** 2 / len(a), sb ** 2 / len(b)
+        se = math.sqrt(va + vb)
+        df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
+        half = float(t.ppf(0.5 + confidence / 2, df)) * se
+    return {"gap": gap, "gap_ci": None if half is None else [gap - half, gap + half], "arm_mean": ma, "arm_sd": sa,
+            "ref_mean": mb, "ref_sd": sb, "n_arm": len(a), "n_ref": len(b)}
+
+
 def mean_sd(values: list[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (None below 2 values)."""
     if not values:
@@ -48,8 +65,10 @@ def mean_curve(curves: list[list[dict]], metric: str = "mean_recall") -> dict:
     """Seed-mean curve on the samples points every seed evaluated: {xs, mean, ci}."""
     common = sorted(set.intersection(*[{p["samples_seen"] for p in c} for c in curves])) if curves else []
     means, cis = [], []
+    # each curve's first point at every samples count (a dict built back to front keeps the first)
+    firsts = [{p["samples_seen"]: p.get(metric) for p in reversed(c)} for c in curves]
     for x in common:
-        values = [next(p[metric] for p in c if p["samples_seen"] == x) for c in curves]
+        values = [f[x] for f in firsts]
         m, h = t_interval([v for v in values if v is not None])
         means.append(m)
         cis.append(h)
@@ -64,16 +83,17 @@ def first_crossing(curve: dict, target: float | None) -> float | None:
 
 
 def crossing_ratio(arm_curves: list[list[dict]], plain_curves: list[list[dict]], metric: str = "mean_recall",
-                   n_boot: int = 2000, seed: int = 0, confidence: float = 0.95) -> dict:
+                   n_boot: int = 2000, seed: int = 0, confidence: float = 0.95, fraction: float = 1.0) -> dict:
     """The one crossing rule for every arm, and its interval over seeds.
 
-    Target: plain's final seed-mean value. Each arm's samples = the first crossing of its own seed-mean
-    curve (plain's too: where plain itself first reaches its final); ratio = arm / plain. The interval
-    resamples the seeds of both arms with replacement (percentile bootstrap): target, both curves and both
-    crossings are recomputed each time; a resample whose arm never reaches the target counts as an
-    infinite ratio (so it widens the interval instead of being dropped)."""
+    Target: ``fraction`` x plain's final seed-mean value (1.0: plain's final itself; ``plain_curves`` may
+    be any reference arm, whose own final is then the target). Each arm's samples = the first crossing of
+    its own seed-mean curve (plain's too: where plain itself first reaches the target); ratio = arm /
+    plain. The interval resamples the seeds of both arms with replacement (percentile bootstrap): target,
+    both curves and both crossings are recomputed each time; a resample whose arm never reaches the target
+    counts as an infinite ratio (so it widens the interval instead of being dropped)."""
     arm, plain = mean_curve(arm_curves, metric), mean_curve(plain_curves, metric)
-    target = plain["mean"][-1] if plain["mean"] else None
+    target = _target(plain, fraction)
     arm_x, plain_x = first_crossing(arm, target), first_crossing(plain, target)
     ratio = arm_x / plain_x if arm_x is not None and plain_x else None
     rng = np.random.default_rng(seed)
@@ -81,13 +101,21 @@ def crossing_ratio(arm_curves: list[list[dict]], plain_curves: list[list[dict]],
     for _ in range(n_boot if len(arm_curves) > 1 and len(plain_curves) > 1 else 0):
         a = mean_curve([arm_curves[i] for i in rng.integers(0, len(arm_curves), len(arm_curves))], metric)
         p = mean_curve([plain_curves[i] for i in rng.integers(0, len(plain_curves), len(plain_curves))], metric)
-        tgt = p["mean"][-1]
+        tgt = _target(p, fraction)
         ax, px = first_crossing(a, tgt), first_crossing(p, tgt)
         if px:
             ratios.append(math.inf if ax is None else ax / px)
     # no interpolation between resamples: one that never crosses stays infinite instead of becoming NaN
     lo, hi = (np.percentile(ratios, [50 * (1 - confidence), 50 * (1 + confidence)], method="inverted_cdf").tolist()
               if ratios else (None, None))
-    return {"target": target, "samples": arm_x, "plain_samples": plain_x, "ratio": ratio,
-            "ratio_ci": [lo, hi], "n_boot": len(ratios), "rule": "first crossing of each arm's seed-mean "
-            "curve of plain's final seed-mean value; ratio to plain's own first crossing"}
+    out = {"target": target, "samples": arm_x, "plain_samples": plain_x, "ratio": ratio,
+           "ratio_ci": [lo, hi], "n_boot": len(ratios), "rule": "first crossing of each arm's seed-mean "
+           "curve of plain's final seed-mean value; ratio to plain's own first crossing"}
+    return out if fraction == 1.0 else {**out, "fraction": fraction}
+
+
+def _target(curve: dict, fraction: float = 1.0) -> float | None:
+    """``fraction`` of a seed-mean curve's last value (None without one); 1.0 returns the value itself."""
+    if not curve["mean"] or curve["mean"][-1] is None:
+        return None
+    return curve["mean"][-1] if fraction == 1.0 else fraction * curve["mean"][-1]
