@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 EFFICIENCY = RESULTS / "cpu-demo-efficiency.json"
 LADDER = RESULTS / "cpu-ladder.json"
+IMAGE_ONLY = RESULTS / "image-only.json"
 NIH = RESULTS / "nih-efficiency.json"
 NIH_TABLES = RESULTS / "nih-tables.md"
 CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
@@ -632,6 +633,60 @@ def readme_nih() -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- image-only (issue 39)
+
+
+def _seed_span(seeds: list[int]) -> str:
+    return f"{seeds[0]}–{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ", ".join(map(str, seeds))
+
+
+def readme_image_only(res: dict) -> list[str]:
+    """The README paragraph of configs/experiments/image-only.yaml, from docs/results/image-only.json."""
+    io = res["image_only"]
+    roles, fig, arms = io["roles"], io["figures"], list(io["figures"])
+    seeds = {a: [s["seed"] for s in res["runs"][a]] for a in arms}
+    common = max(seeds.values(), key=len)
+    others = {a: s for a, s in seeds.items() if s != common}
+
+    def mean(arm, key):
+        return fig[arm][key]["mean"]
+
+    arm, base, ceil = roles["arm"], roles["baseline"], roles["ceiling"]
+    gap_bar, ratio_bar = io["bars"]
+    labels = next((a for a in arms if a not in (arm, base, ceil)), None)
+    prior_z, prior_a = mean(arm, "train_prior_pointing_z"), mean(arm, "train_prior_pointing_attn")
+    below = [a for a in arms if mean(a, "pointing_attn") < prior_a]
+    ground = io["grounding"][arm]
+    line = (f"`configs/experiments/image-only.yaml` ([details](docs/experiments.md#what-retrieved-captions-buy-issue-39-"
+            f"reports-hidden-images-kept), [results](docs/results/image-only.json)) hides the reports of 80 % of the "
+            f"phantom's train studies; on its report phantom, fresh seeds {_seed_span(common)}"
+            + "".join(f" ({a.split('-')[-1]} {_seed_span(s)})" for a, s in others.items())
+            + f", mean R ± sd (chance {mean(arm, 'chance_mean_recall'):.3f}): "
+            + ", ".join(f"{a} {mean(a, 'mean_recall'):.3f} ± {fig[a]['mean_recall']['sd']:.3f}" for a in arms)
+            + "; probe AUC " + " / ".join(f"{mean(a, 'probe_auc'):.3f}" for a in arms) + ". "
+            f"Bars: {arm} − {base} {_signed(gap_bar['value'])} against > 2 sd of {base} = {gap_bar['limit']:.3f} "
+            f"{_verdict(gap_bar['met'])}; {arm} / {ceil} {ratio_bar['value']:.2f} against ≥ {ratio_bar['limit']} "
+            f"{_verdict(ratio_bar['met'])}")
+    if ratio_bar["value"] > 1:
+        line += (f" — the teacher's distillation carries much of it ({arm} beats the ceiling, which has no "
+                 f"teacher)")
+    if labels:
+        line += (f"; with the same teacher, retrieved captions {'beat' if mean(arm, 'mean_recall') > mean(labels, 'mean_recall') else 'do not beat'} "
+                 f"label templates ({labels}) by {_signed(mean(arm, 'mean_recall') - mean(labels, 'mean_recall'), 2)} mean R")
+    line += (f". Pointing (train-box prior z {prior_z:.3f}, attention {prior_a:.3f}): z "
+             + " / ".join(f"{mean(a, 'pointing_z'):.2f}" for a in arms) + ", attention "
+             + " / ".join(f"{mean(a, 'pointing_attn'):.2f}" for a in arms)
+             + (f" — below the prior in attention: {', '.join(below)}" if below else " — every arm's attention above the prior")
+             + f". Retrieved sentences assert a finding the image has {_pct(ground['val']['hit_rate'])} of the time on "
+             f"val ({_pct(ground['train']['hit_rate'])} train) vs the bank's base rate of "
+             f"{_pct(ground['val']['bank_base_rate'])}.")
+    return [line]
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.0f} %"
+
+
 # --------------------------------------------------------------------------- provenance
 
 
@@ -705,6 +760,7 @@ BLOCKS = {
     "nih-reading": nih_reading,
     "nih-iobb": nih_iobb,
     "provenance": provenance_table,
+    "readme-image-only": lambda: readme_image_only(_load(IMAGE_ONLY)),
 }
 
 
