@@ -124,7 +124,7 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
                                      **b)
     keep = ("source", "device", "teachers", "workers", "batch_size", "n_aug", "n_captions", "store_size",
             "samples", "build_seconds", "build_samples_per_s", "teacher_seconds", "teacher_samples_per_s",
-            "ratio", "time_split_seconds", "shards")
+            "ratio", "build_steady_samples_per_s", "steady_ratio", "time_split_seconds", "shards")
     return {k: m[k] for k in keep}
 
 
@@ -642,7 +642,9 @@ def markdown(result: dict) -> str:
                f"K={b['n_aug']}, S={b['n_captions']}, store {b['store_size']} px, {b['workers']} workers, "
                f"batch {b['batch_size']} records.", "",
                *_table([b], [("build_samples_per_s", "build samples/s"), ("teacher_samples_per_s", "teacher-only samples/s"),
-                             ("ratio", "ratio"), ("build_seconds", "build s"), ("teacher_seconds", "teacher s")]), "",
+                             ("ratio", "ratio"), ("build_seconds", "build s"), ("teacher_seconds", "teacher s"),
+                             ("build_steady_samples_per_s", "from the first batch: samples/s"),
+                             ("steady_ratio", "ratio")]), "",
                f"time split (s): {b['time_split_seconds']}", ""]
     if "students" in s:
         st = s["students"]

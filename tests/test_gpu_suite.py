@@ -56,6 +56,7 @@ def test_tiny_suite_measures_every_section(tmp_path):
 
     assert positive(s["build"]["build_samples_per_s"]) and positive(s["build"]["teacher_samples_per_s"])
     assert s["build"]["ratio"] == s["build"]["build_samples_per_s"] / s["build"]["teacher_samples_per_s"]
+    assert s["build"]["steady_ratio"] >= s["build"]["ratio"]  # from the first batch: start-up left out
     assert s["build"]["samples"] == 16
 
     rows = s["students"]["rows"]
