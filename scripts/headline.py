@@ -142,7 +142,7 @@ def derive_checks(res: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     ratios = []
     for _ in range(n_boot):
-        p = mean_curve([plain[i] for i in rng.integers(0, len(plain), len(plain))], metric)
+        p = mean_curve([plain[i] for i in rng.integers(0, len(plain), len(plain))], metric, with_ci=False)
         ax, px = first_crossing(arm, p["mean"][-1]), first_crossing(p, p["mean"][-1])
         if px:
             ratios.append(math.inf if ax is None else ax / px)

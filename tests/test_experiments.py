@@ -573,3 +573,16 @@ def test_every_shipped_recipe_names_a_selection_set_apart_from_its_report_set():
         assert recipe.get("selection", {}).get("split") == "val", path.name
         report = recipe.get("report") or {}
         assert report.get("shards") or report.get("split") == "test", path.name
+
+
+def test_mean_curve_without_intervals_has_the_same_means():
+    """The bootstraps' fast path (no t quantile per point) averages exactly as the reported curve does."""
+    from cxrdr.experiments.stats import mean_curve
+
+    curves = [[{"samples_seen": 32 * i, "mean_recall": 0.1 * i + 0.01 * s} for i in range(1, 6)] for s in range(3)]
+    curves[1].append({"samples_seen": 192, "mean_recall": 0.9})  # a point only one seed has: left out
+    curves[2][1]["mean_recall"] = None                           # a missing value: averaged over the others
+    full, fast = mean_curve(curves), mean_curve(curves, with_ci=False)
+    assert fast["xs"] == full["xs"] == [32, 64, 96, 128, 160]
+    assert fast["mean"] == full["mean"] and fast["ci"] is None and len(full["ci"]) == 5
+    assert full["mean"][1] == (0.2 + 0.21) / 2

@@ -61,18 +61,20 @@ def samples_to_target(xs: list[float], ys: list[float], target: float) -> float 
     return None
 
 
-def mean_curve(curves: list[list[dict]], metric: str = "mean_recall") -> dict:
-    """Seed-mean curve on the samples points every seed evaluated: {xs, mean, ci}."""
+def mean_curve(curves: list[list[dict]], metric: str = "mean_recall", with_ci: bool = True) -> dict:
+    """Seed-mean curve on the samples points every seed evaluated: {xs, mean, ci}. ``with_ci=False``
+    leaves the t-intervals out (ci None): the bootstraps need only the means, and the t quantile of
+    every point of every resample made them minutes long."""
     common = sorted(set.intersection(*[{p["samples_seen"] for p in c} for c in curves])) if curves else []
     means, cis = [], []
     # each curve's first point at every samples count (a dict built back to front keeps the first)
     firsts = [{p["samples_seen"]: p.get(metric) for p in reversed(c)} for c in curves]
     for x in common:
-        values = [f[x] for f in firsts]
-        m, h = t_interval([v for v in values if v is not None])
+        values = [v for v in (f[x] for f in firsts) if v is not None]
+        m, h = t_interval(values) if with_ci else (mean_sd(values)[0], None)
         means.append(m)
         cis.append(h)
-    return {"xs": common, "mean": means, "ci": cis}
+    return {"xs": common, "mean": means, "ci": cis if with_ci else None}
 
 
 def first_crossing(curve: dict, target: float | None) -> float | None:
@@ -99,8 +101,8 @@ def crossing_ratio(arm_curves: list[list[dict]], plain_curves: list[list[dict]],
     rng = np.random.default_rng(seed)
     ratios = []
     for _ in range(n_boot if len(arm_curves) > 1 and len(plain_curves) > 1 else 0):
-        a = mean_curve([arm_curves[i] for i in rng.integers(0, len(arm_curves), len(arm_curves))], metric)
-        p = mean_curve([plain_curves[i] for i in rng.integers(0, len(plain_curves), len(plain_curves))], metric)
+        a = mean_curve([arm_curves[i] for i in rng.integers(0, len(arm_curves), len(arm_curves))], metric, False)
+        p = mean_curve([plain_curves[i] for i in rng.integers(0, len(plain_curves), len(plain_curves))], metric, False)
         tgt = _target(p, fraction)
         ax, px = first_crossing(a, tgt), first_crossing(p, tgt)
         if px:
