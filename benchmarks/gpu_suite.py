@@ -178,8 +178,7 @@ def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str
     import train_step
 
     lp = cfg["loop"]
-    base = dict(shards=shards, batch_size=lp["batch_size"], workers=lp["workers"], device=cfg["device"],
-                amp="bf16", steps=10_000, progress=False, eval_every=0, **{"optim.warmup_steps": 1})
+    base = train_step.bench_config(shards, lp["batch_size"], lp["workers"], cfg["device"])
     trainers = {}
     for name, model, compiled in plan:
         extra = {"compile": True} if compiled else {}
@@ -509,13 +508,16 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
             f"measured on {name} in this run; GPU busy % and host syncs need CUDA")
         result["elapsed_s"] = round(budget.elapsed(), 1)
 
+    def hand_over():  # the result so far, to on_section
+        if on_section is not None:
+            finish_result()
+            on_section(result)
+
     def run(name, fn):
         try:
             _run(name, fn)
         finally:
-            if on_section is not None:
-                finish_result()
-                on_section(result)
+            hand_over()
 
     def _run(name, fn):
         if name in skip_sections:
@@ -560,9 +562,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
     else:
         def publish(partial):
             sections["loop_compiled"] = partial
-            if on_section is not None:
-                finish_result()
-                on_section(result)
+            hand_over()
 
         run("loop_compiled", lambda: section_loop_compiled(cfg, work, budget, shards(), after("loop_compiled"),
                                                            publish))

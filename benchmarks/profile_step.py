@@ -20,18 +20,16 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 def profile_model(model: str, shards: str, batch_size: int, device: str, warmup: int, steps: int,
                   workers: int) -> str:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     import train_step
 
-    base = dict(shards=shards, batch_size=batch_size, workers=workers, device=device, amp="bf16", steps=10_000,
-                progress=False, eval_every=0, **{"optim.warmup_steps": 1})
+    base = train_step.bench_config(shards, batch_size, workers, device)
     with tempfile.TemporaryDirectory(prefix="profile-step-") as out:
         trainer, batches = train_step.make_trainer({**base, "out": out}, model=model)
         try:
             cuda = trainer.device.type == "cuda"
-            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            sync = train_step.sync_fn(trainer.device)
             for _ in range(warmup):
                 trainer.train_step(batches, log_balance=False)
             sync()

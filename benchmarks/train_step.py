@@ -65,6 +65,13 @@ class TimedBatches:
             close()
 
 
+def bench_config(shards: str, batch_size: int, workers: int, device: str, amp: str = "bf16") -> dict:
+    """TrainConfig fields of a timed trainer: a long run (no schedule ends while timing), no
+    evaluation, no progress bar, one lr warm-up step; ``out`` and the model come per trainer."""
+    return dict(shards=str(shards), batch_size=batch_size, workers=workers, device=device, amp=amp,
+                steps=10_000, progress=False, eval_every=0, **{"optim.warmup_steps": 1})
+
+
 def make_trainer(base: dict, **overrides):
     from cxrdr.train.config import TrainConfig
     from cxrdr.train.loop import Trainer
@@ -76,7 +83,7 @@ def make_trainer(base: dict, **overrides):
     return trainer, TimedBatches(trainer._batches())
 
 
-def _sync_fn(device):
+def sync_fn(device):
     import torch
 
     if str(device).startswith("cuda"):
@@ -100,7 +107,7 @@ def time_interleaved(steps: dict, device, timed_steps: int, warmup: int, block: 
     step_memory_delta_mb, peak_memory_kind, steps."""
     from cxrdr.train.evaluation.efficiency import PeakMemory
 
-    sync = _sync_fn(device)
+    sync = sync_fn(device)
     blocks = {name: [] for name in steps}
     warm = {name: 0.0 for name in steps}
     peaks = {name: (0.0, 0.0) for name in steps}
@@ -220,9 +227,8 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="cxrdr-bench-")
     shards = Path(args.shards) if args.shards else build_phantom(Path(tmp.name) / "shards", 96, 128)
     prefix = {"cpu": "cpu-", "tiny": "tiny-", "full": ""}[args.size]
-    base = dict(shards=str(shards), batch_size=args.batch_size, workers=args.workers, device=args.device,
-                amp=args.amp, steps=10_000, progress=False, out=str(Path(tmp.name) / "run"),
-                eval_every=0, **{"optim.warmup_steps": 1})
+    base = {**bench_config(shards, args.batch_size, args.workers, args.device, args.amp),
+            "out": str(Path(tmp.name) / "run")}
     if args.compile:
         base["compile"] = True
 
