@@ -684,24 +684,38 @@ def readme_image_only(res: dict) -> list[str]:
     return [line]
 
 
+def _nih_retrieved_arms(res: dict) -> tuple[dict, dict, list[int]]:
+    """(labels row, retrieved row, seeds) of nih-retrieved's table; both arms trained the same seeds, so
+    their per-seed values pair up."""
+    rows = {r["run"]: r for r in res["table"] if "n_seeds" in r}
+    seeds = [s["seed"] for s in res["runs"]["reinforced-retrieved"]]
+    assert seeds == [s["seed"] for s in res["runs"]["reinforced-labels"]], "paired differences need the same seeds"
+    return rows["reinforced-labels"], rows["reinforced-retrieved"], seeds
+
+
+def _paired(labels: dict, retrieved: dict, key: str) -> str:
+    """retrieved − labels, per seed: 'mean ± 95 % t half-width'."""
+    diff, half = t_interval([y - x for x, y in zip(labels[f"{key}_seeds"], retrieved[f"{key}_seeds"])])
+    return f"{_signed(diff)} ± {half:.3f}"
+
+
 def nih_retrieved_sentence(res: dict) -> str:
     """configs/experiments/nih-retrieved.yaml (issue 39 part 4): IU-retrieved captions vs label templates on NIH,
     the same teacher and seeds: each figure per arm (mean ± 95 % CI) and the paired per-seed difference."""
-    rows = {r["run"]: r for r in res["table"] if "n_seeds" in r}
-    labels, retrieved = rows["reinforced-labels"], rows["reinforced-retrieved"]
-    seeds = [s["seed"] for s in res["runs"]["reinforced-retrieved"]]
-    assert seeds == [s["seed"] for s in res["runs"]["reinforced-labels"]], "paired differences need the same seeds"
+    labels, retrieved, seeds = _nih_retrieved_arms(res)
 
     def figure(key, name, prior=None):
-        a, b = labels[f"{key}_seeds"], retrieved[f"{key}_seeds"]
-        diff, half = t_interval([y - x for x, y in zip(a, b)])
-        text = f"{name} {_ci(b)} vs {_ci(a)} (paired {_signed(diff)} ± {half:.3f}"
+        text = f"{name} {_ci(retrieved[f'{key}_seeds'])} vs {_ci(labels[f'{key}_seeds'])} (paired " \
+               f"{_paired(labels, retrieved, key)}"
         return text + (f"; train-box prior {labels[prior + '_seeds'][0]:.3f})" if prior else ")")
+
+    def holds_chance(row):
+        mean, half = t_interval(row["zero_shot_auc_mean_seeds"])
+        return abs(mean - 0.5) <= half
 
     g = res["grounding"]["reinforced-retrieved"]
     n_images = {s["final"]["n_images"] for arm in ("reinforced-labels", "reinforced-retrieved") for s in res["runs"][arm]}
-    at_chance = [name for name, row in (("labels", labels), ("retrieved", retrieved))
-                 if abs(t_interval(row["zero_shot_auc_mean_seeds"])[0] - 0.5) <= t_interval(row["zero_shot_auc_mean_seeds"])[1]]
+    at_chance = [name for name, row in (("labels", labels), ("retrieved", retrieved)) if holds_chance(row)]
     below = all(row[f"{k}_seeds"] and max(row[f"{k}_seeds"]) < row[f"{k}_train_prior_seeds"][0]
                 for row in (labels, retrieved) for k in ("pg_z", "pg_attention"))
     return (f"On NIH ([recipe](configs/experiments/nih-retrieved.yaml), [results](docs/results/nih-retrieved.json)), "
@@ -719,8 +733,7 @@ def nih_retrieved_sentence(res: dict) -> str:
 def nih_retrieved_table(res: dict) -> list[str]:
     """docs/real-radiographs.md's table of configs/experiments/nih-retrieved.yaml: each arm (mean ± 95 % CI over
     seeds), the paired per-seed difference, chance and the train-box prior, and the retrieval grounding."""
-    rows = {r["run"]: r for r in res["table"] if "n_seeds" in r}
-    labels, retrieved = rows["reinforced-labels"], rows["reinforced-retrieved"]
+    labels, retrieved, _ = _nih_retrieved_arms(res)
     lines = ["| figure (NIH test) | label templates | IU-retrieved | paired retrieved − labels | chance | train-box prior |",
              "|---|---|---|---|---|---|"]
     for key, name, chance, prior in (
@@ -729,10 +742,9 @@ def nih_retrieved_table(res: dict) -> list[str]:
             ("pg_z", "pointing game, mask z", "pg_z_chance", "pg_z_train_prior"),
             ("mean_recall", "retrieval mean R (label-composed texts)", "chance_mean_recall", None),
             ("probe_auc", "linear probe AUC", None, None)):
-        a, b = labels[f"{key}_seeds"], retrieved[f"{key}_seeds"]
-        diff, half = t_interval([y - x for x, y in zip(a, b)])
         blind = "0.5" if key == "zero_shot_auc_mean" else "–"
-        lines.append(f"| {name} | {_ci(a)} | {_ci(b)} | {_signed(diff)} ± {half:.3f} | "
+        lines.append(f"| {name} | {_ci(labels[f'{key}_seeds'])} | {_ci(retrieved[f'{key}_seeds'])} | "
+                     f"{_paired(labels, retrieved, key)} | "
                      f"{_ci(labels[chance + '_seeds']) if chance else blind} | "
                      f"{_ci(labels[prior + '_seeds']) if prior else '–'} |")
     g = res["grounding"]["reinforced-retrieved"]
