@@ -871,3 +871,18 @@ def test_batch_idf_table_equals_the_pairwise_count():
     pairwise = torch.log(6 / same.any(-1).sum(-1).clamp_min(1).float()) * mask
     assert torch.equal(batch_idf(ids, mask), pairwise)
     assert torch.equal(batch_idf(ids, mask, vocab_size=30), pairwise)  # a wider table, the same counts
+
+
+def test_a_half_precision_text_checkpoint_loads_as_float32_student_weights(tmp_path):
+    """A student keeps fp32 master weights whatever dtype a local HF checkpoint was saved in (transformers
+    5 would otherwise keep the checkpoint's float16, and AdamW would step fp16 weights)."""
+    from transformers import BertConfig, BertModel
+
+    from cxrdr.train.models.text_towers import build_text_tower
+
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32)
+    BertModel(cfg, add_pooling_layer=False).half().save_pretrained(tmp_path)
+    tower = build_text_tower(str(tmp_path), context_length=16)
+    dtypes = {p.dtype for p in tower.parameters()}
+    assert dtypes == {torch.float32}
