@@ -185,3 +185,25 @@ def test_compiled_section_publishes_each_variant_and_stops_at_the_budget(monkeyp
     assert "still to measure: A, E" in published[0]["note"]
     assert section["compiled_over_eager_img_per_s"] == {"D": 2.0, "A": 2.0}
     assert section["D_over_A_step"] == 1.0 and "left out for the budget: E" in section["note"]
+
+
+def test_skipped_sections_are_noted_and_each_section_hands_over_the_result_so_far(tmp_path, capsys):
+    """--skip leaves sections out with a note (an unknown name is an error naming the sections), and
+    on_section gets the result, targets included, after every section: what a call killed at its time
+    limit has written."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    assert gpu_suite.main(["--tiny", "--device", "cpu", "--skip", "loop,bogus", "--out-dir", str(tmp_path)]) == 2
+    assert "--skip bogus: no such section" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+    handed = []
+    result = gpu_suite.run_suite(True, "cpu", 60.0, tmp_path, log=lambda m: None, skip_sections=gpu_suite.SECTIONS,
+                                 on_section=lambda r: handed.append([s["section"] for s in r["skipped"]]))
+    skipped = [s["section"] for s in result["skipped"]]
+    assert set(skipped) == set(gpu_suite.SECTIONS) and result["sections"] == {}
+    # table: nothing to tabulate; loop_compiled: the tiny run never times it
+    assert all(s["reason"] == "skipped: --skip" for s in result["skipped"]
+               if s["section"] not in ("table", "loop_compiled"))
+    assert handed and handed[-1] == skipped[:len(handed[-1])] and len(handed[0]) == 1
+    assert all(t["met"] is None for t in result["targets"])
