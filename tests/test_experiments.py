@@ -99,12 +99,27 @@ def test_efficiency_experiment_over_seeds_with_trained_teacher(micro_recipe):
     assert (comparison["arm"], comparison["against"], comparison["n_arm"]) == ("reinforced", "plain", 2)
     assert "Teacher compute:" in table and "by the runs' own mean steps" in table
     assert "Samples ratio at three targets" in table and "## reinforced against plain" in table
+    # the pointing games against the train-box prior, paired and pooled over the arm's seeds
+    _assert_pooled_margins(data["margins_over_train_prior"]["plain"], [r["final"] for r in data["runs"]["plain"]])
+    assert "Pointing games − train-box prior" in table
     # a second invocation reuses the runs and measures the step benchmark afresh over its scratch folders
     result = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(path), "--quiet"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     again = json.loads((out / "results.json").read_text())
     assert again["arms"]["plain"]["final_mean_recall"] == data["arms"]["plain"]["final_mean_recall"]
     assert set(again["bench_step_ms"]) == {"plain", "reinforced", "online"}
+
+
+def _assert_pooled_margins(margins: dict, finals: list[dict]) -> None:
+    """Each figure's pooled margin is the seed mean of the runs' own PG − train prior, inside its intervals."""
+    assert set(margins) == {"pointing_z", "pointing_z_pathology", "pointing_attn"}
+    for figure, m in margins.items():
+        assert m["n_seeds"] == len(finals) and len(m["per_seed"]) == len(finals) and m["n_images"] > 0
+        per_seed = [f[figure] - f[f"train_prior_{figure}"] for f in finals]
+        assert [s["margin"] for s in m["per_seed"]] == pytest.approx(per_seed), figure
+        assert m["margin"] == pytest.approx(sum(per_seed) / len(per_seed))
+        for interval in (m["interval"], m["interval_images"]):
+            assert interval[0] <= m["margin"] + 1e-9 and m["margin"] - 1e-9 <= interval[1]
 
 
 def test_reinforcement_ablation_trains_each_setting_once_per_seed(micro_recipe):
@@ -289,7 +304,7 @@ def test_the_controls_recipe_changes_only_the_text_tower_of_plain_minilm():
     arm_runs, _, timed_only = arm_plan(recipe, Path(recipe["shards"]["dir"]), Path("unused"), build=False)
     assert timed_only == {"online"} and comparison_pairs(recipe["efficiency"], list(arm_runs))
     seeds = {n: [s for s, _ in runs] for n, runs in arm_runs.items()}
-    assert len(seeds["plain"]) == len(seeds["plain-minilm"]) == 8 and len(seeds["reinforced"]) == 5
+    assert len(seeds["plain"]) == 8 and len(seeds["plain-minilm"]) == len(seeds["reinforced"]) == 5
     used = set(demo["efficiency"]["seeds"]) | {0, 1, 2}
     assert not used & {s for v in seeds.values() for s in v}  # fresh seeds
     (_, plain), (_, minilm) = arm_runs["plain"][0], arm_runs["plain-minilm"][0]
@@ -368,6 +383,10 @@ def test_ablation_over_seeds_reports_mean_sd_and_chance_and_reuses_runs(micro_re
     assert e_row["mean_recall_ci"] == pytest.approx(12.7062 * e_row["mean_recall_sd"] / 2 ** 0.5, rel=1e-4)  # 95 % t
     assert [b["bar"].split()[:2] for b in data["bars"]] == [["E", "pointing_z"], ["E", "pointing_attn"]]
     assert "## Bars" in table and data["protocol"]["report_split"] == "test"
+    # E's pointing games against the train-box prior, pooled over seeds; A has no patch mask and no local head
+    _assert_pooled_margins(data["margins_over_train_prior"]["E"], [s["final"] for s in data["runs"]["E"]["seeds"]])
+    assert "A" not in data["margins_over_train_prior"]
+    assert "Pointing games − train-box prior" in table
     # a second invocation reuses the finished runs and their evaluations
     eval_json = out / "runs" / "variant-A" / "seed-0" / "eval-test" / "eval.json"
     stamp = eval_json.stat().st_mtime

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import typer
 
+from cxrdr.experiments.margins import eval_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, evaluate_run, report_set, result_row,
                                    run_training)
@@ -29,9 +30,10 @@ ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "
 
 
 def _train_and_evaluate_seeds(recipe: dict, shards: Path, run_root: Path, model: str, model_overrides: dict,
-                              seeds: list[int], label: str) -> tuple[list[dict], list[dict]]:
+                              seeds: list[int], label: str) -> tuple[list[dict], list[dict], dict]:
     """One model trained and evaluated once per seed; cost (efficiency) measured on the first seed only,
-    since it is a property of the architecture. Returns (per-seed rows, per-seed run records)."""
+    since it is a property of the architecture. Returns (per-seed rows, per-seed run records, the pointing
+    games' margins over the train-box prior pooled over the seeds)."""
     reuse = recipe.get("reuse_runs", True)
     isolated = recipe.get("isolated_efficiency", True)
     configs = {}
@@ -59,7 +61,7 @@ def _train_and_evaluate_seeds(recipe: dict, shards: Path, run_root: Path, model:
         cfg, summary, results = done[seed]
         rows.append(result_row(label, summary, results, cfg.batch_size * cfg.accum_steps))
         runs.append({"seed": int(seed), "train_summary": summary, "final": results["summary"]})
-    return rows, runs
+    return rows, runs, pooled_margins([eval_hit_blocks(done[seed][2]) for seed in seeds])
 
 
 def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
@@ -72,10 +74,10 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
         variants = {str(v).split("-")[-1]: v for v in variants}
     seeds = recipe_seeds(recipe, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows, per_run = [], {}
+    rows, per_run, margins = [], {}, {}
     for label, model in variants.items():
-        seed_rows, runs = _train_and_evaluate_seeds(recipe, shards, out_dir / "runs" / f"variant-{label}",
-                                                    model, {}, seeds, label)
+        seed_rows, runs, margins[label] = _train_and_evaluate_seeds(
+            recipe, shards, out_dir / "runs" / f"variant-{label}", model, {}, seeds, label)
         rows.append(_over_seeds(label, seed_rows))
         per_run[label] = {"model": model, "seeds": runs}
     sweep = spec.get("k_ratio_sweep") or {}
@@ -86,12 +88,14 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
     result = {"experiment": "ablation", "recipe": recipe, "shards": str(shards), "seeds": seeds, "table": rows,
               "bars": bars, "protocol": {"report_shards": str(report_shards), "report_split": report_split,
                                          "selection": recipe.get("selection") or {}},
-              "k_ratio_sweep": sweep_rows, "relative_to_A": relative, "runs": per_run}
+              "k_ratio_sweep": sweep_rows, "relative_to_A": relative, "runs": per_run,
+              "margins_over_train_prior": {k: v for k, v in margins.items() if v}}
     write_json(result, out_dir / "results.json")
     md = _ablation_markdown(recipe, shards, seeds, rows, relative, sweep, sweep_rows, out_dir,
                             (report_shards, report_split))
     md += ["## Bars", ""] + [f"- {b['bar']}: {_fmt(b['value'])} (limit {_fmt(b['limit'])}): "
                              f"{'MET' if b['met'] else 'MISSED' if b['met'] is False else 'n/a'}" for b in bars]
+    md += [""] + margins_markdown(result["margins_over_train_prior"])
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
@@ -128,8 +132,8 @@ def _k_ratio_sweep(recipe: dict, shards: Path, out_dir: Path, sweep: dict, seed:
         mo = {"k_ratio": float(k)}
         if sweep.get("tie_keep_rate", True):
             mo["keep_rate"] = float(k)
-        seed_rows, runs = _train_and_evaluate_seeds(recipe, shards, out_dir / "runs" / f"k_ratio-{k}", model, mo,
-                                                    [seed], f"k={k}")
+        seed_rows, runs, _ = _train_and_evaluate_seeds(recipe, shards, out_dir / "runs" / f"k_ratio-{k}", model,
+                                                       mo, [seed], f"k={k}")
         row = _over_seeds(f"k={k}", seed_rows)
         row["k_ratio"] = float(k)
         rows.append(row)

@@ -38,6 +38,7 @@ from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.efficiency_report import (BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency,
                                                   plot_per_seed)
 from cxrdr.experiments.image_only import image_only_markdown, image_only_results
+from cxrdr.experiments.margins import eval_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.repro import code_version
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
@@ -157,7 +158,7 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
     jobs = {Path(cfg.out): (name, seed, cfg, seed == runs[0][0])
             for name, runs in arm_runs.items() for seed, cfg in runs}
 
-    def train_and_evaluate(run_dir: Path, lock) -> tuple[dict, dict]:
+    def train_and_evaluate(run_dir: Path, lock) -> tuple[dict, dict, dict]:
         name, seed, cfg, first = jobs[run_dir]
         per_step = cfg.batch_size * cfg.accum_steps
         typer.echo(f"[efficiency] {name} seed {seed}: {cfg.steps} steps x {per_step} samples (mode {cfg.mode}, "
@@ -168,14 +169,16 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
                                efficiency=first)  # cost is the architecture's: one seed
         record = {"seed": seed, "train_config": cfg.to_dict(), "train_summary": summary,
                   "curve": eval_curve(run_dir, per_step), "final": results["summary"]}
-        return result_row(name, summary, results, per_step), record
+        return result_row(name, summary, results, per_step), record, eval_hit_blocks(results)
 
     def busy(run_dir: Path) -> None:
         typer.echo(f"[efficiency] {run_dir} is being trained by another copy: doing the others first", err=True)
 
     done = claimed_in_turn(list(jobs), train_and_evaluate, busy)
     return {name: {"rows": [done[Path(cfg.out)][0] for _, cfg in runs],
-                   "seeds": [done[Path(cfg.out)][1] for _, cfg in runs]} for name, runs in arm_runs.items()}
+                   "seeds": [done[Path(cfg.out)][1] for _, cfg in runs],
+                   "margins": pooled_margins([done[Path(cfg.out)][2] for _, cfg in runs])}
+            for name, runs in arm_runs.items()}
 
 
 def _arm_row(name: str, arm: dict, final_metric: str = DEFAULT_METRIC) -> dict:
@@ -335,6 +338,7 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
                            "selection": recipe.get("selection") or {}}, "teachers": teachers, "arms": arms,
               "bench_step_ms": bench, "step_ratio": steps_ratio, "cost": cost, "bars": measured_bars,
               "target_fractions": fractions, "comparisons": comparisons, "table": rows,
+              "margins_over_train_prior": {n: t["margins"] for n, t in trained.items() if t["margins"]},
               "runs": {n: t["seeds"] for n, t in trained.items()},
               **({"image_only": image_only} if image_only else {})}
     write_json(result, out_dir / "results.json")
@@ -348,6 +352,7 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"],
                              curve_metric, final_metric, steps_ratio, comparisons)
     md += image_only_markdown(image_only) if image_only else []
+    md += margins_markdown(result["margins_over_train_prior"])
     (out_dir / "table.md").write_text("\n".join(md))
     typer.echo("\n".join(md))
     return result
