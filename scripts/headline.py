@@ -281,9 +281,13 @@ def ladder(res: dict) -> list[str]:
              "| variant | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---|" * len(cols)]
     for row in res["table"]:
         lines.append(f"| {row['run']} | " + " | ".join(_ci(row.get(f"{k}_seeds")) for k, _ in cols) + " |")
+    pooled = res.get("margins_over_train_prior")
     lines += ["", "± is over seeds only. Chance and the train-box prior are one fixed number per report set (no "
-                  "seed varies them); the results file holds no image-level uncertainty for them or for the "
-                  "pointing games (no per-image hits, no target counts).", ""]
+                  "seed varies them); " + (
+                      "the uncertainty over the evaluation images is in the paired margins below (a bootstrap "
+                      f"over the report set's {_n_images(pooled)} images)." if pooled else
+                      "the results file holds no image-level uncertainty for them or for the pointing games (no "
+                      "per-image hits, no target counts)."), ""]
     lines += [f"- {b['bar']}: {_num(b.get('value'))} (limit {_num(b.get('limit'))}) — {_verdict(b.get('met'))}"
               for b in res.get("bars") or []]
     return lines
@@ -298,33 +302,57 @@ def ladder_margins_rows(res: dict) -> list[dict]:
                 continue
             diffs = [m - p for m, p in zip(model, prior)]
             mean, lo, hi = _interval(diffs)
+            pooled = ((res.get("margins_over_train_prior") or {}).get(row["run"]) or {}).get(key)
             out.append({"run": row["run"], "map": label, "model": model, "prior": prior, "diffs": diffs,
-                        "mean": mean, "lo": lo, "hi": hi})
+                        "mean": mean, "lo": lo, "hi": hi, "pooled": pooled})
     return out
 
 
+def _n_images(pooled: dict) -> int:
+    return max(m["n_images"] for figures in pooled.values() for m in figures.values())
+
+
+def _bounds(interval) -> str:
+    return f"[{_signed(interval[0])}, {_signed(interval[1])}]"
+
+
+def _above(r: dict) -> bool | None:
+    """True: every interval of the margin (seeds; images and seeds) excludes 0 from above; False: one
+    excludes it from below; None: one includes 0."""
+    ends = [(r["lo"], r["hi"])] + ([tuple(r["pooled"]["interval"])] if r["pooled"] else [])
+    if all(lo > 0 for lo, _ in ends):
+        return True
+    return False if any(hi < 0 for _, hi in ends) else None
+
+
 def _against_prior(r: dict) -> str:
-    if r["lo"] > 0:
-        return "above the train-box prior (interval excludes 0)"
-    if r["hi"] < 0:
-        return "below the train-box prior (interval excludes 0)"
-    return "**not shown** above the train-box prior (interval includes 0)"
+    return {True: "above the train-box prior (intervals exclude 0)",
+            False: "below the train-box prior (an interval excludes 0)"}.get(
+        _above(r), "**not shown** above the train-box prior (an interval includes 0)")
 
 
 def ladder_margins(res: dict) -> list[str]:
+    pooled = bool(res.get("margins_over_train_prior"))
     lines = [f"Against the strongest image-blind baseline, per seed (seeds {res['seeds']}): PG − train-box "
-             "prior, paired on each seed's own evaluation, mean with its 95 % t-interval over seeds:", "",
-             "| variant | map | PG | train prior | PG − prior per seed | mean [95 %] | reading |",
-             "|---|---|---|---|---|---|---|"]
+             "prior, paired on each seed's own evaluation, mean with its 95 % t-interval over seeds" + (
+                 "; and the same margin paired per target and pooled over the seeds, with 95 % percentile-"
+                 "bootstrap intervals over the report set's images (seeds fixed) and over images and seeds "
+                 "together (`margins_over_train_prior`):" if pooled else ":"), "",
+             "| variant | map | PG | train prior | PG − prior per seed | mean [95 % over seeds] |"
+             + (" over images | over images and seeds |" if pooled else "") + " reading |",
+             "|---|---|---|---|---|---|" + ("---|---|" if pooled else "") + "---|"]
     for r in ladder_margins_rows(res):
+        boot = (f" {_bounds(r['pooled']['interval_images'])} | {_bounds(r['pooled']['interval'])} |"
+                if pooled else "")
         lines.append(f"| {r['run']} | {r['map']} | {_ci(r['model'])} | {_ci(r['prior'])} | "
                      f"{', '.join(_signed(d) for d in r['diffs'])} | {_signed(r['mean'])} "
-                     f"[{_signed(r['lo'])}, {_signed(r['hi'])}] | {_against_prior(r)} |")
+                     f"[{_signed(r['lo'])}, {_signed(r['hi'])}] |{boot} {_against_prior(r)} |")
     return lines
 
 
 def _margin(r: dict) -> str:
-    return f"{r['run']} {_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}]"
+    boot = f"; images and seeds {_bounds(r['pooled']['interval'])}" if r["pooled"] else ""
+    return f"{r['run']} {_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}{boot}]"
 
 
 def ladder_reading(res: dict) -> list[str]:
@@ -341,9 +369,9 @@ def ladder_reading(res: dict) -> list[str]:
     z = [rows[(r, "z")] for r in runs]
     att = [rows[(r, "attention")] for r in runs]
     worst = min((d, r["run"]) for r in att for d in r["diffs"])
-    z_note = " — above the prior" if all(r["lo"] > 0 for r in z) else " — not shown above the prior for every variant"
-    att_note = (" — not shown above the prior: the intervals include 0" if any(r["lo"] <= 0 for r in att)
-                else " — above the prior")
+    z_note = " — above the prior" if all(_above(r) for r in z) else " — not shown above the prior for every variant"
+    att_note = (" — above the prior" if all(_above(r) for r in att)
+                else " — not shown above the prior for every variant: an interval includes 0")
     limits = {kind: _num(next(b["limit"] for b in res["bars"] if f"pointing_{kind} " in b["bar"]))
               for kind in ("z", "attn")}
     first = runs[0]
@@ -352,7 +380,8 @@ def ladder_reading(res: dict) -> list[str]:
         f"**Ladder: {'MET' if met else 'MISSED'}** — {' and '.join(runs)} point at {span('pointing_z')} (z) and "
         f"{span('pointing_attn')} (attention) on average, short of the bars' limits (z {limits['z']}, attention "
         f"{limits['attn']}: the higher of 0.80 / 0.70 and the train prior + 0.15). Against the "
-        f"train-box prior, paired per seed: z {', '.join(_margin(r) for r in z)}{z_note}; attention "
+        f"train-box prior, paired per seed [95 % over seeds" + ("; over images and seeds" if z[0]["pooled"] else "")
+        + f"]: z {', '.join(_margin(r) for r in z)}{z_note}; attention "
         f"{', '.join(_margin(r) for r in att)}{att_note} (worst seed: {worst[1]} {_signed(worst[0])}). "
         f"{first}'s z per seed: {z_seeds}."]
 
@@ -361,18 +390,19 @@ def readme_ladder(res: dict) -> list[str]:
     table = {row["run"]: row for row in res["table"]}
     first = next(iter(table.values()))
     rows = {(r["run"], r["map"]): r for r in ladder_margins_rows(res)}
+    boot_head = "; over images and seeds" if res.get("margins_over_train_prior") else ""
     lines = [f"**A–E ladder** (`train experiment ablation --config configs/experiments/cpu-ladder.yaml`; seeds "
              f"{res['seeds'][0]}–{res['seeds'][-1]}; chance z {first['chance_pointing_z']:.3f}, attention "
              f"{first['chance_pointing_attn']:.3f}; train-box prior z {first['train_prior_pointing_z']:.3f}, "
              f"attention {first['train_prior_pointing_attn']:.3f}: one fixed map each, no seed varies them):", "",
              f"| variant | mean R (chance {first['chance_mean_recall']:.3f}) | PG z | z − train prior, paired per seed "
-             "[95 %] | PG attn | attn − train prior, paired per seed [95 %] |", "|---|---|---|---|---|---|"]
+             f"[95 % over seeds{boot_head}] | PG attn | attn − train prior, paired per seed [95 % over seeds"
+             f"{boot_head}] |", "|---|---|---|---|---|---|"]
     for run, row in table.items():
         z, a = rows[(run, "z")], rows[(run, "attention")]
         lines.append(f"| {run} | {_ci(row['mean_recall_seeds'])} | {_ci(row['pointing_z_seeds'])} | "
-                     f"{_signed(z['mean'])} [{_signed(z['lo'])}, {_signed(z['hi'])}] | "
-                     f"{_ci(row['pointing_attn_seeds'])} | {_signed(a['mean'])} [{_signed(a['lo'])}, "
-                     f"{_signed(a['hi'])}] |")
+                     f"{_margin(z).split(' ', 1)[1]} | {_ci(row['pointing_attn_seeds'])} | "
+                     f"{_margin(a).split(' ', 1)[1]} |")
     bars = "; ".join(f"{b['bar'].split(' >=')[0]} {_num(b.get('value'))} (limit {_num(b.get('limit'))}) "
                      f"{_verdict(b.get('met'))}" for b in res["bars"])
     return lines + ["", f"Bars (PG z ≥ 0.8, PG attn ≥ 0.7, each ≥ train prior + 0.15): {bars}."] + ladder_reading(res)
@@ -427,7 +457,8 @@ def nih_facts() -> dict:
             key = f"pg_{kind}"
             if f"{key}_seeds" in row:
                 d = [m - q for m, q in zip(row[f"{key}_seeds"], row[f"{key}_train_prior_seeds"])]
-                margins[(arm, kind)] = _interval(d)
+                pooled = ((res.get("margins_over_train_prior") or {}).get(arm) or {}).get(key)
+                margins[(arm, kind)] = _interval(d) + ((pooled or {}).get("interval"),)
     teacher = next(iter(res["teachers"].values()))
     return {"res": res, "md": md, "rows": rows, "p": p, "r": r, "auc": auc, "diffs": diffs, "margins": margins,
             "teacher": teacher, "samples": _bar(res, "reinforced reaches"), "quality": _bar(res, "reinforced final"),
@@ -469,8 +500,10 @@ def nih_bars() -> list[str]:
     lines += ["", "Beside them, not bars: probe AUC, reinforced − plain "
                   f"{_signed(r['probe_auc'] - p['probe_auc'])} (plain's 2 sd {2 * p['probe_auc_sd']:.3f}) — not the "
                   "declared metric, not claimed; the pointing games' paired per-seed margin over the train-box prior "
-                  "(mean [95 %]): " + "; ".join(
-                      f"{arm} {kind} {_signed(m[0])} [{_signed(m[1])}, {_signed(m[2])}]"
+                  "(mean [95 % over seeds" + ("; over test images and seeds, bootstrap" if any(
+                      m[3] for m in f["margins"].values()) else "") + "]): " + "; ".join(
+                      f"{arm} {kind} {_signed(m[0])} [{_signed(m[1])}, {_signed(m[2])}"
+                      + (f"; {_signed(m[3][0])}, {_signed(m[3][1])}" if m[3] else "") + "]"
                       for (arm, kind), m in f["margins"].items()) + "."]
     return lines
 
