@@ -34,6 +34,7 @@ from cxrdr.experiments.stats import t_interval
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 EFFICIENCY = RESULTS / "cpu-demo-efficiency.json"
+CONTROLS = RESULTS / "cpu-demo-controls.json"
 LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
@@ -263,6 +264,92 @@ def readme_efficiency(res: dict) -> list[str]:
         f"{f['teacher_wall_s']:.0f} s of training is not in the cost table; the runs' own mean steps give "
         f"{f['mean_step_ratio']:.2f}x, not {f['bench_ratio']:.2f}x. A first measurement on older code "
         f"(commit {FIRST_COMMIT}) gave {fc['ratio']:.3f} [{fc['ratio_ci'][0]:.3f}, {fc['ratio_ci'][1]:.3f}]."])
+
+
+# --------------------------------------------------------------------------- efficiency controls (issue 37 part 3)
+
+
+def _ratio_cell(c: dict | None) -> str:
+    if not c:
+        return "n/a"
+    lo, hi = c.get("ratio_ci") or [None, None]
+    return f"{_num(c.get('ratio'))} [{_num(lo)}, {_num(hi)}]"
+
+
+def _pooled_cell(res: dict, arm: str, figure: str) -> str:
+    m = ((res.get("margins_over_train_prior") or {}).get(arm) or {}).get(figure)
+    return "n/a" if not m else f"{_signed(m['margin'])} {_bounds(m['interval'])}"
+
+
+def _at_chance(arm: dict) -> list[tuple[int, float]]:
+    """(seed, final mean R) of the seeds that ended at chance: below twice the chance mean R."""
+    chance = (arm.get("final") or {}).get("chance_mean_recall") or 0
+    return [(s, v) for s, v in zip(arm["seeds"], arm["final_mean_recall"]) if v < 2 * chance]
+
+
+def controls_facts(res: dict) -> dict:
+    arms = {name: dict(arm, seeds=[r["seed"] for r in res["runs"][name]]) for name, arm in res["arms"].items()}
+    fin = {a: arms[a]["final"] for a in arms}
+    cost, teacher = res["cost"], next(iter(res["teachers"].values()))
+    from cxrdr.experiments.stats import gap_interval
+    return {"arms": arms, "fin": fin, "cost": cost, "teacher": teacher,
+            "comparisons": {(c["arm"], c["against"]): c for c in res.get("comparisons") or []},
+            "minilm_vs_plain": gap_interval(arms["plain-minilm"]["final_mean_recall"],
+                                            arms["plain"]["final_mean_recall"]),
+            "plain_run_s": fin["plain"]["wall_s"], "step_ratio": res["step_ratio"]}
+
+
+def controls_table(res: dict) -> list[str]:
+    """Every arm of the controls recipe: finals, the samples ratio at three targets, step and pointing margins."""
+    f = controls_facts(res)
+    fracs = res["target_fractions"]
+    chance = f["fin"]["plain"]["chance_mean_recall"]
+    lines = [f"**Controls** (`train experiment efficiency --config configs/experiments/cpu-demo-controls.yaml`; "
+             f"report set `{res['protocol']['report_shards']}`; fresh seeds {res['seeds'][0]}–{res['seeds'][-1]}; "
+             f"evaluations every {res['recipe']['efficiency']['eval_every_samples']} samples; chance mean R "
+             f"{chance:.3f}; [95 %]: t-interval over seeds, bootstrap over seeds for the ratios, over report images "
+             "and seeds for the pointing margins):", "",
+             "| arm | seeds | mean R | same-findings R | probe AUC | "
+             + " | ".join(f"samples ratio at {round(100 * x)} % of plain's final" for x in fracs)
+             + " | loop step ms | PG z − train prior | PG attn − train prior |",
+             "|---|---|---|---|---|" + "---|" * len(fracs) + "---|---|---|"]
+    for name, arm in f["arms"].items():
+        crossings = arm.get("crossings") or [arm.get("crossing")]
+        lines.append(f"| {name} | {len(arm['seeds'])} | {_ci(arm['final_mean_recall'])} | "
+                     f"{_ci(_final(arm, 'mean_recall_findings'))} | {_ci(_final(arm, 'probe_auc'))} | "
+                     + " | ".join(_ratio_cell(c) for c in crossings)
+                     + f" | {_num(arm['final'].get('step_ms'), 0)} | {_pooled_cell(res, name, 'pointing_z')} | "
+                     f"{_pooled_cell(res, name, 'pointing_attn')} |")
+    per_seed = "; ".join(f"{name} " + ", ".join(f"{s}: {v:.3f}" for s, v in zip(arm["seeds"], arm["final_mean_recall"]))
+                         for name, arm in f["arms"].items())
+    return lines + ["", f"Final mean R per seed (seed: value): {per_seed}."]
+
+
+def controls_reading(res: dict) -> list[str]:
+    """What the controls show: reinforced against the pretrained-text plain arm, the cost with the teacher."""
+    f = controls_facts(res)
+    fin, cost, sr = f["fin"], f["cost"], f["step_ratio"]
+    c = f["comparisons"][("reinforced", "plain-minilm")]
+    mvp = f["minilm_vs_plain"]
+    rein = f["arms"]["reinforced"]
+    targets = ", ".join(f"{round(100 * x.get('fraction', 1.0))} % {_ratio_cell(x)}" for x in c["crossings"])
+    plain_targets = ", ".join(f"{round(100 * x.get('fraction', 1.0))} % {_ratio_cell(x)}"
+                              for x in rein["crossings"])
+    collapsed = _at_chance(f["arms"]["plain-minilm"])
+    collapse = (f" ({len(collapsed)} of {len(f['arms']['plain-minilm']['seeds'])} plain-minilm seeds ended at "
+                f"chance: " + ", ".join(f"seed {s} {v:.3f}" for s, v in collapsed) + "; its lr was not re-tuned "
+                "for a pretrained tower)") if collapsed else ""
+    return [
+        f"**Against the pretrained-text plain arm**: plain-minilm ends at {fin['plain-minilm']['mean_recall']:.3f} "
+        f"mean R vs plain's {fin['plain']['mean_recall']:.3f} ({_signed(mvp['gap'])} "
+        f"{_bounds(mvp['gap_ci'])}, Welch){collapse}; reinforced ends at {fin['reinforced']['mean_recall']:.3f}, "
+        f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} over plain-minilm. Samples ratio to plain-minilm's own "
+        f"crossing of its final: {targets}; to plain's ({len(f['arms']['plain']['seeds'])} seeds): {plain_targets}. Teacher compute "
+        f"{cost['teacher_compute_s']:.0f} s (training {cost['teacher_train_wall_s']:.0f} s + embedding "
+        f"{cost['total_s']:.0f} s) = {cost['teacher_compute_s'] / f['plain_run_s']:.1f} plain runs of "
+        f"{f['plain_run_s']:.0f} s. Reinforced's step over plain's: {sr['reinforced']['bench_ratio']:.2f}x by the "
+        f"interleaved benchmark, {sr['reinforced']['runs_ratio']:.2f}x by the runs' own mean steps; plain-minilm's "
+        f"runs step at {sr['plain-minilm']['runs_ratio']:.1f}x plain's."]
 
 
 # --------------------------------------------------------------------------- phantom ladder
