@@ -206,32 +206,51 @@ def efficiency_reading(res: dict) -> list[str]:
 
 
 def efficiency_caveats(res: dict) -> list[str]:
-    """What the efficiency figure does not control (issue 37); the controls are still to be run."""
+    """What the efficiency figure does not control (issue 37), each with what the controls recipe measured."""
     f = efficiency_facts(res)
     checks = _load(CHECKS)["plain_only_bootstrap"]["ratio_ci"]
     first = _load(FIRST)
     fc = first["arms"]["reinforced"]["crossing"]
     shift = f["ratio"] - fc["ratio"]
+    ctl = _load(CONTROLS)
+    k = controls_facts(ctl)
+    comp = k["comparisons"][("reinforced", "plain-minilm")]
+    rein = k["arms"]["reinforced"]["crossings"]
+    ctl_plain = k["arms"]["plain"]["crossing"]
+    sr = k["step_ratio"]["reinforced"]
     return [
-        "What the efficiency ratio does not control (issue 37; the controls — a plain arm with the pretrained "
-        "text tower, ≥ 8 plain seeds, denser evaluations — are still to be run):", "",
+        "What the efficiency ratio does not control (issue 37), and what the controls recipe "
+        "(`configs/experiments/cpu-demo-controls.yaml`, [results](results/cpu-demo-controls.json), "
+        f"[details](experiments.md#controls-of-the-cpu-efficiency-figure-issue-37-part-3); fresh seeds "
+        f"{ctl['seeds'][0]}–{ctl['seeds'][-1]}) measured for each:", "",
         "- *Text tower*: the teacher's text tower is pretrained MiniLM, the students' a tiny BERT from scratch; "
-        "part of what reinforced gains may be the pretrained text space, which no plain arm here has.",
+        "part of what reinforced gains may be the pretrained text space, which no plain arm here has. "
+        f"*Controls*: plain with that pretrained tower ends at {k['fin']['plain-minilm']['mean_recall']:.3f} "
+        f"({len(k['arms']['plain-minilm']['seeds'])} seeds, {len(_at_chance(k['arms']['plain-minilm']))} at "
+        f"chance; lr not re-tuned) vs plain's {k['fin']['plain']['mean_recall']:.3f}; reinforced − it "
+        f"{_signed(comp['gap'])} {_bounds(comp['gap_ci'])} ({_gap_reading(comp)}).",
         f"- *Plain's crossing is its own last evaluation* ({f['plain_x']:,.0f} samples"
         f"{'' if f['plain_x'] == f['plain_last_x'] else ' of ' + format(f['plain_last_x'], ',')}): "
         f"the target is plain's final value, so plain crosses earlier only if noise does. Resampling plain's "
         f"seeds alone (reinforced fixed) gives [{checks[0]:.3f}, {checks[1]:.3f}] "
-        f"([cpu-demo-efficiency-checks.json](results/cpu-demo-efficiency-checks.json)).",
+        f"([cpu-demo-efficiency-checks.json](results/cpu-demo-efficiency-checks.json)). *Controls* "
+        f"({len(k['arms']['plain']['seeds'])} plain seeds): plain first crosses at {ctl_plain['plain_samples']:,.0f} "
+        f"samples ({'again its last evaluation' if ctl_plain['plain_samples'] == k['arms']['plain']['curve_mean']['xs'][-1] else 'before its last evaluation'}); the ratio is {_ratio_cell(rein[0])} at plain's final and "
+        f"{_ratio_cell(rein[1])} / {_ratio_cell(rein[2])} at 95 % / 90 % of it.",
         f"- *Evaluations are {f['every']} samples apart*: reinforced's seed-mean curve crosses between "
         f"{f['bracket_x'][0]:,} and {f['bracket_x'][1]:,} samples, so before interpolation the ratio is anywhere "
-        f"in ({f['bracket'][0]:.3f}, {f['bracket'][1]:.3f}].",
+        f"in ({f['bracket'][0]:.3f}, {f['bracket'][1]:.3f}]. *Controls*: every "
+        f"{ctl['recipe']['efficiency']['eval_every_samples']} samples.",
         f"- *The teacher's compute is not in the cost table*: {f['teacher_steps']} steps at "
         f"{f['teacher_step_ms']:,.0f} ms, {f['teacher_wall_s']:.0f} s of training + {f['add_teacher_s']:.0f} s to "
         f"add it to the shards. The table's break-even ({f['break_even']:.2f} training runs) counts only the "
-        f"adding; with the training it is {f['break_even_with_training']:.2f} runs.",
+        f"adding; with the training it is {f['break_even_with_training']:.2f} runs. *Controls*: the cost table "
+        f"counts it, {k['cost']['teacher_compute_s']:.0f} s = "
+        f"{k['cost']['teacher_compute_s'] / k['plain_run_s']:.1f} plain runs.",
         f"- *\"Stored step {f['bench_ratio']:.2f}x\"* is the interleaved benchmark's median of "
         f"{f['bench_steps']} steps; the runs' own mean steps ({f['mean_step_ms'][1]:.0f} vs "
-        f"{f['mean_step_ms'][0]:.0f} ms) give {f['mean_step_ratio']:.2f}x, over the bar's 1.05x.",
+        f"{f['mean_step_ms'][0]:.0f} ms) give {f['mean_step_ratio']:.2f}x, over the bar's 1.05x. *Controls*: "
+        f"{sr['bench_ratio']:.2f}x by the benchmark, {sr['runs_ratio']:.2f}x by the runs.",
         f"- *A first measurement* of the same recipe, run configs and seeds ({FIRST_DATE}, commit "
         f"{FIRST_COMMIT}, [kept](results/superseded/cpu-demo-efficiency-00389eb.json)) gave "
         f"{fc['ratio']:.3f} [{fc['ratio_ci'][0]:.3f}, {fc['ratio_ci'][1]:.3f}] (plain's final mean R "
@@ -257,13 +276,13 @@ def readme_efficiency(res: dict) -> list[str]:
     return ([f"**Efficiency** (`train experiment efficiency --config configs/experiments/cpu-demo.yaml`; seeds "
              f"{res['seeds'][0]}–{res['seeds'][-1]}, online and plain-more-data on their own; chance mean R "
              f"{chance:.3f}):", ""] + rows + ["", f"Bars: {_bars_line(res)}.", ""] + efficiency_reading(res) + [
-        "Not controlled yet ([docs/protocol.md](docs/protocol.md#re-measured-headlines)): the teacher's text "
-        f"tower is pretrained, the students' from scratch; plain's crossing is its own last evaluation "
+        "Not controlled in this run ([docs/protocol.md](docs/protocol.md#re-measured-headlines)): the teacher's "
+        f"text tower is pretrained, the students' from scratch; plain's crossing is its own last evaluation "
         f"(resampling plain alone: [{checks[0]:.3f}, {checks[1]:.3f}]); evaluations {f['every']} samples apart "
-        f"leave the crossing anywhere in ({f['bracket'][0]:.3f}, {f['bracket'][1]:.3f}]; the teacher's "
-        f"{f['teacher_wall_s']:.0f} s of training is not in the cost table; the runs' own mean steps give "
-        f"{f['mean_step_ratio']:.2f}x, not {f['bench_ratio']:.2f}x. A first measurement on older code "
-        f"(commit {FIRST_COMMIT}) gave {fc['ratio']:.3f} [{fc['ratio_ci'][0]:.3f}, {fc['ratio_ci'][1]:.3f}]."])
+        f"leave the crossing anywhere in ({f['bracket'][0]:.3f}, {f['bracket'][1]:.3f}]; the runs' own mean steps "
+        f"give {f['mean_step_ratio']:.2f}x, not {f['bench_ratio']:.2f}x. A first measurement on older code "
+        f"(commit {FIRST_COMMIT}) gave {fc['ratio']:.3f} [{fc['ratio_ci'][0]:.3f}, {fc['ratio_ci'][1]:.3f}]. "
+        + readme_controls(_load(CONTROLS))])
 
 
 # --------------------------------------------------------------------------- efficiency controls (issue 37 part 3)
@@ -273,7 +292,8 @@ def _ratio_cell(c: dict | None) -> str:
     if not c:
         return "n/a"
     lo, hi = c.get("ratio_ci") or [None, None]
-    return f"{_num(c.get('ratio'))} [{_num(lo)}, {_num(hi)}]"
+    # an upper end stored as null (JSON has no inf) with a lower one: some resamples never reach the target
+    return f"{_num(c.get('ratio'))} [{_num(lo)}, {'∞' if hi is None and lo is not None else _num(hi)}]"
 
 
 def _pooled_cell(res: dict, arm: str, figure: str) -> str:
@@ -325,6 +345,11 @@ def controls_table(res: dict) -> list[str]:
     return lines + ["", f"Final mean R per seed (seed: value): {per_seed}."]
 
 
+def _gap_reading(gap: dict) -> str:
+    lo, hi = gap["gap_ci"]
+    return "shown" if lo > 0 or hi < 0 else "not shown: the interval includes 0"
+
+
 def controls_reading(res: dict) -> list[str]:
     """What the controls show: reinforced against the pretrained-text plain arm, the cost with the teacher."""
     f = controls_facts(res)
@@ -333,23 +358,47 @@ def controls_reading(res: dict) -> list[str]:
     mvp = f["minilm_vs_plain"]
     rein = f["arms"]["reinforced"]
     targets = ", ".join(f"{round(100 * x.get('fraction', 1.0))} % {_ratio_cell(x)}" for x in c["crossings"])
-    plain_targets = ", ".join(f"{round(100 * x.get('fraction', 1.0))} % {_ratio_cell(x)}"
-                              for x in rein["crossings"])
-    collapsed = _at_chance(f["arms"]["plain-minilm"])
-    collapse = (f" ({len(collapsed)} of {len(f['arms']['plain-minilm']['seeds'])} plain-minilm seeds ended at "
-                f"chance: " + ", ".join(f"seed {s} {v:.3f}" for s, v in collapsed) + "; its lr was not re-tuned "
-                "for a pretrained tower)") if collapsed else ""
+    plain_targets = (" / ".join(str(round(100 * x.get("fraction", 1.0))) for x in rein["crossings"])
+                     + " % of plain's final: " + ", ".join(_ratio_cell(x) for x in rein["crossings"]))
+    minilm = f["arms"]["plain-minilm"]
+    collapsed = _at_chance(minilm)
+    collapse = (f"; {len(collapsed)} of its {len(minilm['seeds'])} seeds ended at chance ("
+                + ", ".join(f"seed {s}: {v:.3f}" for s, v in collapsed) + ")") if collapsed else ""
+    samples = _bar(res, "reinforced reaches")
     return [
-        f"**Against the pretrained-text plain arm**: plain-minilm ends at {fin['plain-minilm']['mean_recall']:.3f} "
-        f"mean R vs plain's {fin['plain']['mean_recall']:.3f} ({_signed(mvp['gap'])} "
-        f"{_bounds(mvp['gap_ci'])}, Welch){collapse}; reinforced ends at {fin['reinforced']['mean_recall']:.3f}, "
-        f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} over plain-minilm. Samples ratio to plain-minilm's own "
-        f"crossing of its final: {targets}; to plain's ({len(f['arms']['plain']['seeds'])} seeds): {plain_targets}. Teacher compute "
+        f"**Controls.** A plain arm whose text tower starts from the teacher's pretrained MiniLM (plain-minilm, "
+        f"plain's lr {res['recipe']['efficiency']['train']['optim']['lr']:g}, not re-tuned) ends at "
+        f"{fin['plain-minilm']['mean_recall']:.3f} mean R against plain's {fin['plain']['mean_recall']:.3f} "
+        f"({_signed(mvp['gap'])} {_bounds(mvp['gap_ci'])}, Welch{collapse}). Reinforced ends "
+        f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} above plain-minilm ({_gap_reading(c)}) and reaches "
+        f"plain-minilm's own final at {_ratio_cell(c['crossings'][0])} of plain-minilm's samples. Against plain "
+        f"({len(f['arms']['plain']['seeds'])} seeds, evaluations every "
+        f"{res['recipe']['efficiency']['eval_every_samples']} samples) the samples ratio at {plain_targets}; "
+        f"the bar (≤ 1/3, upper 95 % ≤ 0.40) is {_verdict(samples['met'])}. Teacher compute "
         f"{cost['teacher_compute_s']:.0f} s (training {cost['teacher_train_wall_s']:.0f} s + embedding "
         f"{cost['total_s']:.0f} s) = {cost['teacher_compute_s'] / f['plain_run_s']:.1f} plain runs of "
         f"{f['plain_run_s']:.0f} s. Reinforced's step over plain's: {sr['reinforced']['bench_ratio']:.2f}x by the "
-        f"interleaved benchmark, {sr['reinforced']['runs_ratio']:.2f}x by the runs' own mean steps; plain-minilm's "
-        f"runs step at {sr['plain-minilm']['runs_ratio']:.1f}x plain's."]
+        f"interleaved benchmark, {sr['reinforced']['runs_ratio']:.2f}x by the runs' own mean steps; plain-minilm "
+        f"steps at {sr['plain-minilm']['runs_ratio']:.1f}x plain's (MiniLM's 6 layers on one CPU thread)."]
+
+
+def readme_controls(res: dict) -> str:
+    """The README's one line on the controls (replacing the efficiency figure's 'not controlled yet')."""
+    f = controls_facts(res)
+    fin, c = f["fin"], f["comparisons"][("reinforced", "plain-minilm")]
+    rein, minilm = f["arms"]["reinforced"], f["arms"]["plain-minilm"]
+    collapsed = _at_chance(minilm)
+    return (f"Controls ([recipe](configs/experiments/cpu-demo-controls.yaml), [details](docs/experiments.md"
+            f"#controls-of-the-cpu-efficiency-figure-issue-37-part-3); fresh seeds {res['seeds'][0]}–"
+            f"{res['seeds'][-1]}): plain with the teacher's pretrained MiniLM text tower ends at "
+            f"{fin['plain-minilm']['mean_recall']:.3f} ({len(minilm['seeds'])} seeds, {len(collapsed)} at chance; "
+            f"lr not re-tuned), plain {fin['plain']['mean_recall']:.3f} ({len(f['arms']['plain']['seeds'])} "
+            f"seeds), reinforced {fin['reinforced']['mean_recall']:.3f}: reinforced − plain-minilm "
+            f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} ({_gap_reading(c)}); reinforced reaches plain's final "
+            f"at {_ratio_cell(rein['crossings'][0])} of plain's samples, 95 % of it at "
+            f"{_ratio_cell(rein['crossings'][1])}; the teacher's compute is "
+            f"{f['cost']['teacher_compute_s']:.0f} s, {f['cost']['teacher_compute_s'] / f['plain_run_s']:.1f} "
+            f"plain runs.")
 
 
 # --------------------------------------------------------------------------- phantom ladder
@@ -940,6 +989,8 @@ BLOCKS = {
     "efficiency": lambda: efficiency(_load(EFFICIENCY)),
     "efficiency-reading": lambda: efficiency_reading(_load(EFFICIENCY)),
     "efficiency-caveats": lambda: efficiency_caveats(_load(EFFICIENCY)),
+    "controls-table": lambda: controls_table(_load(CONTROLS)),
+    "controls-reading": lambda: controls_reading(_load(CONTROLS)),
     "readme-efficiency": lambda: readme_efficiency(_load(EFFICIENCY)),
     "ladder": lambda: ladder(_load(LADDER)),
     "ladder-margins": lambda: ladder_margins(_load(LADDER)),
