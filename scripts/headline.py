@@ -43,6 +43,9 @@ NIH_TABLES = RESULTS / "nih-tables.md"
 CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
 FIRST = RESULTS / "superseded" / "cpu-demo-efficiency-00389eb.json"
 FIRST_COMMIT, FIRST_DATE = "00389eb", "2026-11-25"
+# the ladder's previous measurement (same recipe and seeds, older code; its runs recorded no commit)
+LADDER_BEFORE = RESULTS / "superseded" / "cpu-ladder-20204e6.json"
+LADDER_BEFORE_COMMIT, LADDER_BEFORE_DATE = "20204e6", "2026-11-25"
 SECOND_COMMIT = "40ff7b2"
 PROVENANCE = RESULTS / "provenance.yaml"
 RECIPES = ROOT / "configs" / "experiments"
@@ -382,13 +385,14 @@ def controls_reading(res: dict) -> list[str]:
         f"steps at {sr['plain-minilm']['runs_ratio']:.1f}x plain's (MiniLM's 6 layers on one CPU thread)."]
 
 
-def readme_controls(res: dict) -> str:
-    """The README's one line on the controls (replacing the efficiency figure's 'not controlled yet')."""
+def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
+    """The README's one line on the controls (replacing the efficiency figure's 'not controlled yet');
+    ``root`` / ``docs``: the paths from the page to the checkout's root and to docs/."""
     f = controls_facts(res)
     fin, c = f["fin"], f["comparisons"][("reinforced", "plain-minilm")]
     rein, minilm = f["arms"]["reinforced"], f["arms"]["plain-minilm"]
     collapsed = _at_chance(minilm)
-    return (f"Controls ([recipe](configs/experiments/cpu-demo-controls.yaml), [details](docs/experiments.md"
+    return (f"Controls ([recipe]({root}configs/experiments/cpu-demo-controls.yaml), [details]({docs}experiments.md"
             f"#controls-of-the-cpu-efficiency-figure-issue-37-part-3); fresh seeds {res['seeds'][0]}–"
             f"{res['seeds'][-1]}): plain with the teacher's pretrained MiniLM text tower ends at "
             f"{fin['plain-minilm']['mean_recall']:.3f} ({len(minilm['seeds'])} seeds, {len(collapsed)} at chance; "
@@ -487,11 +491,11 @@ def ladder_margins(res: dict) -> list[str]:
 
 
 def _margin(r: dict) -> str:
-    boot = f"; images and seeds {_bounds(r['pooled']['interval'])}" if r["pooled"] else ""
-    return f"{r['run']} {_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}{boot}]"
+    boot = f" / {_bounds(r['pooled']['interval'])}" if r["pooled"] else ""
+    return f"{r['run']} {_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}]{boot}"
 
 
-def ladder_reading(res: dict) -> list[str]:
+def ladder_reading(res: dict, docs: str = "") -> list[str]:
     rows = {(r["run"], r["map"]): r for r in ladder_margins_rows(res)}
     table = {row["run"]: row for row in res["table"]}
     runs = list(table)
@@ -512,21 +516,54 @@ def ladder_reading(res: dict) -> list[str]:
               for kind in ("z", "attn")}
     first = runs[0]
     z_seeds = ", ".join(f"{v:.2f}" for v in table[first]["pointing_z_seeds"])
+    def against(kind):
+        bars = [b for b in res["bars"] if f"pointing_{kind} " in b["bar"]]
+        if all(b.get("met") for b in bars):
+            return f"at or above its limit {limits[kind]}"
+        short = ", ".join(f"{b['bar'].split()[0]} by {b['limit'] - b['value']:.3f}" for b in bars if not b.get("met"))
+        return f"short of its limit {limits[kind]} ({short})"
+
     return [
-        f"**Ladder: {'MET' if met else 'MISSED'}** — {' and '.join(runs)} point at {span('pointing_z')} (z) and "
-        f"{span('pointing_attn')} (attention) on average, short of the bars' limits (z {limits['z']}, attention "
-        f"{limits['attn']}: the higher of 0.80 / 0.70 and the train prior + 0.15). Against the "
-        f"train-box prior, paired per seed [95 % over seeds" + ("; over images and seeds" if z[0]["pooled"] else "")
-        + f"]: z {', '.join(_margin(r) for r in z)}{z_note}; attention "
+        f"**Ladder: {'MET' if met else 'MISSED'}** — {' and '.join(runs)} point at {span('pointing_z')} (z: "
+        f"{against('z')}) and {span('pointing_attn')} (attention: {against('attn')}) on average; each limit is "
+        f"the higher of 0.80 / 0.70 and the train prior + 0.15. Against the "
+        f"train-box prior, paired per seed [95 % over seeds]" + (" / [over images and seeds]" if z[0]["pooled"] else "")
+        + f": z {', '.join(_margin(r) for r in z)}{z_note}; attention "
         f"{', '.join(_margin(r) for r in att)}{att_note} (worst seed: {worst[1]} {_signed(worst[0])}). "
-        f"{first}'s z per seed: {z_seeds}."]
+        f"{first}'s z per seed: {z_seeds}. {ladder_shift(res, docs)}"]
+
+
+def limitations_ladder(res: dict) -> list[str]:
+    """docs/limitations.md's ladder sentence: the bars, the margins over the train-box prior, the code shift."""
+    rows = {(r["run"], r["map"]): r for r in ladder_margins_rows(res)}
+    runs = [row["run"] for row in res["table"]]
+    bars = "; ".join(f"{b['bar'].split(' >=')[0]} {_num(b.get('value'))} (limit {_num(b.get('limit'))}) "
+                     f"{_verdict(b.get('met'))}" for b in res["bars"])
+    margins = "; ".join(f"{kind} " + ", ".join(_margin(rows[(run, kind)]) for run in runs)
+                        for kind in ("z", "attention"))
+    return [f"  bars: {bars}. PG − train-box prior, paired per seed [95 % over seeds] / [over images and seeds]: "
+            f"{margins}. {ladder_shift(res)}"]
+
+
+def ladder_shift(res: dict, docs: str = "") -> str:
+    """The previous measurement of the same recipe and seeds on older code, and how far the code moved it
+    (``docs``: the path from the page to docs/, "docs/" from the README)."""
+    before = {row["run"]: row for row in _load(LADDER_BEFORE)["table"]}
+    now = {row["run"]: row for row in res["table"]}
+    moves = "; ".join(f"{run} z {before[run]['pointing_z']:.3f} → {now[run]['pointing_z']:.3f}, attention "
+                      f"{before[run]['pointing_attn']:.3f} → {now[run]['pointing_attn']:.3f}"
+                      for run in now if run in before)
+    return (f"The same recipe and seeds measured on the code of {LADDER_BEFORE_COMMIT} ({LADDER_BEFORE_DATE}, "
+            f"[kept]({docs}results/superseded/cpu-ladder-{LADDER_BEFORE_COMMIT}.json)) gave: {moves}; the "
+            f"training code changed between (not bisected): these shifts are a code version's, as large as the "
+            f"margins to the bars.")
 
 
 def readme_ladder(res: dict) -> list[str]:
     table = {row["run"]: row for row in res["table"]}
     first = next(iter(table.values()))
     rows = {(r["run"], r["map"]): r for r in ladder_margins_rows(res)}
-    boot_head = "; over images and seeds" if res.get("margins_over_train_prior") else ""
+    boot_head = "] / [over images and seeds" if res.get("margins_over_train_prior") else ""
     lines = [f"**A–E ladder** (`train experiment ablation --config configs/experiments/cpu-ladder.yaml`; seeds "
              f"{res['seeds'][0]}–{res['seeds'][-1]}; chance z {first['chance_pointing_z']:.3f}, attention "
              f"{first['chance_pointing_attn']:.3f}; train-box prior z {first['train_prior_pointing_z']:.3f}, "
@@ -541,7 +578,7 @@ def readme_ladder(res: dict) -> list[str]:
                      f"{_margin(a).split(' ', 1)[1]} |")
     bars = "; ".join(f"{b['bar'].split(' >=')[0]} {_num(b.get('value'))} (limit {_num(b.get('limit'))}) "
                      f"{_verdict(b.get('met'))}" for b in res["bars"])
-    return lines + ["", f"Bars (PG z ≥ 0.8, PG attn ≥ 0.7, each ≥ train prior + 0.15): {bars}."] + ladder_reading(res)
+    return lines + ["", f"Bars (PG z ≥ 0.8, PG attn ≥ 0.7, each ≥ train prior + 0.15): {bars}."] + ladder_reading(res, "docs/")
 
 
 # --------------------------------------------------------------------------- NIH
@@ -1053,6 +1090,8 @@ BLOCKS = {
     "efficiency-reading": lambda: efficiency_reading(_load(EFFICIENCY)),
     "efficiency-caveats": lambda: efficiency_caveats(_load(EFFICIENCY)),
     "controls-table": lambda: controls_table(_load(CONTROLS)),
+    "limitations-controls": lambda: ["  " + readme_controls(_load(CONTROLS), root="../", docs="")],
+    "limitations-ladder": lambda: limitations_ladder(_load(LADDER)),
     "controls-reading": lambda: controls_reading(_load(CONTROLS)),
     "readme-efficiency": lambda: readme_efficiency(_load(EFFICIENCY)),
     "ladder": lambda: ladder(_load(LADDER)),
