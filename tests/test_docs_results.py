@@ -55,6 +55,8 @@ def test_the_headline_pages_hold_their_blocks(headline):
             "provenance"} <= names["protocol.md"]
     assert {"nih-table", "nih-findings", "nih-bars", "nih-efficiency", "nih-reading", "nih-iobb"} <= names[
         "real-radiographs.md"]
+    assert {"controls-table", "controls-reading"} <= names["experiments.md"]
+    assert {"limitations-ladder", "limitations-controls"} <= names["limitations.md"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -105,3 +107,24 @@ def test_derived_checks_are_of_the_committed_results(headline):
 
 def test_nih_tables_agree_with_the_nih_results(headline):
     headline._nih_check_md_against_json(headline.nih_facts())
+
+
+def test_a_shift_read_from_table_cells_is_the_welch_interval_of_the_seeds(headline):
+    """nih-tables.md holds 'mean ± half-width' cells, not seeds: the sd recovered from a cell gives the same
+    Welch interval (to the cells' rounding) as the seeds themselves, and the direction follows its sign."""
+    before, after = [0.52, 0.55, 0.49, 0.58, 0.51], [0.47, 0.49, 0.48, 0.46, 0.50]
+    direction, text = headline._shift(before, after)
+    from_cells, text_cells = headline._shift_cells(headline._ci(before), 5, headline._ci(after), 5)
+    assert direction == from_cells == "lower"
+    ends = [float(x.replace("−", "-")) for x in re.findall(r"[+−]\d\.\d+", text.split(";")[1])]
+    ends_cells = [float(x.replace("−", "-")) for x in re.findall(r"[+−]\d\.\d+", text_cells.split(";")[1])]
+    assert ends == pytest.approx(ends_cells, abs=0.002)
+    assert headline._shift(before, before[::-1])[0] == "no different beyond seed noise"
+
+
+def test_the_samples_bar_limit_and_seeds_at_chance_are_read_from_the_results(headline):
+    bar = {"bar": "reinforced reaches plain's final with <= 1/2 of plain's samples and the ratio's 95 % upper "
+                  "bound <= 0.6"}
+    assert headline._samples_upper_limit(bar) == 0.6
+    arm = {"seeds": [20, 21, 22], "final_mean_recall": [0.27, 0.03, 0.29], "final": {"chance_mean_recall": 0.021}}
+    assert headline._at_chance(arm) == [(21, 0.03)]
