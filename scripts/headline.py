@@ -46,6 +46,9 @@ FIRST_COMMIT, FIRST_DATE = "00389eb", "2026-11-25"
 # the ladder's previous measurement (same recipe and seeds, older code; its runs recorded no commit)
 LADDER_BEFORE = RESULTS / "superseded" / "cpu-ladder-20204e6.json"
 LADDER_BEFORE_COMMIT, LADDER_BEFORE_DATE = "20204e6", "2026-11-25"
+# the NIH recipe's first results file (its runs trained by code up to 20d0d7f, recording none)
+NIH_BEFORE_COMMIT = "20d0d7f"
+NIH_BEFORE = RESULTS / "superseded" / f"nih-efficiency-{NIH_BEFORE_COMMIT}.json"
 SECOND_COMMIT = "40ff7b2"
 PROVENANCE = RESULTS / "provenance.yaml"
 RECIPES = ROOT / "configs" / "experiments"
@@ -856,8 +859,26 @@ def nih_reading() -> list[str]:
         f"not the declared metric: neither is claimed.",
         f"- **The phantom does {'not ' if auc_verb != 'higher' else ''}help.** Transfer alone gives "
         f"{tr['auc']} (one seed; chance 0.5{', near it' if abs(transfer_auc - 0.5) < 0.05 else ''}), and "
-        f"starting NIH training from the phantom student instead of ImageNet ends {auc_verb} in zero-shot AUC "
-        f"({auc})."]
+        f"starting NIH training from the phantom student gives a zero-shot AUC "
+        f"{ {'lower': 'lower than', 'higher': 'higher than'}.get(auc_verb, 'no different, beyond seed noise, from')} "
+        f"starting from ImageNet ({auc})."]
+
+
+def nih_shift() -> list[str]:
+    """The NIH recipe's first results file beside today's: how far the code version moved each arm."""
+    before = {row["run"]: row for row in _load(NIH_BEFORE)["table"]}
+    now = {row["run"]: row for row in _load(NIH)["table"]}
+    codes = sorted({r["train_summary"]["code"]["commit"][:7] for runs in _load(NIH)["runs"].values() for r in runs
+                    if (r.get("train_summary") or {}).get("code")})
+    cells = "; ".join(f"{arm}: zero-shot AUC {before[arm]['zero_shot_auc_mean']:.3f} → "
+                      f"{now[arm]['zero_shot_auc_mean']:.3f}, PG z {before[arm]['pg_z']:.3f} → {now[arm]['pg_z']:.3f}, "
+                      f"PG attention {before[arm]['pg_attention']:.3f} → {now[arm]['pg_attention']:.3f}"
+                      for arm in now if arm in before and "zero_shot_auc_mean" in now[arm])
+    return [f"The figures on this page were re-measured on 2026-11-26 from an empty folder (runs on the code of "
+            f"{', '.join(codes)}). The first results file ({NIH_BEFORE_COMMIT}, "
+            f"[kept](results/superseded/nih-efficiency-{NIH_BEFORE_COMMIT}.json); its runs recorded no code) "
+            f"against them, seed means: {cells}. The code changed between (above); the reading of the page "
+            f"follows the new figures."]
 
 
 def nih_iobb() -> list[str]:
@@ -1105,6 +1126,7 @@ BLOCKS = {
     "nih-efficiency": nih_efficiency,
     "nih-reading": nih_reading,
     "nih-iobb": nih_iobb,
+    "nih-shift": nih_shift,
     "provenance": provenance_table,
     "nih-retrieved-table": lambda: nih_retrieved_table(_load(NIH_RETRIEVED)),
     "readme-image-only": lambda: [readme_image_only(_load(IMAGE_ONLY))[0] + " " + nih_retrieved_sentence(_load(NIH_RETRIEVED))],

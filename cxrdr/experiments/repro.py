@@ -15,7 +15,7 @@ several code versions; every run summary, teacher record and results file theref
 named on stderr.
 
 ``python -m cxrdr.experiments.repro A/results.json B/results.json`` lists the fields that differ beyond
-the measured ones (exit 1 if any).
+the measured ones (exit 1 if any); it compares two runs' ``eval.json`` or ``benchmark.json`` the same way.
 """
 from __future__ import annotations
 
@@ -40,10 +40,13 @@ TIMING_KEYS = frozenset({
     "add_teacher_s", "build_teacher_s", "total_s", "build_samples_per_s",
     # the teachers' training + embedding seconds, and the step ratios (benchmark's, the runs' own) over plain's
     "teacher_train_wall_s", "teacher_compute_s", "run_step_ms", "bench_ratio", "runs_ratio",
-    # `train eval`'s cost block (cxrdr.train.evaluation.efficiency)
-    "inference_img_per_s", "latency_ms", "synthetic_train_img_per_s",
+    # `train eval`'s cost block (cxrdr.train.evaluation.efficiency) and its own seconds (eval.json,
+    # benchmark.json), the loop's per-log timings (metrics.jsonl)
+    "inference_img_per_s", "latency_ms", "synthetic_train_img_per_s", "latency_ms_per_img",
+    "eval_seconds", "seconds", "data_time_ms", "step_time_ms", "samples_per_s",
 })
-MEMORY_KEYS = frozenset({"peak_memory_mb", "step_memory_delta_mb"})  # measured, not timings, also excluded
+MEMORY_KEYS = frozenset({"peak_memory_mb", "step_memory_delta_mb",  # measured, not timings, also excluded
+                         "inference_peak_memory_mb", "memory_before_model_mb"})
 MEASURED_KEYS = TIMING_KEYS | MEMORY_KEYS
 _SUFFIXES = ("", "_seeds", "_sd", "_ci", "_mean")
 # the bars judged on step times (their value and verdict are timings too); every quality bar is compared
