@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 EFFICIENCY = RESULTS / "cpu-demo-efficiency.json"
 CONTROLS = RESULTS / "cpu-demo-controls.json"
+CONTROLS_PROBE = RESULTS / "cpu-demo-controls-lr-probe.json"
 LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
@@ -234,7 +235,7 @@ def efficiency_caveats(res: dict) -> list[str]:
         f"*Controls*: plain with that pretrained tower ends at {k['fin']['plain-minilm']['mean_recall']:.3f} "
         f"({len(k['arms']['plain-minilm']['seeds'])} seeds, {len(_at_chance(k['arms']['plain-minilm']))} at "
         f"chance; lr not re-tuned) vs plain's {k['fin']['plain']['mean_recall']:.3f}; reinforced − it "
-        f"{_signed(comp['gap'])} {_bounds(comp['gap_ci'])} ({_gap_reading(comp)}).",
+        f"{_signed(comp['gap'])} {_bounds(comp['gap_ci'])} ({_gap_reading(comp)}){_readme_tuned(k)}.",
         f"- *Plain's crossing is its own last evaluation* ({f['plain_x']:,.0f} samples"
         f"{'' if f['plain_x'] == f['plain_last_x'] else ' of ' + format(f['plain_last_x'], ',')}): "
         f"the target is plain's final value, so plain crosses earlier only if noise does. Resampling plain's "
@@ -318,7 +319,8 @@ def controls_facts(res: dict) -> dict:
     fin = {a: arms[a]["final"] for a in arms}
     cost, teacher = res["cost"], next(iter(res["teachers"].values()))
     from cxrdr.experiments.stats import gap_interval
-    return {"arms": arms, "fin": fin, "cost": cost, "teacher": teacher,
+    probe = _load(CONTROLS_PROBE) if "plain-minilm-tuned" in arms and CONTROLS_PROBE.is_file() else None
+    return {"arms": arms, "fin": fin, "cost": cost, "teacher": teacher, "probe": probe,
             "comparisons": {(c["arm"], c["against"]): c for c in res.get("comparisons") or []},
             "minilm_vs_plain": gap_interval(arms["plain-minilm"]["final_mean_recall"],
                                             arms["plain"]["final_mean_recall"]),
@@ -385,7 +387,39 @@ def controls_reading(res: dict) -> list[str]:
         f"{cost['total_s']:.0f} s) = {cost['teacher_compute_s'] / f['plain_run_s']:.1f} plain runs of "
         f"{f['plain_run_s']:.0f} s. Reinforced's step over plain's: {sr['reinforced']['bench_ratio']:.2f}x by the "
         f"interleaved benchmark, {sr['reinforced']['runs_ratio']:.2f}x by the runs' own mean steps; plain-minilm "
-        f"steps at {sr['plain-minilm']['runs_ratio']:.1f}x plain's (MiniLM's 6 layers on one CPU thread)."]
+        f"steps at {sr['plain-minilm']['runs_ratio']:.1f}x plain's (MiniLM's 6 layers on one CPU thread)."
+        + controls_tuned(f)]
+
+
+def _probe_text(probe: dict) -> str:
+    runs = probe["runs"].values()
+    return ", ".join(f"{r['lr']:g}: " + (f"{r['final_mean_recall']:.3f}" if "final_mean_recall" in r else
+                                         f"{r['last_mean_recall']:.3f} when stopped at step {r['stopped_at']}")
+                     for r in runs)
+
+
+def controls_tuned(f: dict) -> str:
+    """The pretrained-text plain arm at its val-chosen lr, when the results hold it ('' otherwise)."""
+    if "plain-minilm-tuned" not in f["arms"]:
+        return ""
+    arm = f["arms"]["plain-minilm-tuned"]
+    c = f["comparisons"][("reinforced", "plain-minilm-tuned")]
+    probe = f["probe"]
+    return (f" **With its own lr**, chosen on val by a seed-0 probe (final val mean R at lr {_probe_text(probe)}; "
+            f"chosen {probe['chosen_lr']:g}, after plain-minilm's report runs had been read), plain-minilm-tuned ends "
+            f"at {_ci(arm['final_mean_recall'])} ({len(arm['seeds'])} seeds: "
+            + ", ".join(f"{v:.3f}" for v in arm["final_mean_recall"]) + f"); reinforced − it {_signed(c['gap'])} "
+            f"{_bounds(c['gap_ci'])} ({_gap_reading(c)}), and reinforced reaches its final at "
+            f"{_ratio_cell(c['crossings'][0])} of its samples.")
+
+
+def _readme_tuned(f: dict) -> str:
+    if "plain-minilm-tuned" not in f["arms"]:
+        return ""
+    arm, c = f["arms"]["plain-minilm-tuned"], f["comparisons"][("reinforced", "plain-minilm-tuned")]
+    return (f"; at its val-chosen lr {f['probe']['chosen_lr']:g} it ends at {_ci(arm['final_mean_recall'])} "
+            f"({len(arm['seeds'])} seeds) and reinforced − it is {_signed(c['gap'])} {_bounds(c['gap_ci'])} "
+            f"({_gap_reading(c)})")
 
 
 def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
@@ -401,7 +435,7 @@ def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
             f"{fin['plain-minilm']['mean_recall']:.3f} ({len(minilm['seeds'])} seeds, {len(collapsed)} at chance; "
             f"lr not re-tuned), plain {fin['plain']['mean_recall']:.3f} ({len(f['arms']['plain']['seeds'])} "
             f"seeds), reinforced {fin['reinforced']['mean_recall']:.3f}: reinforced − plain-minilm "
-            f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} ({_gap_reading(c)}); reinforced reaches plain's final "
+            f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} ({_gap_reading(c)}){_readme_tuned(f)}; reinforced reaches plain's final "
             f"at {_ratio_cell(rein['crossings'][0])} of plain's samples, 95 % of it at "
             f"{_ratio_cell(rein['crossings'][1])}; the teacher's compute is "
             f"{f['cost']['teacher_compute_s']:.0f} s, {f['cost']['teacher_compute_s'] / f['plain_run_s']:.1f} "

@@ -305,6 +305,11 @@ def test_the_controls_recipe_changes_only_the_text_tower_of_plain_minilm():
     assert timed_only == {"online"} and comparison_pairs(recipe["efficiency"], list(arm_runs))
     seeds = {n: [s for s, _ in runs] for n, runs in arm_runs.items()}
     assert len(seeds["plain"]) == 8 and len(seeds["plain-minilm"]) == len(seeds["reinforced"]) == 5
+    assert seeds["plain-minilm-tuned"] == seeds["plain-minilm"][:3]
+    tuned = arm_runs["plain-minilm-tuned"][0][1].to_dict()
+    untuned = arm_runs["plain-minilm"][0][1].to_dict()
+    assert {k for k in tuned if tuned[k] != untuned[k]} == {"out", "optim"}  # its own lr, nothing else
+    assert {k for k in tuned["optim"] if tuned["optim"][k] != untuned["optim"][k]} == {"lr"}
     used = set(demo["efficiency"]["seeds"]) | {0, 1, 2}
     assert not used & {s for v in seeds.values() for s in v}  # fresh seeds
     (_, plain), (_, minilm) = arm_runs["plain"][0], arm_runs["plain-minilm"][0]
