@@ -28,8 +28,9 @@ import sys
 from pathlib import Path
 
 import yaml
+from scipy.stats import t as student_t
 
-from cxrdr.experiments.stats import t_interval
+from cxrdr.experiments.stats import gap_interval, t_interval, welch_half_width
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -318,7 +319,6 @@ def controls_facts(res: dict) -> dict:
     arms = {name: dict(arm, seeds=[r["seed"] for r in res["runs"][name]]) for name, arm in res["arms"].items()}
     fin = {a: arms[a]["final"] for a in arms}
     cost, teacher = res["cost"], next(iter(res["teachers"].values()))
-    from cxrdr.experiments.stats import gap_interval
     probe = _load(CONTROLS_PROBE) if "plain-minilm-tuned" in arms and CONTROLS_PROBE.is_file() else None
     return {"arms": arms, "fin": fin, "cost": cost, "teacher": teacher, "probe": probe,
             "comparisons": {(c["arm"], c["against"]): c for c in res.get("comparisons") or []},
@@ -830,7 +830,6 @@ def _shift(before: list[float], after: list[float]) -> tuple[str, str]:
     """(direction, figures) of ``after`` against ``before`` (two arms' seeds): 'lower' / 'higher' where the
     Welch interval of the difference excludes 0, else 'no different beyond seed noise'; figures
     'a → b; diff [lo, hi], Welch'."""
-    from cxrdr.experiments.stats import gap_interval
     g = gap_interval(after, before)
     lo, hi = g["gap_ci"]
     return _direction(lo, hi), f"{_ci(before)} → {_ci(after)}; {_signed(g['gap'])} {_bounds(g['gap_ci'])}, Welch"
@@ -847,18 +846,13 @@ def _direction(lo: float, hi: float) -> str:
 
 def _shift_cells(before: str, n_before: int, after: str, n_after: int) -> tuple[str, str]:
     """``_shift`` from two 'mean ± 95 % half-width' cells of nih-tables.md (the md holds no per-seed values):
-    each sd recovered from its half-width, then the same Welch interval."""
-    from scipy.stats import t as student_t
-
-    def mean_var(cell, n):
+    each sd recovered from its half-width, then the same Welch interval (stats.welch_half_width)."""
+    def mean_sd(cell, n):
         mean, half = (float(x) for x in cell.split("±"))
-        sd = half * math.sqrt(n) / student_t.ppf(0.975, n - 1)
-        return mean, sd ** 2 / n
+        return mean, half * math.sqrt(n) / student_t.ppf(0.975, n - 1)
 
-    (ma, va), (mb, vb) = mean_var(before, n_before), mean_var(after, n_after)
-    gap, se = mb - ma, math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (n_before - 1) + vb ** 2 / (n_after - 1))
-    half = student_t.ppf(0.975, df) * se
+    (ma, sa), (mb, sb) = mean_sd(before, n_before), mean_sd(after, n_after)
+    gap, half = mb - ma, welch_half_width(sb, n_after, sa, n_before)
     return _direction(gap - half, gap + half), f"{before} → {after}; {_signed(gap)} [{_signed(gap - half)}, {_signed(gap + half)}], Welch"
 
 

@@ -27,12 +27,18 @@ def gap_interval(arm: list[float], ref: list[float], confidence: float = 0.95) -
     gap = None if ma is None or mb is None else ma - mb
     half = None
     if gap is not None and sa is not None and sb is not None:
-        va, vb = sa ** 2 / len(a), sb ** 2 / len(b)
-        se = math.sqrt(va + vb)
-        df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
-        half = float(t.ppf(0.5 + confidence / 2, df)) * se
+        half = welch_half_width(sa, len(a), sb, len(b), confidence)
     return {"gap": gap, "gap_ci": None if half is None else [gap - half, gap + half], "arm_mean": ma, "arm_sd": sa,
             "ref_mean": mb, "ref_sd": sb, "n_arm": len(a), "n_ref": len(b)}
+
+
+def welch_half_width(sd_a: float, n_a: int, sd_b: float, n_b: int, confidence: float = 0.95) -> float:
+    """Half-width of the Welch t-interval of a difference of two means, from each sample's sd and size
+    (summaries that keep no values, e.g. a table's 'mean ± half-width' cells, recover the sd first)."""
+    va, vb = sd_a ** 2 / n_a, sd_b ** 2 / n_b
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1)) if se > 0 else n_a + n_b - 2
+    return float(t.ppf(0.5 + confidence / 2, df)) * se
 
 
 def mean_sd(values: list[float]) -> tuple[float | None, float | None]:
