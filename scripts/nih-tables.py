@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from cxrdr.common.nih import BOX_FINDINGS
-from cxrdr.experiments.margins import benchmark_hit_blocks, pooled_margins
+from cxrdr.experiments.margins import benchmark_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.stats import t_interval
 
 EXP = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/experiments/nih")
@@ -51,26 +51,6 @@ def summary_table(data: dict) -> list[str]:
     return out
 
 
-def _bounds(interval) -> str:
-    return "n/a" if not interval or interval[0] is None else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]"
-
-
-def margins_table(data: dict) -> list[str]:
-    """Every arm's PG − train-box prior, paired per target and pooled over its seeds, with 95 % bootstrap intervals
-    over the test images (seeds fixed) and over images and seeds (cxrdr.experiments.margins)."""
-    out = ["| arm | map | seeds | margin | over images [95 %] | over images and seeds [95 %] | per seed |",
-           "|---|---|---|---|---|---|---|"]
-    for arm, runs in data.items():
-        pooled = pooled_margins([benchmark_hit_blocks(r) for r in runs])
-        for fig, label in (("pg_z", "z"), ("pg_attention", "attention")):
-            m = pooled.get(fig)
-            if m:
-                per_seed = ", ".join(f"{s['margin']:+.3f}" for s in m["per_seed"])
-                out.append(f"| {arm} | {label} | {m['n_seeds']} | {m['margin']:+.3f} | {_bounds(m['interval_images'])} | "
-                           f"{_bounds(m['interval'])} | {per_seed} |")
-    return out
-
-
 def per_finding(runs: list[dict], title: str) -> list[str]:
     out = [f"**{title}** ({len(runs)} seeds; mean ± 95 % CI; PG as model / chance / LOO prior / train prior)", "",
            "| finding | n pos / boxes | zero-shot AUC | PG attn | (chance / LOO / train prior) | PG z | "
@@ -96,8 +76,9 @@ def per_finding(runs: list[dict], title: str) -> list[str]:
 if __name__ == "__main__":
     data = arms()
     lines = ["### Summary (NIH test: 62 images, 69 boxes)", ""] + summary_table(data) + [""]
-    lines += ["### Pointing games − train-box prior (NIH test; paired per target, pooled over seeds)", ""]
-    lines += margins_table(data) + [""]
+    # every arm's PG − train-box prior pooled over its seeds, intervals over test images (and seeds)
+    lines += margins_markdown({arm: pooled_margins([benchmark_hit_blocks(r) for r in runs]) for arm, runs in data.items()},
+                              "### Pointing games − train-box prior (NIH test; paired per target, pooled over seeds)")
     for arm, runs in data.items():
         if runs:
             lines += per_finding(runs, arm) + [""]

@@ -60,4 +60,5 @@ def test_margins_markdown_has_a_row_per_arm_and_figure():
     lines = margins.margins_markdown({"D": pooled, "E": pooled})
     rows = [ln for ln in lines if ln.startswith("| D") or ln.startswith("| E")]
     assert len(rows) == 2 and "+0.500" in rows[0]
+    assert lines[0].startswith("## ") and margins.margins_markdown({"D": pooled}, "### NIH")[0] == "### NIH"
     assert margins.margins_markdown({}) == []

@@ -66,12 +66,13 @@ def _interval(iv) -> str:
     return "[n/a]" if not iv or iv[0] is None else f"[{iv[0]:+.3f}, {iv[1]:+.3f}]"
 
 
-def margins_markdown(margins: dict[str, dict[str, dict]]) -> list[str]:
-    """A table of every arm's pooled margins (rows arm x figure); [] when there are none."""
+def margins_markdown(margins: dict[str, dict[str, dict]],
+                     heading: str = "## Pointing games − train-box prior (paired, pooled over seeds)") -> list[str]:
+    """A table of every arm's pooled margins (rows arm x figure) under ``heading``; [] when there are none."""
     rows = [(arm, fig, m) for arm, figs in margins.items() for fig, m in figs.items()]
     if not rows:
         return []
-    lines = ["## Pointing games − train-box prior (paired, pooled over seeds)", "",
+    lines = [heading, "",
              "Each seed's PG − train-box prior on the same targets, averaged over seeds; 95 % percentile-bootstrap "
              "intervals over the evaluation images (seeds fixed) and over images and seeds together (the one to "
              "judge by; coarse with few seeds).", "",
