@@ -304,8 +304,13 @@ def _ratio_cell(c: dict | None) -> str:
     return f"{_num(c.get('ratio'))} [{_num(lo)}, {'∞' if hi is None and lo is not None else _num(hi)}]"
 
 
+def _pooled(res: dict, arm: str, figure: str) -> dict | None:
+    """An arm's pooled margin over the train-box prior (results' margins_over_train_prior), None without one."""
+    return ((res.get("margins_over_train_prior") or {}).get(arm) or {}).get(figure)
+
+
 def _pooled_cell(res: dict, arm: str, figure: str) -> str:
-    m = ((res.get("margins_over_train_prior") or {}).get(arm) or {}).get(figure)
+    m = _pooled(res, arm, figure)
     return "n/a" if not m else f"{_signed(m['margin'])} {_bounds(m['interval'])}"
 
 
@@ -486,7 +491,7 @@ def ladder_margins_rows(res: dict) -> list[dict]:
                 continue
             diffs = [m - p for m, p in zip(model, prior)]
             mean, lo, hi = _interval(diffs)
-            pooled = ((res.get("margins_over_train_prior") or {}).get(row["run"]) or {}).get(key)
+            pooled = _pooled(res, row["run"], key)
             out.append({"run": row["run"], "map": label, "model": model, "prior": prior, "diffs": diffs,
                         "mean": mean, "lo": lo, "hi": hi, "pooled": pooled})
     return out
@@ -534,9 +539,9 @@ def ladder_margins(res: dict) -> list[str]:
     return lines
 
 
-def _margin(r: dict) -> str:
+def _margin(r: dict, with_run: bool = True) -> str:
     boot = f" / {_bounds(r['pooled']['interval'])}" if r["pooled"] else ""
-    return f"{r['run']} {_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}]{boot}"
+    return f"{r['run'] + ' ' if with_run else ''}{_signed(r['mean'])} [{_signed(r['lo'])}, {_signed(r['hi'])}]{boot}"
 
 
 def ladder_reading(res: dict, docs: str = "") -> list[str]:
@@ -618,8 +623,8 @@ def readme_ladder(res: dict) -> list[str]:
     for run, row in table.items():
         z, a = rows[(run, "z")], rows[(run, "attention")]
         lines.append(f"| {run} | {_ci(row['mean_recall_seeds'])} | {_ci(row['pointing_z_seeds'])} | "
-                     f"{_margin(z).split(' ', 1)[1]} | {_ci(row['pointing_attn_seeds'])} | "
-                     f"{_margin(a).split(' ', 1)[1]} |")
+                     f"{_margin(z, with_run=False)} | {_ci(row['pointing_attn_seeds'])} | "
+                     f"{_margin(a, with_run=False)} |")
     bars = "; ".join(f"{b['bar'].split(' >=')[0]} {_num(b.get('value'))} (limit {_num(b.get('limit'))}) "
                      f"{_verdict(b.get('met'))}" for b in res["bars"])
     return lines + ["", f"Bars (PG z ≥ 0.8, PG attn ≥ 0.7, each ≥ train prior + 0.15): {bars}."] + ladder_reading(res, "docs/")
@@ -676,8 +681,7 @@ def nih_facts() -> dict:
             key = f"pg_{kind}"
             if f"{key}_seeds" in row:
                 d = [m - q for m, q in zip(row[f"{key}_seeds"], row[f"{key}_train_prior_seeds"])]
-                pooled = ((res.get("margins_over_train_prior") or {}).get(arm) or {}).get(key)
-                margins[(arm, kind)] = _interval(d) + ((pooled or {}).get("interval"),)
+                margins[(arm, kind)] = _interval(d) + ((_pooled(res, arm, key) or {}).get("interval"),)
     teacher = next(iter(res["teachers"].values()))
     return {"res": res, "md": md, "rows": rows, "p": p, "r": r, "auc": auc, "diffs": diffs, "margins": margins,
             "teacher": teacher, "samples": _bar(res, "reinforced reaches"), "quality": _bar(res, "reinforced final"),
