@@ -38,6 +38,7 @@ RANGES = {
     "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
     "accum_steps": "[1, inf)", "aug_limit": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)",
     "freeze_epochs": "[0, inf)", "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
+    "eval_cache_mb": "[0, inf)",
 }
 # Settings of the nested configs that `train run` takes as flags: path -> (flag, help). Old aliases
 # of a flag follow it in the tuple.
@@ -82,6 +83,8 @@ class TrainConfig:
                                          "evaluation set built apart with its own source seed.")
     eval_batch_size: int = _opt(64, "Batch size of the validation passes.")
     eval_max_samples: int | None = _opt(None, "Validate on at most this many samples (default all).")
+    eval_cache_mb: int = _opt(2048, "Keep the validation batches in memory after the first pass, up to this many "
+                                    "MB (0: read the shards at every pass).")
     recall_weight: float = _opt(0.5, "Early-stop score = w*mean Recall + (1-w)*mean AUC.")
     early_stop_patience: int = _opt(0, "Stop after N validations without improvement (0: off).")
     resume: bool = _opt(False, "Continue from RUN/last.pt (settings must match the run's, except steps, "
@@ -107,6 +110,10 @@ class TrainConfig:
                                    "(counted in RUN/skipped.jsonl and summary.json).")
     save_every: int = _opt(100, "Steps between last.pt writes besides evaluations (0: only at evaluations "
                                 "and the end).")
+    save_at_eval: bool = _opt(True, "Write last.pt (and best.pt on a better score) at every validation pass; "
+                                    "false: last.pt only every --save-every steps, at an early stop and at the "
+                                    "end, and no best.pt (runs that validate often: a ViT-S student with its "
+                                    "optimiser is ~0.5 GB a write).")
     progress: bool = _opt(True, "tqdm progress bar.")
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -38,7 +38,8 @@ from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
 from cxrdr.train.config import TrainConfig
-from cxrdr.train.data import make_eval_loader, select_teachers, split_shards, teacher_dims, training_parts
+from cxrdr.train.data import (ReplayedBatches, make_eval_loader, select_teachers, split_shards, teacher_dims,
+                              training_parts)
 from cxrdr.train.device import amp_dtype_for, autocast, cuda_math_settings, resolve_device
 from cxrdr.train.evaluation.zeroshot import load_prompts
 from cxrdr.train.health import FiniteWatch, read_scalars
@@ -171,9 +172,10 @@ class Trainer:
         if not self.main:
             return
         if self.has_eval:
-            self.eval_loader = make_eval_loader(eval_shards, cfg.eval_split, self.student,
-                                                batch_size=cfg.eval_batch_size, workers=min(cfg.workers, 1),
-                                                on_corrupt=cfg.on_corrupt, corrupt_log=str(self.out / SKIP_LOG))
+            loader = make_eval_loader(eval_shards, cfg.eval_split, self.student,
+                                      batch_size=cfg.eval_batch_size, workers=min(cfg.workers, 1),
+                                      on_corrupt=cfg.on_corrupt, corrupt_log=str(self.out / SKIP_LOG))
+            self.eval_loader = ReplayedBatches(loader, cfg.eval_max_samples, max_bytes=cfg.eval_cache_mb << 20)
         else:
             print(f"note: no {cfg.eval_split!r} split in {eval_shards}: no validation, best.pt = last.pt",
                   file=sys.stderr)
@@ -371,11 +373,14 @@ class Trainer:
                 "teacher_time": teacher_time, "keep_ratio": self.task.keep_ratio, "stage": self._stage}
 
     # ---- evaluation -----------------------------------------------------------------------------
-    def evaluate(self) -> bool:
-        """Quick validation on rank 0; every rank learns whether to stop (early stopping)."""
+    def evaluate(self, save: bool = True) -> bool:
+        """Quick validation on rank 0; every rank learns whether to stop (early stopping). ``save``: write
+        last.pt (it is written at an early stop whatever ``save`` says); best.pt follows a better score
+        where validation passes save (``save_at_eval``)."""
         improved, stop = False, False
         if not self.has_eval:
-            self.save("last.pt")
+            if save:
+                self.save("last.pt")
             return False
         if self.main:
             t0 = time.perf_counter()
@@ -396,8 +401,9 @@ class Trainer:
             self.log.write({"kind": "eval", "step": self.step, "split": self.cfg.eval_split,
                             "best_score": self.best_score, **metrics})
         improved, stop = dist_utils.all_gather_object((improved, stop))[0]
-        self.save("last.pt")
-        if improved:
+        if save or stop:
+            self.save("last.pt")
+        if improved and self.cfg.save_at_eval:
             self.save("best.pt")
         return stop
 
@@ -456,14 +462,14 @@ class Trainer:
                 self.log.write(record)
                 losses.append(record["loss"])
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{result['lr']:.2e}")
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+            evaluate_now = bool(cfg.eval_every) and self.step % cfg.eval_every == 0 and self.step < cfg.steps
+            save_now = bool(cfg.save_every) and self.step % cfg.save_every == 0
+            if evaluate_now or save_now:
                 self._close_lap(timing)
-                if self.evaluate():
+                if evaluate_now and self.evaluate(save=save_now or cfg.save_at_eval):
                     return True, losses, timing
-                timing.restart(self.step)
-            elif cfg.save_every and self.step % cfg.save_every == 0:
-                self._close_lap(timing)
-                self.save("last.pt")
+                if save_now and not evaluate_now:
+                    self.save("last.pt")
                 timing.restart(self.step)
         self._close_lap(timing)
         return False, losses, timing

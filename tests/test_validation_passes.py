@@ -1,0 +1,136 @@
+"""Validation passes that cost what they compute: the split's batches are read from the shards once and
+replayed from memory (``ReplayedBatches``), and a run that validates often need not write a checkpoint at each
+pass (``save_at_eval: false``). Tiny data (the session's phantom shards), the tiny-A student."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cxrdr.train.data import ReplayedBatches
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CountingLoader:
+    """A deterministic loader of batches of ``size`` samples that counts its passes."""
+
+    def __init__(self, n_batches: int, size: int = 4):
+        self.passes = 0
+        self.data = [{"images": torch.full((size, 2), float(i)), "key": [f"{i}-{j}" for j in range(size)]}
+                     for i in range(n_batches)]
+
+    def __iter__(self):
+        self.passes += 1
+        yield from self.data
+
+
+def _keys(batches) -> list[str]:
+    return [k for b in batches for k in b["key"]]
+
+
+def test_batches_are_read_once_and_replayed_the_same():
+    loader = CountingLoader(3)
+    replayed = ReplayedBatches(loader)
+    first, second, third = list(replayed), list(replayed), list(replayed)
+    assert loader.passes == 1
+    assert _keys(first) == _keys(second) == _keys(third) == _keys(loader.data)
+    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(first, third))
+
+
+def test_a_caller_that_stops_at_max_samples_still_leaves_the_batches_kept():
+    loader = CountingLoader(5)
+    replayed = ReplayedBatches(loader, max_samples=6)
+    for _ in range(3):  # the caller's own cut-off (quick_eval.collect_embeddings breaks at max_samples)
+        seen = 0
+        for batch in replayed:
+            seen += len(batch["key"])
+            if seen >= 6:
+                break
+    assert loader.passes == 1
+    assert _keys(replayed.batches) == _keys(loader.data[:2])  # two batches of 4 reach 6 samples
+    assert _keys(replayed) == _keys(loader.data[:2])  # a caller that reads on gets no more than the cut-off
+
+
+def test_a_split_over_the_memory_cap_is_streamed_every_pass():
+    loader = CountingLoader(3)
+    one_batch = 4 * 2 * 4  # bytes of a batch's images
+    replayed = ReplayedBatches(loader, max_bytes=2 * one_batch)
+    assert _keys(replayed) == _keys(loader.data)
+    assert _keys(replayed) == _keys(loader.data)
+    assert loader.passes == 2 and replayed.batches is None and replayed.streaming
+    never = ReplayedBatches(CountingLoader(2), max_bytes=0)
+    list(never), list(never)
+    assert never.loader.passes == 2
+
+
+def test_a_pass_broken_off_early_keeps_nothing_and_the_next_pass_reads_again():
+    loader = CountingLoader(3)
+    replayed = ReplayedBatches(loader)
+    next(iter(replayed))  # abandoned after one batch
+    assert replayed.batches is None
+    assert _keys(replayed) == _keys(loader.data) and loader.passes == 2
+    assert _keys(replayed) == _keys(loader.data) and loader.passes == 2
+
+
+def test_replayed_validation_equals_the_pass_read_from_the_shards(phantom_shards):
+    from cxrdr.train.data import make_eval_loader
+    from cxrdr.train.models import build_student
+    from cxrdr.train.quick_eval import quick_evaluate
+
+    torch.manual_seed(0)
+    student = build_student("tiny-A")
+    device = torch.device("cpu")
+    streamed = quick_evaluate(student, make_eval_loader(phantom_shards, "train", student, batch_size=4), device,
+                              max_samples=10)
+    replayed = ReplayedBatches(make_eval_loader(phantom_shards, "train", student, batch_size=4), max_samples=10)
+    first = quick_evaluate(student, replayed, device, max_samples=10)
+    again = quick_evaluate(student, replayed, device, max_samples=10)
+    assert replayed.batches is not None
+    as_text = [json.dumps(m, sort_keys=True) for m in (streamed, first, again)]  # NaN (no probe) equals itself
+    assert as_text[0] == as_text[1] == as_text[2] and streamed["n_eval"] == 12  # 3 batches of 4 reach 10
+
+
+def _train_recording_saves(phantom_shards, out, monkeypatch, **settings) -> tuple[dict, list]:
+    from cxrdr.train import loop
+
+    saves = []
+    real_save = loop.Trainer.save
+
+    def recording_save(self, name):
+        saves.append((self.step, name))
+        real_save(self, name)
+
+    monkeypatch.setattr(loop.Trainer, "save", recording_save)
+    run = dict(shards=str(phantom_shards), out=str(out), model="tiny-A", batch_size=4, device="cpu", workers=0,
+               shuffle_buffer=8, log_every=1, progress=False, eval_every=2, eval_max_samples=8)
+    return loop.train(dict(run, **settings)), saves
+
+
+def test_validation_passes_without_checkpoints_save_every_save_every_steps_and_at_the_end(
+        phantom_shards, tmp_path, monkeypatch):
+    summary, saves = _train_recording_saves(phantom_shards, tmp_path / "run", monkeypatch, steps=7, save_every=4,
+                                            save_at_eval=False)
+    assert saves == [(4, "last.pt"), (7, "last.pt")]
+    assert not (tmp_path / "run" / "best.pt").exists() and (tmp_path / "run" / "last.pt").is_file()
+    passes = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] == "eval"]
+    assert [p["step"] for p in passes] == [2, 4, 6, 7]  # every pass still validates and is logged
+    assert summary["best_step"] in (2, 4, 6, 7)
+
+    default, saves = _train_recording_saves(phantom_shards, tmp_path / "default", monkeypatch, steps=5,
+                                            save_every=4)
+    assert [s for s, name in saves if name == "last.pt"] == [2, 4, 5]  # the default: every pass saves
+    assert (tmp_path / "default" / "best.pt").is_file()
+
+
+def test_an_early_stop_writes_last_pt_even_where_passes_do_not_save(phantom_shards, tmp_path, monkeypatch):
+    from cxrdr.train import loop
+
+    scores = iter([0.5, 0.4, 0.3, 0.2])  # worse at every pass after the first: patience 2 stops at step 6
+    monkeypatch.setattr(loop, "quick_evaluate", lambda *a, **k: {"score": next(scores)})
+    summary, saves = _train_recording_saves(phantom_shards, tmp_path / "run", monkeypatch, steps=20,
+                                            save_every=0, save_at_eval=False, early_stop_patience=2)
+    assert summary["stopped_early"] and summary["steps"] == 6
+    assert saves == [(6, "last.pt")]
