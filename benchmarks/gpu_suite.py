@@ -26,7 +26,7 @@ Sections (each a function; each reuses the project's own measurement code):
                   section 1), interleaved in blocks of steps.
 4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
                   eager and compiled.
-5. loop_compiled  as 3 with ``TrainConfig.compile`` for D, A, E (as many as the budget allows),
+5. loop_compiled  as 3 with ``TrainConfig.compile`` for D, A, E, by blocks then whole (as the budget allows),
                   interleaved with their eager twins; skipped with a note where TrainConfig has no
                   ``compile`` option, and in --tiny (a CPU compile takes minutes).
 6. train_step     D with stored embeddings vs the ViT-B/16 teacher online vs no teacher, batch 64
@@ -61,12 +61,16 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repository's packages
 
 VARIANTS = "ABCDE"
-COMPILED_ORDER = "DAE"  # the compiled loop configurations, most wanted first (budget may cut the tail)
-# Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and
-# backward + its timed steps, beside its eager twin). ../shared/gpu/compile-h100.txt measured 73-112 s
-# warm-ups that recompiled nearly every step; on the H200 (benchmarks/results/nvidia-h200.md) D, A and
-# E compiled in one block did not finish within 350 s.
-COMPILE_ESTIMATE_S = 150
+# The compiled loop configurations (variant, TrainConfig.compile_scope), most wanted first (the budget may cut the
+# tail): block by block first (cxrdr.train.compiling: a block's compile time, shared by the variants' towers), then
+# the whole model.
+COMPILED_ORDER = (("D", "blocks"), ("A", "blocks"), ("E", "blocks"), ("D", "model"), ("A", "model"), ("E", "model"))
+# Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
+# timed steps, beside its eager twin). Whole model: ../shared/gpu/compile-h100.txt measured 73-112 s warm-ups that
+# recompiled nearly every step; on the H200 (benchmarks/results/nvidia-h200.md) D, A and E compiled in one block
+# did not finish within 350 s. Blocks: on 2 CPU cores D's first step took 30 s by blocks against 107 s whole
+# (inductor, cold cache; not measured on a GPU).
+COMPILE_ESTIMATE_S = {"blocks": 75, "model": 150}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 
@@ -100,7 +104,7 @@ def settings(tiny: bool, device: str) -> dict:
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
                 table_family="vit-s16",
-                reserve={"build": 90, "students": 50, "loop": 75, "peer": 60, "loop_compiled": COMPILE_ESTIMATE_S,
+                reserve={"build": 90, "students": 50, "loop": 75, "peer": 60, "loop_compiled": COMPILE_ESTIMATE_S["blocks"],
                          "train_step": 45, "table": 0})
 
 
@@ -181,7 +185,7 @@ def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str
     base = train_step.bench_config(shards, lp["batch_size"], lp["workers"], cfg["device"])
     trainers = {}
     for name, model, compiled in plan:
-        extra = {"compile": True} if compiled else {}
+        extra = {"compile": True, "compile_scope": compiled} if compiled else {}
         # a fresh run folder each: the compiled section builds trainers of the same models again
         out = tempfile.mkdtemp(prefix=f"loop-{model}-", dir=work)
         trainers[name] = train_step.make_trainer({**base, "out": out, "overwrite": True, **extra}, model=model)
@@ -234,38 +238,45 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
                     "target rates"}
 
 
+def _compiled_name(variant: str, scope: str) -> str:
+    return f"{variant} compiled {scope}"
+
+
 def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
                           publish=lambda partial: None) -> dict:
-    """D, A, E with TrainConfig.compile, each timed interleaved with its eager twin, one variant at a
-    time while the budget allows; ``publish(partial)`` gets the section after each variant, so a run
-    cut short (a compilation slower than COMPILE_ESTIMATE_S) keeps the variants it finished."""
+    """D, A, E with TrainConfig.compile, by blocks and then whole (COMPILED_ORDER), each configuration timed
+    interleaved with its eager twin, one at a time while the budget allows; ``publish(partial)`` gets the section
+    after each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
     pattern = cfg["families"][cfg["loop"]["family"]][0]
     rows, done = [], []
 
     def summary(note_left: str) -> dict:
         by = {r["name"]: r for r in rows}
-        compiled = {r["name"].split()[0]: r for r in rows if r["compile"]}
-        left_out = [v for v in COMPILED_ORDER if v not in done]
-        return {"rows": list(rows), **_ratios([{**r, "name": v} for v, r in compiled.items()]),
-                "compiled_over_eager_img_per_s": {v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"]
-                                                  for v, r in compiled.items()},
+        left_out = [_compiled_name(v, scope) for v, scope in COMPILED_ORDER if (v, scope) not in done]
+        ratios = {}
+        for scope in COMPILE_ESTIMATE_S:
+            compiled = {v: by[_compiled_name(v, sc)] for v, sc in done if sc == scope}
+            ratios[scope] = {**_ratios([{**r, "name": v} for v, r in compiled.items()]),
+                             "compiled_over_eager_img_per_s": {
+                                 v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"] for v, r in compiled.items()}}
+        return {"rows": list(rows), "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
                 "description": _loop_description(cfg),
-                "note": "each compiled configuration timed interleaved with its eager twin, one variant at a time; "
+                "note": "each compiled configuration timed interleaved with its eager twin, one at a time; "
                         "warmup_s holds the compilation" + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
 
-    for v in COMPILED_ORDER:
-        if budget.left() - reserve_after < COMPILE_ESTIMATE_S:
-            break
+    for v, scope in COMPILED_ORDER:
+        if budget.left() - reserve_after < COMPILE_ESTIMATE_S[scope]:
+            continue  # a cheaper configuration further down may still fit
         trainers = _loop_trainers(cfg, work, shards, [(f"{v} eager", pattern.format(v=v), False),
-                                                      (f"{v} compiled", pattern.format(v=v), True)])
+                                                      (_compiled_name(v, scope), pattern.format(v=v), scope)])
         rows += _run_loop(cfg, trainers)
-        done.append(v)
+        done.append((v, scope))
         del trainers
         _free_device_memory()
         publish(summary("still to measure"))
     if not done:
         return {"rows": [], "note": f"not measured: {budget.left():.0f} s left, one compiled configuration needs "
-                                    f"~{COMPILE_ESTIMATE_S} s"}
+                                    f"~{min(COMPILE_ESTIMATE_S.values())} s"}
     return summary("left out for the budget")
 
 
@@ -463,8 +474,11 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
                            ">=", 2, e_over_a_infer))
     targets.append(_target(f"build / teacher forward ({cfg['teacher']} teacher, K={b['n_aug']}, {b['store_size']} px)",
                            ">=", 0.9, build.get("ratio")))
-    if (sections.get("loop_compiled") or {}).get("rows"):
-        targets += _loop_targets(sections["loop_compiled"], "compiled", desc, eager=False)
+    compiled_rows = (sections.get("loop_compiled") or {}).get("rows") or []
+    for scope in COMPILE_ESTIMATE_S:
+        rows = [r for r in compiled_rows if r.get("compile_scope") == scope]
+        if rows:
+            targets += _loop_targets({"rows": rows}, f"compiled {scope}", desc, eager=False)
     return targets
 
 
@@ -677,10 +691,10 @@ def markdown(result: dict) -> str:
         lc = s["loop_compiled"]
         md += ["## 5. Real training loop, torch.compile (TrainConfig.compile)", "", lc["note"] + ".", ""]
         if lc["rows"]:
-            md += [*_table(lc["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), "",
-                   "- compiled / eager img/s: " + ", ".join(f"{k} {_fmt(v)}x" for k, v in
-                                                             lc["compiled_over_eager_img_per_s"].items()),
-                   ""]
+            md += [*_table(lc["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), ""]
+            md += [f"- compiled {scope} / eager img/s: " + ", ".join(
+                f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
+                lc["by_scope"].items()] + [""]
     if "train_step" in s:
         ts = s["train_step"]
         md += ["## 6. Training step: stored embeddings vs teacher online vs no teacher", "",

@@ -180,7 +180,8 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
         compiled = bool(getattr(cfg, "compile", False))
         key = (cfg.model, cfg.mode, cfg.online_teacher)
         row = {"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
-               "compile": compiled, "batch_size": cfg.batch_size, "device": str(trainer.device), **timed[name]}
+               "compile": compiled, "compile_scope": cfg.compile_scope if compiled else None,
+               "batch_size": cfg.batch_size, "device": str(trainer.device), **timed[name]}
         # the timed steps' waits only (the last ones so far): the first warm-up step starts the loader
         waits = batches.waits[-timed[name]["steps"] * cfg.accum_steps:]
         row["data_ms"] = 1000 * sum(waits) / max(1, timed[name]["steps"])
@@ -206,6 +207,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps of one configuration between device syncs (GPU: e.g. 5)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the student (TrainConfig.compile)")
+    parser.add_argument("--compile-scope", choices=("model", "blocks"), default="model",
+                        help="with --compile: the whole forward or each tower block (TrainConfig.compile_scope)")
     parser.add_argument("--only", default=None,
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
     parser.add_argument("--workers", type=int, default=0)
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
     base = {**bench_config(shards, args.batch_size, args.workers, args.device, args.amp),
             "out": str(Path(tmp.name) / "run")}
     if args.compile:
-        base["compile"] = True
+        base.update(compile=True, compile_scope=args.compile_scope)
 
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),

@@ -149,14 +149,14 @@ def test_full_suite_refuses_cpu(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_compiled_section_publishes_each_variant_and_stops_at_the_budget(monkeypatch):
-    """The compiled loop is timed one variant at a time (D, then A, then E), each beside its eager twin,
-    and handed over after each: a run killed during a slow compilation keeps the variants it finished."""
+def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monkeypatch):
+    """The compiled loop is timed one configuration at a time, by blocks first (D, A, E), then whole, each beside
+    its eager twin, and handed over after each: a run killed during a slow compilation keeps what it finished."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_suite
 
-    class Clock:  # a budget that each timed variant spends by 100 s
-        left_s = 260.0
+    class Clock:  # a budget that each timed configuration spends by its estimate
+        left_s = 300.0
 
         def left(self):
             return self.left_s
@@ -168,23 +168,29 @@ def test_compiled_section_publishes_each_variant_and_stops_at_the_budget(monkeyp
         return {name: compiled for name, _, compiled in plan}
 
     def fake_run(cfg, trainers):
-        clock.left_s -= 100
-        return [{"name": n, "compile": c, "img_per_s": 200.0 if c else 100.0, "step_ms": 10.0 if c else 20.0}
-                for n, c in trainers.items()]
+        scope = next(c for c in trainers.values() if c)
+        clock.left_s -= gpu_suite.COMPILE_ESTIMATE_S[scope]
+        return [{"name": n, "compile": bool(c), "compile_scope": c or None, "img_per_s": 200.0 if c else 100.0,
+                 "step_ms": 10.0 if c else 20.0} for n, c in trainers.items()]
 
     monkeypatch.setattr(gpu_suite, "_loop_trainers", fake_trainers)
     monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
-    monkeypatch.setattr(gpu_suite, "COMPILE_ESTIMATE_S", 100)
+    monkeypatch.setattr(gpu_suite, "COMPILE_ESTIMATE_S", {"blocks": 60, "model": 150})
     cfg = gpu_suite.settings(tiny=True, device="cpu")
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=50,
                                               publish=published.append)
-    assert plans == [[("D eager", False), ("D compiled", True)], [("A eager", False), ("A compiled", True)]]
-    assert [[r["name"] for r in p["rows"]] for p in published] == [
-        ["D eager", "D compiled"], ["D eager", "D compiled", "A eager", "A compiled"]]
-    assert "still to measure: A, E" in published[0]["note"]
-    assert section["compiled_over_eager_img_per_s"] == {"D": 2.0, "A": 2.0}
-    assert section["D_over_A_step"] == 1.0 and "left out for the budget: E" in section["note"]
+    # 300 s: three block configurations (180 s) leave 120 - 50 reserved, too little for a whole-model one
+    assert plans == [[(f"{v} eager", False), (f"{v} compiled blocks", "blocks")] for v in "DAE"]
+    assert [len(p["rows"]) for p in published] == [2, 4, 6]
+    assert "still to measure: A compiled blocks, E compiled blocks, D compiled model" in published[0]["note"]
+    assert section["by_scope"] == {"blocks": {"compiled_over_eager_img_per_s": {"D": 2.0, "A": 2.0, "E": 2.0},
+                                              "D_over_A_step": 1.0, "E_over_A_img_per_s": 1.0}}
+    assert "left out for the budget: D compiled model, A compiled model, E compiled model" in section["note"]
+    targets = gpu_suite.evaluate_targets({"loop_compiled": section}, cfg, tiny=True)
+    compiled = [t for t in targets if "[compiled blocks]" in t["name"]]
+    assert len(compiled) == 6 and not any("[compiled model]" in t["name"] for t in targets)
+    assert next(t for t in compiled if t["name"].startswith("D step / A step"))["value"] == 1.0
 
 
 def test_skipped_sections_are_noted_and_each_section_hands_over_the_result_so_far(tmp_path, capsys):

@@ -153,6 +153,54 @@ def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, 
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-5)
 
 
+def test_block_compiled_step_gives_the_eager_losses_with_one_graph_per_block_shape(phantom_shards, tmp_path):
+    """--compile-scope blocks: every ViT block and text layer compiled in place, the blocks of a tower sharing one
+    compiled graph per input shape; the step number and the texts' length buckets stay as in eager mode; the
+    losses and the checkpoint's names are the eager run's."""
+    import json
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    from cxrdr.train.checkpoint import read_checkpoint
+    from cxrdr.train.compiling import repeated_blocks
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer, train
+    from cxrdr.train.models import build_student
+
+    graphs = []  # (input shapes, grad mode) of each compilation
+
+    def counting_backend(gm, example_inputs):
+        graphs.append((tuple(tuple(x.shape) for x in example_inputs if torch.is_tensor(x)), torch.is_grad_enabled()))
+        return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
+
+    student = build_student("tiny-E")
+    n_blocks = len(repeated_blocks(student))
+    assert n_blocks == len(student.image_tower.trunk.blocks) + len(student.text_tower.model.encoder.layer) > 2
+    torch._dynamo.reset()
+    torch._dynamo.register_backend(counting_backend, name="cxrdr_test_blocks")
+    common = dict(shards=str(phantom_shards), model="tiny-E", steps=4, batch_size=4, workers=0, progress=False,
+                  device="cpu", log_every=1, save_every=0, eval_every=0)
+    losses = {}
+    for name, extra in (("eager", {}), ("blocks", dict(compile=True, compile_scope="blocks",
+                                                       compile_backend="cxrdr_test_blocks"))):
+        train(TrainConfig(out=str(tmp_path / name), **common, **extra))
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records if r["kind"] == "train"]
+    torch._dynamo.reset()
+    # one compilation per input shape and grad mode, shared by every block that sees it (the image blocks before
+    # and after E's drop, the text layers at each length bucket; the final validation without grad): never one per
+    # block. Compiled block by block, each shape would come once per block.
+    assert len(set(graphs)) == len(graphs) and len(graphs) >= 2, graphs
+    lengths = {shape[1] for shapes, grad in graphs if grad for shape in shapes if len(shape) == 3}
+    n = student.image_tower.grid_size[0] * student.image_tower.grid_size[1]
+    kept = student.image_tower.num_kept(n)
+    assert {1 + n, 1 + kept} <= lengths and kept < n  # E's blocks after the drop run on the shorter sequence
+    assert losses["blocks"] == pytest.approx(losses["eager"], rel=1e-4, abs=1e-5)
+    eager, compiled = (read_checkpoint(tmp_path / n / "last.pt")["model"] for n in ("eager", "blocks"))
+    assert list(eager) == list(compiled)  # compiled in place: the eager model's names
+
+
 def test_finite_watch_names_the_first_non_finite_step_and_its_terms():
     from cxrdr.train.health import FiniteWatch
 

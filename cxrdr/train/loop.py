@@ -37,6 +37,7 @@ from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
+from cxrdr.train.compiling import compile_blocks
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import (ReplayedBatches, make_eval_loader, select_teachers, split_shards, teacher_dims,
                               training_parts)
@@ -126,7 +127,9 @@ class Trainer:
         self.log = MetricsLog(self.out / "metrics.jsonl", self.main, self.step if resumed else None)
         self._setup_eval()
         self._stage = None  # 'frozen' or 'full': the stage self.task.model was wrapped for
-        self._compiled = None  # torch.compile of self.task.model for this stage (cfg.compile)
+        self._compiled = None  # torch.compile of self.task.model for this stage (--compile-scope model)
+        if cfg.compile and cfg.compile_scope == "blocks":  # in place, once: dynamo guards see stage changes
+            compile_blocks(self.student, cfg.compile_backend)
         self.finite = FiniteWatch()  # non-finite losses, read at log and save steps only
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -272,8 +275,8 @@ class Trainer:
         teacher_size = None
         if self.teacher is not None and self.teacher.kind == "clip":
             teacher_size = int(self.teacher.image_size)
-        # a compiled step sees one text shape: every batch padded to the context length
-        tokenize = self.student.tokenizer.fixed_length() if cfg.compile else None
+        # a whole-model graph sees one text shape: every batch padded to the context length
+        tokenize = self.student.tokenizer.fixed_length() if self._compiles_model else None
         parts = training_parts(cfg.shards, "train", self.student, mode=cfg.mode, seed=cfg.seed, pick=cfg.pick,
                                teachers=cfg.teachers, teacher_image_size=teacher_size,
                                stored_embeddings=self.teacher is None, aug_limit=cfg.aug_limit,
@@ -299,8 +302,12 @@ class Trainer:
             kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
             # Unused parameters occur (e.g. the E score head's dropped branch, caption pass off).
             self.task.model = DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
-        if self.cfg.compile:  # a stage change alters which parameters need gradients: compile anew
+        if self._compiles_model:  # a stage change alters which parameters need gradients: compile anew
             self._compiled = torch.compile(self.task.model, backend=self.cfg.compile_backend)
+
+    @property
+    def _compiles_model(self) -> bool:
+        return self.cfg.compile and self.cfg.compile_scope == "model"
 
     def _compiled_now(self) -> torch.nn.Module | None:
         """The compiled forward once the student's step schedules (k-ratio annealing, keep-rate warm-up)

@@ -18,7 +18,7 @@ from cxrdr.train.config import TrainConfig
 RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
                                 "early_stop_patience", "workers", "device", "progress", "log_every",
                                 "save_every", "resume", "overwrite", "out", "on_corrupt", "verify_checksums",
-                                "grad_checkpointing", "compile", "compile_backend", "eval_cache_mb",
+                                "grad_checkpointing", "compile", "compile_backend", "compile_scope", "eval_cache_mb",
                                 "save_at_eval"})
 # Compared by what they name, not as typed (see data_conflicts).
 COMPARED_APART = frozenset({"shards"})
