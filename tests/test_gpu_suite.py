@@ -213,3 +213,29 @@ def test_skipped_sections_are_noted_and_each_section_hands_over_the_result_so_fa
                if s["section"] not in ("table", "loop_compiled"))
     assert handed and handed[-1] == skipped[:len(handed[-1])] and len(handed[0]) == 1
     assert all(t["met"] is None for t in result["targets"])
+
+
+def test_compiled_inference_times_the_image_encoder_with_its_blocks_compiled():
+    """The students section's compiled inference figure (E / A inference [compiled blocks]): the image encoder
+    with its blocks compiled in place gives the eager embeddings and a throughput."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+    import torch
+
+    from cxrdr.train.models import build_student
+
+    torch.manual_seed(0)
+    model = build_student("tiny-E")
+    x = torch.rand(2, 1, model.image_size, model.image_size)
+    with torch.no_grad():
+        eager = model.eval().encode_image(x)
+    torch._dynamo.reset()
+    try:
+        m = gpu_suite._compiled_inference(model.train(), {"batch_size": 2, "iters": 1, "warmup": 0},
+                                          backend="aot_eager")
+        with torch.no_grad():
+            compiled = model.eval().encode_image(x)
+    finally:
+        torch._dynamo.reset()
+    assert m[gpu_suite.COMPILED_INFERENCE] > 0 and model.image_tower.trunk.blocks[0]._compiled_call_impl is not None
+    assert torch.allclose(compiled, eager, atol=1e-5)
