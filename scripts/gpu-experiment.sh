@@ -11,7 +11,11 @@
 # step benchmark) is reused when done and resumed when interrupted (cxrdr/experiments/chunks.py): the chunk stops
 # cleanly before the next unit after CHUNK_S seconds, and is killed at HARD_S; a killed chunk loses at most a
 # shard, a run's steps since its last save, or one evaluation.
-#   env: CHUNK_S (default 390), HARD_S (default 480), TRAIN (the `train` command, e.g. "python -m cxrdr.cli")
+#   env: CHUNK_S (default 390), HARD_S (default 480), TRAIN (the `train` command, e.g. "python -m cxrdr.cli"),
+#        COPIES (default 1): copies of the chunk run side by side on the one GPU; they split the runs (each holds
+#        its run's folder lock), wait for each other on shared units (builds, the teacher), and one of them times
+#        the step benchmark alone. A run's set-up, validation passes and evaluation leave the GPU idle, which a
+#        second copy's training fills (mind the GPU memory: two students and their evaluations at once).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RECIPE="${1:-configs/experiments/gpu-efficiency.yaml}"
@@ -25,11 +29,22 @@ status
 rc=$?
 if [ "$rc" -eq 0 ]; then echo "[gpu-experiment] nothing left to run"; exit 0; fi
 [ "$rc" -eq 3 ] || exit "$rc"
-echo "[gpu-experiment] next chunk: stops before a new unit after ${CHUNK_S} s, killed at ${HARD_S} s"
+COPIES="${COPIES:-1}"
+echo "[gpu-experiment] next chunk (${COPIES} cop$([ "$COPIES" -eq 1 ] && echo y || echo ies)): stops before a new unit" \
+     "after ${CHUNK_S} s, killed at ${HARD_S} s"
 start=$(date +%s)
-# timeout signals the whole process group (data-loader workers too); no unit is left half-written as done
-timeout --kill-after=15 "$HARD_S" "${TRAIN[@]}" experiment efficiency --config "$RECIPE" --quiet --chunk-s "$CHUNK_S"
-rc=$?
-echo "[gpu-experiment] chunk exited $rc after $(( $(date +%s) - start )) s (3: stopped with work left; 124/137: killed, resumes next call)"
-case "$rc" in 0|3|124|137) ;; *) exit "$rc" ;; esac
+pids=()
+for _ in $(seq 1 "$COPIES"); do
+  # timeout signals the whole process group (data-loader workers too); no unit is left half-written as done
+  timeout --kill-after=15 "$HARD_S" "${TRAIN[@]}" experiment efficiency --config "$RECIPE" --quiet --chunk-s "$CHUNK_S" &
+  pids+=($!)
+done
+failed=0
+for pid in "${pids[@]}"; do
+  wait "$pid"; rc=$?
+  echo "[gpu-experiment] chunk exited $rc after $(( $(date +%s) - start )) s (3: stopped with work left;" \
+       "124/137: killed, resumes next call)"
+  case "$rc" in 0|3|124|137) ;; *) failed=$rc ;; esac
+done
+[ "$failed" -eq 0 ] || exit "$failed"
 status

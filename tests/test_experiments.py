@@ -449,6 +449,39 @@ def test_claimed_in_turn_does_the_free_runs_first_then_waits_for_the_busy_one(tm
     assert claim_run(runs[1], wait=False) is not None  # released after its work
 
 
+def test_one_copy_times_the_step_benchmark_and_writes_the_results_the_other_waits_and_takes_them(tmp_path):
+    """Two copies of an experiment both reach its last stage: the first claims it (step benchmark, results.json);
+    the second waits (timing the steps together, each would measure the other's load) and returns the
+    results.json written meanwhile; a copy that finds none written while it waited takes the stage itself."""
+    import threading
+
+    from cxrdr.experiments.runs import claim_results
+
+    out = tmp_path / "efficiency"
+    out.mkdir()
+    (out / "results.json").write_text('{"stale": true}')  # an earlier run's: not what the second copy waits for
+    first, none = claim_results(out)
+    assert first is not None and none is None
+
+    def finish():
+        (out / "results.json").write_text('{"experiment": "efficiency", "by": "first"}')
+        first.release()
+
+    timer = threading.Timer(0.3, finish)
+    timer.start()
+    try:
+        lock, results = claim_results(out, poll_s=0.05)
+    finally:
+        timer.join()
+    assert lock is None and results == {"experiment": "efficiency", "by": "first"}
+
+    first, _ = claim_results(out)
+    threading.Timer(0.2, first.release).start()  # the first copy fails: nothing written
+    lock, results = claim_results(out, poll_s=0.05)
+    assert results is None and lock is not None  # this copy does the stage
+    lock.release()
+
+
 def test_a_second_copy_waits_for_the_teachers_the_first_prepares(tmp_path):
     """prepare_teachers holds the teachers folder: a second copy of the experiment waits for the first to
     finish (then reuses its teachers) instead of training them alongside."""

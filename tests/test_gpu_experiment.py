@@ -199,3 +199,24 @@ def test_the_chunk_script_runs_a_chunk_only_while_work_is_left(tmp_path):
     again = call()  # nothing left: only the status, no chunk
     assert again.returncode == 0 and "nothing left" in again.stdout
     assert len((tmp_path / "log").read_text().splitlines()) == len(calls) + 1
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_the_chunk_script_runs_copies_side_by_side_and_fails_with_a_failing_copy(tmp_path):
+    stub = tmp_path / "train"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    env = dict(os.environ, TRAIN=str(stub), LOG=str(tmp_path / "log"), STATE=str(tmp_path / "state"), LEFT="9",
+               CHUNK_S="7", HARD_S="30", COPIES="2")
+    done = subprocess.run(["bash", str(SCRIPT), "some.yaml"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    calls = (tmp_path / "log").read_text().splitlines()
+    assert ["--chunk-s 7" in c for c in calls] == [False, True, True, False]  # status, two copies, status
+    assert done.stdout.count("chunk exited 3") == 2 and "(2 copies)" in done.stdout
+
+    failing = tmp_path / "failing"
+    failing.write_text("#!/usr/bin/env bash\ncase \" $* \" in *\" --status \"*) exit 3 ;; *) exit 1 ;; esac\n")
+    failing.chmod(0o755)
+    bad = subprocess.run(["bash", str(SCRIPT), "some.yaml"], env=dict(env, TRAIN=str(failing)), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1  # an error in a copy is the script's error (the output names the unit)

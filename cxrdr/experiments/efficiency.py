@@ -41,7 +41,7 @@ from cxrdr.experiments.image_only import image_only_markdown, image_only_results
 from cxrdr.experiments.margins import eval_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.repro import code_version
-from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
+from cxrdr.experiments.runs import (claim_results, claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
                                    result_row, run_training)
 from cxrdr.experiments.stats import (crossing_ratio, gap_interval, mean_curve, mean_sd, samples_to_target,
                                     t_interval)
@@ -308,6 +308,18 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     arm_runs, runs, timed_only = arm_plan(recipe, shards, out_dir)
     trained = _train_arms(recipe, shards, arm_runs)  # two copies of the command split the runs
+    lock, written = claim_results(out_dir)  # ... and one of them times the step benchmark and writes the results
+    if written is not None:
+        return written
+    try:
+        return _results(recipe, out_dir, shards, teachers, spec, seeds, trained, runs, timed_only)
+    finally:
+        lock.release()
+
+
+def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: dict, seeds: list, trained: dict,
+             runs: dict, timed_only: list) -> dict:
+    """The step benchmark, then results.json, table.md and the plots from the trained arms."""
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     curve_metric, final_metric, fraction = metrics_of(spec)
     fractions = target_fractions(spec)

@@ -91,6 +91,26 @@ def claim_run(run_dir: Path, wait: bool = True, poll_s: float = 5.0) -> FolderLo
             time.sleep(poll_s)
 
 
+def claim_results(out_dir: Path, poll_s: float = 5.0) -> tuple[FolderLock | None, dict | None]:
+    """The experiment's last stage (its step benchmark, results.json, tables, plots) for this copy: (its lock,
+    None). Two copies of one experiment split the runs (``claimed_in_turn``), and both reach this stage; timing
+    the steps together, each would measure the other's load. So one does it, and the other waits and returns
+    its results.json: (None, results). A copy that finds no results written while it waited (the other failed)
+    takes the stage itself."""
+    claim = out_dir / ".results.claim"
+    lock = claim_run(claim, wait=False)
+    if lock is not None:
+        return lock, None
+    typer.echo(f"another process is timing the step benchmark and writing {out_dir}/results.json; waiting", err=True)
+    waited_from = time.time()
+    lock = claim_run(claim, poll_s=poll_s)
+    results = out_dir / "results.json"
+    if results.is_file() and results.stat().st_mtime >= waited_from:
+        lock.release()
+        return None, json.loads(results.read_text())
+    return lock, None
+
+
 def claimed_in_turn(run_dirs: Sequence[Path], work: Callable[[Path, FolderLock], T],
                     on_busy: Callable[[Path], None] | None = None) -> dict[Path, T]:
     """``work(run_dir, lock)`` for every run folder, each while holding its lock: first the folders no other
