@@ -15,7 +15,8 @@
 #        COPIES (default 1): copies of the chunk run side by side on the one GPU; they split the runs (each holds
 #        its run's folder lock), wait for each other on shared units (builds, the teacher), and one of them times
 #        the step benchmark alone. A run's set-up, validation passes and evaluation leave the GPU idle, which a
-#        second copy's training fills (mind the GPU memory: two students and their evaluations at once).
+#        second copy's training fills (mind the GPU memory: two students and their evaluations at once). The
+#        runs' own step times then include the other copy's load; the interleaved step benchmark runs alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RECIPE="${1:-configs/experiments/gpu-efficiency.yaml}"
