@@ -180,16 +180,25 @@ esac
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
-def test_the_chunk_script_runs_a_chunk_only_while_work_is_left(tmp_path):
+def _script_env(tmp_path: Path, **extra: str) -> dict:
+    """The chunk script's environment with the stub as `train` (--status exits 3 until LEFT chunks ran)."""
     stub = tmp_path / "train"
     stub.write_text(STUB)
     stub.chmod(0o755)
-    env = dict(os.environ, TRAIN=str(stub), LOG=str(tmp_path / "log"), STATE=str(tmp_path / "state"), LEFT="2",
-               CHUNK_S="7", HARD_S="30")
+    return dict(os.environ, TRAIN=str(stub), LOG=str(tmp_path / "log"), STATE=str(tmp_path / "state"), CHUNK_S="7",
+                HARD_S="30", **extra)
+
+
+def _run_script(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "some.yaml"], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_the_chunk_script_runs_a_chunk_only_while_work_is_left(tmp_path):
+    env = _script_env(tmp_path, LEFT="2")
 
     def call():
-        return subprocess.run(["bash", str(SCRIPT), "some.yaml"], env=env, capture_output=True, text=True,
-                              timeout=60)
+        return _run_script(env)
 
     assert call().returncode == 3  # status: left -> one chunk -> status: still left
     assert call().returncode == 0  # the second chunk finishes it
@@ -203,12 +212,8 @@ def test_the_chunk_script_runs_a_chunk_only_while_work_is_left(tmp_path):
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def test_the_chunk_script_runs_copies_side_by_side_and_fails_with_a_failing_copy(tmp_path):
-    stub = tmp_path / "train"
-    stub.write_text(STUB)
-    stub.chmod(0o755)
-    env = dict(os.environ, TRAIN=str(stub), LOG=str(tmp_path / "log"), STATE=str(tmp_path / "state"), LEFT="9",
-               CHUNK_S="7", HARD_S="30", COPIES="2")
-    done = subprocess.run(["bash", str(SCRIPT), "some.yaml"], env=env, capture_output=True, text=True, timeout=60)
+    env = _script_env(tmp_path, LEFT="9", COPIES="2")
+    done = _run_script(env)
     assert done.returncode == 3, done.stdout + done.stderr
     calls = (tmp_path / "log").read_text().splitlines()
     assert ["--chunk-s 7" in c for c in calls] == [False, True, True, False]  # status, two copies, status
@@ -217,6 +222,5 @@ def test_the_chunk_script_runs_copies_side_by_side_and_fails_with_a_failing_copy
     failing = tmp_path / "failing"
     failing.write_text("#!/usr/bin/env bash\ncase \" $* \" in *\" --status \"*) exit 3 ;; *) exit 1 ;; esac\n")
     failing.chmod(0o755)
-    bad = subprocess.run(["bash", str(SCRIPT), "some.yaml"], env=dict(env, TRAIN=str(failing)), capture_output=True,
-                         text=True, timeout=60)
+    bad = _run_script(dict(env, TRAIN=str(failing)))
     assert bad.returncode == 1  # an error in a copy is the script's error (the output names the unit)
