@@ -179,7 +179,6 @@ esac
 """
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def _script_env(tmp_path: Path, **extra: str) -> dict:
     """The chunk script's environment with the stub as `train` (--status exits 3 until LEFT chunks ran)."""
     stub = tmp_path / "train"
