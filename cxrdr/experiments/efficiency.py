@@ -41,8 +41,8 @@ from cxrdr.experiments.image_only import image_only_markdown, image_only_results
 from cxrdr.experiments.margins import eval_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.repro import code_version
-from cxrdr.experiments.runs import (claim_results, claimed_in_turn, ensure_shards, eval_curve, evaluate_run, report_set,
-                                   result_row, run_training)
+from cxrdr.experiments.runs import (claim_results, claimed_in_turn, ensure_shards, eval_curve, evaluate_run,
+                                   report_set, result_row, run_training)
 from cxrdr.experiments.stats import (crossing_ratio, gap_interval, mean_curve, mean_sd, samples_to_target,
                                     t_interval)
 from cxrdr.experiments.teacher_prep import planned_train_samples, prepare_teachers, teacher_seconds

@@ -25,13 +25,14 @@ import yaml
 
 from cxrdr.common.configs import find_config
 from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping, validate_fields
+from cxrdr.train.compiling import SCOPES as COMPILE_SCOPES
 from cxrdr.train.losses.config import LossConfig, teacher_scales_from_info
 from cxrdr.train.optim import OptimConfig
 
 AMP_CHOICES = ("bf16", "fp16", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 CHOICES = {"mode": ("reinforced", "plain"), "amp": AMP_CHOICES, "device": DEVICE_CHOICES,
-           "pick": ("random", "sequential"), "on_corrupt": ("stop", "skip"), "compile_scope": ("model", "blocks")}
+           "pick": ("random", "sequential"), "on_corrupt": ("stop", "skip"), "compile_scope": COMPILE_SCOPES}
 # Allowed values of numeric fields (cxrdr.common.yamlio.validate_fields checks types and these).
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
@@ -94,12 +95,12 @@ class TrainConfig:
     accum_steps: int = _opt(1, "Micro-batches per optimiser step.")
     clip_grad: float = _opt(1.0, "Max gradient norm (0: off).")
     grad_checkpointing: bool = _opt(False, "Activation checkpointing in both towers.")
-    compile: bool = _opt(False, "torch.compile the student's forward (texts padded to the context length: one "
-                                "graph; runs eagerly while the k-ratio / keep-rate schedules still change).")
+    compile: bool = _opt(False, "torch.compile the student (what: --compile-scope; cxrdr/train/compiling.py).")
     compile_backend: str = _opt("inductor", "torch.compile backend of --compile (e.g. inductor, aot_eager).")
     compile_scope: str = _opt("model", "What --compile compiles: model (the whole forward, one graph: the most "
-                                       "fusion, minutes to compile) or blocks (each tower block, one compiled "
-                                       "block per tower shared by all: about a block's compile time).")
+                                       "fusion, minutes to compile; texts padded to the context length, eager while "
+                                       "the k-ratio / keep-rate schedules change) or blocks (each tower block, one "
+                                       "compiled block per tower shared by all: about a block's compile time).")
     workers: int = _opt(2, "DataLoader workers per rank.")
     seed: int = _opt(0, "Seed of model init, data order and view picks.")
     device: str = _opt("auto", "auto, cpu or cuda.")
