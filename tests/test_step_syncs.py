@@ -254,3 +254,23 @@ def test_training_cuda_math_applies_the_loop_settings_and_restores_the_previous_
     with training_cuda_math():
         assert flags() == (True, True, "high", False)
     assert flags() == before
+
+
+def test_dispatch_count_benchmark_counts_a_steps_operators(phantom_shards, tmp_path):
+    """benchmarks/dispatch_count.py: the aten operators of one forward + backward, none of the optimiser's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dispatch_count
+    import train_step
+
+    base = {**train_step.bench_config(phantom_shards, 2, 0, "cpu"), "out": str(tmp_path / "run")}
+    trainer, batches = train_step.make_trainer(base, model="tiny-A")
+    try:
+        counts = dispatch_count.count_step_ops(trainer, batches)
+    finally:
+        batches.close()
+    assert counts["aten::mm"] > 0 and sum(counts.values()) > 100
+    assert not any("adam" in name for name in counts)  # the optimiser step is left out
+    assert all(p.grad is None for p in trainer.student.parameters())  # and its gradients cleared

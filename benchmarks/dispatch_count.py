@@ -1,0 +1,73 @@
+"""Operators dispatched per training step (forward + backward) of student variants, eager or compiled.
+
+An eager step on a GPU issues each operator from Python, a few microseconds of CPU apiece; where the kernels are
+short (E's dropped tokens, small batches), that CPU time is the step's floor (on the H200 E was 75 % busy). The
+count of dispatched ``aten::`` operators, which ``--compile-scope blocks`` cuts by fusing inside each block, is
+measurable on any machine:
+
+    python benchmarks/dispatch_count.py D D:blocks E E:blocks      # full-size students, batch 2, CPU
+    python benchmarks/dispatch_count.py --size tiny A A:blocks
+
+Each argument is VARIANT[:SCOPE] (SCOPE: a ``TrainConfig.compile_scope``). The count is torch.profiler's
+``aten::`` events of one micro-step (``Trainer._micro_step``) after two warm-up steps (the compilation), nested
+calls included; the optimiser step is left out (on CUDA it is one fused AdamW). On CPU, inductor still calls aten
+for matrix products, so a GPU's count drops further than the CPU's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+
+def count_step_ops(trainer, batches) -> collections.Counter:
+    """``aten::`` events of one forward + backward of the trainer's step (its batches' next one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = next(batches)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer._micro_step(batch, sync=True, log_balance=False)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def main(argv=None) -> int:
+    import torch
+
+    import train_step
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("configs", nargs="+", help="VARIANT[:SCOPE], e.g. D D:blocks")
+    parser.add_argument("--size", choices=("cpu", "tiny", "full"), default="full")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--shards", help="shard folder (default: a phantom build in a temp folder)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tmp = tempfile.TemporaryDirectory(prefix="cxrdr-dispatch-")
+    store = 224 if args.size == "full" else 64
+    shards = Path(args.shards) if args.shards else train_step.build_phantom(Path(tmp.name) / "shards", 16, store)
+    prefix = {"cpu": "cpu-", "tiny": "tiny-", "full": ""}[args.size]
+    counts = {}
+    for i, spec in enumerate(args.configs):
+        variant, _, scope = spec.partition(":")
+        extra = {"compile": True, "compile_scope": scope} if scope else {}
+        base = {**train_step.bench_config(shards, args.batch_size, 0, "cpu"), "out": f"{tmp.name}/run{i}", **extra}
+        trainer, batches = train_step.make_trainer(base, model=f"{prefix}{variant}")
+        for _ in range(2):  # warm-up: the compilation, the loader
+            trainer.train_step(batches, log_balance=False)
+        counts[spec] = count_step_ops(trainer, batches)
+        batches.close()
+        top = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in counts[spec].most_common(5))
+        print(f"{spec:<12} {sum(counts[spec].values()):>7} aten ops per forward + backward  (most: {top})", flush=True)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
