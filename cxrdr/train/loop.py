@@ -470,7 +470,8 @@ class Trainer:
                 losses.append(record["loss"])
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{result['lr']:.2e}")
             evaluate_now = bool(cfg.eval_every) and self.step % cfg.eval_every == 0 and self.step < cfg.steps
-            save_now = bool(cfg.save_every) and self.step % cfg.save_every == 0
+            # the last step's save is the end's (run: evaluate, then last.pt)
+            save_now = bool(cfg.save_every) and self.step % cfg.save_every == 0 and self.step < cfg.steps
             if evaluate_now or save_now:
                 self._close_lap(timing)
                 if evaluate_now and self.evaluate(save=save_now or cfg.save_at_eval):
