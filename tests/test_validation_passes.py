@@ -135,3 +135,43 @@ def test_an_early_stop_writes_last_pt_even_where_passes_do_not_save(phantom_shar
                                             save_every=0, save_at_eval=False, early_stop_patience=2)
     assert summary["stopped_early"] and summary["steps"] == 6
     assert saves == [(6, "last.pt")]
+
+
+class Killed(Exception):
+    """Stands for a process killed between two saves."""
+
+
+def test_a_run_killed_between_saves_resumes_to_the_uninterrupted_run_where_passes_do_not_save(
+        phantom_shards, tmp_path, monkeypatch):
+    """save_at_eval false: a kill after the step-4 save and two validation passes (steps 5, 6) loses those steps
+    and passes; the resumed run redoes them (its validation batches read afresh) and ends as the run never
+    interrupted: the same weights, and each pass logged once with the same numbers."""
+    from cxrdr.train import loop
+    from cxrdr.train.checkpoint import read_checkpoint
+
+    settings = dict(shards=str(phantom_shards), model="tiny-A", batch_size=4, device="cpu", workers=0,
+                    shuffle_buffer=8, log_every=1, progress=False, steps=7, eval_every=1, eval_max_samples=8,
+                    save_every=4, save_at_eval=False)
+    loop.train(dict(settings, out=str(tmp_path / "ref")))
+    real_step = loop.Trainer.train_step
+
+    def killed_at_step_6(self, batches, log_balance):
+        if self.step == 6:
+            raise Killed()
+        return real_step(self, batches, log_balance)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", killed_at_step_6)
+    with pytest.raises(Killed):
+        loop.train(dict(settings, out=str(tmp_path / "run")))
+    monkeypatch.setattr(loop.Trainer, "train_step", real_step)
+    summary = loop.train(dict(settings, out=str(tmp_path / "run"), resume=True))
+    assert summary["start_step"] == 4
+    ref, run = (read_checkpoint(tmp_path / name / "last.pt") for name in ("ref", "run"))
+    assert all(torch.equal(ref["model"][k], run["model"][k]) for k in ref["model"])
+
+    def passes(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in r.items() if k != "eval_time_s"} for r in map(json.loads, lines) if r["kind"] == "eval"]
+
+    assert [p["step"] for p in passes("run")] == list(range(1, 8))
+    assert json.dumps(passes("run"), sort_keys=True) == json.dumps(passes("ref"), sort_keys=True)
