@@ -220,6 +220,20 @@ def test_break_even_and_bars():
     arms["reinforced"]["crossing"] = dict(crossing, ratio_ci=[0.25, 0.45])  # the mean passes, its interval not
     assert bars(arms, {}, 6000)[0]["met"] is False
 
+    # the GPU recipe's bars (issue 36): <= 1/4 with the upper bound <= 1/3, and pointing games over the prior
+    arms["reinforced"]["crossing"] = dict(crossing, ratio=0.24, ratio_ci=[0.2, 0.33])
+    margins = {"reinforced": {"pointing_z": {"margin": 0.2, "interval": [0.1, 0.3]},
+                              "pointing_attn": {"margin": 0.1, "interval": [0.0, 0.2]}}}
+    gpu = bars(arms, {}, 6000, fraction=0.25, upper=1 / 3,
+               pointing={"arms": ["reinforced"], "over_train_prior": 0.15}, margins=margins)
+    assert gpu[0]["met"] is True and "<= 1/4 of plain's samples" in gpu[0]["bar"] and "<= 0.333" in gpu[0]["bar"]
+    assert bars(arms, {}, 6000, fraction=0.25)[0]["met"] is False  # the default upper bound, 0.30
+    pointing = [b for b in gpu if "train-box prior" in b["bar"]]
+    assert [(b["bar"].split()[1], b["value"], b["met"], b["ci"]) for b in pointing] == [
+        ("pointing_z", 0.2, True, [0.1, 0.3]), ("pointing_attn", 0.1, False, [0.0, 0.2])]
+    no_margins = bars(arms, {}, 6000, pointing={"arms": ["reinforced"], "over_train_prior": 0.15})
+    assert [b["met"] for b in no_margins if "train-box prior" in b["bar"]] == [None, None]  # not measured: n/a
+
 
 def test_crossing_ratio_reads_every_arm_by_its_first_crossing():
     from cxrdr.experiments.stats import crossing_ratio

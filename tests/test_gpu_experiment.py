@@ -166,6 +166,9 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     for name in ("metric_vs_samples.png", "metric_vs_samples_per_seed.png", "table.md"):
         assert (out / name).is_file(), name
     assert "report PG z" in (out / "table.md").read_text()
+    judged = [b["bar"] for b in data["bars"]]  # issue 36's bars, as the recipe states them
+    assert any("<= 1/4 of plain's samples" in b and "<= 0.333" in b for b in judged)
+    assert sum("reinforced pointing_" in b and "train-box prior >= 0.15" in b for b in judged) == 2
 
 
 STUB = """#!/usr/bin/env bash

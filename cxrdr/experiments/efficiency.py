@@ -265,16 +265,22 @@ RATIO_UPPER_SLACK = 1.2  # the ratio's 95 % upper bound must stay within 1.2x th
 
 
 def bars(arms: dict, bench: dict, plain_total: float, curve: str = DEFAULT_METRIC, final: str = DEFAULT_METRIC,
-         fraction: float = 1 / 3) -> list[dict]:
+         fraction: float = 1 / 3, upper: float | None = None, pointing: dict | None = None,
+         margins: dict | None = None) -> list[dict]:
     """The bars, measured: met True/False, None where a figure is missing. The samples bar reads the one
-    crossing rule (``stats.crossing_ratio``: each arm's first crossing, plain's included); the old
-    definition (reinforced's first crossing / plain's whole budget) is kept beside it, not judged."""
+    crossing rule (``stats.crossing_ratio``: each arm's first crossing, plain's included) against ``fraction``,
+    its 95 % upper bound against ``upper`` (default ``RATIO_UPPER_SLACK`` x fraction, 0.40 for 1/3); the old
+    definition (reinforced's first crossing / plain's whole budget) is kept beside it, not judged.
+    ``pointing`` (recipe ``efficiency.pointing_bars``: ``arms``, ``over_train_prior``): each arm's pointing games
+    (z, attention) on the report set at least that far above the train-box prior, read from ``margins`` (the
+    paired per-seed margins pooled over seeds, ``margins_over_train_prior``)."""
     out = []
     rein, plain = arms.get("reinforced"), arms.get("plain")
     if rein and plain:
         c = rein["crossing"]
         ratio, hi = c["ratio"], c["ratio_ci"][1]
-        share, upper = Fraction(fraction).limit_denominator(10), round(RATIO_UPPER_SLACK * fraction, 2)
+        share = Fraction(fraction).limit_denominator(10)
+        upper = round(RATIO_UPPER_SLACK * fraction, 2) if upper is None else round(float(upper), 3)
         out.append({"bar": f"reinforced reaches plain's final {_label(curve)} with <= {share} of plain's samples "
                            f"(first crossing for both arms) and the ratio's 95 % upper bound <= {upper}",
                     "value": ratio, "ci": c["ratio_ci"], "limit": fraction,
@@ -288,11 +294,26 @@ def bars(arms: dict, bench: dict, plain_total: float, curve: str = DEFAULT_METRI
         out.append({"bar": f"reinforced final {_label(final)} - plain's > 2 sd of plain's seeds", "value": gap,
                     "limit": None if p_sd is None else 2 * p_sd,
                     "met": None if gap is None or p_sd is None else gap > 2 * p_sd})
+    out += pointing_bars(pointing, margins or {})
     ratios = (("stored step <= 1.05x no-teacher step", "reinforced", "plain", lambda r: r <= 1.05),
               ("online step >= 3x stored step", "online", "reinforced", lambda r: r >= 3.0))
     for text, a, b, ok in ratios:
         r = bench[a] / bench[b] if bench.get(a) and bench.get(b) else None
         out.append({"bar": text, "value": r, "met": None if r is None else ok(r)})
+    return out
+
+
+def pointing_bars(spec: dict | None, margins: dict) -> list[dict]:
+    """``spec`` {arms, over_train_prior}: per arm and pointing game, its seed-mean margin over the train-box prior
+    >= over_train_prior, with the margin's 95 % interval over images and seeds beside it."""
+    out = []
+    for arm in (spec or {}).get("arms", []):
+        for figure in ("pointing_z", "pointing_attn"):
+            m = (margins.get(arm) or {}).get(figure) or {}
+            value, over = m.get("margin"), float(spec["over_train_prior"])
+            out.append({"bar": f"{arm} {figure} - train-box prior >= {over:g} on the report set (seed mean of the "
+                               "paired per-seed margins)", "value": value, "ci": m.get("interval"), "limit": over,
+                        "met": None if value is None else value >= over})
     return out
 
 
@@ -337,7 +358,9 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
     steps_ratio = step_ratios(rows, bench)
     comparisons = [compare_arms(trained, a, b, curve_metric, final_metric, fractions) for a, b in pairs]
     plain_total = max((r["samples_seen"] or 0) for r in trained.get("plain", trained[next(iter(trained))])["rows"])
-    measured_bars = bars(arms, bench, plain_total, curve_metric, final_metric, fraction)
+    margins = {n: t["margins"] for n, t in trained.items() if t["margins"]}
+    measured_bars = bars(arms, bench, plain_total, curve_metric, final_metric, fraction, spec.get("samples_upper"),
+                         spec.get("pointing_bars"), margins)
     image_only = image_only_results(spec["judge"], trained, shards, final_metric) if spec.get("judge") else None
     if image_only:
         measured_bars += image_only["bars"]
@@ -350,7 +373,7 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
                            "selection": recipe.get("selection") or {}}, "teachers": teachers, "arms": arms,
               "bench_step_ms": bench, "step_ratio": steps_ratio, "cost": cost, "bars": measured_bars,
               "target_fractions": fractions, "comparisons": comparisons, "table": rows,
-              "margins_over_train_prior": {n: t["margins"] for n, t in trained.items() if t["margins"]},
+              "margins_over_train_prior": margins,
               "runs": {n: t["seeds"] for n, t in trained.items()},
               **({"image_only": image_only} if image_only else {})}
     write_json(result, out_dir / "results.json")
