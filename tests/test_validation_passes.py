@@ -175,3 +175,18 @@ def test_a_run_killed_between_saves_resumes_to_the_uninterrupted_run_where_passe
 
     assert [p["step"] for p in passes("run")] == list(range(1, 8))
     assert json.dumps(passes("run"), sort_keys=True) == json.dumps(passes("ref"), sort_keys=True)
+
+
+def test_kept_batches_from_a_loader_worker_hold_no_shared_memory(phantom_shards):
+    """A worker's tensors arrive in shared memory (an open file each); the kept copies are the process's own."""
+    from cxrdr.train.data import make_eval_loader
+    from cxrdr.train.models import build_student
+
+    student = build_student("tiny-A")
+    replayed = ReplayedBatches(make_eval_loader(phantom_shards, "train", student, batch_size=4, workers=1))
+    shared = [torch.is_tensor(v) and v.is_shared() for batch in replayed for v in batch.values()]
+    assert any(shared)  # as the worker handed them over
+    assert replayed.batches and not any(torch.is_tensor(v) and v.is_shared()
+                                        for batch in replayed.batches for v in batch.values())
+    again = list(replayed)
+    assert [b["key"] for b in again] == [b["key"] for b in replayed.batches]

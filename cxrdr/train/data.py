@@ -445,7 +445,7 @@ class ReplayedBatches:
                 if size > self.max_bytes:  # too big to keep: stream this and every later pass
                     self.streaming, kept = True, []
                 else:
-                    kept.append(batch)
+                    kept.append(_unshared(batch))
                     if last:  # kept before the hand-over: the caller stops at this batch
                         self.batches = kept
             yield batch
@@ -453,6 +453,13 @@ class ReplayedBatches:
                 return
         if not self.streaming:
             self.batches = kept
+
+
+def _unshared(batch: dict) -> dict:
+    """The batch with its tensors in this process's own memory: a loader worker's tensors arrive in shared
+    memory, one open file each (torch's file_descriptor strategy), and a kept split of many small batches
+    would hold thousands of them open."""
+    return {k: v.clone() if torch.is_tensor(v) and v.is_shared() else v for k, v in batch.items()}
 
 
 def _usable_workers(workers: int, n_shards: int, resampled: bool) -> int:
