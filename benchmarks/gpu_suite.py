@@ -503,6 +503,9 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
                                f"{cfg['students']['batch_size']})", ">=", 2, e_over_a_compiled))
     targets.append(_target(f"build / teacher forward ({cfg['teacher']} teacher, K={b['n_aug']}, {b['store_size']} px)",
                            ">=", 0.9, build.get("ratio")))
+    if build.get("steady_ratio") is not None:  # beside it, not instead: the same build without its workers' start-up
+        targets.append(_target(f"build / teacher forward [steady: from the build's first batch, {b['n']} samples]",
+                               ">=", 0.9, build["steady_ratio"]))
     compiled_rows = (sections.get("loop_compiled") or {}).get("rows") or []
     for scope in COMPILE_ESTIMATE_S:
         rows = [r for r in compiled_rows if r.get("compile_scope") == scope]

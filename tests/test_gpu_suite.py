@@ -108,7 +108,10 @@ def test_tiny_suite_measures_every_section(tmp_path):
 
     targets = result["targets"]
     assert all(set(t) >= TARGET_KEYS for t in targets)
-    assert len(targets) == 8  # no compiled rows in the tiny run: the eager targets only
+    # no compiled rows in the tiny run: the eager targets, and the build's steady ratio beside its whole one
+    assert len(targets) == 9
+    steady = next(t for t in targets if t["name"].startswith("build / teacher forward [steady"))
+    assert steady["value"] == s["build"]["steady_ratio"] and steady["required"] == ">= 0.9"
     by_name = {t["name"].split(" (")[0]: t for t in targets}
     d_rate = by_name["D training, real loop, img/s [eager]"]
     assert d_rate["value"] == lb["D"]["img_per_s"] and d_rate["required"] == ">= 3500"
