@@ -104,8 +104,8 @@ def settings(tiny: bool, device: str) -> dict:
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
                 table_family="vit-s16",
-                reserve={"build": 90, "students": 50, "loop": 75, "peer": 60, "loop_compiled": COMPILE_ESTIMATE_S["blocks"],
-                         "train_step": 45, "table": 0})
+                reserve={"build": 90, "students": 50, "loop": 75, "peer": 60,
+                         "loop_compiled": COMPILE_ESTIMATE_S["blocks"], "train_step": 45, "table": 0})
 
 
 def _free_device_memory() -> None:
@@ -203,14 +203,15 @@ def _loop_description(cfg: dict) -> str:
             f"{lp['batch_size']}, {amp}, stored teacher")
 
 
-def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str, bool]]) -> dict:
+def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str, str | None]]) -> dict:
+    """A trainer per (name, model, compile scope or None for eager) of ``plan``."""
     import train_step
 
     lp = cfg["loop"]
     base = train_step.bench_config(shards, lp["batch_size"], lp["workers"], cfg["device"])
     trainers = {}
-    for name, model, compiled in plan:
-        extra = {"compile": True, "compile_scope": compiled} if compiled else {}
+    for name, model, scope in plan:
+        extra = {"compile": True, "compile_scope": scope} if scope else {}
         # a fresh run folder each: the compiled section builds trainers of the same models again
         out = tempfile.mkdtemp(prefix=f"loop-{model}-", dir=work)
         trainers[name] = train_step.make_trainer({**base, "out": out, "overwrite": True, **extra}, model=model)
@@ -250,7 +251,7 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
     """The real loop's step of A-E, eager, interleaved (train_step.time_round_robin)."""
     lp = cfg["loop"]
     pattern = cfg["families"][lp["family"]][0]
-    trainers = _loop_trainers(cfg, work, shards, [(v, pattern.format(v=v), False) for v in VARIANTS])
+    trainers = _loop_trainers(cfg, work, shards, [(v, pattern.format(v=v), None) for v in VARIANTS])
     rows = _run_loop(cfg, trainers)
     math_state = _math_state()  # as the Trainer left the process (it sets its CUDA math at start-up)
     del trainers
@@ -287,12 +288,13 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
         return {"rows": list(rows), "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
                 "description": _loop_description(cfg),
                 "note": "each compiled configuration timed interleaved with its eager twin, one at a time; "
-                        "warmup_s holds the compilation" + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
+                        "warmup_s holds the compilation"
+                        + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
 
     for v, scope in COMPILED_ORDER:
         if budget.left() - reserve_after < COMPILE_ESTIMATE_S[scope]:
             continue  # a cheaper configuration further down may still fit
-        trainers = _loop_trainers(cfg, work, shards, [(f"{v} eager", pattern.format(v=v), False),
+        trainers = _loop_trainers(cfg, work, shards, [(f"{v} eager", pattern.format(v=v), None),
                                                       (_compiled_name(v, scope), pattern.format(v=v), scope)])
         rows += _run_loop(cfg, trainers)
         done.append((v, scope))

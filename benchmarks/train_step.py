@@ -197,6 +197,8 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
 
 
 def main(argv=None) -> int:
+    from cxrdr.train.compiling import SCOPES as COMPILE_SCOPES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", help="shard folder (default: a phantom build in a temp folder)")
     parser.add_argument("--size", choices=("cpu", "tiny", "full"), default="cpu",
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps of one configuration between device syncs (GPU: e.g. 5)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the student (TrainConfig.compile)")
-    parser.add_argument("--compile-scope", choices=("model", "blocks"), default="model",
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="model",
                         help="with --compile: the whole forward or each tower block (TrainConfig.compile_scope)")
     parser.add_argument("--only", default=None,
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")

@@ -184,7 +184,7 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=50,
                                               publish=published.append)
     # 300 s: three block configurations (180 s) leave 120 - 50 reserved, too little for a whole-model one
-    assert plans == [[(f"{v} eager", False), (f"{v} compiled blocks", "blocks")] for v in "DAE"]
+    assert plans == [[(f"{v} eager", None), (f"{v} compiled blocks", "blocks")] for v in "DAE"]
     assert [len(p["rows"]) for p in published] == [2, 4, 6]
     assert "still to measure: A compiled blocks, E compiled blocks, D compiled model" in published[0]["note"]
     assert section["by_scope"] == {"blocks": {"compiled_over_eager_img_per_s": {"D": 2.0, "A": 2.0, "E": 2.0},

@@ -171,7 +171,8 @@ def test_a_run_killed_between_saves_resumes_to_the_uninterrupted_run_where_passe
 
     def passes(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in r.items() if k != "eval_time_s"} for r in map(json.loads, lines) if r["kind"] == "eval"]
+        records = map(json.loads, lines)
+        return [{k: v for k, v in r.items() if k != "eval_time_s"} for r in records if r["kind"] == "eval"]
 
     assert [p["step"] for p in passes("run")] == list(range(1, 8))
     assert json.dumps(passes("run"), sort_keys=True) == json.dumps(passes("ref"), sort_keys=True)

@@ -14,7 +14,6 @@ stay eager, the step number reaches the model as in eager mode, and the texts ke
 from __future__ import annotations
 
 import torch
-import torch._functorch.config
 import torch.nn as nn
 
 SCOPES = ("model", "blocks")
@@ -69,6 +68,8 @@ def _rates_as_tensors(blocks: list[nn.Module]) -> None:
 def compile_blocks(student: nn.Module, backend: str = "inductor") -> int:
     """Compile each repeated block in place (``nn.Module.compile``: the state dict keeps its names, so
     checkpoints are the eager model's); returns how many were compiled."""
+    import torch._functorch.config
+
     # A logging step's loss balance (losses.objective.loss_balance) takes each term's gradient with the graph
     # retained, a second backward through the blocks, which AOT autograd's donated buffers refuse.
     torch._functorch.config.donated_buffer = False
