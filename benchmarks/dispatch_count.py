@@ -11,14 +11,18 @@ measurable on any machine:
 Each argument is VARIANT[:SCOPE] (SCOPE: a ``TrainConfig.compile_scope``). The count is torch.profiler's
 ``aten::`` events of one micro-step (``Trainer._micro_step``) after two warm-up steps (the compilation), nested
 calls included; the optimiser step is left out (on CUDA it is one fused AdamW). On CPU, inductor still calls aten
-for matrix products, so a GPU's count drops further than the CPU's.
+for matrix products, so a GPU's count drops further than the CPU's. Beside it: the seconds of the first step (the
+compilation, with inductor's cache in a fresh folder per command unless TORCHINDUCTOR_CACHE_DIR is set; later
+configurations of one command reuse what earlier ones compiled) and of the second.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +41,7 @@ def count_step_ops(trainer, batches) -> collections.Counter:
 
 
 def main(argv=None) -> int:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="cxrdr-inductor-"))  # a cold compile
     import torch
 
     import train_step
@@ -59,12 +64,16 @@ def main(argv=None) -> int:
         extra = {"compile": True, "compile_scope": scope} if scope else {}
         base = {**train_step.bench_config(shards, args.batch_size, 0, "cpu"), "out": f"{tmp.name}/run{i}", **extra}
         trainer, batches = train_step.make_trainer(base, model=f"{prefix}{variant}")
+        seconds = []
         for _ in range(2):  # warm-up: the compilation, the loader
+            start = time.perf_counter()
             trainer.train_step(batches, log_balance=False)
+            seconds.append(time.perf_counter() - start)
         counts[spec] = count_step_ops(trainer, batches)
         batches.close()
         top = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in counts[spec].most_common(5))
-        print(f"{spec:<12} {sum(counts[spec].values()):>7} aten ops per forward + backward  (most: {top})", flush=True)
+        print(f"{spec:<12} {sum(counts[spec].values()):>7} aten ops per forward + backward; first step "
+              f"{seconds[0]:.1f} s, second {seconds[1]:.2f} s  (most: {top})", flush=True)
     tmp.cleanup()
     return 0
 

@@ -68,8 +68,8 @@ COMPILED_ORDER = (("D", "blocks"), ("A", "blocks"), ("E", "blocks"), ("D", "mode
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin). Whole model: ../shared/gpu/compile-h100.txt measured 73-112 s warm-ups that
 # recompiled nearly every step; on the H200 (benchmarks/results/nvidia-h200.md) D, A and E compiled in one block
-# did not finish within 350 s. Blocks: on 2 CPU cores D's first step took 30 s by blocks against 107 s whole
-# (inductor, cold cache; not measured on a GPU).
+# did not finish within 350 s. Blocks: on 2 CPU cores D's first step took 31 s by blocks against 94 s whole
+# (inductor, cold cache; benchmarks/dispatch_count.py D D:blocks D:model; not measured on a GPU).
 COMPILE_ESTIMATE_S = {"blocks": 75, "model": 150}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
