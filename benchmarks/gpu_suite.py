@@ -23,7 +23,8 @@ Sections (each a function; each reuses the project's own measurement code):
                   target keep rate (``efficiency_metrics(step=FAR_STEP)``).
 3. loop           the real loop's step (``Trainer.train_step``, ``benchmarks/train_step.time_round_robin``)
                   of A-E at ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher (the shards of
-                  section 1), interleaved in blocks of steps.
+                  section 1), interleaved in blocks of steps; and A with its texts padded
+                  (``--no-pack-text``), for what running the text tower on the real tokens buys.
 4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
                   eager and compiled.
 5. loop_compiled  as 3 with ``TrainConfig.compile`` for D, A, E, by blocks then whole (as the budget allows),
@@ -61,6 +62,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repository's packages
 
 VARIANTS = "ABCDE"
+PADDED_A = "A padded texts"  # the loop section's A with --no-pack-text, beside A
 # The compiled loop configurations (variant, TrainConfig.compile_scope), most wanted first (the budget may cut the
 # tail): block by block first (cxrdr.train.compiling: a block's compile time, shared by the variants' towers), then
 # the whole model.
@@ -79,7 +81,7 @@ def settings(tiny: bool, device: str) -> dict:
     """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
 
     GPU sizes come from the H100 step times in ../shared/gpu (before this round's changes, so an
-    upper bound): build ~74 s (suite-h100); students ~7 rows x ~5 s; loop 5 configurations x
+    upper bound): build ~74 s (suite-h100); students ~7 rows x ~5 s; loop 6 configurations x
     (2 + 4 blocks of 5 steps) at <= 0.22 s/step + profiling ~60 s; peer ~10 s eager + one compile;
     train_step ~36 s; compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows."""
     if tiny:
@@ -104,7 +106,7 @@ def settings(tiny: bool, device: str) -> dict:
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
                 table_family="vit-s16",
-                reserve={"build": 90, "students": 50, "loop": 75, "peer": 60,
+                reserve={"build": 90, "students": 50, "loop": 90, "peer": 60,
                          "loop_compiled": COMPILE_ESTIMATE_S["blocks"], "train_step": 45, "table": 0})
 
 
@@ -203,15 +205,16 @@ def _loop_description(cfg: dict) -> str:
             f"{lp['batch_size']}, {amp}, stored teacher")
 
 
-def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple[str, str, str | None]]) -> dict:
-    """A trainer per (name, model, compile scope or None for eager) of ``plan``."""
+def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple]) -> dict:
+    """A trainer per (name, model, compile scope or None for eager[, other TrainConfig fields]) of ``plan``."""
     import train_step
 
     lp = cfg["loop"]
     base = train_step.bench_config(shards, lp["batch_size"], lp["workers"], cfg["device"])
     trainers = {}
-    for name, model, scope in plan:
+    for name, model, scope, *fields in plan:
         extra = {"compile": True, "compile_scope": scope} if scope else {}
+        extra.update(*fields)
         # a fresh run folder each: the compiled section builds trainers of the same models again
         out = tempfile.mkdtemp(prefix=f"loop-{model}-", dir=work)
         trainers[name] = train_step.make_trainer({**base, "out": out, "overwrite": True, **extra}, model=model)
@@ -248,15 +251,20 @@ def _ratios(rows: list[dict]) -> dict:
 
 
 def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
-    """The real loop's step of A-E, eager, interleaved (train_step.time_round_robin)."""
+    """The real loop's step of A-E, eager, interleaved (train_step.time_round_robin), and A with its texts
+    padded (``--no-pack-text``): what running the text tower on the real tokens buys."""
     lp = cfg["loop"]
     pattern = cfg["families"][lp["family"]][0]
-    trainers = _loop_trainers(cfg, work, shards, [(v, pattern.format(v=v), None) for v in VARIANTS])
+    plan = [(v, pattern.format(v=v), None) for v in VARIANTS]
+    plan.append((PADDED_A, pattern.format(v="A"), None, {"pack_text": False}))
+    trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers)
     math_state = _math_state()  # as the Trainer left the process (it sets its CUDA math at start-up)
     del trainers
     _free_device_memory()
-    return {"rows": rows, **_ratios(rows), "description": _loop_description(cfg), "shards": shards,
+    by = {r["name"]: r for r in rows}
+    packing = {"A_packed_over_padded_img_per_s": by["A"]["img_per_s"] / by[PADDED_A]["img_per_s"]}
+    return {"rows": rows, **_ratios(rows), **packing, "description": _loop_description(cfg), "shards": shards,
             "batch_size": lp["batch_size"], "block": lp["block"], "steps": lp["steps"], "warmup": lp["warmup"],
             "cuda_math": math_state if cfg["device"].startswith("cuda") else None,
             "note": f"Trainer.train_step (non-log steps), {lp['steps']} timed steps per configuration in blocks of "
@@ -717,7 +725,8 @@ def markdown(result: dict) -> str:
         lp = s["loop"]
         md += ["## 3. Real training loop (Trainer.train_step)", "", f"{lp['description']}; {lp['note']}.", "",
                *_table(lp["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), "",
-               f"- D step / A step {_fmt(lp.get('D_over_A_step'))}; E / A img/s {_fmt(lp.get('E_over_A_img_per_s'))}",
+               f"- D step / A step {_fmt(lp.get('D_over_A_step'))}; E / A img/s {_fmt(lp.get('E_over_A_img_per_s'))}; "
+               f"A packed / padded texts img/s {_fmt(lp.get('A_packed_over_padded_img_per_s'))}",
                f"- CUDA math after the Trainer's start-up: {lp['cuda_math']}" if lp.get("cuda_math") else "", ""]
     if "peer" in s:
         pe = s["peer"]

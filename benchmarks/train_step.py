@@ -13,6 +13,7 @@ storing the teacher's embeddings saves per step (MobileCLIP's argument).
     python benchmarks/train_step.py                      # the CPU ladder, phantom shards, CPU/GPU auto
     python benchmarks/train_step.py --size full --shards shards/ --device cuda --teachers random:tiny,biomedclip \
         --batch-size 256 --block 5 [--compile]
+    python benchmarks/train_step.py --size full --only A,E --padded-texts   # texts packed vs padded
 
 The step is the loop's own (``Trainer.train_step``, non-log steps), timed as a black box with the
 device synchronised only at block edges (``time_interleaved``); beside ms/step it prints the data
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
                         help="with --compile: the whole forward or each tower block (TrainConfig.compile_scope)")
     parser.add_argument("--only", default=None,
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
+    parser.add_argument("--padded-texts", action="store_true",
+                        help="also time A, E and D with their texts padded (--no-pack-text): what packing buys")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--amp", default="bf16")
@@ -243,6 +246,8 @@ def main(argv=None) -> int:
             ("D plain (no teacher)", dict(model=f"{prefix}D", mode="plain"))]
     for spec in [s.strip() for s in args.teachers.split(",") if s.strip()]:
         plan.append((f"D online {spec}", dict(model=f"{prefix}D", online_teacher=spec)))
+    if args.padded_texts:
+        plan += [(f"{v} stored, padded texts", dict(model=f"{prefix}{v}", pack_text=False)) for v in "AED"]
     if args.only:
         plan = [(name, overrides) for name, overrides in plan if name.split()[0] in args.only.split(",")]
     trainers = {}

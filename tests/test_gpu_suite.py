@@ -77,7 +77,10 @@ def test_tiny_suite_measures_every_section(tmp_path):
         by["tiny-E"]["train_img_per_s"] / by["tiny-A"]["train_img_per_s"])
 
     loop = s["loop"]["rows"]
-    assert [r["name"] for r in loop] == list("ABCDE") and all(r["model"] == f"tiny-{r['name']}" for r in loop)
+    # A-E, and A again with its texts padded (--no-pack-text): what packing them buys
+    assert [r["name"] for r in loop] == [*"ABCDE", "A padded texts"]
+    assert [r["model"] for r in loop] == [f"tiny-{v}" for v in "ABCDEA"]
+    assert s["loop"]["A_packed_over_padded_img_per_s"] == loop[0]["img_per_s"] / loop[-1]["img_per_s"]
     for r in loop:
         assert positive(r["img_per_s"]) and positive(r["step_ms"]) and r["data_ms"] >= 0
         assert r["compile"] is False and r["host_syncs_per_step"] is None and r["gflops_per_img"] is None

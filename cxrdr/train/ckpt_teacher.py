@@ -31,7 +31,10 @@ class CheckpointTeacher(Teacher):
 
     def _encode_texts(self, texts: list[str]) -> torch.Tensor:
         tokens = self.model.tokenize(texts)
-        return self.model.encode_text(tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device))
+        # the tokenizer's packing index where it gives one (the text tower then skips the padding)
+        packing = {"token_index": tokens["token_index"]} if "token_index" in tokens else {}
+        return self.model.encode_text(tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device),
+                                      **packing)
 
 
 def _logit_scale(model) -> float:

@@ -7,9 +7,11 @@ are over (``Trainer._compiled_now``) and every text is padded to the context len
 
 ``blocks``: each transformer block of both towers is compiled on its own, PyTorch's "regional compilation". The
 blocks of a tower share their code, so torch.compile reuses one compiled block for all of them: compiling costs
-about one block's worth per tower and input shape (E's blocks after the drop see a second length; the texts'
-length buckets a few more, until dynamo marks the length dynamic). The heads, losses and the glue between blocks
-stay eager, the step number reaches the model as in eager mode, and the texts keep their length buckets.
+about one block's worth per tower and input shape (E's blocks after the drop see a second length). Texts run
+packed (``models/packed_text.py``: their real tokens only, a count that changes every batch): their layers share
+one ``packed_layer`` compiled for dynamic shapes; padded texts (``--no-pack-text``, evaluation on a GPU) run the
+compiled layers at their length buckets. The heads, losses and the glue between blocks stay eager and the step
+number reaches the model as in eager mode.
 """
 from __future__ import annotations
 
@@ -77,4 +79,8 @@ def compile_blocks(student: nn.Module, backend: str = "inductor") -> int:
     _rates_as_tensors(blocks)
     for block in blocks:
         block.compile(backend=backend)
+    text = getattr(student, "text_tower", None)
+    if getattr(text, "pack", False):  # the packed text layers (packed_text) bypass the layers' own forward;
+        # their token count changes every batch: compiled for any shape at once, not per shape first
+        text.packed_layer = torch.compile(text.packed_layer, backend=backend, dynamic=True)
     return len(blocks)

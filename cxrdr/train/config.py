@@ -101,6 +101,8 @@ class TrainConfig:
                                        "fusion, minutes to compile; texts padded to the context length, eager while "
                                        "the k-ratio / keep-rate schedules change) or blocks (each tower block, one "
                                        "compiled block per tower shared by all: about a block's compile time).")
+    pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
+                                 "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int = _opt(2, "DataLoader workers per rank.")
     seed: int = _opt(0, "Seed of model init, data order and view picks.")
     device: str = _opt("auto", "auto, cpu or cuda.")

@@ -128,6 +128,9 @@ class Trainer:
         self._setup_eval()
         self._stage = None  # 'frozen' or 'full': the stage self.task.model was wrapped for
         self._compiled = None  # torch.compile of self.task.model for this stage (--compile-scope model)
+        text_tower = getattr(self.student, "text_tower", None)
+        if text_tower is not None and not cfg.pack_text:
+            text_tower.pack = False
         if cfg.compile and cfg.compile_scope == "blocks":  # in place, once: dynamo guards see stage changes
             compile_blocks(self.student, cfg.compile_backend)
         self.finite = FiniteWatch()  # non-finite losses, read at log and save steps only

@@ -36,7 +36,8 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
     for batch in loader:
         with autocast:
             out_img = model.encode_image(batch["images"].to(device, non_blocking=True))
-            out_txt = model.encode_text(batch["report_ids"].to(device), batch["report_mask"].to(device))
+            out_txt = model.encode_text(batch["report_ids"].to(device), batch["report_mask"].to(device),
+                                        batch.get("report_token_index"))
         img.append(out_img.float().cpu())
         txt.append(out_txt.float().cpu())
         labels.append(batch["labels"])

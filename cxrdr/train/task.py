@@ -32,11 +32,13 @@ class StudentStep(nn.Module):
         self.student = student
 
     def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None,
-                local_pairs=0, local_words=False, local_affirmed=False, local_skip_normal=False):
+                local_pairs=0, local_words=False, local_affirmed=False, local_skip_normal=False,
+                report_token_index=None, caption_token_index=None):
         out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs,
                            local_words=local_words, local_affirmed=local_affirmed,
-                           local_skip_normal=local_skip_normal)
-        syn = None if caption_ids is None else self.student.encode_text(caption_ids, caption_mask)
+                           local_skip_normal=local_skip_normal, token_index=report_token_index)
+        syn = None if caption_ids is None else self.student.encode_text(caption_ids, caption_mask,
+                                                                          caption_token_index)
         heads = getattr(self.student, "teacher_heads", None)
         if heads is not None:  # inside the forward DDP wraps, so the heads' gradients are synchronised
             out.teacher_space = heads(out.image_emb, {"txt": out.text_emb, "syn": syn})
@@ -85,10 +87,13 @@ class Task:
         if self.loss_cfg.use_syn:
             args += [batch["caption_ids"], batch["caption_mask"]]
         model, model_step = (self.model, step) if compiled is None else (compiled, None)
-        out, syn_txt = model(*args, step=model_step, local_pairs=self.local_pairs,
-                                             local_words=self.local_words,
-                                             local_affirmed=self.loss_cfg.local_affirmed_only,
-                                             local_skip_normal=self.loss_cfg.local_skip_normal)
+        # the texts' real tokens only (packed_text); not in the one-graph compile, whose texts have one shape
+        packing = {} if compiled is not None else {
+            "report_token_index": batch.get("report_token_index"),
+            "caption_token_index": batch.get("caption_token_index") if self.loss_cfg.use_syn else None}
+        out, syn_txt = model(*args, step=model_step, local_pairs=self.local_pairs, local_words=self.local_words,
+                             local_affirmed=self.loss_cfg.local_affirmed_only,
+                             local_skip_normal=self.loss_cfg.local_skip_normal, **packing)
         self.keep_ratio = float(out.keep_ratio)  # a Python number (k / n), no device read
         return self.objective(out, batch, step, self.total_steps, syn_text_emb=syn_txt)
 

@@ -44,6 +44,7 @@ from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train import device as train_device
 from cxrdr.train.device import amp_dtype_for, autocast
 from cxrdr.train.losses import LossConfig
+from cxrdr.train.models.packed_text import packing_index
 from cxrdr.train.optim import OptimConfig, build_optimizer
 from cxrdr.train.task import Task
 
@@ -223,8 +224,10 @@ def synthetic_train_batch(model, batch_size: int, device, seed: int = 0) -> dict
     gen = torch.Generator().manual_seed(seed + 1)
     teacher = {part: F.normalize(torch.randn(batch_size, model.embed_dim, generator=gen), dim=-1).to(device)
                for part in ("img", "txt", "syn")}
+    index = packing_index(mask.cpu()).to(device)  # all real tokens: the same report in every row
     return {"images": images, "report_ids": ids, "report_mask": mask, "caption_ids": ids,
-            "caption_mask": mask, "teacher": {"synthetic": teacher}}
+            "caption_mask": mask, "report_token_index": index, "caption_token_index": index,
+            "teacher": {"synthetic": teacher}}
 
 
 def _time(fn, iters: int, warmup: int, device) -> float:

@@ -37,7 +37,7 @@ class EvalModel:
             if self.is_student:
                 tok = self.module.tokenize(list(texts))
                 out = self.module.encode_text(tok["input_ids"].to(self.device),
-                                              tok["attention_mask"].to(self.device))
+                                              tok["attention_mask"].to(self.device), tok.get("token_index"))
             else:
                 out = self.module.encode_texts(list(texts))
         return torch.nn.functional.normalize(out.float(), dim=-1).cpu().numpy()

@@ -151,35 +151,41 @@ class PatchIBStudent(nn.Module):
             z, soft = self.mask_head(patches, step)
         return img, patches, z, soft
 
-    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None):
+    def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None,
+              token_index: torch.Tensor | None = None):
         device = self.pixel_mean.device
-        return self.text_tower(input_ids.to(device), attention_mask.to(device), token_layer)
+        return self.text_tower(input_ids.to(device), attention_mask.to(device), token_layer, token_index)
 
     def encode_image(self, images: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """(B, 1, H, W) in [0, 1] -> (B, D) normalised global image embedding."""
         return F.normalize(self.image_proj(self._image(images, step).pooled), dim=-1)
 
-    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """token ids (B, L) -> (B, D) normalised text embedding (L as ``tokenize`` pads, see TextTokenizer)."""
-        return F.normalize(self.text_proj(self._text(input_ids, attention_mask)[1]), dim=-1)
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    token_index: torch.Tensor | None = None) -> torch.Tensor:
+        """token ids (B, L) -> (B, D) normalised text embedding (L as ``tokenize`` pads, see TextTokenizer).
+        ``token_index``: the tokenizer's, to run the text tower on the real tokens only."""
+        return F.normalize(self.text_proj(self._text(input_ids, attention_mask, token_index=token_index)[1]), dim=-1)
 
     def current_logit_scale(self) -> torch.Tensor:
         return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 step: int | None = None, local_pairs: int = 0, local_words: bool = False,
-                local_affirmed: bool = False, local_skip_normal: bool = False) -> StudentOutput:
+                local_affirmed: bool = False, local_skip_normal: bool = False,
+                token_index: torch.Tensor | None = None) -> StudentOutput:
         """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
         batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
         B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
         reports apart, where the grounding signal is. ``local_words``: also those tokens' own-image
         regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``).
         ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion");
-        ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.")."""
+        ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.").
+        ``token_index``: the tokenizer's packing index of the texts (``encode_text``)."""
         img, patches, z, soft = self._image_and_heads(images, step)
         # the word states the local heads read (local_text_layer), and the global text vector
         text_tokens, text_pooled = self._text(input_ids, attention_mask,
-                                              self.config.local_text_layer if self.local_align is not None else None)
+                                              self.config.local_text_layer if self.local_align is not None else None,
+                                              token_index)
         text_mask = attention_mask.to(text_tokens.device).bool()
         out = StudentOutput(
             image_emb=F.normalize(self.image_proj(img.pooled), dim=-1),
@@ -248,7 +254,7 @@ class PatchIBStudent(nn.Module):
             texts = list(texts)
             for i in range(0, len(texts), batch_size):
                 tok = self.tokenize(texts[i:i + batch_size])
-                outs.append(self.encode_text(tok["input_ids"], tok["attention_mask"]).float().cpu())
+                outs.append(self.encode_text(tok["input_ids"], tok["attention_mask"], tok.get("token_index")).float().cpu())
             return torch.cat(outs) if outs else torch.zeros(0, self.embed_dim)
         finally:
             self.train(was_training)

@@ -21,6 +21,7 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, BertTo
 from transformers.utils import logging as hf_logging
 
 from cxrdr.common.pretrained import cache_root, minilm_path
+from cxrdr.train.models.packed_text import encode_packed, packed_layer, packing_index, supports_packing
 from cxrdr.train.models.init import create_open_clip
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -140,7 +141,9 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 class TextTokenizer:
-    """Wraps an HF tokenizer: list[str] -> {'input_ids', 'attention_mask'} LongTensors (B, L).
+    """Wraps an HF tokenizer: list[str] -> {'input_ids', 'attention_mask'} LongTensors (B, L) and
+    'token_index' (T,), the flat positions of the real tokens (``packed_text.packing_index``), which lets the
+    text tower skip the padding on a GPU without reading the mask there.
 
     L is the batch's longest text rounded up to a multiple of ``bucket`` tokens (``default_bucket``:
     a quarter of the context length), at most ``context_length``; ``bucket=context_length`` pads
@@ -174,7 +177,7 @@ class TextTokenizer:
         enc = self.tokenizer(list(texts), padding="max_length", truncation=True,
                              max_length=self.context_length, return_tensors="pt")
         ids, mask = trim_padding(enc["input_ids"].long(), enc["attention_mask"].long(), self.bucket)
-        return {"input_ids": ids, "attention_mask": mask}
+        return {"input_ids": ids, "attention_mask": mask, "token_index": packing_index(mask)}
 
 
 def build_tokenizer(text_tower: str, context_length: int, init_from: str | None = None) -> TextTokenizer:
@@ -230,18 +233,29 @@ class HFTextTower(nn.Module):
         self.pool = pool
         self.width = int(model.config.hidden_size)
         self.depth = int(model.config.num_hidden_layers)
+        # run on the real tokens only where a packing index is at hand (packed_text); False: always padded
+        self.pack = supports_packing(model)
+        self.packed_layer = packed_layer  # compiling.compile_blocks puts its torch.compile here
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None,
+                token_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(token states, pooled). The token states are those after ``token_layer`` encoder layers
-        (0: the embedding layer's output; None: the last layer); the pooled vector is always the last's."""
+        (0: the embedding layer's output; None: the last layer); the pooled vector is always the last's.
+        ``token_index``: the batch's ``packing_index`` (``TextTokenizer`` adds it), to skip the padding; on
+        the CPU it is read from the mask where not given (no sync there). Padded token states are zeros then."""
         if token_layer is not None and not 0 <= token_layer <= self.depth:
             raise ValueError(f"token_layer must be in 0..{self.depth}, got {token_layer}")
-        wanted = token_layer is not None and token_layer < self.depth
-        out = self.model(input_ids=input_ids, attention_mask=self._attention_bias(attention_mask),
-                         output_hidden_states=wanted)
-        tokens = out.last_hidden_state
-        layer_tokens = out.hidden_states[token_layer] if wanted else tokens
+        if token_index is None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
+            token_index = packing_index(attention_mask)
+        if self.pack and token_index is not None:
+            tokens, layer_tokens = encode_packed(self.model, input_ids, attention_mask, token_index.to(input_ids.device),
+                                                 token_layer, self.packed_layer)
+        else:
+            wanted = token_layer is not None and token_layer < self.depth
+            out = self.model(input_ids=input_ids, attention_mask=self._attention_bias(attention_mask),
+                             output_hidden_states=wanted)
+            tokens = out.last_hidden_state
+            layer_tokens = out.hidden_states[token_layer] if wanted else tokens
         if self.pool == "mean":
             m = attention_mask.unsqueeze(-1).to(tokens.dtype)
             pooled = (tokens * m).sum(1) / m.sum(1).clamp_min(1.0)

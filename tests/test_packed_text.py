@@ -1,0 +1,139 @@
+"""The text tower on the real tokens only (cxrdr/train/models/packed_text.py): the padded forward's states,
+gradients and pooled vectors, the packing index from the tokenizer to the tower, and its compilation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cxrdr.train.models.packed_text import encode_packed, packed_layer, packing_index, supports_packing
+from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
+
+TEXTS = ["no acute cardiopulmonary process.",
+         "moderate right pleural effusion with adjacent atelectasis. the heart size is normal. no pneumothorax.",
+         "cardiomegaly.",
+         "small left apical pneumothorax. left chest tube in place. the lungs are otherwise clear."]
+
+
+def _tower(name: str, **text_kwargs):
+    torch.manual_seed(0)
+    return build_text_tower(name, 32, text_kwargs=text_kwargs or None), build_tokenizer(name, 32)
+
+
+def _padded_and_packed(tower, tok, token_layer):
+    """The tower's (token states, pooled) padded and packed, on the same batch."""
+    outs = []
+    for pack in (False, True):
+        tower.pack = pack
+        outs.append(tower(tok["input_ids"], tok["attention_mask"], token_layer, tok["token_index"]))
+    return outs
+
+
+@pytest.mark.parametrize("name", ["tiny", "minilm"])
+def test_packed_tower_gives_the_padded_states_of_the_real_tokens(name):
+    tower, tokenizer = _tower(name)
+    tower.eval()
+    tok = tokenizer(TEXTS)
+    real = tok["attention_mask"].bool()
+    assert real.sum() < real.numel()  # the batch holds padding, which packing skips
+    assert supports_packing(tower.model)
+    with torch.no_grad():
+        for token_layer in (None, 0, 1):
+            (padded, padded_pooled), (packed, packed_pooled) = _padded_and_packed(tower, tok, token_layer)
+            assert packed.shape == padded.shape
+            torch.testing.assert_close(packed[real], padded[real], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(packed_pooled, padded_pooled, rtol=1e-4, atol=1e-5)
+            if token_layer != 0:  # the layers' padded rows are not computed: zeros (the embeddings are computed)
+                assert not packed[~real].any()
+
+
+def test_packed_gradients_equal_the_padded_ones_with_and_without_checkpointing():
+    tower, tokenizer = _tower("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    tower.train()
+    tok = tokenizer(TEXTS)
+    real = tok["attention_mask"].bool()
+    weights = torch.randn(real.shape + (tower.width,))
+
+    def grads(pack: bool, checkpointing: bool) -> dict:
+        tower.zero_grad()
+        tower.pack = pack
+        tower.set_grad_checkpointing(checkpointing)
+        states, pooled = tower(tok["input_ids"], tok["attention_mask"], 1, tok["token_index"])
+        ((states * weights)[real].sum() + pooled.square().sum()).backward()
+        return {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+    padded = grads(False, False)
+    for checkpointing in (False, True):
+        packed = grads(True, checkpointing)
+        assert packed.keys() == padded.keys() and len(packed) > 10
+        for name in padded:
+            torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_tokenizer_gives_the_real_tokens_positions():
+    tok = build_tokenizer("tiny", 32)(TEXTS)
+    mask = tok["attention_mask"]
+    index = tok["token_index"]
+    assert index.dtype == torch.long and index.shape == (int(mask.sum()),)
+    assert torch.equal(index, packing_index(mask))
+    rows, cols = index // mask.shape[1], index % mask.shape[1]
+    assert mask[rows, cols].all() and torch.equal(rows, rows.sort().values)  # row by row
+
+
+def test_a_layout_it_cannot_pack_runs_padded():
+    from transformers import BertConfig, BertModel
+
+    decoder = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32, is_decoder=True, add_cross_attention=True))
+    assert not supports_packing(decoder)
+    assert not supports_packing(torch.nn.Linear(2, 2))
+    from cxrdr.train.models.text_towers import HFTextTower
+
+    tower = HFTextTower(decoder, "cls")
+    assert tower.pack is False
+
+
+def test_a_compiled_packed_layer_is_one_graph_for_every_layer_and_batch():
+    """compiling.compile_blocks compiles ``packed_layer`` for dynamic shapes: the layers of the tower share it, and
+    the batches' token counts, lengths and sizes differ: not a compilation per layer or batch."""
+    from torch._dynamo.testing import CompileCounter
+
+    tower, tokenizer = _tower("tiny")
+    tower.eval()
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(packed_layer, backend=counter, dynamic=True)  # as compile_blocks does
+    try:
+        with torch.no_grad():
+            for texts in (TEXTS, TEXTS[:3], TEXTS[1:], TEXTS[::2]):
+                tok = tokenizer(texts)
+                args = (tok["input_ids"], tok["attention_mask"], tok["token_index"])
+                eager = encode_packed(tower.model, *args)[0]
+                torch.testing.assert_close(encode_packed(tower.model, *args, layer_fn=compiled)[0], eager)
+    finally:
+        torch._dynamo.reset()
+    assert len(tower.model.encoder.layer) >= 2 and counter.frame_count == 1
+
+
+def test_the_loop_hands_the_packing_index_to_the_text_tower(phantom_shards, tmp_path, monkeypatch):
+    """Reports and captions reach the tower with the tokenizer's index (on a GPU the tower cannot read it from the
+    mask without a sync); --no-pack-text runs them padded."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
+    from cxrdr.train.models import text_towers
+
+    seen = []
+    forward = text_towers.HFTextTower.forward
+
+    def spy(self, input_ids, attention_mask, token_layer=None, token_index=None):
+        seen.append((self.pack, token_index is not None and token_index.numel() == int(attention_mask.sum())))
+        return forward(self, input_ids, attention_mask, token_layer, token_index)
+
+    monkeypatch.setattr(text_towers.HFTextTower, "forward", spy)
+    for pack in (True, False):
+        seen.clear()
+        trainer = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-D", out=str(tmp_path / str(pack)),
+                                      steps=1, batch_size=4, workers=0, progress=False, device="cpu", log_every=1,
+                                      save_every=0, eval_every=0, pack_text=pack))
+        trainer.run()
+        assert trainer.student.text_tower.pack is pack
+        assert seen[:2] == [(pack, True), (pack, True)]  # the step's report and caption forwards
