@@ -117,8 +117,8 @@ def test_a_step_that_does_not_log_reads_nothing_from_the_device(phantom_shards, 
 
 
 def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, tmp_path, monkeypatch):
-    """--compile: one graph for the whole run (texts padded to the context length, no step number in
-    the graph) and the eager run's losses. The test compiles with aot_eager (dynamo's tracing and AOT
+    """--compile: one graph for the whole run (texts padded to the context length and packed, their token counts
+    dynamic sizes; no step number in the graph) and the eager run's losses. The test compiles with aot_eager (dynamo's tracing and AOT
     autograd, which find graph breaks and recompiles, without inductor's minutes of C++ builds on CPU)."""
     import json
 
@@ -144,8 +144,6 @@ def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, 
             if name == "eager":  # the texts as the compiled run pads them: the token draws of the local
                 # loss depend on the padded length, which is not what this test compares
                 patch.setattr("cxrdr.train.models.text_towers.default_bucket", lambda context_length: context_length)
-                # and padded, as the one graph runs them: packed texts draw other dropout masks
-                patch.setattr("cxrdr.train.models.text_towers.supports_packing", lambda model: False)
             train(TrainConfig(out=str(tmp_path / name), **common, **extra))
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records if r["kind"] == "train"]

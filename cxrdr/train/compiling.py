@@ -3,7 +3,9 @@
 ``model``: the whole forward (both towers, the Patch-IB heads, local alignment) is one graph. It fuses the most, but
 inductor compiles the forward and backward of a ViT-S + MiniLM student for minutes (on an H200 three such graphs did
 not finish in 350 s), and the graph may see no step number, so it runs only once the k-ratio and keep-rate schedules
-are over (``Trainer._compiled_now``) and every text is padded to the context length (one shape).
+are over (``Trainer._compiled_now``) and every text is padded to the context length (one shape); packed texts
+(``models/packed_text.py``) run on their real tokens in it all the same, their count a dynamic size
+(``Task._packing``).
 
 ``blocks``: each transformer block of both towers is compiled on its own, PyTorch's "regional compilation". The
 blocks of a tower share their code, so torch.compile reuses one compiled block for all of them: compiling costs
@@ -67,14 +69,24 @@ def _rates_as_tensors(blocks: list[nn.Module]) -> None:
                                                   device=device))
 
 
+def _allow_second_backward() -> None:
+    """A logging step's loss balance (losses.objective.loss_balance) takes each term's gradient with the graph
+    retained, a second backward through the compiled code, which AOT autograd's donated buffers refuse."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
+
+
+def compile_model(module: nn.Module, backend: str = "inductor") -> nn.Module:
+    """``--compile-scope model``: the whole forward as one graph (the Trainer runs it once the schedules are over)."""
+    _allow_second_backward()
+    return torch.compile(module, backend=backend)
+
+
 def compile_blocks(student: nn.Module, backend: str = "inductor") -> int:
     """Compile each repeated block in place (``nn.Module.compile``: the state dict keeps its names, so
     checkpoints are the eager model's); returns how many were compiled."""
-    import torch._functorch.config
-
-    # A logging step's loss balance (losses.objective.loss_balance) takes each term's gradient with the graph
-    # retained, a second backward through the blocks, which AOT autograd's donated buffers refuse.
-    torch._functorch.config.donated_buffer = False
+    _allow_second_backward()
     blocks = repeated_blocks(student)
     _rates_as_tensors(blocks)
     for block in blocks:

@@ -37,7 +37,7 @@ from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
-from cxrdr.train.compiling import compile_blocks
+from cxrdr.train.compiling import compile_blocks, compile_model
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import (ReplayedBatches, make_eval_loader, select_teachers, split_shards, teacher_dims,
                               training_parts)
@@ -306,7 +306,7 @@ class Trainer:
             # Unused parameters occur (e.g. the E score head's dropped branch, caption pass off).
             self.task.model = DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
         if self._compiles_model:  # a stage change alters which parameters need gradients: compile anew
-            self._compiled = torch.compile(self.task.model, backend=self.cfg.compile_backend)
+            self._compiled = compile_model(self.task.model, self.cfg.compile_backend)
 
     @property
     def _compiles_model(self) -> bool:

@@ -87,14 +87,25 @@ class Task:
         if self.loss_cfg.use_syn:
             args += [batch["caption_ids"], batch["caption_mask"]]
         model, model_step = (self.model, step) if compiled is None else (compiled, None)
-        # the texts' real tokens only (packed_text); not in the one-graph compile, whose texts have one shape
-        packing = {} if compiled is not None else {
-            "report_token_index": batch.get("report_token_index"),
-            "caption_token_index": batch.get("caption_token_index") if self.loss_cfg.use_syn else None}
+        packing = self._packing(batch, compiled is not None)
         out, syn_txt = model(*args, step=model_step, local_pairs=self.local_pairs, local_words=self.local_words,
                              local_affirmed=self.loss_cfg.local_affirmed_only,
                              local_skip_normal=self.loss_cfg.local_skip_normal, **packing)
         self.keep_ratio = float(out.keep_ratio)  # a Python number (k / n), no device read
         return self.objective(out, batch, step, self.total_steps, syn_text_emb=syn_txt)
+
+    def _packing(self, batch: dict, compiled: bool) -> dict:
+        """The texts' packing indices for the forward (``models/packed_text.py``: the text tower runs on the real
+        tokens only), where the student packs. In the one-graph compile their lengths (the batch's real token
+        counts, new every batch) are dynamic sizes: one graph for every batch, not one per count."""
+        if not getattr(getattr(self.student, "text_tower", None), "pack", False):
+            return {}
+        packing = {"report_token_index": batch.get("report_token_index"),
+                   "caption_token_index": batch.get("caption_token_index") if self.loss_cfg.use_syn else None}
+        if compiled:
+            for index in packing.values():
+                if index is not None:
+                    torch._dynamo.mark_dynamic(index, 0)
+        return packing
 
     __call__ = forward
