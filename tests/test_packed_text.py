@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cxrdr.train.models.packed_text import encode_packed, packed_layer, packing_index, supports_packing
+from cxrdr.train.models.packed_text import (encode_packed, packed_layer, packing_index, stack_token_batches,
+                                            supports_packing)
 from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
 
 TEXTS = ["no acute cardiopulmonary process.",
@@ -116,7 +117,7 @@ def test_a_compiled_packed_layer_is_one_graph_for_every_layer_and_batch():
 
 def test_the_loop_hands_the_packing_index_to_the_text_tower(phantom_shards, tmp_path, monkeypatch):
     """Reports and captions reach the tower with the tokenizer's index (on a GPU the tower cannot read it from the
-    mask without a sync); --no-pack-text runs them padded."""
+    mask without a sync), stacked into one call; --no-pack-text runs them padded, in two."""
     from cxrdr.train.config import TrainConfig
     from cxrdr.train.loop import Trainer
     from cxrdr.train.models import text_towers
@@ -125,7 +126,8 @@ def test_the_loop_hands_the_packing_index_to_the_text_tower(phantom_shards, tmp_
     forward = text_towers.HFTextTower.forward
 
     def spy(self, input_ids, attention_mask, token_layer=None, token_index=None):
-        seen.append((self.pack, token_index is not None and token_index.numel() == int(attention_mask.sum())))
+        seen.append((self.pack, token_index is not None and token_index.numel() == int(attention_mask.sum()),
+                     input_ids.shape[0]))
         return forward(self, input_ids, attention_mask, token_layer, token_index)
 
     monkeypatch.setattr(text_towers.HFTextTower, "forward", spy)
@@ -136,5 +138,45 @@ def test_the_loop_hands_the_packing_index_to_the_text_tower(phantom_shards, tmp_
                                       save_every=0, eval_every=0, pack_text=pack))
         trainer.run()
         assert trainer.student.text_tower.pack is pack
-        # the step's report and caption forwards: packed with the loader's index, or padded without one
-        assert seen[:2] == [(pack, pack), (pack, pack)]
+        # the step's report and caption forwards: packed with the loader's index in one call, or padded in two
+        step_calls = [(True, True, 8)] if pack else [(False, False, 4), (False, False, 4)]
+        assert seen[:len(step_calls)] == step_calls and all(rows != 4 for *_, rows in seen[len(step_calls):])
+
+
+def test_stacked_batches_give_each_batch_its_own_states():
+    """Reports and captions in one packed call (stack_token_batches): each row's states and pooled vector are those
+    of its own batch's call, whatever the other batch's length."""
+    tower, tokenizer = _tower("tiny")
+    tower.eval()
+    reports, captions = tokenizer(TEXTS), tokenizer(["effusion.", "no pneumothorax.", "normal.", "cardiomegaly."])
+    assert captions["input_ids"].shape[1] < reports["input_ids"].shape[1]  # the captions are right-padded
+    ids, mask, index = stack_token_batches([tuple(b[k] for k in ("input_ids", "attention_mask", "token_index"))
+                                            for b in (captions, reports)])
+    assert ids.shape == (8, max(reports["input_ids"].shape[1], captions["input_ids"].shape[1]))
+    assert torch.equal(index, packing_index(mask))  # the index of the stacked grid, made without reading the mask
+    with torch.no_grad():
+        states, pooled = tower(ids, mask, 1, index)
+        for rows, batch in ((slice(0, 4), captions), (slice(4, 8), reports)):
+            alone, alone_pooled = tower(batch["input_ids"], batch["attention_mask"], 1, batch["token_index"])
+            real = batch["attention_mask"].bool()
+            torch.testing.assert_close(states[rows, :real.shape[1]][real], alone[real], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(pooled[rows], alone_pooled, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_with_reports_and_captions_in_one_call_gives_the_two_calls_losses(phantom_shards, tmp_path):
+    """The Task's loss terms, caption terms included, are those of separate padded calls (eval mode: no dropout)."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
+
+    trainer = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-D", out=str(tmp_path / "run"), steps=1,
+                                  batch_size=4, workers=0, progress=False, device="cpu", eval_every=0))
+    batch = next(trainer._batches())
+    trainer.student.eval()
+    terms = {}
+    for pack in (True, False):
+        trainer.student.text_tower.pack = pack
+        torch.manual_seed(1)  # the local loss draws tokens
+        with torch.no_grad():
+            terms[pack] = {k: float(v) for k, v in trainer.task.forward(dict(batch), trainer.step).items()}
+    assert {"clip_syn", "distill_syn", "local"} <= terms[True].keys() == terms[False].keys()
+    assert terms[True] == pytest.approx(terms[False], rel=1e-5, abs=1e-6)

@@ -4,8 +4,8 @@ It owns the student, the optional online teacher, and the objective (loss config
 text queue). Per micro-batch::
 
     batch = (aug image, report, synthetic caption, teachers' embeddings of exactly that view/caption)
-    out_real = student(image, report)                          # B_real
-    syn_txt  = student.encode_text(caption)                    # B_syn reuses the image embedding
+    out_real = student(image, report, caption)                 # B_real; the captions' embedding as
+    syn_txt  = out_real.caption_emb                            # B_syn, reusing the image embedding
     terms    = objective(out_real, batch, step, syn_txt)       # CLIP/distill/Patch-IB/local + total
 
 The trainer (`cxrdr.train.loop.Trainer`) runs it with the optimiser around it; the efficiency
@@ -36,9 +36,9 @@ class StudentStep(nn.Module):
                 report_token_index=None, caption_token_index=None):
         out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs,
                            local_words=local_words, local_affirmed=local_affirmed,
-                           local_skip_normal=local_skip_normal, token_index=report_token_index)
-        syn = None if caption_ids is None else self.student.encode_text(caption_ids, caption_mask,
-                                                                          caption_token_index)
+                           local_skip_normal=local_skip_normal, token_index=report_token_index,
+                           caption_ids=caption_ids, caption_mask=caption_mask, caption_token_index=caption_token_index)
+        syn = out.caption_emb
         heads = getattr(self.student, "teacher_heads", None)
         if heads is not None:  # inside the forward DDP wraps, so the heads' gradients are synchronised
             out.teacher_space = heads(out.image_emb, {"txt": out.text_emb, "syn": syn})

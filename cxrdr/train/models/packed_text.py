@@ -33,6 +33,23 @@ def packing_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.reshape(-1).nonzero().squeeze(1)
 
 
+def stack_token_batches(batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Several tokenized batches ``(input_ids, attention_mask, packing index)`` as one: their rows stacked on a grid
+    of the longest's length (the shorter right-padded) and the packing index of that grid, made from theirs with
+    tensor arithmetic (no read of the values, so no host sync on a GPU). Run packed, the padding costs nothing:
+    one text tower call for a step's reports and captions instead of two, half the launches."""
+    length = max(ids.shape[1] for ids, _, _ in batches)
+    all_ids, all_masks, all_indices, row = [], [], [], 0
+    for ids, mask, index in batches:
+        rows, width = ids.shape
+        all_ids.append(F.pad(ids, (0, length - width)))
+        all_masks.append(F.pad(mask, (0, length - width)))
+        all_indices.append((index // width + row) * length + index % width)
+        row += rows
+    return torch.cat(all_ids), torch.cat(all_masks), torch.cat(all_indices)
+
+
 def supports_packing(model: nn.Module) -> bool:
     """Whether ``model`` is a BERT-layout encoder this module can run packed: embeddings + encoder layers of
     self-attention (absolute positions, no cross-attention, no feed-forward chunking) and the feed-forward."""

@@ -16,6 +16,7 @@ from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (Projection, TeacherSpaceHeads, batch_idf, build_local_align, build_patch_heads,
                                       cued_sentence_tokens, init_logit_scale, negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
+from cxrdr.train.models.packed_text import stack_token_batches
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
 from cxrdr.train.models.token_dropping import mask_selected_forward
 
@@ -52,6 +53,7 @@ class StudentOutput:
     local_drawable_ids: torch.Tensor | None = None  # (B, L) ids of the words that may be drawn, -1 elsewhere
     keep_ratio: float = 1.0  # fraction of patches kept by token dropping
     head_index: torch.Tensor | None = None  # (B, N') grid indices of the patches the heads read (None: patch_index)
+    caption_emb: torch.Tensor | None = None  # (B_syn, D) normalised embedding of the captions given to forward
     # {teacher: {"img", "txt", "syn": (B, Dt)}}: the embeddings mapped into each teacher's space (feature
     # distillation; set by the training step when the student has teacher_dims)
     teacher_space: dict | None = None
@@ -156,6 +158,22 @@ class PatchIBStudent(nn.Module):
         device = self.pixel_mean.device
         return self.text_tower(input_ids.to(device), attention_mask.to(device), token_layer, token_index)
 
+    def _texts(self, input_ids, attention_mask, token_index, caption_ids, caption_mask, caption_token_index,
+               token_layer: int | None):
+        """(the texts' states after ``token_layer``, their pooled vectors, the captions' pooled vectors or None).
+        Packed texts with captions go through the text tower in one call (``packed_text.stack_token_batches``)."""
+        if caption_ids is None:
+            return (*self._text(input_ids, attention_mask, token_layer, token_index), None)
+        if not (self.text_tower.pack and token_index is not None and caption_token_index is not None):
+            caption_pooled = self._text(caption_ids, caption_mask, None, caption_token_index)[1]
+            return (*self._text(input_ids, attention_mask, token_layer, token_index), caption_pooled)
+        device = self.pixel_mean.device
+        rows, length = input_ids.shape
+        stacked = stack_token_batches([(t.to(device), m.to(device), i.to(device)) for t, m, i in (
+            (input_ids, attention_mask, token_index), (caption_ids, caption_mask, caption_token_index))])
+        states, pooled = self.text_tower(*stacked[:2], token_layer, stacked[2])
+        return states[:rows, :length], pooled[:rows], pooled[rows:]
+
     def encode_image(self, images: torch.Tensor, step: int | None = None) -> torch.Tensor:
         """(B, 1, H, W) in [0, 1] -> (B, D) normalised global image embedding."""
         return F.normalize(self.image_proj(self._image(images, step).pooled), dim=-1)
@@ -172,7 +190,9 @@ class PatchIBStudent(nn.Module):
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 step: int | None = None, local_pairs: int = 0, local_words: bool = False,
                 local_affirmed: bool = False, local_skip_normal: bool = False,
-                token_index: torch.Tensor | None = None) -> StudentOutput:
+                token_index: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None,
+                caption_mask: torch.Tensor | None = None,
+                caption_token_index: torch.Tensor | None = None) -> StudentOutput:
         """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
         batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
         B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
@@ -180,12 +200,13 @@ class PatchIBStudent(nn.Module):
         regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``).
         ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion");
         ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.").
-        ``token_index``: the tokenizer's packing index of the texts (``encode_text``)."""
+        ``token_index``: the tokenizer's packing index of the texts (``encode_text``). ``caption_ids`` (and mask,
+        index): also embed these texts (``caption_emb``, as ``encode_text``); packed, in the same text tower call."""
         img, patches, z, soft = self._image_and_heads(images, step)
         # the word states the local heads read (local_text_layer), and the global text vector
-        text_tokens, text_pooled = self._text(input_ids, attention_mask,
-                                              self.config.local_text_layer if self.local_align is not None else None,
-                                              token_index)
+        text_tokens, text_pooled, caption_pooled = self._texts(
+            input_ids, attention_mask, token_index, caption_ids, caption_mask, caption_token_index,
+            self.config.local_text_layer if self.local_align is not None else None)
         text_mask = attention_mask.to(text_tokens.device).bool()
         out = StudentOutput(
             image_emb=F.normalize(self.image_proj(img.pooled), dim=-1),
@@ -194,6 +215,8 @@ class PatchIBStudent(nn.Module):
             patch_tokens=img.patches, patch_index=img.patch_index, grid_size=self.grid_size,
             text_tokens=text_tokens, text_mask=text_mask, keep_ratio=float(img.keep_ratio),
             head_index=img.head_index)
+        if caption_pooled is not None:
+            out.caption_emb = F.normalize(self.text_proj(caption_pooled), dim=-1)
         # local_pool_embedded: the words' regions pool the embedded patches themselves, while the head
         # conv's context only decides where to look (``kw`` of the local alignment calls)
         embedded = img.patches if img.head_patches is None else img.head_patches
