@@ -118,8 +118,9 @@ def test_a_step_that_does_not_log_reads_nothing_from_the_device(phantom_shards, 
 
 def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, tmp_path, monkeypatch):
     """--compile: one graph for the whole run (texts padded to the context length and packed, their token counts
-    dynamic sizes; no step number in the graph) and the eager run's losses. The test compiles with aot_eager (dynamo's tracing and AOT
-    autograd, which find graph breaks and recompiles, without inductor's minutes of C++ builds on CPU)."""
+    dynamic sizes; no step number in the graph) and the eager run's losses. The test compiles with aot_eager
+    (dynamo's tracing and AOT autograd, which find graph breaks and recompiles, without inductor's minutes of C++
+    builds on CPU)."""
     import json
 
     from torch._dynamo.backends.common import aot_autograd

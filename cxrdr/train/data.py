@@ -267,7 +267,8 @@ class Collate:
             batch["report_ids"], batch["report_mask"] = report["input_ids"], report["attention_mask"]
             batch["caption_ids"], batch["caption_mask"] = caption["input_ids"], caption["attention_mask"]
             if "token_index" in report:  # the real tokens' positions, for the packed text tower
-                batch["report_token_index"], batch["caption_token_index"] = report["token_index"], caption["token_index"]
+                batch["report_token_index"] = report["token_index"]
+                batch["caption_token_index"] = caption["token_index"]
         return batch
 
 

@@ -277,7 +277,8 @@ class PatchIBStudent(nn.Module):
             texts = list(texts)
             for i in range(0, len(texts), batch_size):
                 tok = self.tokenize(texts[i:i + batch_size])
-                outs.append(self.encode_text(tok["input_ids"], tok["attention_mask"], tok.get("token_index")).float().cpu())
+                emb = self.encode_text(tok["input_ids"], tok["attention_mask"], tok.get("token_index"))
+                outs.append(emb.float().cpu())
             return torch.cat(outs) if outs else torch.zeros(0, self.embed_dim)
         finally:
             self.train(was_training)

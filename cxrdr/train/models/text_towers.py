@@ -248,8 +248,8 @@ class HFTextTower(nn.Module):
         if token_index is None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
             token_index = packing_index(attention_mask)
         if self.pack and token_index is not None:
-            tokens, layer_tokens = encode_packed(self.model, input_ids, attention_mask, token_index.to(input_ids.device),
-                                                 token_layer, self.packed_layer)
+            tokens, layer_tokens = encode_packed(self.model, input_ids, attention_mask,
+                                                 token_index.to(input_ids.device), token_layer, self.packed_layer)
         else:
             wanted = token_layer is not None and token_layer < self.depth
             out = self.model(input_ids=input_ids, attention_mask=self._attention_bias(attention_mask),
