@@ -44,7 +44,6 @@ from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train import device as train_device
 from cxrdr.train.device import amp_dtype_for, autocast
 from cxrdr.train.losses import LossConfig
-from cxrdr.train.models.packed_text import packing_index
 from cxrdr.train.optim import OptimConfig, build_optimizer
 from cxrdr.train.task import Task
 
@@ -207,24 +206,31 @@ def model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def synthetic_batch(model, batch_size: int, device, seed: int = 0):
-    """Random images at the model's size and a fixed plausible report per row, tokenized."""
+def _synthetic_inputs(model, batch_size: int, device, seed: int) -> tuple[torch.Tensor, dict]:
+    """Random images at the model's size, and a fixed plausible report per row as the tokenizer gives it
+    (its tensors on ``device``)."""
     gen = torch.Generator().manual_seed(seed)
     size = int(model.image_size)
     images = torch.rand(batch_size, 1, size, size, generator=gen).to(device)
     texts = ["mild cardiomegaly. small right pleural effusion. no pneumothorax."] * batch_size
-    tok = model.tokenize(texts)
-    return images, tok["input_ids"].to(device), tok["attention_mask"].to(device)
+    return images, {k: v.to(device) for k, v in model.tokenize(texts).items()}
+
+
+def synthetic_batch(model, batch_size: int, device, seed: int = 0):
+    """Random images at the model's size and a fixed plausible report per row, tokenized."""
+    images, tok = _synthetic_inputs(model, batch_size, device, seed)
+    return images, tok["input_ids"], tok["attention_mask"]
 
 
 def synthetic_train_batch(model, batch_size: int, device, seed: int = 0) -> dict:
-    """A loader-like batch for the Task: images, report and caption tokens, and one teacher's
-    (random, normalised) image/report/caption embeddings as a reinforced shard stores them."""
-    images, ids, mask = synthetic_batch(model, batch_size, device, seed)
+    """A loader-like batch for the Task: images, report and caption tokens (with the tokenizer's packing index,
+    as the loader's collate gives them), and one teacher's (random, normalised) image/report/caption embeddings
+    as a reinforced shard stores them."""
+    images, tok = _synthetic_inputs(model, batch_size, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     teacher = {part: F.normalize(torch.randn(batch_size, model.embed_dim, generator=gen), dim=-1).to(device)
                for part in ("img", "txt", "syn")}
-    index = packing_index(mask.cpu()).to(device)  # all real tokens: the same report in every row
+    ids, mask, index = tok["input_ids"], tok["attention_mask"], tok.get("token_index")
     return {"images": images, "report_ids": ids, "report_mask": mask, "caption_ids": ids,
             "caption_mask": mask, "report_token_index": index, "caption_token_index": index,
             "teacher": {"synthetic": teacher}}

@@ -245,7 +245,8 @@ class HFTextTower(nn.Module):
         the CPU it is read from the mask where not given (no sync there). Padded token states are zeros then."""
         if token_layer is not None and not 0 <= token_layer <= self.depth:
             raise ValueError(f"token_layer must be in 0..{self.depth}, got {token_layer}")
-        if token_index is None and attention_mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        if self.pack and token_index is None and attention_mask.device.type == "cpu" \
+                and not torch.compiler.is_compiling():
             token_index = packing_index(attention_mask)
         if self.pack and token_index is not None:
             tokens, layer_tokens = encode_packed(self.model, input_ids, attention_mask,
