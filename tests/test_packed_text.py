@@ -180,3 +180,20 @@ def test_a_step_with_reports_and_captions_in_one_call_gives_the_two_calls_losses
             terms[pack] = {k: float(v) for k, v in trainer.task.forward(dict(batch), trainer.step).items()}
     assert {"clip_syn", "distill_syn", "local"} <= terms[True].keys() == terms[False].keys()
     assert terms[True] == pytest.approx(terms[False], rel=1e-5, abs=1e-6)
+
+
+def test_text_padding_benchmark_counts_less_work_packed():
+    """benchmarks/text_padding.py: per text kind, the padded length, the real tokens per text and the forward +
+    backward FLOPs padded and packed (packed the smaller, as the batch holds padding); its timing is optional."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import text_padding
+
+    rows = text_padding.measure("tiny", context=32, batch_size=6, timed=True, repeats=1)
+    assert [r["texts"] for r in rows] == ["report", "caption"]
+    for r in rows:
+        assert 0 < r["real_tokens_per_text"] < r["padded_length"] <= 32
+        assert 0 < r["packed_gflops_per_text"] < r["padded_gflops_per_text"]
+        assert r["padded_ms"] > 0 and r["packed_ms"] > 0

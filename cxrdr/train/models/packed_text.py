@@ -1,11 +1,11 @@
 """A BERT-family encoder run on its real tokens only ("packed"), without the padding.
 
 A batch of texts is padded to its longest (in buckets, ``TextTokenizer``): on the phantom's reports, 65 tokens
-on average padded to 128 at batch 256, and its captions 21 padded to 64, so about half of the text tower's
-work was padding. Packed, the linear layers, layer norms and activations run on the (T, d) real tokens of the
-batch; only the attention puts them back on the (B, L) grid, where the padding mask hides the padded keys as
-before. The real tokens' states equal the padded forward's (to float rounding); the padded rows come back as
-zeros.
+on average padded to 128 at batch 256, and its captions 19 padded to 64 (``benchmarks/text_padding.py``), so
+about half of the text tower's work was padding. Packed, the linear layers, layer norms and activations run on the
+(T, d) real tokens of the batch; only the attention puts them back on the (B, L) grid, where the padding mask
+hides the padded keys as before. The real tokens' states equal the padded forward's (to float rounding); the
+padded rows come back as zeros.
 
 Why not transformers' own packing: it needs the flash-attention package (``DataCollatorWithFlattening``), and
 PyTorch's jagged tensors do not pass through transformers' BERT. The layer's own modules are called here (the
