@@ -65,6 +65,23 @@ def test_a_split_over_the_memory_cap_is_streamed_every_pass():
     assert never.loader.passes == 2
 
 
+def test_nested_tensors_count_against_the_cap_and_are_kept_unshared():
+    """The stored teacher embeddings sit in a nested dict: their bytes count, and a worker's shared copy is
+    cloned out of shared memory like the top-level tensors."""
+    teacher = torch.zeros(4, 8).share_memory_()
+    batch = {"images": torch.zeros(4, 2), "teacher": {"t0": {"image": teacher, "views": [teacher, teacher]}},
+             "key": ["a", "b", "c", "d"]}
+    top_level_bytes, all_bytes = 4 * 2 * 4, 4 * 2 * 4 + 3 * 4 * 8 * 4
+    over = ReplayedBatches([batch], max_bytes=top_level_bytes + 1)  # the top level alone would fit
+    list(over)
+    assert over.streaming and over.batches is None
+    kept = ReplayedBatches([batch], max_bytes=all_bytes)
+    list(kept)
+    nested = kept.batches[0]["teacher"]["t0"]
+    assert not nested["image"].is_shared() and not any(v.is_shared() for v in nested["views"])
+    assert isinstance(nested["views"], list) and torch.equal(nested["image"], teacher)
+
+
 def test_a_pass_broken_off_early_keeps_nothing_and_the_next_pass_reads_again():
     loader = CountingLoader(3)
     replayed = ReplayedBatches(loader)

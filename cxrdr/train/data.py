@@ -444,7 +444,7 @@ class ReplayedBatches:
             seen += len(batch["key"])
             last = bool(self.max_samples) and seen >= self.max_samples
             if not self.streaming:
-                size += sum(v.numel() * v.element_size() for v in batch.values() if torch.is_tensor(v))
+                size += sum(t.numel() * t.element_size() for t in _tensors(batch))
                 if size > self.max_bytes:  # too big to keep: stream this and every later pass
                     self.streaming, kept = True, []
                 else:
@@ -458,11 +458,29 @@ class ReplayedBatches:
             self.batches = kept
 
 
-def _unshared(batch: dict) -> dict:
-    """The batch with its tensors in this process's own memory: a loader worker's tensors arrive in shared
-    memory, one open file each (torch's file_descriptor strategy), and a kept split of many small batches
-    would hold thousands of them open."""
-    return {k: v.clone() if torch.is_tensor(v) and v.is_shared() else v for k, v in batch.items()}
+def _tensors(value):
+    """Every tensor in a batch, nested ones included (the stored teacher embeddings: {teacher: {kind: tensor}})."""
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _unshared(value):
+    """The batch with its tensors, nested ones included, in this process's own memory: a loader worker's tensors
+    arrive in shared memory, one open file each (torch's file_descriptor strategy), and a kept split of many small
+    batches would hold thousands of them open."""
+    if torch.is_tensor(value):
+        return value.clone() if value.is_shared() else value
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unshared(v) for v in value)
+    return value
 
 
 def _usable_workers(workers: int, n_shards: int, resampled: bool) -> int:
