@@ -40,8 +40,8 @@ def measure(text_tower: str = "minilm", context: int = 128, batch_size: int = 25
             n_captions: int = 5, token_layer: int | None = 0, device: str = "cpu", timed: bool = False,
             repeats: int = 3) -> list[dict]:
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
+    from cxrdr.train.evaluation.efficiency import flop_counter
     from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
 
     tokenizer = build_tokenizer(text_tower, context)
@@ -53,7 +53,7 @@ def measure(text_tower: str = "minilm", context: int = 128, batch_size: int = 25
                "real_tokens_per_text": tok["token_index"].numel() / batch_size}
         for pack in (False, True):
             name = "packed" if pack else "padded"
-            with FlopCounterMode(display=False) as counter:
+            with flop_counter() as counter:
                 forward_backward(tower, tok, pack, token_layer)
             row[f"{name}_gflops_per_text"] = counter.get_total_flops() / batch_size / 1e9
             if timed:

@@ -534,6 +534,27 @@ def test_training_flops_count_the_backward_and_mfu_needs_a_known_peak():
     assert gpu_busy_ms(lambda: 1 / 0, 3, "cpu") is None and count_host_syncs(lambda: 1 / 0, 1, "cpu") is None
 
 
+def test_flop_counts_include_attention_on_cpu():
+    """torch's counter alone counts 0 for CPU attention; ours counts its two products, and the backward's five."""
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from cxrdr.train.evaluation.efficiency import gflops
+
+    q = torch.randn(3, 2, 10, 8, requires_grad=True)
+    k, v = torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    mask = torch.zeros(3, 1, 1, 6).masked_fill(torch.arange(6) >= 4, float("-inf"))
+    product = 2 * (3 * 2) * 10 * 6 * 8  # one (10x8)@(8x6) per batch and head
+    with FlopCounterMode(display=False) as plain:
+        F.scaled_dot_product_attention(q, k, v)
+    assert plain.get_total_flops() == 0  # what the count missed (if torch starts counting it, this flags it)
+    assert gflops(lambda: F.scaled_dot_product_attention(q, k, v)) * 1e9 == 2 * product
+    assert gflops(lambda: F.scaled_dot_product_attention(q.detach()[:1].expand(3, -1, -1, -1), k, v,
+                                                         attn_mask=mask)) * 1e9 == 2 * product
+    step = gflops(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward(), grad=True) * 1e9
+    assert step == (2 + 5) * product  # the backward recomputes the scores and has four more products
+
+
 def _check_intervals_over_images(data: dict, md: str, printed: str, out) -> None:
     """Issue 37: every pointing game and prior of eval.json keeps its per-target hits with image keys and an
     interval over images; the paired margin over the train-box prior is beside them, in eval.md too."""

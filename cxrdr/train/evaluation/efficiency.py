@@ -251,13 +251,36 @@ def _time(fn, iters: int, warmup: int, device) -> float:
     return times[len(times) // 2]
 
 
-def gflops(fn, grad: bool = False) -> float:
-    """GFLOPs of one call of ``fn`` counted by torch.utils.flop_counter (matmul/conv/attention).
-    ``grad``: run with autograd on, so a ``fn`` that calls ``backward`` has its backward counted too
-    (a training step's FLOPs); otherwise under no_grad (a forward)."""
+def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils import flop_counter
+
+    return flop_counter.sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils import flop_counter
+
+    return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def flop_counter():
+    """A torch.utils.flop_counter.FlopCounterMode (no display) that also counts the CPU kernel of
+    ``scaled_dot_product_attention``. Why: the counter has formulas for the CUDA kernels (flash, memory-efficient,
+    cuDNN) and counts 0 for the CPU one, so a CPU count left out every attention's matrix products: the ViT's, the
+    text tower's and the local heads' (B_text x B_image pooling, B^2 x tokens x patches). Same formulas."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops})
+
+
+def gflops(fn, grad: bool = False) -> float:
+    """GFLOPs of one call of ``fn`` counted by ``flop_counter`` (matmul/conv/attention, on CPU too).
+    ``grad``: run with autograd on, so a ``fn`` that calls ``backward`` has its backward counted too
+    (a training step's FLOPs); otherwise under no_grad (a forward)."""
+    counter = flop_counter()
     with counter, (contextlib.nullcontext() if grad else torch.no_grad()):
         fn()
     return counter.get_total_flops() / 1e9
