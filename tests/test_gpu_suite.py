@@ -77,10 +77,11 @@ def test_tiny_suite_measures_every_section(tmp_path):
         by["tiny-E"]["train_img_per_s"] / by["tiny-A"]["train_img_per_s"])
 
     loop = s["loop"]["rows"]
-    # A-E, and A again with its texts padded (--no-pack-text): what packing them buys
-    assert [r["name"] for r in loop] == [*"ABCDE", "A padded texts"]
-    assert [r["model"] for r in loop] == [f"tiny-{v}" for v in "ABCDEA"]
-    assert s["loop"]["A_packed_over_padded_img_per_s"] == loop[0]["img_per_s"] / loop[-1]["img_per_s"]
+    # A-E, A again with its texts padded (--no-pack-text): what packing them buys, and D with the former heads
+    assert [r["name"] for r in loop] == [*"ABCDE", "A padded texts", "D former heads"]
+    assert [r["model"] for r in loop] == [f"tiny-{v}" for v in "ABCDEAD"]
+    assert s["loop"]["A_packed_over_padded_img_per_s"] == loop[0]["img_per_s"] / loop[5]["img_per_s"]
+    assert s["loop"]["D_over_former_heads_D_step"] == loop[3]["step_ms"] / loop[6]["step_ms"]
     for r in loop:
         assert positive(r["img_per_s"]) and positive(r["step_ms"]) and r["data_ms"] >= 0
         assert r["compile"] is False and r["host_syncs_per_step"] is None and r["gflops_per_img"] is None
@@ -119,6 +120,8 @@ def test_tiny_suite_measures_every_section(tmp_path):
     d_rate = by_name["D training, real loop, img/s [eager]"]
     assert d_rate["value"] == lb["D"]["img_per_s"] and d_rate["required"] == ">= 3500"
     assert d_rate["met"] == (d_rate["value"] >= 3500)
+    # A's own row, not "A padded texts" beside it
+    assert by_name["A training, real loop, img/s [eager]"]["value"] == lb["A"]["img_per_s"]
     ratio = next(t for t in targets if t["name"].startswith("D step / A step"))
     assert ratio["required"] == "<= 1.25" and ratio["met"] == (ratio["value"] <= 1.25)
     build = next(t for t in targets if t["name"].startswith("build / teacher forward"))

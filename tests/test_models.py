@@ -717,19 +717,23 @@ CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_dep
            # and (issue 26) the same mask-picked E at ViT-S/16 224, its keep-rate warm-up as long as the k anneal
            "E": {"head_layer": 0, "drop_layer": 0, "patch_score": "mask", "keep_rate": 0.4, "k_ratio": 0.4,
                  "keep_rate_warmup_steps": 2000}}
+# And (issue 35) the default family (A-E) got the cpu family's local-alignment heads.
+DEFAULT_FAMILY_HEADS = {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0}
 
 
 def test_family_configs_resolve_to_the_old_per_name_configs():
     assert available_configs() == sorted(OLD_CONFIGS)
     for name, old in OLD_CONFIGS.items():
         expected = {**ADDED_FIELDS, **old}
+        expected.update(DEFAULT_FAMILY_HEADS if name in ("A", "B", "C", "D", "E") else {})
         for prefix, changes in CHANGED.items():
             expected.update(changes if name.startswith(prefix) else {})
         assert StudentConfig.from_yaml(name).to_dict() == expected, name
 
 
 def test_family_names_paths_and_variant_blocks(tmp_path):
-    assert StudentConfig.from_yaml("default-D").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"], "name": "default-D"}
+    assert StudentConfig.from_yaml("default-D").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"], **DEFAULT_FAMILY_HEADS,
+                                                                "name": "default-D"}
     assert StudentConfig.from_yaml("tiny").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["tiny-D"], "name": "tiny"}
     assert StudentConfig.from_yaml(CONFIG_DIR / "cpu.yaml", variant="E").patch_score == "mask"  # the E block
     assert StudentConfig.from_yaml("cpu-D", variant="E").patch_score == "mask"
