@@ -63,10 +63,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repos
 
 VARIANTS = "ABCDE"
 PADDED_A = "A padded texts"  # the loop section's A with --no-pack-text, beside A
-# the loop section's D with the local-alignment heads default.yaml had before the CPU ladder's (multi-head attention
-# on the final tokens, words from the last text layer), beside D: what the change of heads costs or saves
-FORMER_HEADS_D = "D former heads"
-FORMER_HEADS = {"local_attention": "mha", "head_layer": None, "head_conv_depth": 0, "local_text_layer": None}
+# the loop section's D and E with the local-alignment heads default.yaml had before the CPU ladder's
+# (train_step.FORMER_HEADS), beside D and E: what the change of heads costs or saves
+FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # The compiled loop configurations (variant, TrainConfig.compile_scope), most wanted first (the budget may cut the
 # tail): block by block first (cxrdr.train.compiling: a block's compile time, shared by the variants' towers), then
 # the whole model.
@@ -85,7 +84,7 @@ def settings(tiny: bool, device: str) -> dict:
     """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
 
     GPU sizes come from the H100 step times in ../shared/gpu (before this round's changes, so an
-    upper bound): build ~74 s (suite-h100); students ~7 rows x ~5 s; loop 7 configurations x
+    upper bound): build ~74 s (suite-h100); students ~7 rows x ~5 s; loop 8 configurations x
     (2 + 4 blocks of 5 steps) at <= 0.22 s/step + profiling ~60 s; peer ~10 s eager + one compile;
     train_step ~36 s; compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows."""
     if tiny:
@@ -110,7 +109,7 @@ def settings(tiny: bool, device: str) -> dict:
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
                 table_family="vit-s16",
-                reserve={"build": 90, "students": 50, "loop": 100, "peer": 60,
+                reserve={"build": 90, "students": 50, "loop": 110, "peer": 60,
                          "loop_compiled": COMPILE_ESTIMATE_S["blocks"], "train_step": 45, "table": 0})
 
 
@@ -256,13 +255,16 @@ def _ratios(rows: list[dict]) -> dict:
 
 def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
     """The real loop's step of A-E, eager, interleaved (train_step.time_round_robin), A with its texts
-    padded (``--no-pack-text``): what running the text tower on the real tokens buys, and D with its former
-    local-alignment heads (FORMER_HEADS): what the change of heads costs or saves."""
+    padded (``--no-pack-text``): what running the text tower on the real tokens buys, and D and E with their former
+    local-alignment heads (train_step.FORMER_HEADS): what the change of heads costs or saves."""
+    import train_step
+
     lp = cfg["loop"]
     pattern = cfg["families"][lp["family"]][0]
     plan = [(v, pattern.format(v=v), None) for v in VARIANTS]
     plan.append((PADDED_A, pattern.format(v="A"), None, {"pack_text": False}))
-    plan.append((FORMER_HEADS_D, pattern.format(v="D"), None, {"model_overrides": FORMER_HEADS}))
+    plan.append((FORMER_HEADS_D, pattern.format(v="D"), None, {"model_overrides": train_step.FORMER_HEADS}))
+    plan.append((FORMER_HEADS_E, pattern.format(v="E"), None, {"model_overrides": train_step.FORMER_HEADS_E}))
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers)
     math_state = _math_state()  # as the Trainer left the process (it sets its CUDA math at start-up)
@@ -270,7 +272,8 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
     _free_device_memory()
     by = {r["name"]: r for r in rows}
     packing = {"A_packed_over_padded_img_per_s": by["A"]["img_per_s"] / by[PADDED_A]["img_per_s"],
-               "D_over_former_heads_D_step": by["D"]["step_ms"] / by[FORMER_HEADS_D]["step_ms"]}
+               "D_over_former_heads_D_step": by["D"]["step_ms"] / by[FORMER_HEADS_D]["step_ms"],
+               "E_over_former_heads_E_step": by["E"]["step_ms"] / by[FORMER_HEADS_E]["step_ms"]}
     return {"rows": rows, **_ratios(rows), **packing, "description": _loop_description(cfg), "shards": shards,
             "batch_size": lp["batch_size"], "block": lp["block"], "steps": lp["steps"], "warmup": lp["warmup"],
             "cuda_math": math_state if cfg["device"].startswith("cuda") else None,
@@ -737,7 +740,8 @@ def markdown(result: dict) -> str:
                *_table(lp["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), "",
                f"- D step / A step {_fmt(lp.get('D_over_A_step'))}; E / A img/s {_fmt(lp.get('E_over_A_img_per_s'))}; "
                f"A packed / padded texts img/s {_fmt(lp.get('A_packed_over_padded_img_per_s'))}; "
-               f"D step / D step with the former heads {_fmt(lp.get('D_over_former_heads_D_step'))}",
+               f"D step / D step with the former heads {_fmt(lp.get('D_over_former_heads_D_step'))}; "
+               f"E step / E step with the former heads {_fmt(lp.get('E_over_former_heads_E_step'))}",
                f"- CUDA math after the Trainer's start-up: {lp['cuda_math']}" if lp.get("cuda_math") else "", ""]
     if "peer" in s:
         pe = s["peer"]

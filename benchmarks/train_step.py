@@ -14,6 +14,7 @@ storing the teacher's embeddings saves per step (MobileCLIP's argument).
     python benchmarks/train_step.py --size full --shards shards/ --device cuda --teachers random:tiny,biomedclip \
         --batch-size 256 --block 5 [--compile]
     python benchmarks/train_step.py --size full --only A,E --padded-texts   # texts packed vs padded
+    python benchmarks/train_step.py --size full --only A,D,E --former-heads --count-flops   # heads: default vs former
 
 The step is the loop's own (``Trainer.train_step``, non-log steps), timed as a black box with the
 device synchronised only at block edges (``time_interleaved``); beside ms/step it prints the data
@@ -29,6 +30,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+# The local-alignment heads configs/models/default.yaml had before it took the CPU ladder's (multi-head attention on
+# the final tokens, words from the last text layer, no head convs); E keeps head_layer 0, where its mask picks tokens
+FORMER_HEADS = {"local_attention": "mha", "head_layer": None, "head_conv_depth": 0, "local_text_layer": None}
+FORMER_HEADS_E = {**FORMER_HEADS, "head_layer": 0}
 
 
 def build_phantom(out: Path, n: int, store_size: int) -> Path:
@@ -154,6 +161,15 @@ def step_figures(fn, device, items: int, step_ms: float, flops_per_call: float |
             "host_syncs_per_step": count_host_syncs(fn, sync_calls, device)}
 
 
+def eager_twin_key(cfg) -> str:
+    """What a configuration's FLOP count depends on: every TrainConfig field but compilation and the run folder. A
+    compiled configuration shares it with its eager twin; "A padded texts" or "D former heads" do not share A's or
+    D's (model, mode and teacher alone made them share it, and their counts were their twins')."""
+    skip = ("compile", "compile_scope", "compile_backend", "out", "overwrite", "resume")
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in skip}
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
 def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, figures: bool = True,
                      count_flops: bool | None = None) -> list[dict]:
     """``Trainer.train_step`` (non-log steps) of each configuration: ``time_interleaved`` figures,
@@ -163,8 +179,8 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
 
     FLOPs per image: one eager step counted by torch.utils.flop_counter (forward and backward; an
     online teacher's forward included: work the GPU does); a compiled configuration takes its
-    eager twin's (same model, mode, teacher) as the count cannot run through a compiled graph,
-    and has none without a twin. ``count_flops`` None: count only where an MFU can be computed
+    eager twin's (``eager_twin_key``: every field but compilation) as the count cannot run through a
+    compiled graph, and has none without a twin. ``count_flops`` None: count only where an MFU can be computed
     (a CUDA device in efficiency.PEAK_BF16_FLOPS): the count costs several steps' time on CPU."""
     from cxrdr.train.evaluation.efficiency import gflops, peak_bf16_flops
 
@@ -179,7 +195,7 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
         count = count_flops if count_flops is not None else peak_bf16_flops(trainer.device) is not None
         cfg = trainer.cfg
         compiled = bool(getattr(cfg, "compile", False))
-        key = (cfg.model, cfg.mode, cfg.online_teacher)
+        key = eager_twin_key(cfg)
         row = {"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
                "compile": compiled, "compile_scope": cfg.compile_scope if compiled else None,
                "batch_size": cfg.batch_size, "device": str(trainer.device), **timed[name]}
@@ -216,6 +232,10 @@ def main(argv=None) -> int:
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
     parser.add_argument("--padded-texts", action="store_true",
                         help="also time A, E and D with their texts padded (--no-pack-text): what packing buys")
+    parser.add_argument("--former-heads", action="store_true",
+                        help="also time D and E with default.yaml's former local-alignment heads (FORMER_HEADS)")
+    parser.add_argument("--count-flops", action="store_true",
+                        help="count FLOPs per image on CPU too (always where an MFU can be computed; slow on CPU)")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--amp", default="bf16")
@@ -248,6 +268,9 @@ def main(argv=None) -> int:
         plan.append((f"D online {spec}", dict(model=f"{prefix}D", online_teacher=spec)))
     if args.padded_texts:
         plan += [(f"{v} stored, padded texts", dict(model=f"{prefix}{v}", pack_text=False)) for v in "AED"]
+    if args.former_heads:
+        plan += [(f"{v} stored, former heads", dict(model=f"{prefix}{v}", model_overrides=heads))
+                 for v, heads in (("D", FORMER_HEADS), ("E", FORMER_HEADS_E))]
     if args.only:
         plan = [(name, overrides) for name, overrides in plan if name.split()[0] in args.only.split(",")]
     trainers = {}
@@ -258,7 +281,8 @@ def main(argv=None) -> int:
         except Exception as exc:  # e.g. a teacher without local weights: say so and go on
             print(f"skipped {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
     try:
-        results = time_round_robin(trainers, args.steps, args.warmup, block=args.block)
+        results = time_round_robin(trainers, args.steps, args.warmup, block=args.block,
+                                   count_flops=True if args.count_flops else None)
     finally:
         for _, batches in trainers.values():
             batches.close()
@@ -271,11 +295,12 @@ def main(argv=None) -> int:
           f"{args.size} students, {args.steps} interleaved steps in blocks of {args.block} after {args.warmup} "
           f"warm-up; GPU busy, MFU and host syncs: None off CUDA)")
     print(f"{'configuration':<30} {'ms/step':>9} {'img/s':>8} {'data ms':>8} {'busy %':>7} {'MFU %':>6} "
-          f"{'peak MB':>8} {'syncs':>6} {'x D stored':>10}")
+          f"{'GFLOPs':>7} {'peak MB':>8} {'syncs':>6} {'x D stored':>10}")
     for r in results:
         ratio = r["step_ms"] / ref if ref else None
         print(f"{r['name']:<30} {r['step_ms']:9.1f} {r['img_per_s']:8.1f} {r['data_ms']:8.1f} "
-              f"{fmt(r.get('gpu_busy_pct'), '7.1f')} {fmt(r.get('mfu_pct'), '6.1f')} {r['peak_memory_mb']:8.0f} "
+              f"{fmt(r.get('gpu_busy_pct'), '7.1f')} {fmt(r.get('mfu_pct'), '6.1f')} "
+              f"{fmt(r.get('gflops_per_img'), '7.2f')} {r['peak_memory_mb']:8.0f} "
               f"{fmt(r.get('host_syncs_per_step'), '6.1f')} {fmt(ratio, '10.2f')}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))

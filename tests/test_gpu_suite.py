@@ -77,11 +77,12 @@ def test_tiny_suite_measures_every_section(tmp_path):
         by["tiny-E"]["train_img_per_s"] / by["tiny-A"]["train_img_per_s"])
 
     loop = s["loop"]["rows"]
-    # A-E, A again with its texts padded (--no-pack-text): what packing them buys, and D with the former heads
-    assert [r["name"] for r in loop] == [*"ABCDE", "A padded texts", "D former heads"]
-    assert [r["model"] for r in loop] == [f"tiny-{v}" for v in "ABCDEAD"]
+    # A-E, A again with its texts padded (--no-pack-text): what packing them buys, and D, E with the former heads
+    assert [r["name"] for r in loop] == [*"ABCDE", "A padded texts", "D former heads", "E former heads"]
+    assert [r["model"] for r in loop] == [f"tiny-{v}" for v in "ABCDEADE"]
     assert s["loop"]["A_packed_over_padded_img_per_s"] == loop[0]["img_per_s"] / loop[5]["img_per_s"]
     assert s["loop"]["D_over_former_heads_D_step"] == loop[3]["step_ms"] / loop[6]["step_ms"]
+    assert s["loop"]["E_over_former_heads_E_step"] == loop[4]["step_ms"] / loop[7]["step_ms"]
     for r in loop:
         assert positive(r["img_per_s"]) and positive(r["step_ms"]) and r["data_ms"] >= 0
         assert r["compile"] is False and r["host_syncs_per_step"] is None and r["gflops_per_img"] is None

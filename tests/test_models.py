@@ -732,8 +732,8 @@ def test_family_configs_resolve_to_the_old_per_name_configs():
 
 
 def test_family_names_paths_and_variant_blocks(tmp_path):
-    assert StudentConfig.from_yaml("default-D").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"], **DEFAULT_FAMILY_HEADS,
-                                                                "name": "default-D"}
+    assert StudentConfig.from_yaml("default-D").to_dict() == {
+        **ADDED_FIELDS, **OLD_CONFIGS["D"], **DEFAULT_FAMILY_HEADS, "name": "default-D"}
     assert StudentConfig.from_yaml("tiny").to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["tiny-D"], "name": "tiny"}
     assert StudentConfig.from_yaml(CONFIG_DIR / "cpu.yaml", variant="E").patch_score == "mask"  # the E block
     assert StudentConfig.from_yaml("cpu-D", variant="E").patch_score == "mask"
