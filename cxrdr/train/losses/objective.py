@@ -154,17 +154,18 @@ class Objective(nn.Module):
 
 
 def loss_balance(terms: dict[str, torch.Tensor], params: Sequence[torch.nn.Parameter]) -> dict[str, float]:
-    """Gradient norm each term puts on `params` (e.g. model.trunk_parameters()); 'total' skipped,
-    terms without a graph (or not reaching the params) give 0.0. Keeps the graph for backward()."""
+    """Gradient norm each term puts on `params` (e.g. model.trunk_parameters()); 'total' skipped. Terms
+    without a graph, or whose graph does not reach the params, are left out rather than given 0.0: with the
+    heads on early layers (head_layer 0, local_text_layer 0) the local, mask-words and sparsity terms never
+    reach the last block, and a logged 0.0 read as a term with no gradient at all. Keeps the graph for
+    backward()."""
     params = [p for p in params if p.requires_grad]
     out: dict[str, float] = {}
     for key, value in terms.items():
-        if key == "total" or not torch.is_tensor(value):
-            continue
-        if not value.requires_grad or not params:
-            out[key] = 0.0
+        if key == "total" or not torch.is_tensor(value) or not value.requires_grad or not params:
             continue
         grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
         squares = [g.detach().float().pow(2).sum() for g in grads if g is not None]
-        out[key] = math.sqrt(float(torch.stack(squares).sum())) if squares else 0.0
+        if squares:
+            out[key] = math.sqrt(float(torch.stack(squares).sum()))
     return out
