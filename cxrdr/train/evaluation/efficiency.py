@@ -270,10 +270,11 @@ def flop_counter():
     text tower's and the local heads' (B_text x B_image pooling, B^2 x tokens x patches). Same formulas."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    aten = torch.ops.aten
+    formulas = {"_scaled_dot_product_flash_attention_for_cpu": _cpu_attention_flops,
+                "_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward_flops}
+    # a torch without these kernels (or with other names) counts as before rather than failing
     return FlopCounterMode(display=False, custom_mapping={
-        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops})
+        getattr(torch.ops.aten, name): formula for name, formula in formulas.items() if hasattr(torch.ops.aten, name)})
 
 
 def gflops(fn, grad: bool = False) -> float:
