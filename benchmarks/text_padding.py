@@ -3,7 +3,7 @@
 Takes a training batch's texts as the loop sees them: the reports of phantom studies and one synthetic caption
 each (the build's captioners), tokenized by the student's tokenizer (padded to the batch's longest, in buckets).
 For each text kind it prints the real and the padded token counts, then the text tower's forward + backward FLOPs
-per sample (torch.utils.flop_counter, counted on one batch) padded and packed, and, with ``--time``, their wall
+per sample (``efficiency.gflops``, counted on one batch) padded and packed, and, with ``--time``, their wall
 time on the device.
 
     python benchmarks/text_padding.py                          # MiniLM, batch 256, context 128 (the GPU students)
@@ -41,7 +41,7 @@ def measure(text_tower: str = "minilm", context: int = 128, batch_size: int = 25
             repeats: int = 3) -> list[dict]:
     import torch
 
-    from cxrdr.train.evaluation.efficiency import flop_counter
+    from cxrdr.train.evaluation.efficiency import gflops
     from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
 
     tokenizer = build_tokenizer(text_tower, context)
@@ -53,9 +53,8 @@ def measure(text_tower: str = "minilm", context: int = 128, batch_size: int = 25
                "real_tokens_per_text": tok["token_index"].numel() / batch_size}
         for pack in (False, True):
             name = "packed" if pack else "padded"
-            with flop_counter() as counter:
-                forward_backward(tower, tok, pack, token_layer)
-            row[f"{name}_gflops_per_text"] = counter.get_total_flops() / batch_size / 1e9
+            row[f"{name}_gflops_per_text"] = gflops(lambda: forward_backward(tower, tok, pack, token_layer),
+                                                    grad=True) / batch_size
             if timed:
                 sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
                 forward_backward(tower, tok, pack, token_layer)  # warm-up
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="phantom seed")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--time", action="store_true", help="also time forward + backward (best of 3 after one)")
+    parser.add_argument("--time", action="store_true", help="also time forward + backward (mean of 3 after one)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
     import torch

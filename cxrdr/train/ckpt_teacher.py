@@ -31,7 +31,8 @@ class CheckpointTeacher(Teacher):
 
     def _encode_texts(self, texts: list[str]) -> torch.Tensor:
         tokens = self.model.tokenize(texts)
-        # the tokenizer's packing index where it gives one (the text tower then skips the padding)
+        # the tokenizer's packing index where it gives one (the text tower then skips the padding); passed only then,
+        # as a model whose tokenizer gives none need not take the argument
         packing = {"token_index": tokens["token_index"]} if "token_index" in tokens else {}
         return self.model.encode_text(tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device),
                                       **packing)
