@@ -8,6 +8,7 @@ drifting load on a shared machine hits both alike.
     python benchmarks/token_dropping.py                       # CPU ladder (cpu-A/E) and ViT-S/16 224 (A/E)
     python benchmarks/token_dropping.py --pairs cpu --rounds 5
     python benchmarks/token_dropping.py --device cuda --batch-size 64 --json-out bench.json
+    python benchmarks/token_dropping.py --pairs vit-s16-224,vit-s16-224-former-heads   # what E's head convs cost
 
 Inference: the image encoder on a batch (``cxrdr.train.evaluation.efficiency.image_encoder_metrics``).
 Training: one AdamW step of the student on a synthetic batch (the trainer's Task: forward and the
@@ -23,14 +24,28 @@ import statistics
 import sys
 from pathlib import Path
 
-PAIRS = {"cpu": ("cpu-A", "cpu-E"), "vit-s16-224": ("A", "E")}
+from train_step import FORMER_HEADS_E  # a sibling benchmark (this folder is on sys.path when run as a script)
+
+PAIRS = {"cpu": ("cpu-A", "cpu-E"), "vit-s16-224": ("A", "E"), "vit-s16-224-former-heads": ("A", "E-former-heads")}
+# names that are a config with overrides: E with default.yaml's former local-alignment heads (train_step.FORMER_HEADS_E)
+OVERRIDDEN = {"E-former-heads": ("E", FORMER_HEADS_E)}
+
+
+def build(name: str):
+    """The student a pair names: a config name, or one of OVERRIDDEN."""
+    from cxrdr.train.models import build_student
+    from cxrdr.train.models.config import StudentConfig
+
+    if name not in OVERRIDDEN:
+        return build_student(name)
+    config, overrides = OVERRIDDEN[name]
+    return build_student(StudentConfig.from_yaml(config, **overrides))
 
 
 def measure_pair(names: tuple[str, str], batch_size: int, rounds: int, device: str) -> dict:
     from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
-    from cxrdr.train.models import build_student
 
-    models = {name: build_student(name).to(device) for name in names}
+    models = {name: build(name).to(device) for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(rounds):
         for name, model in models.items():
@@ -68,14 +83,14 @@ def main(argv=None) -> int:
         results[key] = measure_pair(PAIRS[key], args.batch_size, args.rounds, args.device)
     print(f"\ntoken dropping at the target keep rate ({args.device}, {torch.get_num_threads()} threads, "
           f"batch {args.batch_size}, median of {args.rounds} alternating rounds)")
-    print(f"{'pair':<14} {'model':<7} {'infer img/s':>12} {'train img/s':>12} {'GFLOPs/img':>11} {'patches %':>10}")
+    print(f"{'pair':<24} {'model':<14} {'infer img/s':>12} {'train img/s':>12} {'GFLOPs/img':>11} {'patches %':>10}")
     for key, res in results.items():
         for name in PAIRS[key]:
             r = res[name]
-            print(f"{key:<14} {name:<7} {r['inference_img_per_s']:12.1f} {r['train_img_per_s']:12.1f} "
+            print(f"{key:<24} {name:<14} {r['inference_img_per_s']:12.1f} {r['train_img_per_s']:12.1f} "
                   f"{r['gflops_per_img']:11.3f} {r['patch_usage_pct']:10.0f}")
         ratio = res["E_over_A"]
-        print(f"{key:<14} {'E / A':<7} {ratio['inference_img_per_s']:11.2f}x {ratio['train_img_per_s']:11.2f}x "
+        print(f"{key:<24} {'E / A':<14} {ratio['inference_img_per_s']:11.2f}x {ratio['train_img_per_s']:11.2f}x "
               f"{ratio['gflops_per_img']:10.2f}x")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))

@@ -298,6 +298,8 @@ def test_train_step_benchmark_times_the_former_heads_and_counts_flops_on_request
     assert rows["D stored, padded texts"]["gflops_per_img"] > rows["D stored"]["gflops_per_img"]
     # the former heads are default.yaml's D as it was before it took the CPU ladder's heads
     from cxrdr.train.models.config import StudentConfig
-    from tests.test_models import ADDED_FIELDS, OLD_CONFIGS
+    from tests.test_models import ADDED_FIELDS, CHANGED, OLD_CONFIGS
 
     assert StudentConfig.from_yaml("D", **train_step.FORMER_HEADS).to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"]}
+    assert StudentConfig.from_yaml("E", **train_step.FORMER_HEADS_E).to_dict() == {
+        **ADDED_FIELDS, **OLD_CONFIGS["E"], **CHANGED["E"]}  # token_dropping.py's E-former-heads
