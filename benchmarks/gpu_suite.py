@@ -71,11 +71,11 @@ FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # the whole model.
 COMPILED_ORDER = (("D", "blocks"), ("A", "blocks"), ("E", "blocks"), ("D", "model"), ("A", "model"), ("E", "model"))
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
-# timed steps, beside its eager twin). Whole model: ../shared/gpu/compile-h100.txt measured 73-112 s warm-ups that
-# recompiled nearly every step; on the H200 (benchmarks/results/nvidia-h200.md) D, A and E compiled in one block
-# did not finish within 350 s. Blocks: on 2 CPU cores D's first step took 31 s by blocks against 94 s whole
-# (inductor, cold cache; benchmarks/dispatch_count.py D D:blocks D:model; not measured on a GPU).
-COMPILE_ESTIMATE_S = {"blocks": 75, "model": 150}
+# timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3.json): the
+# section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
+# compiled code) and D, A whole (warm-ups 64.9 s and 43.9 s); with the former 75 / 150 s it left E whole out with
+# 149 s of the budget still unspent. Kept above the measured ~20 s and ~65 s: a cold cache or another card.
+COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 

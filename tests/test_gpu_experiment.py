@@ -163,12 +163,25 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     teacher = data["teachers"]["vitb-s1"]
     assert {"mean_recall", "pointing_z", "pointing_attn"} <= set(teacher["report"])
     assert (out / "runs" / "reinforced" / "seed-10" / "eval-report" / "heatmaps.png").is_file()
+    # every evaluation ran on the recipe's device (a GPU host's ran on its CPU cores before)
+    evals = [out / "runs" / "reinforced" / "seed-10" / "eval-report", teacher_run / "eval-report-test"]
+    assert [json.loads((d / "eval.json").read_text())["meta"]["device"] for d in evals] == ["cpu", "cpu"]
     for name in ("metric_vs_samples.png", "metric_vs_samples_per_seed.png", "table.md"):
         assert (out / name).is_file(), name
     assert "report PG z" in (out / "table.md").read_text()
     judged = [b["bar"] for b in data["bars"]]  # issue 36's bars, as the recipe states them
     assert any("<= 1/4 of plain's samples" in b and "<= 0.333" in b for b in judged)
     assert sum("reinforced pointing_" in b and "train-box prior >= 0.15" in b for b in judged) == 2
+
+
+def test_evaluations_run_on_the_recipes_device_unless_eval_names_one():
+    from cxrdr.experiments.runs import evaluation_device
+
+    opts = {"n_plots": 6}
+    assert evaluation_device({"device": "cuda"}, opts) == "cuda" and opts == {"n_plots": 6}
+    opts = {"device": "cuda:1", "n_plots": 6}
+    assert evaluation_device({"device": "cuda"}, opts) == "cuda:1" and opts == {"n_plots": 6}  # taken out
+    assert evaluation_device({}, {}) is None  # evaluate's own default (CPU)
 
 
 STUB = """#!/usr/bin/env bash

@@ -494,6 +494,53 @@ def test_cosine_local_align_attention_is_the_scored_similarity():
         head(text, patches, values=values[:, :5])
 
 
+@pytest.mark.parametrize("with_values", [False, True])
+def test_pair_similarity_gram_form_equals_the_fused_attention(with_values):
+    """The two forms of the cosine local head's pair similarity (the head picks by shape: patches < dims takes
+    the Gram form) agree in value and gradient, padded patches and pooled values included; under bf16 autocast
+    the Gram form stays within bf16 rounding of fp32."""
+    from cxrdr.train.models.heads import pooled_cosine_by_gram, pooled_cosine_by_sdpa
+
+    g = torch.Generator().manual_seed(11)
+    words = F.normalize(torch.randn(3, 4, 24, generator=g), dim=-1)
+    patches = F.normalize(torch.randn(5, 9, 24, generator=g), dim=-1)
+    values = F.normalize(torch.randn(5, 9, 24, generator=g), dim=-1) if with_values else None
+    mask = torch.ones(5, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    weights = torch.randn(3, 5, 4, generator=g)
+    outs, grads = [], []
+    for form in (pooled_cosine_by_sdpa, pooled_cosine_by_gram):
+        inputs = [x.clone().requires_grad_() for x in (words, patches) + ((values,) if with_values else ())]
+        out = form(inputs[0], inputs[1], inputs[2] if with_values else None, 0.1, mask)
+        (out * weights).sum().backward()
+        outs.append(out.detach())
+        grads.append([x.grad for x in inputs])
+    assert outs[0].shape == (3, 5, 4)
+    assert torch.allclose(outs[1], outs[0], atol=1e-5)
+    for ours, reference in zip(grads[1], grads[0]):
+        assert torch.allclose(ours, reference, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = pooled_cosine_by_gram(words, patches, values, 0.1, mask)
+    assert low.dtype == torch.float32 and (low - outs[0]).abs().max() < 5e-3
+
+
+def test_pair_similarity_benchmark_agrees_with_the_heads_choice_of_form():
+    """benchmarks/pair_similarity.py: both forms agree, and the head takes the Gram form exactly where it counts
+    fewer FLOPs: many words against few patches of many dims, not few words, nor more patches than dims."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pair_similarity
+
+    rows = pair_similarity.measure(batch=16, words_per_text=8, shapes=[(6, 32), (32, 6)], rounds=1)
+    rows += pair_similarity.measure(batch=3, words_per_text=2, shapes=[(24, 32)], rounds=1)
+    assert [r["head_takes"] for r in rows] == ["gram", "fused", "fused"]
+    for r in rows:
+        assert (r["gram_gflops"] < r["fused_gflops"]) == (r["head_takes"] == "gram"), r
+        assert r["max_diff"] < 1e-5 and r["gram_ms"] > 0 and r["fused_ms"] > 0
+
+
 def test_negated_tokens_cover_a_cue_to_the_end_of_its_sentence():
     from cxrdr.train.models.heads import negated_tokens
 

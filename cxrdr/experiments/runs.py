@@ -270,6 +270,14 @@ def evaluation_request(recipe: dict, run_dir: Path, shards: Path, isolated: bool
     return eval_dir, request, opts
 
 
+def evaluation_device(recipe: dict, opts: dict) -> str | None:
+    """The device an evaluation runs on, taken out of ``opts``: the recipe's ``eval.device``, else the recipe's
+    ``device`` (its runs', builds' and add-teacher's). Without it a GPU host evaluated every run on its CPU
+    cores (``load_checkpoint`` defaults to CPU). Not part of the recorded request: figures do not depend on it
+    beyond rounding."""
+    return opts.pop("device", None) or recipe.get("device")
+
+
 def evaluation_done(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> bool:
     """``evaluate_run`` would reuse an earlier evaluation (side-effect free: a status listing)."""
     eval_dir, request, _ = evaluation_request(recipe, run_dir, shards, isolated, efficiency, build=False)
@@ -292,7 +300,7 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     use_subprocess = measure and isolated and not torch.cuda.is_available()
     results = evaluate(str(ckpt), report_shards, split, eval_dir, progress=False, quiet=True,
                        efficiency=measure and not use_subprocess, efficiency_batch=eff_batch,
-                       train_shards=shards, **opts)
+                       train_shards=shards, device=evaluation_device(recipe, opts), **opts)
     if use_subprocess:
         results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
         results["summary"] = summary_row(results)

@@ -36,7 +36,7 @@ from cxrdr.common.shards.info import read_dataset_info
 from cxrdr.common.shards.members import DATASET_JSON, IMAGE_EXTS
 from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.recipe import make_train_config
-from cxrdr.experiments.runs import claim_run, ensure_shards, report_set, run_training
+from cxrdr.experiments.runs import claim_run, ensure_shards, evaluation_device, report_set, run_training
 from cxrdr.reinforce.add_teacher import add_teachers
 from cxrdr.teachers.base import file_safe_name
 from cxrdr.train.config import TrainConfig
@@ -196,7 +196,7 @@ def _quality(recipe: dict, run_dir: Path, shards: Path, split: str, tag: str) ->
         return json.loads(done.read_text())["summary"]
     begin(f"evaluate teacher {run_dir} on {tag}")
     results = evaluate(str(run_dir / "last.pt"), shards, split, out_dir, progress=False, quiet=True,
-                       efficiency=False, **opts)
+                       efficiency=False, device=evaluation_device(recipe, opts), **opts)
     return results["summary"]
 
 

@@ -69,7 +69,7 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         "n_samples": len(samples), "text_section": text_section,
         "text_section_fallbacks_to_report": int(sum(fallbacks)), "seed": seed,
         "image_view": "full stored image (identity params) at the model input size",
-        "image_size": em.image_size}}
+        "image_size": em.image_size, "device": str(em.device)}}
     if em.is_student:
         results["meta"]["student_config"] = _config_dict(em.module)
     ids: dict = {"split": split, "text_section": text_section, "seed": seed}

@@ -199,10 +199,7 @@ class LocalAlign(nn.Module):
         q = F.linear(t, w_q, b_q).reshape(b_txt * length, heads, -1).transpose(0, 1)  # (H, B*L, d)
         k = F.linear(p, w_k, b_k).unflatten(-1, (heads, -1)).transpose(1, 2)  # (B_img, H, N, d)
         v = F.linear(p, w_v, b_v).unflatten(-1, (heads, -1)).transpose(1, 2)
-        bias = None
-        if patch_mask is not None:  # padded patches get no attention
-            bias = torch.zeros(patch_mask.shape, dtype=q.dtype, device=q.device)
-            bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
+        bias = _patch_bias(patch_mask, q)  # padded patches get no attention
         pooled = F.scaled_dot_product_attention(q.expand(b_img, -1, -1, -1), k, v, attn_mask=bias)
         pooled = pooled.transpose(1, 2).reshape(b_img, b_txt, length, width).transpose(0, 1)
         return cosine_to_words(self.attn.out_proj(pooled), F.normalize(t, dim=-1))  # pooled: (B_text, B_image, L, D)
@@ -263,25 +260,79 @@ class CosineLocalAlign(nn.Module):
                         patch_mask: torch.Tensor | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
         """cos(v~_{j<-i,k}, t_{i,k}) for every text i, token k and image j: (B_text, B_image, L).
 
-        Every text token attends over each image in one fused ``scaled_dot_product_attention`` call
-        (scale 1/temperature on unit vectors: the cosine softmax of ``forward``), so the
-        (B_text, B_image, L, N) attention is never materialised: ~1.5x faster on CPU than einsums."""
+        The (B_text, B_image, L, N) attention is never materialised: every text token attends over each
+        image in one fused ``scaled_dot_product_attention`` call (``pooled_cosine_by_sdpa``), or, where that
+        costs more FLOPs (``gram_form_is_cheaper``: the GPU students' 196 patches in 512 dims at batch 256,
+        pooling the patches themselves), the cosine is read off the Gram matrices of the patches
+        (``pooled_cosine_by_gram``). The CPU students (144 patches, 64 dims) always take the fused form."""
         t, p = self._project(text_tokens, patches)  # (Bt, L, D), (Bi, N, D)
-        (b_txt, length, width), b_img = t.shape, p.shape[0]
-        q = t.reshape(1, 1, b_txt * length, width).expand(b_img, -1, -1, -1)
-        bias = None
-        if patch_mask is not None:  # padded patches get no attention
-            bias = torch.zeros(patch_mask.shape, dtype=q.dtype, device=q.device)
-            bias = bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
-        pooled = F.scaled_dot_product_attention(q, p.unsqueeze(1), self._values(p, values).unsqueeze(1),
-                                                attn_mask=bias, scale=1.0 / self.temperature)
-        return cosine_to_words(pooled[:, 0].reshape(b_img, b_txt, length, width).transpose(0, 1), t)
+        queries, (n, width) = t.shape[0] * t.shape[1], p.shape[1:]
+        gram = values is None and gram_form_is_cheaper(queries, n, width)  # values cost the Gram form 2QND more
+        pooled_cosine = pooled_cosine_by_gram if gram else pooled_cosine_by_sdpa
+        return pooled_cosine(t, p, None if values is None else self._values(p, values), self.temperature, patch_mask)
 
     def word_similarity(self, text_tokens: torch.Tensor, patches: torch.Tensor,
                         values: torch.Tensor | None = None) -> torch.Tensor:
         """cos(v~_{i,k}, t_{i,m}) within each pair: (B, L, L) (see ``LocalAlign.word_similarity``)."""
         v, t, _ = self(text_tokens, patches, values=values)
         return F.normalize(v, dim=-1) @ t.transpose(1, 2)
+
+
+def _patch_bias(patch_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """(B_image, 1, 1, N) additive attention bias: -inf on padded patches (patch_mask False), else None."""
+    if patch_mask is None:
+        return None
+    bias = torch.zeros(patch_mask.shape, dtype=like.dtype, device=like.device)
+    return bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
+
+
+def gram_form_is_cheaper(queries: int, patches: int, dims: int) -> bool:
+    """Whether ``pooled_cosine_by_gram`` does fewer forward FLOPs than ``pooled_cosine_by_sdpa`` for ``queries``
+    words (B_text x L) against each image, pooling the patches themselves: 2QND + 2N^2 D + 2QN^2 against 4QND,
+    i.e. Q (D - N) > N D (with separate values, never). Never
+    with more patches than dims; at 196 patches and 512 dims from 318 words a batch (batch 40 at 8 words)."""
+    return queries * (dims - patches) > patches * dims
+
+
+def pooled_cosine_by_sdpa(words: torch.Tensor, patches: torch.Tensor, values: torch.Tensor | None,
+                          temperature: float, patch_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``CosineLocalAlign.pair_similarity`` from unit words (B_text, L, D) and unit patches (B_image, N, D):
+    every word attends over each image in one ``scaled_dot_product_attention`` call (scale 1/temperature on
+    unit vectors: the cosine softmax), pooling ``values`` (unit, the patches' grid; None: the patches), then
+    the cosine of each pooled vector with its word. ~1.5x faster on CPU than einsums; it holds the
+    (B_image, B_text x L, D) pooled vectors."""
+    (b_txt, length, width), b_img = words.shape, patches.shape[0]
+    q = words.reshape(1, 1, b_txt * length, width).expand(b_img, -1, -1, -1)
+    pooled = F.scaled_dot_product_attention(q, patches.unsqueeze(1),
+                                            (patches if values is None else values).unsqueeze(1),
+                                            attn_mask=_patch_bias(patch_mask, q), scale=1.0 / temperature)
+    return cosine_to_words(pooled[:, 0].reshape(b_img, b_txt, length, width).transpose(0, 1), words)
+
+
+def pooled_cosine_by_gram(words: torch.Tensor, patches: torch.Tensor, values: torch.Tensor | None,
+                          temperature: float, patch_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """As ``pooled_cosine_by_sdpa``, without forming any pooled vector. With a = softmax(P t / T) over image
+    j's N patches and V its values (unit rows), the pooled vector is V^T a, so
+        cos(V^T a, t) = (a . V t) / sqrt(a^T (V V^T) a)
+    needs the (B_image, B_text x L, N) scores and the (B_image, N, N) Gram matrices only: 2N(N + D)
+    FLOPs a (word, image) pair, plus 2N^2 D an image, instead of 4ND (``values`` add 2ND a pair), and no
+    (B_image, B_text x L, D) tensor. Why it exists: at D 512 the fused attention falls back to the generic
+    memory-efficient kernel, whose backward took 17 ms of the H100's 120 ms D step
+    (benchmarks/results/profiles/nvidia-h100-0ef6026-D.txt). The softmax
+    and the norm run outside autocast (fp32; TF32 where the loop allows it): a^T G a loses digits in bf16."""
+    (b_txt, length, width), b_img = words.shape, patches.shape[0]
+    flat = words.reshape(b_txt * length, width)
+    scores = flat @ patches.transpose(1, 2)  # (B_image, Q, N) cosines
+    logits = scores / temperature
+    if patch_mask is not None:
+        logits = logits.masked_fill(~patch_mask.bool().unsqueeze(1), float("-inf"))
+    with torch.autocast(words.device.type, enabled=False):
+        attn = logits.float().softmax(-1)
+        vals = (patches if values is None else values).float()
+        along_word = scores.float() if values is None else flat.float() @ vals.transpose(1, 2)
+        norm_sq = ((attn @ (vals @ vals.transpose(1, 2))) * attn).sum(-1)
+        cosine = (attn * along_word).sum(-1) / norm_sq.clamp_min(1e-24).sqrt()
+    return cosine.reshape(b_img, b_txt, length).transpose(0, 1)
 
 
 def build_local_align(kind: str, text_dim: int, patch_dim: int, embed_dim: int, heads: int,

@@ -1,0 +1,98 @@
+"""The cosine local head's pair similarity (the token-region term's B_text x B_image x words cosines), both forms.
+
+``heads.CosineLocalAlign.pair_similarity`` computes cos(v~_{j<-i,k}, t_{i,k}) for every text i, word k and image
+j in one of two ways: fused attention over each image (``pooled_cosine_by_sdpa``) or the scores and each image's
+Gram matrix (``pooled_cosine_by_gram``); it takes the Gram form where that counts fewer forward FLOPs
+(``heads.gram_form_is_cheaper``). This prints, per shape, each form's forward + backward time (median of
+``--rounds``), FLOPs (``efficiency.gflops``), their largest difference and which form the head takes.
+
+    python benchmarks/pair_similarity.py                         # CPU: the CPU students' and ViT-S/16's shapes
+    python benchmarks/pair_similarity.py --device cuda --batch 256 --amp   # the GPU step's shape, bf16 autocast
+
+A shape is batch x words x patches x dims: the GPU default D draws 8 words a text (``loss.local_tokens``) over
+ViT-S/16's 196 patches in 512 dims; the CPU students' 144 patches are 64-dim.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+
+def time_form(form, words, patches, temperature: float, rounds: int, sync, amp: bool) -> tuple[float, object]:
+    """Median seconds of forward + backward of ``form`` and its (last) output."""
+    import torch
+
+    times, out = [], None
+    for _ in range(rounds + 1):  # the first is a warm-up
+        w, p = words.detach().requires_grad_(), patches.detach().requires_grad_()
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(w.device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext():
+            out = form(w, p, None, temperature)
+        out.float().sum().backward()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]), out.detach().float()
+
+
+def measure(batch: int, words_per_text: int, shapes: list[tuple[int, int]], rounds: int = 5, device: str = "cpu",
+            amp: bool = False) -> list[dict]:
+    """One row per (patches, dims) shape: each form's median ms and GFLOPs (forward + backward) and the largest
+    difference of their outputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from cxrdr.train.evaluation.efficiency import gflops
+    from cxrdr.train.models.heads import gram_form_is_cheaper, pooled_cosine_by_gram, pooled_cosine_by_sdpa
+
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n, d in shapes:
+        words = F.normalize(torch.randn(batch, words_per_text, d, generator=g), dim=-1).to(device)
+        patches = F.normalize(torch.randn(batch, n, d, generator=g), dim=-1).to(device)
+        row = {"patches": n, "dims": d, "head_takes": "gram" if gram_form_is_cheaper(batch * words_per_text, n, d)
+               else "fused"}
+        outs = []
+        for name, form in (("fused", pooled_cosine_by_sdpa), ("gram", pooled_cosine_by_gram)):
+            seconds, out = time_form(form, words, patches, 0.1, rounds, sync, amp)
+            w, p = words.detach().requires_grad_(), patches.detach().requires_grad_()
+            row[f"{name}_ms"] = 1000 * seconds
+            row[f"{name}_gflops"] = gflops(lambda: form(w, p, None, 0.1).sum().backward(), grad=True)
+            outs.append(out)
+        row["max_diff"] = (outs[0] - outs[1]).abs().max().item()
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=32, help="texts = images in the batch")
+    parser.add_argument("--words", type=int, default=8, help="words drawn a text (loss.local_tokens)")
+    parser.add_argument("--shapes", default="144x64,196x512", help="patches x dims, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast, as the GPU loop runs")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    print(f"{args.batch} texts x {args.words} words against {args.batch} images on {args.device}"
+          f"{', bf16 autocast' if args.amp else ''}; forward + backward, median of {args.rounds}")
+    print("| patches x dims | fused attention ms | Gram ms | fused / Gram | fused GFLOPs | Gram GFLOPs | max diff "
+          "| the head takes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in measure(args.batch, args.words, shapes, args.rounds, args.device, args.amp):
+        print(f"| {r['patches']} x {r['dims']} | {r['fused_ms']:.1f} | {r['gram_ms']:.1f} | "
+              f"{r['fused_ms'] / r['gram_ms']:.2f} | {r['fused_gflops']:.2f} | {r['gram_gflops']:.2f} | "
+              f"{r['max_diff']:.1e} | {r['head_takes']} |")
+
+
+if __name__ == "__main__":
+    main()
