@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cxrdr.train.checkpoint import read_checkpoint  # noqa: E402
+from cxrdr.train.runfolder import complete_lines  # noqa: E402
 
 
 def run_env() -> dict:
@@ -44,7 +45,8 @@ def last_step(run: Path) -> int:
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         return -1
-    steps = [json.loads(line).get("step", -1) for line in metrics.read_text().splitlines() if line.strip()]
+    # only finished lines: the run may be writing one as we read
+    steps = [json.loads(line).get("step", -1) for line in complete_lines(metrics.read_text())]
     return max(steps, default=-1)
 
 

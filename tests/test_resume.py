@@ -237,3 +237,22 @@ def test_resume_takes_the_shard_folder_by_content_not_by_spelling(phantom_shards
         train(dict(settings, shards=str(moved), steps=6, resume=True))
     with pytest.raises(ValueError, match="1 rank\\(s\\) x 1 worker.*now 1 x 2"):
         train(dict(settings, shards=str(phantom_shards), steps=6, resume=True, workers=2))
+
+
+def test_metrics_log_resumes_over_a_line_a_killed_writer_left_unfinished(tmp_path):
+    """A run killed while appending a record leaves half a line; the resumed run keeps the finished records up
+    to its step and drops that half line instead of failing to parse it, and the status and curve readers
+    skip it meanwhile. One record goes out in one write, however long it is."""
+    from cxrdr.experiments.runs import eval_curve
+    from cxrdr.train.runfolder import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    finished = [{"kind": "train", "step": 2}, {"kind": "eval", "step": 2, "mean_recall": 0.5},
+                {"kind": "train", "step": 4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in finished) + '{"kind": "eval", "step": 4, "mean_re')
+    assert [p["step"] for p in eval_curve(tmp_path, 8)] == [2]
+    log = MetricsLog(path, enabled=True, resume_step=3)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == finished[:2]
+    log.write({"kind": "train", "step": 3, "note": "x" * 20_000})  # over a buffered file's 8 KiB
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[-1])["step"] == 3 and path.read_text().endswith("\n")

@@ -32,6 +32,7 @@ from cxrdr.train.evaluation.benchmark import run_benchmark
 from cxrdr.train.evaluation.report import jsonable, write_json
 from cxrdr.train.evaluation.runner import evaluate, summary_row
 from cxrdr.train.loop import train
+from cxrdr.train.runfolder import complete_lines
 
 T = TypeVar("T")
 CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc", "zeroshot_mean_auc")
@@ -225,9 +226,7 @@ def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
     points = []
     if not path.is_file():
         return points
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
+    for line in complete_lines(path.read_text()):  # a run killed mid-write leaves its last line unfinished
         rec = json.loads(line)
         if rec.get("kind") == "eval":
             points.append({"step": rec["step"], "samples_seen": rec["step"] * samples_per_step,

@@ -16,6 +16,7 @@ from cxrdr.experiments.efficiency import arm_plan
 from cxrdr.experiments.runs import evaluation_done, evaluation_request, run_state
 from cxrdr.experiments.teacher_prep import teacher_eval_dir, teacher_eval_done, teacher_plans, teacher_seconds
 from cxrdr.train.config import TrainConfig
+from cxrdr.train.runfolder import complete_lines
 
 
 def _json(path: Path) -> dict | None:
@@ -49,8 +50,8 @@ def shard_unit(name: str, spec: dict) -> dict:
 def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
     run_dir = Path(cfg.out)
     state = run_state(run_dir, cfg)
-    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if line.strip()] if (run_dir / "metrics.jsonl").is_file() else []
+    metrics = run_dir / "metrics.jsonl"  # of a run a killed chunk may have left mid-write
+    evals = [json.loads(line) for line in complete_lines(metrics.read_text())] if metrics.is_file() else []
     passes = [r for r in evals if r.get("kind") == "eval"]
     eval_s = sum(float(r.get("eval_time_s") or 0) for r in passes)
     if state == "done":

@@ -102,20 +102,31 @@ def json_default(obj):
 
 class MetricsLog:
     """RUN/metrics.jsonl, one JSON object per line (rank 0 only); on resume, lines after the
-    resumed step are dropped so the file reads as one consistent run."""
+    resumed step are dropped so the file reads as one consistent run, and so is a last line that a
+    process killed while writing it left unfinished."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int | None = None):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
         if resume_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [line for line in complete_lines(path.read_text())
+                    if json.loads(line).get("step", 0) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
         elif path.exists():
             path.unlink()
 
     def write(self, record: dict) -> None:
+        """Append one record in a single write: a buffered file writes a record over 8 KiB (a step's every
+        loss term and gradient norm) in pieces, which a reader, or a kill between them, catches half done."""
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record, default=json_default) + "\n")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps(record, default=json_default) + "\n").encode())
+            finally:
+                os.close(fd)
+
+
+def complete_lines(text: str) -> list[str]:
+    """The non-blank lines of a JSON-lines file's ``text`` that its writer finished (newline-terminated)."""
+    return [line for line in text.split("\n")[:-1] if line.strip()]
