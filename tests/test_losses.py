@@ -497,8 +497,8 @@ def test_cosine_local_align_attention_is_the_scored_similarity():
 @pytest.mark.parametrize("with_values", [False, True])
 def test_pair_similarity_gram_form_equals_the_fused_attention(with_values):
     """The two forms of the cosine local head's pair similarity (the head picks by shape: patches < dims takes
-    the Gram form) agree in value and gradient, padded patches and pooled values included; under bf16 autocast
-    the Gram form stays within bf16 rounding of fp32."""
+    the Gram form) agree in value and gradient, padded patches and pooled values included; bf16 autocast leaves
+    the Gram form in fp32."""
     from cxrdr.train.models.heads import pooled_cosine_by_gram, pooled_cosine_by_sdpa
 
     g = torch.Generator().manual_seed(11)
@@ -519,9 +519,9 @@ def test_pair_similarity_gram_form_equals_the_fused_attention(with_values):
     assert torch.allclose(outs[1], outs[0], atol=1e-5)
     for ours, reference in zip(grads[1], grads[0]):
         assert torch.allclose(ours, reference, atol=1e-4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # it stays in fp32, as the fused kernels keep their scores
         low = pooled_cosine_by_gram(words, patches, values, 0.1, mask)
-    assert low.dtype == torch.float32 and (low - outs[0]).abs().max() < 5e-3
+    assert low.dtype == torch.float32 and torch.allclose(low, outs[1], atol=1e-6)
 
 
 def test_pair_similarity_benchmark_agrees_with_the_heads_choice_of_form():

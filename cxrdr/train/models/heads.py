@@ -318,18 +318,19 @@ def pooled_cosine_by_gram(words: torch.Tensor, patches: torch.Tensor, values: to
     FLOPs a (word, image) pair, plus 2N^2 D an image, instead of 4ND (``values`` add 2ND a pair), and no
     (B_image, B_text x L, D) tensor. Why it exists: at D 512 the fused attention falls back to the generic
     memory-efficient kernel, whose backward took 17 ms of the H100's 120 ms D step
-    (benchmarks/results/profiles/nvidia-h100-0ef6026-D.txt). The softmax
-    and the norm run outside autocast (fp32; TF32 where the loop allows it): a^T G a loses digits in bf16."""
+    (benchmarks/results/profiles/nvidia-h100-0ef6026-D.txt). It runs outside autocast, in fp32 (TF32 where the
+    loop allows it): the fused kernels keep their scores in fp32 as well, and a^T G a loses digits in bf16."""
     (b_txt, length, width), b_img = words.shape, patches.shape[0]
-    flat = words.reshape(b_txt * length, width)
-    scores = flat @ patches.transpose(1, 2)  # (B_image, Q, N) cosines
-    logits = scores / temperature
-    if patch_mask is not None:
-        logits = logits.masked_fill(~patch_mask.bool().unsqueeze(1), float("-inf"))
     with torch.autocast(words.device.type, enabled=False):
-        attn = logits.float().softmax(-1)
-        vals = (patches if values is None else values).float()
-        along_word = scores.float() if values is None else flat.float() @ vals.transpose(1, 2)
+        flat = words.reshape(b_txt * length, width).float()
+        keys = patches.float()
+        vals = keys if values is None else values.float()
+        scores = flat @ keys.transpose(1, 2)  # (B_image, Q, N) cosines
+        logits = scores / temperature
+        if patch_mask is not None:
+            logits = logits.masked_fill(~patch_mask.bool().unsqueeze(1), float("-inf"))
+        attn = logits.softmax(-1)
+        along_word = scores if values is None else flat @ vals.transpose(1, 2)
         norm_sq = ((attn @ (vals @ vals.transpose(1, 2))) * attn).sum(-1)
         cosine = (attn * along_word).sum(-1) / norm_sq.clamp_min(1e-24).sqrt()
     return cosine.reshape(b_img, b_txt, length).transpose(0, 1)
