@@ -73,8 +73,9 @@ COMPILED_ORDER = (("D", "blocks"), ("A", "blocks"), ("E", "blocks"), ("D", "mode
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3.json): the
 # section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
-# compiled code) and D, A whole (warm-ups 64.9 s and 43.9 s); with the former 75 / 150 s it left E whole out with
-# 149 s of the budget still unspent. Kept above the measured ~20 s and ~65 s: a cold cache or another card.
+# compiled code) and D, A whole (warm-ups 64.9 s and 43.9 s); with the former 75 / 150 s, and the skipped train_step's
+# 45 s held back (``reserve_after`` leaves skipped sections out now), it left E whole out with ~145 s of the budget
+# unspent. Kept above the measured ~20 s and ~65 s: a cold cache or another card.
 COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
@@ -83,16 +84,16 @@ SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", 
 def settings(tiny: bool, device: str) -> dict:
     """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
 
-    GPU sizes come from the H100 step times in ../shared/gpu (before this round's changes, so an
-    upper bound): build ~74 s (suite-h100); students ~7 rows x ~5 s; loop 8 configurations x
-    (2 + 4 blocks of 5 steps) at <= 0.22 s/step + profiling ~60 s; peer ~10 s eager + one compile;
-    train_step ~36 s; compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows."""
+    GPU sizes come from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3.json): build 41 s; students
+    38 s; loop 62 s with 4 timed blocks of 5 steps, ~95 s with the 10 it has now (8 configurations at ~0.13
+    s/step); compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows (20 timed steps beside their
+    eager twin); peer ~10 s eager + one compile and train_step ~36 s (../shared/gpu, not rerun since)."""
     if tiny:
         return dict(device=device, teacher="random:tiny",
                     build=dict(n=16, workers=1, batch_size=8, n_aug=2, n_captions=2, store_size=64),
                     families={"tiny": ("tiny-{v}", {}, "ABCDE"), "tiny-32px": ("tiny-{v}", {"image_size": 32}, "AE")},
                     students=dict(batch_size=4, iters=2, warmup=1),
-                    loop=dict(family="tiny", batch_size=4, steps=2, warmup=1, block=1, workers=0),
+                    loop=dict(family="tiny", batch_size=4, steps=2, compiled_steps=2, warmup=1, block=1, workers=0),
                     peer=dict(model="tiny", batch_size=4, steps=2, warmup=1, block=1, compile=False),
                     compile=False, step=dict(size="tiny", batch_size=4, steps=2, warmup=1, block=1, workers=0),
                     table_family="tiny",
@@ -104,7 +105,10 @@ def settings(tiny: bool, device: str) -> dict:
                 families={"vit-s16": ("{v}", {}, "ABCDE"),
                           "vit-b16": ("{v}", {"image_tower": "vit_base_patch16"}, "AE")},
                 students=dict(batch_size=256, iters=4, warmup=2),
-                loop=dict(family="vit-s16", batch_size=256, steps=20, warmup=10, block=5, workers=min(8, workers)),
+                # 10 blocks in the loop section, so its slowest is dropped (train_step.time_interleaved): on the
+                # H100 at 0ef6026, 4 blocks of E gave a mean step of 160 ms around a median of 137 ms
+                loop=dict(family="vit-s16", batch_size=256, steps=50, compiled_steps=20, warmup=10, block=5,
+                          workers=min(8, workers)),
                 peer=dict(model="ViT-S-16", batch_size=256, steps=20, warmup=10, block=5, compile=True),
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
@@ -224,12 +228,12 @@ def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple]) -> dic
     return trainers
 
 
-def _run_loop(cfg: dict, trainers: dict) -> list[dict]:
+def _run_loop(cfg: dict, trainers: dict, steps: int | None = None) -> list[dict]:
     import train_step
 
     lp = cfg["loop"]
     try:
-        return train_step.time_round_robin(trainers, lp["steps"], lp["warmup"], block=lp["block"])
+        return train_step.time_round_robin(trainers, steps or lp["steps"], lp["warmup"], block=lp["block"])
     finally:
         for _, batches in trainers.values():
             batches.close()
@@ -314,7 +318,7 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
             continue  # a cheaper configuration further down may still fit
         trainers = _loop_trainers(cfg, work, shards, [(f"{v} eager", pattern.format(v=v), None),
                                                       (_compiled_name(v, scope), pattern.format(v=v), scope)])
-        rows += _run_loop(cfg, trainers)
+        rows += _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
         done.append((v, scope))
         del trainers
         _free_device_memory()
@@ -537,6 +541,13 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
     return targets
 
 
+def reserve_after(cfg: dict, name: str, skip_sections=()) -> float:
+    """Seconds the sections after ``name`` reserve, those the command skips left out (the H100 run at 0ef6026 held
+    back train_step's 45 s under --skip train_step, and left a compiled configuration out for them)."""
+    later = SECTIONS[SECTIONS.index(name) + 1:]
+    return sum(cfg["reserve"][n] for n in later if n not in skip_sections)
+
+
 def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, compile_: bool = True,
               skip_sections: tuple[str, ...] = (), on_section=None) -> dict:
     """Every section in order within the budget. ``on_section(result)`` runs after each section with the
@@ -558,10 +569,9 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
                                for f, (p, o, vs) in cfg["families"].items()}},
               "sections": {}, "skipped": [], "errors": {}, "section_seconds": {}}
     sections = result["sections"]
-    order = list(SECTIONS)
 
-    def after(name):  # seconds the sections after ``name`` reserve
-        return sum(cfg["reserve"][n] for n in order[order.index(name) + 1:])
+    def after(name):
+        return reserve_after(cfg, name, skip_sections)
 
     def skip(name, note):
         result["skipped"].append({"section": name, "reason": note})

@@ -112,7 +112,8 @@ def time_interleaved(steps: dict, device, timed_steps: int, warmup: int, block: 
     (none with fewer than 10). Peak memory: the largest over the timed blocks
     (``efficiency.PeakMemory``: CUDA max allocated, whatever else the process holds included; CPU:
     process RSS). Returns per name: step_ms, median_ms, warmup_s, peak_memory_mb,
-    step_memory_delta_mb, peak_memory_kind, steps."""
+    step_memory_delta_mb, peak_memory_kind, steps, block_ms (each timed block's ms per step, in the order run:
+    a mean that its median does not explain shows here as a few slow or fast blocks)."""
     from cxrdr.train.evaluation.efficiency import PeakMemory
 
     sync = sync_fn(device)
@@ -142,7 +143,7 @@ def time_interleaved(steps: dict, device, timed_steps: int, warmup: int, block: 
                      "warmup_s": round(warm[name], 2), "peak_memory_mb": peaks[name][0],
                      "step_memory_delta_mb": peaks[name][1],
                      "peak_memory_kind": "cuda_max_allocated" if str(device).startswith("cuda") else "process_rss",
-                     "steps": len(t) * block}
+                     "steps": len(t) * block, "block_ms": [round(1000 * x, 2) for x in times]}
     return out
 
 

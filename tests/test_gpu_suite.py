@@ -85,6 +85,8 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert s["loop"]["E_over_former_heads_E_step"] == loop[4]["step_ms"] / loop[7]["step_ms"]
     for r in loop:
         assert positive(r["img_per_s"]) and positive(r["step_ms"]) and r["data_ms"] >= 0
+        # every timed block's ms per step (block of 1 here): the mean is theirs (none dropped below 10 blocks)
+        assert len(r["block_ms"]) == r["steps"] and abs(r["step_ms"] - sum(r["block_ms"]) / r["steps"]) < 0.01
         assert r["compile"] is False and r["host_syncs_per_step"] is None and r["gflops_per_img"] is None
         assert_figure(r)
     lb = {r["name"]: r for r in loop}
@@ -177,7 +179,7 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
         plans.append([(name, compiled) for name, _, compiled in plan])
         return {name: compiled for name, _, compiled in plan}
 
-    def fake_run(cfg, trainers):
+    def fake_run(cfg, trainers, steps=None):
         scope = next(c for c in trainers.values() if c)
         clock.left_s -= gpu_suite.COMPILE_ESTIMATE_S[scope]
         return [{"name": n, "compile": bool(c), "compile_scope": c or None, "img_per_s": 200.0 if c else 100.0,
@@ -249,3 +251,13 @@ def test_compiled_inference_times_the_image_encoder_with_its_blocks_compiled():
         torch._dynamo.reset()
     assert m[gpu_suite.COMPILED_INFERENCE] > 0 and model.image_tower.trunk.blocks[0]._compiled_call_impl is not None
     assert torch.allclose(compiled, eager, atol=1e-5)
+
+
+def test_sections_skipped_by_the_command_reserve_no_time():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    cfg = gpu_suite.settings(tiny=False, device="cuda")
+    assert gpu_suite.reserve_after(cfg, "loop_compiled") == cfg["reserve"]["train_step"] + cfg["reserve"]["table"]
+    assert gpu_suite.reserve_after(cfg, "loop_compiled", ("peer", "train_step")) == cfg["reserve"]["table"]
+    assert gpu_suite.reserve_after(cfg, "peer", ("train_step",)) == cfg["reserve"]["loop_compiled"]
