@@ -174,7 +174,8 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert sum("reinforced pointing_" in b and "train-box prior >= 0.15" in b for b in judged) == 2
 
 
-def test_evaluations_run_on_the_recipes_device_unless_eval_names_one():
+def test_evaluations_run_on_the_recipes_device_unless_eval_names_one(tmp_path, monkeypatch):
+    from cxrdr.experiments import runs
     from cxrdr.experiments.runs import evaluation_device
 
     opts = {"n_plots": 6}
@@ -182,6 +183,22 @@ def test_evaluations_run_on_the_recipes_device_unless_eval_names_one():
     opts = {"device": "cuda:1", "n_plots": 6}
     assert evaluation_device({"device": "cuda"}, opts) == "cuda:1" and opts == {"n_plots": 6}  # taken out
     assert evaluation_device({}, {}) is None  # evaluate's own default (CPU)
+    # a run's evaluation and its benchmark both get it (models load on CPU by default)
+    seen = {}
+
+    def recorded(name):
+        def call(*args, **kwargs):
+            seen[name] = kwargs
+            return {"summary": {}}
+        return call
+
+    monkeypatch.setattr(runs, "evaluate", recorded("evaluate"))
+    monkeypatch.setattr(runs, "run_benchmark", recorded("benchmark"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(b"")
+    recipe = {"device": "cuda:3", "shards": {"dir": str(tmp_path)}, "eval": {"benchmark": "nih-bbox:x", "n_plots": 2}}
+    runs.evaluate_run(recipe, tmp_path / "run", tmp_path, isolated=False, efficiency=False)
+    assert seen["evaluate"]["device"] == seen["benchmark"]["device"] == "cuda:3" and seen["evaluate"]["n_plots"] == 2
 
 
 STUB = """#!/usr/bin/env bash

@@ -297,14 +297,15 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
         return previous
     begin(f"evaluate {run_dir}")
     use_subprocess = measure and isolated and not torch.cuda.is_available()
+    device = evaluation_device(recipe, opts)
     results = evaluate(str(ckpt), report_shards, split, eval_dir, progress=False, quiet=True,
                        efficiency=measure and not use_subprocess, efficiency_batch=eff_batch,
-                       train_shards=shards, device=evaluation_device(recipe, opts), **opts)
+                       train_shards=shards, device=device, **opts)
     if use_subprocess:
         results["efficiency"] = measure_in_subprocess(str(ckpt), batch_size=eff_batch)
         results["summary"] = summary_row(results)
     if benchmark:
-        bench = run_benchmark(str(ckpt), benchmark, split, eval_dir / "benchmark", progress=False)
+        bench = run_benchmark(str(ckpt), benchmark, split, eval_dir / "benchmark", progress=False, device=device)
         results["benchmark"] = {"summary": bench["summary"], "dir": str(eval_dir / "benchmark")}
         results["summary"].update(bench["summary"])
     if use_subprocess or benchmark:
