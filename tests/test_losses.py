@@ -536,6 +536,10 @@ def test_pair_similarity_benchmark_agrees_with_the_heads_choice_of_form():
     rows = pair_similarity.measure(batch=16, words_per_text=8, shapes=[(6, 32), (32, 6)], rounds=1)
     rows += pair_similarity.measure(batch=3, words_per_text=2, shapes=[(24, 32)], rounds=1)
     assert [r["head_takes"] for r in rows] == ["gram", "fused", "fused"]
+    from cxrdr.train.models.heads import gram_form_is_cheaper
+
+    # the GPU students' shape takes the Gram form, unless it pools separate values (2QND more for it)
+    assert gram_form_is_cheaper(2048, 196, 512) and not gram_form_is_cheaper(2048, 196, 512, separate_values=True)
     for r in rows:
         assert (r["gram_gflops"] < r["fused_gflops"]) == (r["head_takes"] == "gram"), r
         assert r["max_diff"] < 1e-5 and r["gram_ms"] > 0 and r["fused_ms"] > 0

@@ -267,7 +267,7 @@ class CosineLocalAlign(nn.Module):
         (``pooled_cosine_by_gram``). The CPU students (144 patches, 64 dims) always take the fused form."""
         t, p = self._project(text_tokens, patches)  # (Bt, L, D), (Bi, N, D)
         queries, (n, width) = t.shape[0] * t.shape[1], p.shape[1:]
-        gram = values is None and gram_form_is_cheaper(queries, n, width)  # values cost the Gram form 2QND more
+        gram = gram_form_is_cheaper(queries, n, width, separate_values=values is not None)
         pooled_cosine = pooled_cosine_by_gram if gram else pooled_cosine_by_sdpa
         return pooled_cosine(t, p, None if values is None else self._values(p, values), self.temperature, patch_mask)
 
@@ -286,12 +286,12 @@ def _patch_bias(patch_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Te
     return bias.masked_fill(~patch_mask.bool(), float("-inf"))[:, None, None, :]
 
 
-def gram_form_is_cheaper(queries: int, patches: int, dims: int) -> bool:
+def gram_form_is_cheaper(queries: int, patches: int, dims: int, separate_values: bool = False) -> bool:
     """Whether ``pooled_cosine_by_gram`` does fewer forward FLOPs than ``pooled_cosine_by_sdpa`` for ``queries``
-    words (B_text x L) against each image, pooling the patches themselves: 2QND + 2N^2 D + 2QN^2 against 4QND,
-    i.e. Q (D - N) > N D (with separate values, never). Never
-    with more patches than dims; at 196 patches and 512 dims from 318 words a batch (batch 40 at 8 words)."""
-    return queries * (dims - patches) > patches * dims
+    words (B_text x L) against each image: pooling the patches themselves, 2QND + 2N^2 D + 2QN^2 against 4QND,
+    i.e. Q (D - N) > N D: never with more patches than dims, and at 196 patches and 512 dims from 318 words a
+    batch (batch 40 at 8 words). ``separate_values`` cost the Gram form another 2QND: never then."""
+    return not separate_values and queries * (dims - patches) > patches * dims
 
 
 def pooled_cosine_by_sdpa(words: torch.Tensor, patches: torch.Tensor, values: torch.Tensor | None,
