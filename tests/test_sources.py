@@ -307,3 +307,66 @@ def test_jsonl_reads_back_phantom_records_jsonl(tmp_path):
         assert {k: v for k, v in rec.labels.items()} == {k: v for k, v in want.labels.items()}
         assert len(rec.boxes) == len(want.boxes)
         assert load_image(rec).size == (64, 64)
+
+
+# --- decoding for the store -----------------------------------------------------------------------
+def _radiograph_jpeg(path: Path, size=(600, 720)) -> Path:
+    """A smooth gradient with a little noise and a bright disc: compresses like a radiograph."""
+    import numpy as np
+
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w]
+    img = 60 + 120 * x / w + 40 * ((x - w / 2) ** 2 + (y - h / 3) ** 2 < (w / 6) ** 2)
+    img = img + np.random.default_rng(0).normal(0, 2, (h, w))
+    Image.fromarray(np.clip(img, 0, 255).astype("uint8")).save(path, format="JPEG", quality=95)
+    return path
+
+
+def test_a_large_jpeg_is_decoded_reduced_for_the_store_and_keeps_its_source_size(tmp_path):
+    import numpy as np
+
+    from cxrdr.common.augment import resize_short_side
+    from cxrdr.reinforce.records import JPEG_DRAFT_GAP, Record, load_image_for_store
+
+    path = _radiograph_jpeg(tmp_path / "big.jpg")
+    rec = Record(id="big", subject_id="s", study_id="t", split="train", report="", image=path)
+    whole = load_image(rec)
+    reduced, source_size = load_image_for_store(rec, 64)
+    assert source_size == whole.size == (600, 720)  # boxes are in the source's pixels
+    assert reduced.mode == "L" and reduced.size == (150, 180)  # 1/4 scale: the coarsest keeping >= 2 x 64
+    assert min(reduced.size) >= JPEG_DRAFT_GAP * 64
+    a = np.asarray(resize_short_side(reduced, 64), dtype=np.int16)
+    b = np.asarray(resize_short_side(whole, 64), dtype=np.int16)
+    assert a.shape == b.shape == (77, 64)
+    assert np.abs(a - b).max() <= 4 and np.abs(a - b).mean() < 0.5
+    # stored at nearly its own size: decoded whole
+    assert load_image_for_store(rec, 400)[0].size == (600, 720)
+
+
+def test_only_a_jpeg_is_decoded_reduced_for_the_store(tmp_path):
+    import numpy as np
+
+    from cxrdr.reinforce.records import Record, load_image_for_store
+
+    Image.open(_radiograph_jpeg(tmp_path / "big.jpg")).save(tmp_path / "big.png")
+    rec = Record(id="png", subject_id="s", study_id="t", split="train", report="", image=tmp_path / "big.png")
+    image, source_size = load_image_for_store(rec, 64)
+    assert source_size == image.size == (600, 720)
+    assert np.array_equal(np.asarray(image), np.asarray(load_image(rec)))
+
+
+def test_prepared_boxes_scale_from_the_jpeg_source_not_the_reduced_decode(tmp_path):
+    from cxrdr.common.augment import AugConfig
+    from cxrdr.reinforce.prepare import PrepareSpec, prepare_record
+    from cxrdr.reinforce.records import Record
+
+    path = _radiograph_jpeg(tmp_path / "big.jpg")
+    rec = Record(id="big", subject_id="s", study_id="t", split="train", report="Right effusion.",
+                 image=path, boxes=[{"label": "Effusion", "box": [60, 72, 300, 360]}])
+    spec = PrepareSpec(images=True, store_size=64, image_format="jpg", jpeg_quality=95, n_aug=1, n_captions=1,
+                       aug=AugConfig(), seed=0, sizes=(32,))
+    prepared = prepare_record(0, "000000", rec, spec)
+    assert "skip" not in prepared, prepared.get("skip")
+    meta = json.loads(prepared["meta"]) if isinstance(prepared["meta"], (str, bytes)) else prepared["meta"]
+    assert meta["image_size"] == [64, 77]
+    assert [(b["label"], b["box"]) for b in meta["boxes"]] == [("Effusion", [6.4, 7.7, 32.0, 38.5])]

@@ -20,7 +20,7 @@ from cxrdr.common.augment import replay_batch, replay_many, resize_short_side, s
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import encode_meta
 from cxrdr.reinforce.captions import make_captions
-from cxrdr.reinforce.records import load_image
+from cxrdr.reinforce.records import load_image_for_store
 
 
 @dataclass
@@ -117,12 +117,11 @@ def _prepare_image(key: str, record, spec: PrepareSpec, stages: dict) -> dict:
     """The stored image bytes, the K parameter sets and their crops at every teacher size (or ``skip``)."""
     cpu = time.thread_time()
     try:
-        image = load_image(record)
+        image, orig_size = load_image_for_store(record, spec.store_size)
     except FileNotFoundError as exc:
         return {"skip": f"missing image: {exc}"}
     except Exception as exc:  # noqa: BLE001 - any decoder error means "unreadable", not a crash
         return {"skip": f"unreadable image: {type(exc).__name__}: {exc}"}
-    orig_size = image.size
     image = resize_short_side(image, spec.store_size)
     t = time.thread_time()
     stages["load_resize"] = t - cpu

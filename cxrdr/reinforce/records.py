@@ -56,21 +56,51 @@ class Record:
         return out
 
 
+# A JPEG source is decoded at the coarsest DCT scale (1/2, 1/4 or 1/8; PIL's ``draft``) that keeps it at least
+# this many times the size it is stored at, as PIL's own ``Image.thumbnail`` does (its ``reducing_gap``). A
+# MIMIC-CXR JPEG (~2,500 x 3,000) stored at 256 then decodes at 1/4 scale: ~4x less of a build worker's CPU, and
+# the stored pixels move by less than the stored JPEG's own quantisation (``benchmarks/source_decode.py``).
+JPEG_DRAFT_GAP = 2.0
+
+
 def load_image(record: Record) -> Image.Image:
     """Decode a record's image as 8-bit grayscale. Raises on a missing or unreadable image."""
+    return _to_gray(_loaded(_open(record)))
+
+
+def load_image_for_store(record: Record, short_side: int) -> tuple[Image.Image, tuple[int, int]]:
+    """(8-bit grayscale image, the source's own (width, height)) for storing at ``short_side``: a JPEG is
+    decoded at a reduced scale when it is more than ``JPEG_DRAFT_GAP`` times larger (the image is then
+    smaller than the source, so the boxes, in the source's pixels, scale from the size returned)."""
+    image = _open(record)
+    source_size = image.size
+    if getattr(image, "format", None) == "JPEG":
+        scale = JPEG_DRAFT_GAP * short_side / min(source_size)
+        if scale < 1:  # draft keeps both sides >= the requested ones
+            image.draft("L", (int(source_size[0] * scale + 0.999), int(source_size[1] * scale + 0.999)))
+    return _to_gray(_loaded(image)), source_size
+
+
+def _open(record: Record) -> Image.Image:
     ref = record.image
     if ref is None:
         raise ValueError(f"record {record.id!r} has no image")
     if callable(ref):
-        image = ref()
-    elif isinstance(ref, (bytes, bytearray)):
-        image = Image.open(io.BytesIO(ref))
-    else:
-        path = Path(ref)
-        if not path.is_file():
-            raise FileNotFoundError(f"record {record.id!r}: image file not found: {path}")
-        image = Image.open(path)
+        return ref()
+    if isinstance(ref, (bytes, bytearray)):
+        return Image.open(io.BytesIO(ref))
+    path = Path(ref)
+    if not path.is_file():
+        raise FileNotFoundError(f"record {record.id!r}: image file not found: {path}")
+    return Image.open(path)
+
+
+def _loaded(image: Image.Image) -> Image.Image:
     image.load()  # force decoding now so truncated files fail here, not later
+    return image
+
+
+def _to_gray(image: Image.Image) -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I", "F"):
         # 16-bit/float sources: min-max to 8 bit, as the shared data's preparation did.
         import numpy as np
