@@ -3,7 +3,9 @@
 Builds N phantom samples (default 200, teacher random:tiny, 2 DataLoader workers), then times
 the teacher alone on the very same inputs: the stored images are decoded and their stored aug
 params replayed (the crops the teacher saw during the build), batched like the build
-(``--batch-size`` records -> K*B crops per image forward, B*(1+S) texts per text forward).
+(``--batch-size`` records -> K*B crops per image forward, B*(1+S) texts per text forward). Texts are
+tokenized beforehand, untimed, for a teacher whose texts the build's workers tokenize (open_clip's:
+``Teacher.text_tokenizer``), so that side is the forwards alone.
 
     ratio = build samples/s / teacher-forward samples/s
 
@@ -73,15 +75,20 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
             texts.append(s["txt"].decode())
         for s in chunk:
             texts += [c["text"] for c in load_meta(s["json"])["captions"]]
-        batches.append(({k: torch.cat(v) for k, v in crops.items()}, texts))
+        # tokenized beforehand (untimed) where the build's workers tokenize: the forward alone is timed
+        tokens = {t.name: tok(texts) for t in teachers if (tok := t.text_tokenizer()) is not None}
+        batches.append(({k: torch.cat(v) for k, v in crops.items()}, texts, tokens))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        for crops, texts in batches:
+        for crops, texts, tokens in batches:
             for t in teachers:
                 if t.has_images:
                     t.encode_images(crops[t.image_size])
-                t.encode_texts(texts)
+                if t.name in tokens:
+                    t.encode_tokens(tokens[t.name])
+                else:
+                    t.encode_texts(texts)
         best = min(best, time.perf_counter() - start)
     return best, len(samples)
 

@@ -803,3 +803,37 @@ def test_default_workers_follow_the_teachers_device(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert resolve_workers(None, "cuda") == 2
     assert resolve_workers(5, "cuda") == 5 and resolve_workers(0, "cpu") == 0
+
+
+def test_teacher_texts_are_tokenized_where_records_are_prepared(fresh, teachers, tmp_path, monkeypatch):
+    """open_clip teachers tokenize in the build's workers (``Teacher.text_tokenizer``): the build's process
+    only runs the forwards. A build whose teachers cannot tokenize in their forward still builds, and its
+    shards are the default build's."""
+    from cxrdr.common.augment import AugConfig
+    from cxrdr.reinforce.embed import embed_batch, worker_tokenizers
+    from cxrdr.reinforce.phantom import PhantomSource
+    from cxrdr.reinforce.prepare import PrepareSpec, prepare_record
+    from cxrdr.teachers.openclip import OpenClipTeacher
+
+    tokenizers = worker_tokenizers(teachers)
+    assert [name for name, _ in tokenizers] == [t.name for t in teachers if isinstance(t, OpenClipTeacher)] != []
+    spec = PrepareSpec(images=True, store_size=64, image_format="jpg", jpeg_quality=95, n_aug=2, n_captions=2,
+                       aug=AugConfig(), seed=0, sizes=(teachers[0].image_size,), tokenizers=tokenizers)
+    prepared = [prepare_record(0, f"{i:06d}", rec, spec) for i, rec in enumerate(PhantomSource(3, size=96))]
+    for b in prepared:
+        for name, tokenize in tokenizers:
+            assert np.array_equal(b["tokens"][name], tokenize(b["texts"]).numpy())
+        assert "tokenize" in b["stage_seconds"]
+    with_tokens = embed_batch(teachers, prepared, images=False)
+    without = embed_batch(teachers, [{k: v for k, v in b.items() if k != "tokens"} for b in prepared], images=False)
+    for a, b in zip(with_tokens, without):
+        for name in a:
+            assert np.array_equal(a[name]["txt"], b[name]["txt"]) and np.array_equal(a[name]["syn"], b[name]["syn"])
+
+    def no_tokenizing(self, texts):
+        raise AssertionError("the build's process tokenized texts")
+
+    monkeypatch.setattr(OpenClipTeacher, "_encode_texts", no_tokenizing)
+    build(options(tmp_path / "tokens", workers=2), teachers=teachers)
+    assert manifest_rows(tmp_path / "tokens") == manifest_rows(fresh)
+    assert_same_samples(read_samples(tmp_path / "tokens"), read_samples(fresh))

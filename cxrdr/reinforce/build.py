@@ -46,6 +46,7 @@ from cxrdr.common.locking import lock_build_rank, plan_lock, remove_stale_temp_f
 from cxrdr.common.shards import SCHEMA_VERSION, assign_keys
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.captioners import load_captioner
+from cxrdr.reinforce.embed import worker_tokenizers
 from cxrdr.reinforce.options import (BuildOptions, load_build_teachers, open_source_of, resolve_device,
                                      resolve_rank, resolve_workers, validate_options)
 from cxrdr.reinforce.pipeline import run_shards
@@ -120,6 +121,7 @@ def _build_rank(opts: BuildOptions, out_dir: Path, shards: list, teachers, image
     spec = PrepareSpec(images=images, store_size=opts.store_size, image_format=opts.image_format,
                        jpeg_quality=opts.jpeg_quality, n_aug=opts.n_aug, n_captions=opts.n_captions,
                        aug=aug, seed=opts.seed, captioner=captioner is not None,
+                       tokenizers=worker_tokenizers(teachers) if captioner is None else (),
                        sizes=tuple(sorted({t.image_size for t in teachers if t.has_images})) if images else ())
     skiplog = SkipLog()
     if opts.progress:

@@ -39,6 +39,8 @@ class PrepareSpec:
     replay: str = "cpu"  # cpu: the workers replay the crops; device: the build's process does (replay_on_device)
     # a --captioner build: the captions are made after the image forwards (captioners), not here
     captioner: bool = False
+    # (teacher name, its text_tokenizer()): the record's texts tokenized here, off the build's process
+    tokenizers: tuple = ()
 
 
 def encode_image(image, image_format: str, jpeg_quality: int) -> bytes:
@@ -95,6 +97,12 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     if why:
         return {**out, "skip": why, "prep_seconds": time.perf_counter() - start}
     stages["captions"] = time.thread_time() - t
+    texts = [record.report] + [c["text"] for c in captions]
+    tokens = {}
+    if spec.tokenizers:
+        t = time.thread_time()
+        tokens = {"tokens": {name: np.asarray(tokenize(texts)) for name, tokenize in spec.tokenizers}}
+        stages["tokenize"] = time.thread_time() - t
     try:
         meta, row = _sample_meta(key, record, captions, view)
     except ValueError as exc:  # a value that has no place in the json member's types
@@ -102,7 +110,7 @@ def prepare_record(shard: int, key: str, record, spec: PrepareSpec) -> dict:
     replayed = {"pixels": view["pixels"], "aug": view["aug"], "image_size": view["image_size"]} \
         if "pixels" in view else {}
     return {**out, "image": view["image"], "report": record.report, "meta": meta, "row": row,
-            "crops": view["crops"], **replayed, "texts": [record.report] + [c["text"] for c in captions],
+            "crops": view["crops"], **replayed, "texts": texts, **tokens,
             "prep_seconds": time.perf_counter() - start, **_text_source(record, spec),
             "stage_seconds": {**stages, "rest": time.thread_time() - cpu - sum(stages.values())}}
 

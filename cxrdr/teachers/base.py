@@ -78,6 +78,18 @@ class Teacher:
             out = self._encode_texts(list(texts))
         return F.normalize(out.float(), dim=-1).cpu()
 
+    def text_tokenizer(self):
+        """A picklable ``texts -> (B, L) integer array`` that ``encode_tokens`` takes, for the build's workers to
+        run (so the build's process only runs forwards), or None where the teacher tokenizes in its forward."""
+        return None
+
+    def encode_tokens(self, tokens) -> torch.Tensor:
+        """(B, L) tokens from ``text_tokenizer()`` -> (B, D) L2-normalised float32 on CPU: ``encode_texts``
+        of the texts they came from, without the tokenizing."""
+        with torch.inference_mode(), self._autocast():
+            out = self._encode_tokens(torch.as_tensor(tokens))
+        return F.normalize(out.float(), dim=-1).cpu()
+
     def _autocast(self):
         """bf16 autocast on CUDA (fp32's exponent range, so no activation overflows, and the dtype the
         training loop runs in); fp32 on the CPU."""
@@ -90,6 +102,9 @@ class Teacher:
 
     def _encode_texts(self, texts: list[str]) -> torch.Tensor:
         raise NotImplementedError
+
+    def _encode_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"teacher {self.spec!r} has no text_tokenizer(): embed texts with encode_texts")
 
 
 def weights_fingerprint(module: torch.nn.Module) -> str:
