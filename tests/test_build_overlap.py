@@ -206,3 +206,42 @@ def test_throughput_benchmark_reports_the_steady_state(tmp_path):
     assert m["build_steady_samples_per_s"] == m["samples"] / m["build_steady_seconds"] >= m["build_samples_per_s"]
     assert m["steady_ratio"] == m["build_steady_samples_per_s"] / m["teacher_samples_per_s"]
     assert "write_wait" in m["time_split_seconds"]
+
+
+def teacher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("teacher")]
+
+
+@pytest.mark.timeout(120)
+def test_teachers_in_an_embedding_thread_give_the_bytes_of_the_build_in_turn(tmp_path, tiny_teacher, monkeypatch):
+    """``overlap_teachers`` (the default with CUDA teachers), forced here on the CPU: each batch is embedded in
+    one thread while the next is loaded; every tar and stats file equals the build's in turn, and a failure
+    in a forward stops the build with the shards before it complete and no thread left behind."""
+    opts = functools.partial(tiny_build_options, source="phantom:11", batch_size=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(build_module, "run_shards", functools.partial(pipeline.run_shards, overlap_teachers=True))
+        build(opts(tmp_path / "threaded"), teachers=tiny_teacher)
+    build(opts(tmp_path / "in-turn"), teachers=tiny_teacher)
+    threaded, in_turn = shard_files(tmp_path / "threaded"), shard_files(tmp_path / "in-turn")
+    assert len(threaded) == 2 * 4 and list(threaded) == list(in_turn)
+    for name in threaded:
+        assert threaded[name] == in_turn[name], name
+    assert not teacher_threads()
+
+    real = pipeline.embed_batch
+    calls = []
+
+    def fail_on_the_fourth_batch(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 4:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "embed_batch", fail_on_the_fourth_batch)
+    monkeypatch.setattr(build_module, "run_shards", functools.partial(pipeline.run_shards, overlap_teachers=True))
+    out = tmp_path / "failed"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        build(opts(out), teachers=tiny_teacher)
+    assert all(name.startswith("teacher") for name in calls)
+    assert [i for i in range(4) if is_shard_complete(out, i)] == [0, 1]  # batches 1-3 (6 records): shards of 3
+    assert not list(out.rglob("*.tmp*")) and not teacher_threads() and not writer_threads()

@@ -6,7 +6,9 @@ teacher size; this process regroups them into batches of B = ``--batch-size`` re
 teacher forwards and queues each batch's records with their embeddings to the writer thread,
 which assembles the samples and writes the tars while this process loads and embeds the next
 batches (``writer.BackgroundWriter``), renaming each shard's tar with its stats file when
-complete. With a CPU teacher the first two batches are prepared in this process and timed; from
+complete. With CUDA teachers the replay and forwards of each batch run in an embedding thread while this
+one takes the next batch from the loader (``_EmbeddingThread``). With a CPU teacher the first two batches are
+prepared in this process and timed; from
 them ``where_to_prepare`` chooses where the rest is prepared (here, or in the workers) and the
 teacher's intra-op threads, and the choice is printed (``cpu_policy``). The shards do not depend
 on the choice, nor on the writer thread (``run_shards(overlap_writes=False)`` writes in turn).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,14 +49,18 @@ class SimulatedKill(RuntimeError):
 
 def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path,
                skiplog, fail_after_shards: int | None, rank: int, announce: bool = True, captioner=None,
-               overlap_writes: bool = True) -> dict:
+               overlap_writes: bool = True, overlap_teachers: bool | None = None) -> dict:
     """Build the shards ``todo``; returns the rank's timing and counts, and where the views were
     replayed (``replay``: cpu or device, None without image teachers). ``announce``: print the CPU
     choice (with ``opts.progress``). ``captioner``: makes the captions from the image rows
     (``cxrdr.reinforce.captioners``; ``spec.captioner`` must then be true). ``overlap_writes=False``
     (internal, the tests' reference): assemble and write in this thread, between the batches; the
-    shards are the same bytes."""
+    shards are the same bytes. ``overlap_teachers`` (None: with CUDA teachers): each batch's replay and
+    forwards run in an embedding thread (``_EmbeddingThread``) while this thread takes the next batch
+    from the loader; the same shards."""
     device = next((str(t.device) for t in teachers if t.has_images), "cpu")
+    if overlap_teachers is None:
+        overlap_teachers = any(str(t.device).startswith("cuda") for t in teachers)
     spec = dataclasses.replace(spec, replay=resolve_replay(opts.replay, device))
     replay = {"replay": spec.replay if spec.sizes else None}
     items = [(s.index, key, rec) for s in todo for key, rec in s.items]
@@ -65,6 +72,7 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
     policy = CpuPolicy(teachers, opts.workers, say=bar.write if announce and opts.progress else None)
     loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device, captioner,
                       overlap_writes)
+    embedder = _EmbeddingThread(loop, policy, bar, threaded=overlap_teachers)
     try:
         with cpu_settings(policy, opts.workers):
             t_wait = time.perf_counter()
@@ -72,16 +80,16 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
                 loop.timing["loader_wait"] += time.perf_counter() - t_wait
                 if loop.first_batch_seconds is None:
                     loop.first_batch_seconds = time.perf_counter() - started
-                loop.handle(collated)
-                policy.observe(*loop.last_batch)
-                bar.update(len(collated["samples"]))
+                embedder.submit(collated)
                 t_wait = time.perf_counter()
+            embedder.finish()  # the last batch embedded and queued; raises its failure
             policy.settle()
             loop.writer.close()  # waits for the last shard; raises a writer failure
     finally:
-        # Whatever raised here (the loader, a teacher, the writer, Ctrl-C): the shards already queued
-        # complete, the one left incomplete is dropped, and the writer thread is joined. After a
-        # close this does nothing.
+        # Whatever raised here (the loader, a teacher, the writer, Ctrl-C): the batch being embedded ends
+        # first, then the shards already queued complete, the one left incomplete is dropped, and the
+        # writer thread is joined. After a close this does nothing.
+        embedder.stop()
         loop.writer.abort()
         bar.close()
     return {**loop.result(time.perf_counter() - started), **policy.result(), **replay}
@@ -108,6 +116,41 @@ def _loader(items: list, spec: PrepareSpec, batch_size: int, workers: int):
         num_workers=workers, collate_fn=collate_prepared,
         prefetch_factor=max(2, -(-batch_size // chunk)) if workers > 0 else None,
         persistent_workers=False))
+
+
+class _EmbeddingThread:
+    """Hands each batch to ``_ShardLoop.handle`` (replay, forwards, queueing to the writer), in this thread or,
+    ``threaded``, in one embedding thread, one batch at a time and in order: while it embeds batch n, the build's
+    thread takes batch n+1 from the loader (receiving and regrouping the workers' chunks), work that would
+    otherwise leave a GPU teacher idle between its forwards. Waiting on the GPU releases the GIL, so the two
+    threads overlap. Not for CPU teachers: their forwards take every core (``cpu_policy``)."""
+
+    def __init__(self, loop: "_ShardLoop", policy: CpuPolicy, bar, threaded: bool):
+        self.loop, self.policy, self.bar = loop, policy, bar
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="teacher") if threaded else None
+        self.pending: Future | None = None
+
+    def submit(self, collated: dict) -> None:
+        self.finish()
+        if self.pool is None:
+            self._handle(collated)
+        else:
+            self.pending = self.pool.submit(self._handle, collated)
+
+    def finish(self) -> None:
+        """Wait for the batch in hand; raises its failure."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def stop(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _handle(self, collated: dict) -> None:
+        self.loop.handle(collated)
+        self.policy.observe(*self.loop.last_batch)
+        self.bar.update(len(collated["samples"]))
 
 
 class _ShardLoop:
