@@ -834,6 +834,6 @@ def test_teacher_texts_are_tokenized_where_records_are_prepared(fresh, teachers,
         raise AssertionError("the build's process tokenized texts")
 
     monkeypatch.setattr(OpenClipTeacher, "_encode_texts", no_tokenizing)
-    build(options(tmp_path / "tokens", workers=2), teachers=teachers)
+    build(options(tmp_path / "tokens", workers=0), teachers=teachers)
     assert manifest_rows(tmp_path / "tokens") == manifest_rows(fresh)
     assert_same_samples(read_samples(tmp_path / "tokens"), read_samples(fresh))
