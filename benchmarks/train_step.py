@@ -114,6 +114,7 @@ def time_interleaved(steps: dict, device, timed_steps: int, warmup: int, block: 
     process RSS). Returns per name: step_ms, median_ms, warmup_s, peak_memory_mb,
     step_memory_delta_mb, peak_memory_kind, steps, block_ms (each timed block's ms per step, in the order run:
     a mean that its median does not explain shows here as a few slow or fast blocks)."""
+    from cxrdr.common.heap import frozen_heap
     from cxrdr.train.evaluation.efficiency import PeakMemory
 
     sync = sync_fn(device)
@@ -121,20 +122,21 @@ def time_interleaved(steps: dict, device, timed_steps: int, warmup: int, block: 
     warm = {name: 0.0 for name in steps}
     peaks = {name: (0.0, 0.0) for name in steps}
     rounds, warm_rounds = max(1, -(-timed_steps // block)), -(-warmup // block)
-    for round_ in range(warm_rounds + rounds):
-        for name, fn in steps.items():
-            with PeakMemory(device) as peak:
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(block):
-                    fn()
-                sync()
-                dt = time.perf_counter() - t0
-            if round_ < warm_rounds:
-                warm[name] += dt
-            else:
-                blocks[name].append(dt / block)
-                peaks[name] = max(peaks[name], (peak.peak_mb, peak.peak_mb - peak.start_mb))
+    with frozen_heap():  # as Trainer.run steps (cxrdr.common.heap)
+        for round_ in range(warm_rounds + rounds):
+            for name, fn in steps.items():
+                with PeakMemory(device) as peak:
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(block):
+                        fn()
+                    sync()
+                    dt = time.perf_counter() - t0
+                if round_ < warm_rounds:
+                    warm[name] += dt
+                else:
+                    blocks[name].append(dt / block)
+                    peaks[name] = max(peaks[name], (peak.peak_mb, peak.peak_mb - peak.start_mb))
     out = {}
     for name, times in blocks.items():
         t = sorted(times)

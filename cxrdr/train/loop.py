@@ -37,6 +37,7 @@ from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
+from cxrdr.common.heap import frozen_heap
 from cxrdr.train.compiling import compile_blocks, compile_model
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import (ReplayedBatches, make_eval_loader, select_teachers, split_shards, teacher_dims,
@@ -496,7 +497,8 @@ class Trainer:
         start_step = self.step
         with tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step",
                   disable=not (self.main and self.cfg.progress), dynamic_ncols=True) as bar:
-            stopped_early, losses, timing = self._train_until_done(bar)
+            with frozen_heap():  # no collection walks the model, the optimiser and the imports mid-run
+                stopped_early, losses, timing = self._train_until_done(bar)
         if not stopped_early:
             self.evaluate()
         if self.main and not self.has_eval:
