@@ -71,4 +71,5 @@ def test_the_gc_pauses_benchmark_times_each_collection_by_generation():
         if enabled:
             gc.enable()
     assert [g for g, _ in timer.pauses] == [2, 0] and all(ms >= 0 for _, ms in timer.pauses)
-    assert timer.summary().startswith("gen0 1 x, ") and "; gen1 0 x, 0.0 ms, longest 0.0 ms; gen2 1 x, " in timer.summary()
+    summary = timer.summary()
+    assert summary.startswith("gen0 1 x, ") and "; gen1 0 x, 0.0 ms, longest 0.0 ms; gen2 1 x, " in summary

@@ -68,15 +68,11 @@ class Teacher:
         """(B, 1, S, S) in [0, 1] -> (B, D) L2-normalised float32 on CPU."""
         if not self.has_images:
             raise TypeError(f"teacher {self.spec!r} is text-only and has no image encoder")
-        with torch.inference_mode(), self._autocast():
-            out = self._encode_images(self.prepare_images(images))
-        return F.normalize(out.float(), dim=-1).cpu()
+        return self._embedded(lambda x: self._encode_images(self.prepare_images(x)), images)
 
     def encode_texts(self, texts: list[str]) -> torch.Tensor:
         """list of B strings -> (B, D) L2-normalised float32 on CPU."""
-        with torch.inference_mode(), self._autocast():
-            out = self._encode_texts(list(texts))
-        return F.normalize(out.float(), dim=-1).cpu()
+        return self._embedded(self._encode_texts, list(texts))
 
     def text_tokenizer(self):
         """A picklable ``texts -> (B, L) integer array`` that ``encode_tokens`` takes, for the build's workers to
@@ -86,8 +82,12 @@ class Teacher:
     def encode_tokens(self, tokens) -> torch.Tensor:
         """(B, L) tokens from ``text_tokenizer()`` -> (B, D) L2-normalised float32 on CPU: ``encode_texts``
         of the texts they came from, without the tokenizing."""
+        return self._embedded(self._encode_tokens, torch.as_tensor(tokens))
+
+    def _embedded(self, encode, inputs) -> torch.Tensor:
+        """``encode(inputs)`` without autograd, under the teacher's autocast: L2-normalised float32 on CPU."""
         with torch.inference_mode(), self._autocast():
-            out = self._encode_tokens(torch.as_tensor(tokens))
+            out = encode(inputs)
         return F.normalize(out.float(), dim=-1).cpu()
 
     def _autocast(self):

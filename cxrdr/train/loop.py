@@ -33,11 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from cxrdr.common.augment import stable_seed
+from cxrdr.common.heap import frozen_heap
 from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
 from cxrdr.train.checkpoint import init_from_checkpoint, load_training_state, save_checkpoint
-from cxrdr.common.heap import frozen_heap
 from cxrdr.train.compiling import compile_blocks, compile_model
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import (ReplayedBatches, make_eval_loader, select_teachers, split_shards, teacher_dims,
