@@ -1,14 +1,14 @@
 """`reinforce build --engine ray` on a local Ray instance (2 CPUs): the same shard folder as the
 single-process build, resume by shard, retries, failed shards named, skipped records logged.
 
-Tiny builds: phantom:12, K=2, S=2, 64 px, random:tiny teacher, shards of 4 records.
+Tiny builds: phantom:12, K=2, S=2, 64 px, random:tiny teacher, shards of 4 records. Each Ray build starts
+an actor pool (seconds on two cores), so the tests share builds: three in all.
 """
 from __future__ import annotations
 
 import gc
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -109,53 +109,32 @@ def assert_same_build(out: Path, ref: Path) -> None:
     assert verify(out)[0] == []
 
 
-def test_ray_build_equals_the_single_process_build(local_ray, reference, tmp_path):
-    out = tmp_path / "ray"
-    info = build(options(out, engine="ray", ray_actors=2))
-    assert_same_build(out, reference)
-    rank = info["build"]["ranks"][0]
-    assert rank["engine"] == "ray" and rank["actors"] == 2 and rank["shards_built"] == 4
-    assert sorted(s["index"] for s in rank["shards"]) == [0, 1, 2, 3]
-    assert info["total_samples"] == N
-
-
-def test_ray_resume_rebuilds_only_missing_shards_and_retries_a_failing_one(local_ray, reference, tmp_path,
-                                                                          monkeypatch):
-    out = tmp_path / "resumed"
-    shutil.copytree(reference, out)
-    for name in ("dataset.json", "manifest.parquet"):
-        (out / name).unlink()
-    (out / "shard-000002.tar.gz").unlink()  # as if the build had died while writing shard 2
-    kept = {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 1, 3)}
-
-    with pytest.raises(UserError, match="--resume"):
-        build(options(out, engine="ray"))
-    monkeypatch.setenv(FAULTS_ENV, "2:1")  # the first attempt at shard 2 raises; Ray retries it
-    info = build(options(out, engine="ray", resume=True, ray_actors=1))
-    rank = info["build"]["ranks"][0]
-    assert rank["shards_built"] == 1 and rank["shards_skipped_as_complete"] == 3
-    assert [(s["index"], s["attempts"]) for s in rank["shards"]] == [(2, 2)]
-    assert {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 1, 3)} == kept
-    assert not error_path(out, 2).exists()
-    assert_same_build(out, reference)
-
-
-def test_a_shard_failing_every_attempt_is_named_and_the_others_complete(local_ray, tmp_path, monkeypatch):
+def test_a_failing_shard_is_named_the_others_complete_and_resume_retries_only_it(local_ray, reference, tmp_path,
+                                                                               monkeypatch):
     out = tmp_path / "failing"
-    monkeypatch.setenv(FAULTS_ENV, "1:5")
+    monkeypatch.setenv(FAULTS_ENV, "1:5")  # every attempt at shard 1 raises
     with pytest.raises(UserError, match=r"1 shard\(s\) .* failed after 2 attempt\(s\) \(shard-000001.tar.gz: "
                                         r"RuntimeError: injected fault.*--resume"):
         build(options(out, engine="ray", ray_actors=2, ray_retries=1))
     assert [is_shard_complete(out, i) for i in range(4)] == [True, False, True, True]
     assert json.loads(error_path(out, 1).read_text())["attempt"] == 2
     assert not (out / "dataset.json").exists()
-    monkeypatch.delenv(FAULTS_ENV)
+    kept = {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 2, 3)}
+
+    with pytest.raises(UserError, match="--resume"):
+        build(options(out, engine="ray"))
+    monkeypatch.setenv(FAULTS_ENV, "1:1")  # attempts count per run: this run's first attempt raises, Ray retries it
     with_free_cpus()  # --resume is a new process: the failed build's actor pool must not hold the CPUs
-    info = build(options(out, engine="ray", ray_actors=2, resume=True))
-    assert info["total_samples"] == N and not error_path(out, 1).exists()
+    info = build(options(out, engine="ray", resume=True, ray_actors=1))
+    rank = info["build"]["ranks"][0]
+    assert rank["shards_built"] == 1 and rank["shards_skipped_as_complete"] == 3
+    assert [(s["index"], s["attempts"]) for s in rank["shards"]] == [(1, 2)]
+    assert {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 2, 3)} == kept
+    assert not error_path(out, 1).exists()
+    assert_same_build(out, reference)  # the resumed folder is the single-process build, byte for byte
 
 
-def test_unreadable_images_go_to_the_skip_log_with_id_and_reason(local_ray, tmp_path):
+def test_ray_build_equals_the_local_build_and_logs_unreadable_images_with_id_and_reason(local_ray, tmp_path):
     from cxrdr.reinforce.phantom import write_phantom_dataset
 
     jsonl = write_phantom_dataset(6, tmp_path / "data", size=64, progress=False)
@@ -166,7 +145,10 @@ def test_unreadable_images_go_to_the_skip_log_with_id_and_reason(local_ray, tmp_
     build(options(tmp_path / "local", **kw))
     skipped = {e["id"]: e["reason"] for e in info["skipped"]["build"]["records"]}
     assert list(skipped) == [rows[1]["id"]] and skipped[rows[1]["id"]].startswith("unreadable image")
-    assert info["build"]["ranks"][0]["skipped"]["records"] == info["skipped"]["build"]["records"]
+    rank = info["build"]["ranks"][0]
+    assert rank["skipped"]["records"] == info["skipped"]["build"]["records"]
+    assert rank["engine"] == "ray" and rank["actors"] == 2 and rank["shards_built"] == 2
+    assert sorted(s["index"] for s in rank["shards"]) == [0, 1] and info["total_samples"] == 5
     assert_same_build(tmp_path / "ray", tmp_path / "local")
 
 
