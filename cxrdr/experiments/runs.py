@@ -80,7 +80,12 @@ def _build_shards(out: Path, spec: dict, progress: bool) -> Path:
     return out
 
 
-def claim_run(run_dir: Path, wait: bool = True, poll_s: float = 5.0) -> FolderLock | None:
+# How often a waiting copy tries a held lock again: a non-blocking flock costs microseconds, and a copy that waits
+# for another's build or run should start within a second of its end.
+CLAIM_POLL_S = 0.5
+
+
+def claim_run(run_dir: Path, wait: bool = True, poll_s: float = CLAIM_POLL_S) -> FolderLock | None:
     """The run folder's lock, for training and evaluating it. While another process holds it: wait for it
     (``wait``) or return None, so the caller can do other runs first."""
     while True:
@@ -92,7 +97,7 @@ def claim_run(run_dir: Path, wait: bool = True, poll_s: float = 5.0) -> FolderLo
             time.sleep(poll_s)
 
 
-def claim_results(out_dir: Path, poll_s: float = 5.0) -> tuple[FolderLock | None, dict | None]:
+def claim_results(out_dir: Path, poll_s: float = CLAIM_POLL_S) -> tuple[FolderLock | None, dict | None]:
     """The experiment's last stage (its step benchmark, results.json, tables, plots) for this copy: (its lock,
     None). Two copies of one experiment split the runs (``claimed_in_turn``), and both reach this stage; timing
     the steps together, each would measure the other's load. So one does it, and the other waits and returns
