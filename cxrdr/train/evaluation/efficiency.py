@@ -298,10 +298,13 @@ def _with(contexts, fn):
 
 
 def image_encoder_metrics(encode_images, image_size: int, batch_size: int = 32, iters: int = 5,
-                          warmup: int = 2, device="cpu", amp_dtype: torch.dtype | None = None) -> dict:
+                          warmup: int = 2, device="cpu", amp_dtype: torch.dtype | None = None,
+                          batch_only: bool = False) -> dict:
     """Inference throughput, batch-1 latency, GFLOPs/img of any ``encode_images(B,1,S,S)``, and
     at the batch: peak memory, GPU busy % and MFU (None off CUDA). ``amp_dtype``: autocast dtype
-    (the training loop's ``amp_dtype_for``) or None for full precision; TF32 on CUDA."""
+    (the training loop's ``amp_dtype_for``) or None for full precision; TF32 on CUDA.
+    ``batch_only``: call ``encode_images`` at the batch size alone (latency, GFLOPs and MFU None), for
+    a function compiled for that one shape (a batch of 1 would compile it again)."""
     device = torch.device(device)
     x = torch.rand(batch_size, 1, image_size, image_size, device=device)
     x1 = x[:1]
@@ -310,14 +313,15 @@ def image_encoder_metrics(encode_images, image_size: int, batch_size: int = 32, 
     with torch.no_grad():
         with PeakMemory(device) as peak:
             t_batch = _time(run_batch, iters, warmup, device)
-        t_one = _time(run_one, iters * 2, warmup, device)
+        t_one = None if batch_only else _time(run_one, iters * 2, warmup, device)
         busy = gpu_busy_ms(run_batch, min(iters, 3), device)
-    per_img = gflops(lambda: encode_images(x1))
-    return {"inference_img_per_s": batch_size / t_batch, "latency_ms_per_img": t_one * 1000,
+    per_img = None if batch_only else gflops(lambda: encode_images(x1))
+    return {"inference_img_per_s": batch_size / t_batch,
+            "latency_ms_per_img": None if t_one is None else t_one * 1000,
             "gflops_per_img": per_img, "eval_batch_size": batch_size,
             "inference_peak_memory_mb": peak.peak_mb,
             "inference_gpu_busy_pct": busy_pct(busy, t_batch * 1000),
-            "inference_mfu_pct": mfu_pct(per_img * 1e9, batch_size / t_batch, device)}
+            "inference_mfu_pct": None if per_img is None else mfu_pct(per_img * 1e9, batch_size / t_batch, device)}
 
 
 def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None = None,
