@@ -6,6 +6,11 @@ Writes ``profile-<model>.txt`` per model: torch.profiler's operator table over a
 warm-up steps), sorted by total CUDA time, then by self CUDA time. This is what
 benchmarks/results/profiles/ holds; read it beside the suite's loop section (``gpu_suite.py``) to
 see where a variant's extra step time goes. On CPU it profiles CPU time (slow, for a check only).
+
+On CUDA the file starts with where the GPU waited: the gaps between its kernels (and copies) over the
+profiled steps, each attributed to the phase the host was in meanwhile (``cxrdr.train.loop.PHASES``: data,
+forward, backward, optimizer; "between phases" for the rest of the step: the loss bookkeeping, the
+scheduler, the timing block's edges). A step whose GPU is 75 % busy shows there what the other 25 % waited for.
 """
 from __future__ import annotations
 
@@ -16,6 +21,58 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of (start, end) intervals."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def idle_by_phase(gpu_spans: list[tuple[float, float]], phases: dict[str, list[tuple[float, float]]]) -> dict:
+    """How long the GPU waited, and during which host phase: the gaps between the GPU's (merged) activity from its
+    first to its last, each split over the host ranges of ``phases`` (name -> (start, end) ranges, one clock with
+    the GPU's) it overlaps; what no range covers is "between phases". Returns {"busy", "idle", "by_phase": {name:
+    idle}, "gaps": count} in the spans' unit."""
+    busy = merged(gpu_spans)
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:])]
+    ranges = {name: merged(spans) for name, spans in phases.items()}
+    by_phase = dict.fromkeys([*ranges, "between phases"], 0.0)
+    for start, end in gaps:
+        covered = 0.0
+        for name, spans in ranges.items():
+            overlap = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+            by_phase[name] += overlap
+            covered += overlap
+        by_phase["between phases"] += max(0.0, (end - start) - covered)
+    return {"busy": sum(b - a for a, b in busy), "idle": sum(b - a for a, b in gaps), "by_phase": by_phase,
+            "gaps": len(gaps)}
+
+
+def idle_report(prof, steps: int) -> str:
+    """``idle_by_phase`` of a CUDA profile, per step, as text (empty without CUDA activity)."""
+    from torch.autograd import DeviceType
+
+    from cxrdr.train.evaluation.efficiency import gpu_activity_spans
+    from cxrdr.train.loop import PHASES
+
+    events = list(prof.profiler.kineto_results.events())
+    gpu = [(start / 1e3, end / 1e3) for start, end in gpu_activity_spans(events)]
+    if not gpu:
+        return ""
+    # the phase ranges as the host ran them (not their copies on the GPU's timeline)
+    phases = {name: [(e.start_ns() / 1e6, e.end_ns() / 1e6) for e in events
+                     if e.name() == label and e.device_type() == DeviceType.CPU] for name, label in PHASES.items()}
+    r = idle_by_phase(gpu, phases)
+    lines = [f"GPU busy {r['busy'] / steps:.1f} ms a step, waiting {r['idle'] / steps:.1f} ms a step in "
+             f"{r['gaps']} gaps over {steps} steps; the host meanwhile, ms a step:"]
+    lines += [f"  {name:<15} {ms / steps:7.2f}" for name, ms in sorted(r["by_phase"].items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines) + "\n\n"
 
 
 def profile_model(model: str, shards: str, batch_size: int, device: str, warmup: int, steps: int,
@@ -43,6 +100,7 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
     key = "cuda_time_total" if cuda else "cpu_time_total"
     averages = prof.key_averages()
     return (f"{model}: {steps} steps of batch {batch_size} on {device} after {warmup} warm-up steps\n"
+            + (idle_report(prof, steps) if cuda else "")
             + averages.table(sort_by=key, row_limit=45, max_name_column_width=70) + "\n"
             + averages.table(sort_by="self_" + key, row_limit=45, max_name_column_width=70))
 

@@ -276,3 +276,57 @@ def test_sections_skipped_by_the_command_reserve_no_time():
     assert gpu_suite.reserve_after(cfg, "loop_compiled") == cfg["reserve"]["train_step"] + cfg["reserve"]["table"]
     assert gpu_suite.reserve_after(cfg, "loop_compiled", ("peer", "train_step")) == cfg["reserve"]["table"]
     assert gpu_suite.reserve_after(cfg, "peer", ("train_step",)) == cfg["reserve"]["loop_compiled"]
+
+
+class FakeKinetoEvent:
+    """What gpu_activity_spans reads of a raw profiler event."""
+
+    def __init__(self, device, start_us, end_us, annotation=False, name="kernel"):
+        from torch.autograd import DeviceType
+
+        self._device = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+        self._span, self._annotation, self._name = (start_us * 1000, end_us * 1000), annotation, name
+
+    def device_type(self):
+        return self._device
+
+    def is_user_annotation(self):
+        return self._annotation
+
+    def start_ns(self):
+        return self._span[0]
+
+    def end_ns(self):
+        return self._span[1]
+
+    def name(self):
+        return self._name
+
+
+def test_gpu_busy_counts_kernels_once_and_not_the_gpu_copies_of_annotations():
+    """A record_function range (Optimizer.step, a compiled region, the loop's phases) is drawn on the GPU's
+    timeline over its kernels and the gaps between them: busy time counts the kernels alone, overlaps once."""
+    from cxrdr.train.evaluation.efficiency import gpu_activity_spans, union_length
+
+    events = [FakeKinetoEvent("cuda", 0, 10), FakeKinetoEvent("cuda", 5, 12),  # two streams overlapping
+              FakeKinetoEvent("cuda", 40, 50),
+              FakeKinetoEvent("cuda", 0, 50, annotation=True, name="Optimizer.step#AdamW.step"),
+              FakeKinetoEvent("cpu", 0, 100, name="aten::mm")]
+    spans = gpu_activity_spans(events)
+    assert spans == [(0, 10), (5, 12), (40, 50)]
+    assert union_length(spans) == 22 and union_length([]) == 0
+
+
+def test_profile_step_splits_the_gpus_waits_over_the_host_phases():
+    """profile_step's idle report: the gaps between the GPU's work, each split over the host phase (data,
+    forward, ...) that ran meanwhile, the rest "between phases"."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import profile_step
+
+    gpu = [(0, 10), (8, 20), (30, 40), (45, 60)]  # busy 0-20, 30-40, 45-60: gaps 20-30 and 40-45
+    phases = {"data": [(18, 26)], "forward": [(26, 29)], "backward": [(41, 44)]}
+    r = profile_step.idle_by_phase(gpu, phases)
+    assert r["busy"] == 45 and r["idle"] == 15 and r["gaps"] == 2
+    assert r["by_phase"] == {"data": 6, "forward": 3, "backward": 3, "between phases": 3}
+    assert profile_step.merged([(5, 6), (0, 2), (1, 3), (4, 4)]) == [(0, 3), (5, 6)]
+

@@ -303,3 +303,25 @@ def test_train_step_benchmark_times_the_former_heads_and_counts_flops_on_request
     assert StudentConfig.from_yaml("D", **train_step.FORMER_HEADS).to_dict() == {**ADDED_FIELDS, **OLD_CONFIGS["D"]}
     assert StudentConfig.from_yaml("E", **train_step.FORMER_HEADS_E).to_dict() == {
         **ADDED_FIELDS, **OLD_CONFIGS["E"], **CHANGED["E"]}  # token_dropping.py's E-former-heads
+
+
+def test_the_step_marks_its_phases_for_the_profiler(phantom_shards, tmp_path):
+    """Trainer.train_step runs its phases inside record_function ranges (cxrdr.train.loop.PHASES): the profile
+    of a GPU step (benchmarks/profile_step.py) says in which of them the host was while the GPU waited."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import PHASES, Trainer
+
+    trainer = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-A", out=str(tmp_path / "run"), steps=2,
+                                  batch_size=4, workers=0, progress=False, device="cpu", eval_every=0))
+    batches = trainer._batches()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.train_step(batches, log_balance=False)
+    finally:
+        batches.close()
+    ranges = [e for e in prof.events() if e.name in PHASES.values()]
+    assert sorted({e.name for e in ranges}) == sorted(PHASES.values())
+    forward, backward = (next(e for e in ranges if e.name == PHASES[k]) for k in ("forward", "backward"))
+    assert forward.time_range.end <= backward.time_range.start  # one after the other, not nested

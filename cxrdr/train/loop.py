@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from cxrdr.common.augment import stable_seed
@@ -55,6 +56,10 @@ from cxrdr.train.runfolder import (RESUME_OVERRIDABLE, MetricsLog, check_run_fol
                                    json_default, lock_run_folder, resume_conflicts)
 from cxrdr.train.stream import StreamState, make_stream_loader
 from cxrdr.train.task import Task
+
+# The step's phases as profiler ranges (torch.profiler.record_function: next to nothing while no profiler
+# runs): benchmarks/profile_step.py reads which phase the host was in while the GPU waited.
+PHASES = {name: f"cxrdr.{name}" for name in ("data", "forward", "backward", "optimizer")}
 
 
 class StepTimer:
@@ -92,6 +97,7 @@ class StepTimer:
         laps = self.laps[1:] or self.laps
         steps = sum(n for _, n in laps)
         return round(1000 * sum(s for s, _ in laps) / steps, 3) if steps else None
+
 
 
 class Trainer:
@@ -326,12 +332,13 @@ class Trainer:
         norms on logging steps)."""
         no_sync = self.task.model.no_sync() if self.ddp and not sync else None
         with no_sync if no_sync is not None else contextlib.nullcontext():
-            with autocast(self.device, self.amp_dtype):
+            with record_function(PHASES["forward"]), autocast(self.device, self.amp_dtype):
                 terms = self.task.forward(batch, self.step, compiled=self._compiled_now())
             balance = loss_balance(terms, self.student.trunk_parameters()) if log_balance else {}
             self.finite.observe(terms, self.step)
             loss = terms["total"] * (dist_utils.loss_scale_for_ddp() / self.cfg.accum_steps)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            with record_function(PHASES["backward"]):
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return {k: v.detach() for k, v in terms.items()}, balance
 
     def _optimizer_step(self) -> torch.Tensor:
@@ -363,7 +370,8 @@ class Trainer:
         data_time = teacher_time = 0.0
         for micro in range(cfg.accum_steps):
             t0 = time.perf_counter()
-            batch = next(batches)
+            with record_function(PHASES["data"]):
+                batch = next(batches)
             data_time += time.perf_counter() - t0
             if self.teacher is not None:
                 t0 = time.perf_counter()
@@ -375,7 +383,8 @@ class Trainer:
             for k, v in terms.items():
                 sums[k] = sums[k] + v / cfg.accum_steps if k in sums else v / cfg.accum_steps
             self.samples_seen += batch["images"].shape[0] * self.world
-        grad_norm = self._optimizer_step()
+        with record_function(PHASES["optimizer"]):
+            grad_norm = self._optimizer_step()
         lr = max(g["lr"] for g in self.optimizer.param_groups)
         self.scheduler.step()
         self.step += 1

@@ -100,10 +100,33 @@ def loop_math(device):
     return train_device.training_cuda_math() if _is_cuda(device) else contextlib.nullcontext()
 
 
+def gpu_activity_spans(events) -> list[tuple[float, float]]:
+    """(start, end) microseconds of the GPU's own work among a trace's raw events (``kineto_results.events()``):
+    kernels, copies, memsets. Not the GPU-side copies of the host's annotations (``record_function`` ranges:
+    ``Optimizer.step``, torch.compile's regions, the loop's phases): the profiler draws each over the device
+    time its kernels span, gaps included, so counting them would call a waiting GPU busy."""
+    from torch.autograd import DeviceType
+
+    return [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in events
+            if e.device_type() == DeviceType.CUDA and not getattr(e, "is_user_annotation", lambda: False)()]
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals (overlaps count once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(s for s in spans if s[1] > s[0]):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
 def gpu_busy_ms(fn, calls: int, device) -> float | None:
     """Milliseconds per call during which the GPU runs a kernel, memcpy or memset: the union of their
-    intervals in a torch.profiler trace (CUDA activity only) of ``calls`` back-to-back calls
-    (overlapping kernels on several streams count once), divided by ``calls``. None off CUDA.
+    intervals (``gpu_activity_spans``) in a torch.profiler trace (CUDA activity only) of ``calls``
+    back-to-back calls (overlapping kernels on several streams count once), divided by ``calls``. None
+    off CUDA.
 
     Divide by the un-profiled step time for a busy share: the profiler slows the host side (which
     is what leaves a GPU idle), not the kernels, so the profiled wall time would understate it.
@@ -111,7 +134,6 @@ def gpu_busy_ms(fn, calls: int, device) -> float | None:
     event tree takes seconds to build for a step of thousands of kernels."""
     if not _is_cuda(device) or calls <= 0:
         return None
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
@@ -119,18 +141,7 @@ def gpu_busy_ms(fn, calls: int, device) -> float | None:
         for _ in range(calls):
             fn()
         _sync(device)
-    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if raw is not None:
-        spans = [(e.start_ns() / 1e3, e.end_ns() / 1e3) for e in raw.events() if e.device_type() == DeviceType.CUDA]
-    else:  # an older torch: the slower parsed events
-        spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_us, end = 0.0, float("-inf")
-    for start, stop in sorted(s for s in spans if s[1] > s[0]):
-        if stop <= end:
-            continue
-        busy_us += stop - max(start, end)
-        end = stop
-    return busy_us / 1000.0 / calls
+    return union_length(gpu_activity_spans(prof.profiler.kineto_results.events())) / 1000.0 / calls
 
 
 def busy_pct(busy_ms: float | None, step_ms: float | None) -> float | None:
