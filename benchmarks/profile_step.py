@@ -23,25 +23,16 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 
-def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, non-overlapping union of (start, end) intervals."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(s for s in spans if s[1] > s[0]):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
 def idle_by_phase(gpu_spans: list[tuple[float, float]], phases: dict[str, list[tuple[float, float]]]) -> dict:
     """How long the GPU waited, and during which host phase: the gaps between the GPU's (merged) activity from its
     first to its last, each split over the host ranges of ``phases`` (name -> (start, end) ranges, one clock with
     the GPU's) it overlaps; what no range covers is "between phases". Returns {"busy", "idle", "by_phase": {name:
     idle}, "gaps": count} in the spans' unit."""
-    busy = merged(gpu_spans)
+    from cxrdr.train.evaluation.efficiency import merged_spans
+
+    busy = merged_spans(gpu_spans)
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:])]
-    ranges = {name: merged(spans) for name, spans in phases.items()}
+    ranges = {name: merged_spans(spans) for name, spans in phases.items()}
     by_phase = dict.fromkeys([*ranges, "between phases"], 0.0)
     for start, end in gaps:
         covered = 0.0

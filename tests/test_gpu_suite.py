@@ -323,10 +323,12 @@ def test_profile_step_splits_the_gpus_waits_over_the_host_phases():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import profile_step
 
+    from cxrdr.train.evaluation.efficiency import merged_spans
+
     gpu = [(0, 10), (8, 20), (30, 40), (45, 60)]  # busy 0-20, 30-40, 45-60: gaps 20-30 and 40-45
     phases = {"data": [(18, 26)], "forward": [(26, 29)], "backward": [(41, 44)]}
     r = profile_step.idle_by_phase(gpu, phases)
     assert r["busy"] == 45 and r["idle"] == 15 and r["gaps"] == 2
     assert r["by_phase"] == {"data": 6, "forward": 3, "backward": 3, "between phases": 3}
-    assert profile_step.merged([(5, 6), (0, 2), (1, 3), (4, 4)]) == [(0, 3), (5, 6)]
+    assert merged_spans([(5, 6), (0, 2), (1, 3), (4, 4)]) == [(0, 3), (5, 6)]
 

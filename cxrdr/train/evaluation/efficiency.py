@@ -111,15 +111,20 @@ def gpu_activity_spans(events) -> list[tuple[float, float]]:
             if e.device_type() == DeviceType.CUDA and not getattr(e, "is_user_annotation", lambda: False)()]
 
 
+def merged_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals (empty ones dropped)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def union_length(spans: list[tuple[float, float]]) -> float:
     """Length of the union of (start, end) intervals (overlaps count once)."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(s for s in spans if s[1] > s[0]):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
+    return sum(end - start for start, end in merged_spans(spans))
 
 
 def gpu_busy_ms(fn, calls: int, device) -> float | None:
