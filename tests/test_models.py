@@ -890,3 +890,38 @@ def test_a_half_precision_text_checkpoint_loads_as_float32_student_weights(tmp_p
     tower = build_text_tower(str(tmp_path), context_length=16)
     dtypes = {p.dtype for p in tower.parameters()}
     assert dtypes == {torch.float32}
+
+
+@pytest.mark.parametrize("size,patch,width", [(224, 16, 96), (64, 8, 64)])
+def test_patch_embedding_as_a_matrix_product_is_the_convolution(size, patch, width):
+    """LinearPatchEmbed (the ViT towers' embed_layer) computes timm's convolution as one matrix product on a
+    GPU: the same values and weight gradients (float rounding), the same state dict; on the CPU, and for the
+    inputs off the plain path, timm's own convolution runs."""
+    from timm.layers import PatchEmbed
+
+    from cxrdr.train.models.patch_embed import LinearPatchEmbed
+
+    torch.manual_seed(0)
+    conv = PatchEmbed(img_size=size, patch_size=patch, in_chans=3, embed_dim=width)
+    matmul = LinearPatchEmbed(img_size=size, patch_size=patch, in_chans=3, embed_dim=width)
+    matmul.load_state_dict(conv.state_dict())
+    assert list(matmul.state_dict()) == list(conv.state_dict())
+    x = torch.randn(2, 3, size, size)
+    expected, got = conv(x), matmul.as_matmul(x)
+    assert got.shape == expected.shape == (2, (size // patch) ** 2, width)
+    assert torch.allclose(got, expected, atol=1e-5)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    assert torch.allclose(matmul.proj.weight.grad, conv.proj.weight.grad, rtol=1e-4, atol=1e-4)
+    assert torch.equal(matmul(x), conv(x))  # the CPU keeps the convolution, bit for bit
+    assert matmul.is_plain(x) and not matmul.is_plain(x[..., : size - patch])  # strict size: timm's error
+    with pytest.raises(AssertionError, match="doesn't match model"):
+        matmul(x[..., : size - patch])
+
+
+def test_vit_towers_embed_patches_with_the_matrix_product_layer():
+    from cxrdr.train.models.patch_embed import LinearPatchEmbed
+
+    for name, size in (("vit_micro", 64), ("vit_small_patch16", 224)):
+        vit = create_timm_vit(name, size)
+        assert type(vit.patch_embed) is LinearPatchEmbed and "patch_embed.proj.weight" in vit.state_dict()
