@@ -27,7 +27,7 @@ Sections (each a function; each reuses the project's own measurement code):
                   (``--no-pack-text``), for what running the text tower on the real tokens buys.
 4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
                   eager and compiled.
-5. loop_compiled  as 3 with ``TrainConfig.compile`` for D, A, E, by blocks then whole (as the budget allows),
+5. loop_compiled  as 3 with ``TrainConfig.compile`` for E, A, D, whole then by blocks (as the budget allows),
                   interleaved with their eager twins; skipped with a note where TrainConfig has no
                   ``compile`` option, and in --tiny (a CPU compile takes minutes).
 6. train_step     D with stored embeddings vs the ViT-B/16 teacher online vs no teacher, batch 64
@@ -67,9 +67,11 @@ PADDED_A = "A padded texts"  # the loop section's A with --no-pack-text, beside 
 # (train_step.FORMER_HEADS), beside D and E: what the change of heads costs or saves
 FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # The compiled loop configurations (variant, TrainConfig.compile_scope), most wanted first (the budget may cut the
-# tail): block by block first (cxrdr.train.compiling: a block's compile time, shared by the variants' towers), then
-# the whole model.
-COMPILED_ORDER = (("D", "blocks"), ("A", "blocks"), ("E", "blocks"), ("D", "model"), ("A", "model"), ("E", "model"))
+# tail). The whole model first, E leading: on the H100 at 0ef6026 whole-model compilation gained D 1.30x and A 1.21x
+# over their eager twins while blocks gained 1.00-1.06x, and E whole, the lever for its launch-bound step, was the
+# configuration the budget left out. Then block by block (cxrdr.train.compiling: a block's compile time, shared by
+# the variants' towers), which a budget too short for another whole model may still fit.
+COMPILED_ORDER = (("E", "model"), ("A", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3.json): the
 # section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
@@ -312,7 +314,7 @@ def _compiled_name(variant: str, scope: str) -> str:
 
 def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
                           publish=lambda partial: None) -> dict:
-    """D, A, E with TrainConfig.compile, by blocks and then whole (COMPILED_ORDER), each configuration timed
+    """E, A, D with TrainConfig.compile, whole and then by blocks (COMPILED_ORDER), each configuration timed
     interleaved with its eager twin, one at a time while the budget allows; ``publish(partial)`` gets the section
     after each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
     pattern = cfg["families"][cfg["loop"]["family"]][0]
