@@ -892,36 +892,42 @@ def test_a_half_precision_text_checkpoint_loads_as_float32_student_weights(tmp_p
     assert dtypes == {torch.float32}
 
 
-@pytest.mark.parametrize("size,patch,width", [(224, 16, 96), (64, 8, 64)])
-def test_patch_embedding_as_a_matrix_product_is_the_convolution(size, patch, width):
-    """LinearPatchEmbed (the ViT towers' embed_layer) computes timm's convolution as one matrix product on a
-    GPU: the same values and weight gradients (float rounding), the same state dict; on the CPU, and for the
-    inputs off the plain path, timm's own convolution runs."""
-    from timm.layers import PatchEmbed
 
-    from cxrdr.train.models.patch_embed import LinearPatchEmbed
+@pytest.mark.parametrize("size,patch,width", [(224, 16, 96), (64, 8, 64)])
+def test_patch_convolution_as_a_matrix_product_is_the_convolution(size, patch, width):
+    """PatchConv2d (swapped into the ViT towers and open_clip teachers) computes a kernel-equals-stride
+    convolution as one matrix product on a GPU: the convolution's values, layout and weight gradient (float
+    rounding), with its own parameters; on the CPU the convolution itself runs, bit for bit."""
+    from cxrdr.common.patch_conv import PatchConv2d
 
     torch.manual_seed(0)
-    conv = PatchEmbed(img_size=size, patch_size=patch, in_chans=3, embed_dim=width)
-    matmul = LinearPatchEmbed(img_size=size, patch_size=patch, in_chans=3, embed_dim=width)
-    matmul.load_state_dict(conv.state_dict())
-    assert list(matmul.state_dict()) == list(conv.state_dict())
+    conv = torch.nn.Conv2d(3, width, patch, stride=patch)
+    shared = PatchConv2d.sharing(conv)
+    assert shared.weight is conv.weight and shared.bias is conv.bias
     x = torch.randn(2, 3, size, size)
-    expected, got = conv(x), matmul.as_matmul(x)
-    assert got.shape == expected.shape == (2, (size // patch) ** 2, width)
+    expected, got = conv(x), shared.as_matmul(x)
+    assert got.shape == expected.shape == (2, width, size // patch, size // patch)
     assert torch.allclose(got, expected, atol=1e-5)
-    expected.square().sum().backward()
-    got.square().sum().backward()
-    assert torch.allclose(matmul.proj.weight.grad, conv.proj.weight.grad, rtol=1e-4, atol=1e-4)
-    assert torch.equal(matmul(x), conv(x))  # the CPU keeps the convolution, bit for bit
-    assert matmul.is_plain(x) and not matmul.is_plain(x[..., : size - patch])  # strict size: timm's error
-    with pytest.raises(AssertionError, match="doesn't match model"):
-        matmul(x[..., : size - patch])
+    tokens = got.flatten(2).transpose(1, 2)  # what timm's PatchEmbed and open_clip do next: no copy needed
+    assert tokens.is_contiguous()
+    (reference_grad,) = torch.autograd.grad(expected.square().sum(), conv.weight)
+    (grad,) = torch.autograd.grad(got.square().sum(), conv.weight)
+    assert torch.allclose(grad, reference_grad, rtol=1e-4, atol=1e-4)
+    assert torch.equal(shared(x), expected)  # the CPU runs the convolution
 
 
-def test_vit_towers_embed_patches_with_the_matrix_product_layer():
-    from cxrdr.train.models.patch_embed import LinearPatchEmbed
+def test_patch_convolutions_are_swapped_where_kernel_equals_stride_and_nowhere_else():
+    from cxrdr.common.patch_conv import PatchConv2d, swap_patch_convs
 
-    for name, size in (("vit_micro", 64), ("vit_small_patch16", 224)):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, stride=4), torch.nn.Conv2d(8, 8, 3, stride=1, padding=1),
+                                torch.nn.Sequential(torch.nn.Conv2d(8, 8, 2, stride=2, groups=2),
+                                                    torch.nn.Conv2d(8, 8, 2, stride=2)))
+    before = {k: v for k, v in model.state_dict().items()}
+    assert swap_patch_convs(model) == 2
+    assert [type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Conv2d)] == [
+        "PatchConv2d", "Conv2d", "Conv2d", "PatchConv2d"]
+    assert list(model.state_dict()) == list(before)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    for name, size in (("vit_micro", 64), ("vit_small_patch16", 224)):  # the students' ViT towers
         vit = create_timm_vit(name, size)
-        assert type(vit.patch_embed) is LinearPatchEmbed and "patch_embed.proj.weight" in vit.state_dict()
+        assert type(vit.patch_embed.proj) is PatchConv2d and "patch_embed.proj.weight" in vit.state_dict()

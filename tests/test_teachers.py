@@ -180,6 +180,22 @@ def test_random_tiny_fast_and_deterministic():
     assert _unit_norm(a.encode_texts(["a", "left pleural effusion"]))
 
 
+def test_openclip_teachers_embed_patches_with_the_shared_patch_convolution():
+    """teacher_from_model swaps open_clip's conv1 for a PatchConv2d (one matrix product on a GPU) holding the same
+    parameters: the fingerprint and the CPU embeddings are the unswapped model's."""
+    from cxrdr.common.patch_conv import PatchConv2d
+    from cxrdr.teachers.base import weights_fingerprint
+    from cxrdr.teachers.random_tiny import build_tiny_clip
+
+    teacher = load_teacher("random:tiny")
+    plain, _ = build_tiny_clip()
+    assert type(teacher.model.visual.conv1) is PatchConv2d and type(plain.visual.conv1) is torch.nn.Conv2d
+    assert teacher.fingerprint == weights_fingerprint(plain.eval())
+    pixels = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(teacher.model.encode_image(pixels), plain.encode_image(pixels))
+
+
 def test_openclip_random_arch_and_weights_file(tmp_path):
     teacher = load_teacher("openclip:ViT-S-32-alt")
     assert teacher.name == "openclip-vit-s-32-alt" and teacher.notes["random_init"]

@@ -36,6 +36,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from cxrdr.common.patch_conv import swap_patch_convs
 from cxrdr.common.pretrained import cache_root
 
 from .base import Teacher, TeacherError, file_safe_name, weights_fingerprint
@@ -112,8 +113,10 @@ def hf_cache_dir() -> str:
 # ---------------------------------------------------------------- building the teacher
 def teacher_from_model(model, tokenizer, *, name: str, spec: str, device: str, notes: dict,
                        options: dict) -> OpenClipTeacher:
-    """Wrap a created open_clip model: read its input size, normalisation and logit scale."""
+    """Wrap a created open_clip model: read its input size, normalisation and logit scale. Its patch embedding
+    runs as one matrix product on a GPU (``cxrdr.common.patch_conv``: the same parameters and fingerprint)."""
     model.eval().requires_grad_(False)
+    swap_patch_convs(model.visual)
     cfg = dict(getattr(model.visual, "preprocess_cfg", None) or {})
     size = cfg.get("size", getattr(model.visual, "image_size", 224))
     if isinstance(size, (tuple, list)):

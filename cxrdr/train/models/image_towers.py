@@ -15,8 +15,8 @@ import torch.nn as nn
 from timm.models.vision_transformer import VisionTransformer
 from torch.utils.checkpoint import checkpoint
 
+from cxrdr.common.patch_conv import swap_patch_convs
 from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
-from cxrdr.train.models.patch_embed import LinearPatchEmbed
 from cxrdr.train.models.registry import register_tower
 
 TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
@@ -38,22 +38,22 @@ class TowerOutput:
 
 def create_timm_vit(name: str, image_size: int, drop_path_rate: float = 0.0, **kwargs) -> nn.Module:
     """A timm VisionTransformer without classifier at ``image_size`` (no pretrained download), its patch
-    embedding one matrix product (``patch_embed.LinearPatchEmbed``)."""
+    embedding one matrix product on a GPU (``cxrdr.common.patch_conv``)."""
     if name == "vit_micro":
         args = {**VIT_MICRO, **kwargs}
         patch = args["patch_size"]
-        model = VisionTransformer(img_size=image_size, num_classes=0, drop_path_rate=drop_path_rate,
-                                  embed_layer=LinearPatchEmbed, **args)
+        model = VisionTransformer(img_size=image_size, num_classes=0, drop_path_rate=drop_path_rate, **args)
     elif name in TIMM_VIT_NAMES:
         patch = kwargs.get("patch_size", 16)
         model = timm.create_model(TIMM_VIT_NAMES[name], pretrained=False, num_classes=0, img_size=image_size,
-                                  drop_path_rate=drop_path_rate, embed_layer=LinearPatchEmbed, **kwargs)
+                                  drop_path_rate=drop_path_rate, **kwargs)
     else:
         raise ValueError(f"unknown ViT image tower {name!r}; expected vit_micro or one of {sorted(TIMM_VIT_NAMES)}")
     if image_size % patch:
         raise ValueError(f"image_size {image_size} is not a multiple of the patch size {patch} of {name}")
     if model.num_prefix_tokens != 1:
         raise ValueError(f"{name}: expected exactly one prefix ([CLS]) token, got {model.num_prefix_tokens}")
+    swap_patch_convs(model.patch_embed)
     return model
 
 
