@@ -116,7 +116,12 @@ def test_a_step_that_does_not_log_reads_nothing_from_the_device(phantom_shards, 
     assert all(reads.counts.get(s, 0) >= 1 for s in (0, 3, 7)), reads.where
 
 
-def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, tmp_path, monkeypatch):
+# D, and E as the GPU students' E drops tokens (default.yaml: the mask picks the 40 % its blocks see from block 0)
+@pytest.mark.parametrize("model,overrides", [
+    ("tiny-D", {}),
+    ("tiny-E", {"head_layer": 0, "drop_layer": 0, "patch_score": "mask", "keep_rate": 0.4, "k_ratio": 0.4})])
+def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, tmp_path, monkeypatch, model,
+                                                                overrides):
     """--compile: one graph for the whole run (texts padded to the context length and packed, their token counts
     dynamic sizes; no step number in the graph) and the eager run's losses. The test compiles with aot_eager
     (dynamo's tracing and AOT autograd, which find graph breaks and recompiles, without inductor's minutes of C++
@@ -136,11 +141,12 @@ def test_compiled_step_gives_the_eager_losses_and_compiles_once(phantom_shards, 
         return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
 
     torch._dynamo.reset()
-    torch._dynamo.register_backend(counting_backend, name="cxrdr_test_counting")
-    common = dict(shards=str(phantom_shards), model="tiny-D", steps=4, batch_size=4, workers=0, progress=False,
-                  device="cpu", log_every=1, save_every=0, eval_every=0)
+    backend = f"cxrdr_test_counting_{model}"  # one registered name per test: the registry keeps them all
+    torch._dynamo.register_backend(counting_backend, name=backend)
+    common = dict(shards=str(phantom_shards), model=model, model_overrides=overrides, steps=4, batch_size=4,
+                  workers=0, progress=False, device="cpu", log_every=1, save_every=0, eval_every=0)
     losses = {}
-    for name, extra in (("eager", {}), ("compiled", dict(compile=True, compile_backend="cxrdr_test_counting"))):
+    for name, extra in (("eager", {}), ("compiled", dict(compile=True, compile_backend=backend))):
         with monkeypatch.context() as patch:
             if name == "eager":  # the texts as the compiled run pads them: the token draws of the local
                 # loss depend on the padded length, which is not what this test compares
