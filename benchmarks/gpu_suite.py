@@ -138,10 +138,14 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     b = cfg["build"]
     m = reinforce_throughput.measure(teachers=cfg["teacher"], device=cfg["device"], out=str(work / "build"),
                                      **b)
+    # beside the wall-time split, the CPU seconds of the workers' steps and of the build's threads: a worker's
+    # wall time well above its CPU time says the cores were shared (the H100 run's 13.8 ms a sample of worker
+    # wall time against ~6 ms of CPU on a 2-core box could not tell which)
     keep = ("source", "device", "teachers", "workers", "batch_size", "n_aug", "n_captions", "store_size",
             "samples", "build_seconds", "build_samples_per_s", "teacher_seconds", "teacher_samples_per_s",
-            "ratio", "build_steady_samples_per_s", "steady_ratio", "time_split_seconds", "shards")
-    return {k: m[k] for k in keep}
+            "ratio", "build_steady_samples_per_s", "steady_ratio", "time_split_seconds", "prepare_cpu_seconds",
+            "main_cpu_seconds", "torch_threads", "cpus", "shards")
+    return {k: m.get(k) for k in keep}
 
 
 def section_students(cfg: dict, work: Path, budget) -> dict:
@@ -746,7 +750,10 @@ def markdown(result: dict) -> str:
                              ("ratio", "ratio"), ("build_seconds", "build s"), ("teacher_seconds", "teacher s"),
                              ("build_steady_samples_per_s", "from the first batch: samples/s"),
                              ("steady_ratio", "ratio")]), "",
-               f"time split (s): {b['time_split_seconds']}", ""]
+               f"time split (s, wall; decode_augment summed over the workers): {b['time_split_seconds']}",
+               f"CPU (s): workers' steps {b.get('prepare_cpu_seconds')}; the build's threads "
+               f"{b.get('main_cpu_seconds')}; main process torch threads {b.get('torch_threads')}, "
+               f"{b.get('cpus')} CPUs", ""]
     if "students" in s:
         st = s["students"]
         md += ["## 2. Students (synthetic batch)", "", st["note"] + ".", "",
