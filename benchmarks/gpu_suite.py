@@ -144,7 +144,7 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     keep = ("source", "device", "teachers", "workers", "batch_size", "n_aug", "n_captions", "store_size",
             "samples", "build_seconds", "build_samples_per_s", "teacher_seconds", "teacher_samples_per_s",
             "ratio", "build_steady_samples_per_s", "steady_ratio", "time_split_seconds", "prepare_cpu_seconds",
-            "main_cpu_seconds", "torch_threads", "cpus", "shards")
+            "main_cpu_seconds", "cpu_threads", "cpus", "shards")
     return {k: m.get(k) for k in keep}
 
 
@@ -752,7 +752,7 @@ def markdown(result: dict) -> str:
                              ("steady_ratio", "ratio")]), "",
                f"time split (s, wall; decode_augment summed over the workers): {b['time_split_seconds']}",
                f"CPU (s): workers' steps {b.get('prepare_cpu_seconds')}; the build's threads "
-               f"{b.get('main_cpu_seconds')}; main process torch threads {b.get('torch_threads')}, "
+               f"{b.get('main_cpu_seconds')}; {(b.get('cpu_threads') or {}).get('line', 'cpu threads as given')}, "
                f"{b.get('cpus')} CPUs", ""]
     if "students" in s:
         st = s["students"]

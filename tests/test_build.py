@@ -260,12 +260,19 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
         assert skipped.workers_to_use() == 1 and torch.get_num_threads() == 1  # the worker keeps its core
         assert lines[2] == "cpu threads: teacher 1 thread, 1 worker: no probe batch was measured"
 
+        torch.set_num_threads(2)  # a GPU teacher: no probe; the build's process keeps to the core left
         gpu = cpu_policy.CpuPolicy([SimpleNamespace(device="cuda:0")], workers=1, say=say)
         gpu.start()
-        assert gpu.probe_records(16) == 0 and gpu.workers_to_use() == 1
+        assert gpu.probe_records(16) == 0 and gpu.workers_to_use() == 1 and torch.get_num_threads() == 1
         gpu.observe(0.08, 0.4, 16)
         gpu.settle()
-        assert len(lines) == 3 and gpu.result() == {}
+        assert len(lines) == 3 and torch.get_num_threads() == 1  # nothing printed, nothing changed
+        assert gpu.result()["cpu_threads"] == {"teacher_threads": 1, "workers": 1, "workers_used": 1, "cores": 2,
+                                               "line": "cpu threads: the build's process 1, 1 worker (GPU teacher)"}
+        torch.set_num_threads(2)
+        alone = cpu_policy.CpuPolicy([SimpleNamespace(device="cuda:0")], workers=0, say=say)
+        alone.start()  # no workers: every core stays the build's
+        assert torch.get_num_threads() == 2 and alone.result() == {}
     finally:
         torch.set_num_threads(threads)
 
