@@ -148,8 +148,10 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     return {k: m.get(k) for k in keep}
 
 
-def section_students(cfg: dict, work: Path, budget) -> dict:
-    """Each family's variants: efficiency_metrics at the target keep rate, as the loop runs (bf16 on CUDA)."""
+def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) -> dict:
+    """Each family's variants: efficiency_metrics at the target keep rate, as the loop runs (bf16 on CUDA); the
+    loop family's A and E also compiled (``_compiled_inference``) where the budget, less what the sections after
+    this one hold back (``reserve_after``), has COMPILED_INFERENCE_ESTIMATE_S left."""
     from cxrdr.train.evaluation.efficiency import FAR_STEP, efficiency_metrics
     from cxrdr.train.models.config import StudentConfig
     from cxrdr.train.models import build_student
@@ -170,7 +172,11 @@ def section_students(cfg: dict, work: Path, budget) -> dict:
                    "image_size": config.image_size, "text_tower": config.text_tower,
                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, **m}
             if cfg["compile"] and v in "AE" and family == cfg["loop"]["family"]:
-                row.update(_compiled_inference(model, st))
+                if budget.left() - reserve_after >= COMPILED_INFERENCE_ESTIMATE_S:
+                    row.update(_compiled_inference(model, st))
+                else:
+                    skipped.append(f"{family} {name} compiled inference: {budget.left():.0f} s left, "
+                                   f"{reserve_after:.0f} s held for the later sections")
             rows.append(row)
             del model
             _free_device_memory()
@@ -188,6 +194,9 @@ def section_students(cfg: dict, work: Path, budget) -> dict:
 
 
 COMPILED_INFERENCE = "inference_img_per_s_compiled"
+# Seconds one encoder's compiled inference is assumed to take (inductor's forward-only compilation of a ViT-S/16
+# encoder, CUDA-graph capture and its timed batches): not measured yet, a guess above the ~20 s the blocks took.
+COMPILED_INFERENCE_ESTIMATE_S = 60
 
 
 def _compiled_inference(model, st: dict, backend: str = "inductor") -> dict:
@@ -658,7 +667,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
                                                         64 if tiny else 256)))
         return phantom[0]
 
-    run("students", lambda: section_students(cfg, work, budget))
+    run("students", lambda: section_students(cfg, work, budget, after("students")))
     run("loop", lambda: section_loop(cfg, work, budget, shards()))
     run("peer", lambda: section_peer(cfg, work, budget, after("peer")))
     if not cfg["compile"]:

@@ -336,3 +336,37 @@ def test_profile_step_splits_the_gpus_waits_over_the_host_phases():
     assert r["by_phase"] == {"data": 6, "forward": 3, "backward": 3, "between phases": 3}
     assert merged_spans([(5, 6), (0, 2), (1, 3), (4, 4)]) == [(0, 3), (5, 6)]
 
+
+
+def test_students_compile_the_encoders_only_where_the_budget_allows(monkeypatch):
+    """The students section compiles the loop family's A and E encoders (``_compiled_inference``) only where the
+    budget, less what the later sections hold back, has COMPILED_INFERENCE_ESTIMATE_S left; else it notes it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    from cxrdr.train.evaluation import efficiency
+
+    compiled = []
+    monkeypatch.setattr(efficiency, "efficiency_metrics", lambda model, **kw: {"train_img_per_s": 2.0,
+                                                                            "inference_img_per_s": 4.0,
+                                                                            "gflops_per_img": 1.0})
+    monkeypatch.setattr(gpu_suite, "_compiled_inference",
+                        lambda model, st: compiled.append(model.config.variant) or {gpu_suite.COMPILED_INFERENCE: 8.0})
+    cfg = gpu_suite.settings(tiny=True, device="cpu")
+    cfg.update(compile=True, families={"tiny": ("tiny-{v}", {}, "AE")})
+
+    class Budget:
+        def __init__(self, left_s):
+            self.left_s = left_s
+
+        def left(self):
+            return self.left_s
+
+    room = gpu_suite.section_students(cfg, Path("/nonexistent"), Budget(200.0), reserve_after=100.0)
+    assert compiled == ["A", "E"] and room["skipped"] == []
+    assert room["E_over_A"]["tiny"][gpu_suite.COMPILED_INFERENCE] == 1.0
+    tight = gpu_suite.section_students(cfg, Path("/nonexistent"), Budget(150.0), reserve_after=100.0)
+    assert compiled == ["A", "E"]  # not again: 150 - 100 < COMPILED_INFERENCE_ESTIMATE_S
+    assert [s.split(":")[0] for s in tight["skipped"]] == ["tiny tiny-A compiled inference",
+                                                         "tiny tiny-E compiled inference"]
+    assert gpu_suite.COMPILED_INFERENCE not in tight["E_over_A"]["tiny"]
