@@ -112,7 +112,7 @@ class CpuPolicy:
         teacher's do (``teacher_threads``), instead of one spinning thread a core beside them. On the H100 the
         12 workers of a 16-core build took 13.8 ms of wall time a sample for what takes ~6 ms of CPU on an idle
         2-core box; whether shared cores were the cause, the suite's CPU fields will say."""
-        threads = max(1, min(self.cap, self.cores - self.workers))
+        threads, _ = teacher_threads(1.0, 0.0, self.cores, self.workers, self.cap)  # no CPU forward to share
         torch.set_num_threads(threads)
         self.choice = {"teacher_threads": threads, "workers": self.workers, "workers_used": self.workers,
                        "cores": self.cores, "line": f"cpu threads: the build's process {threads}, {self.workers} "

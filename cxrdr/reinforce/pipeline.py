@@ -59,8 +59,6 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
     forwards run in an embedding thread (``_EmbeddingThread``) while this thread takes the next batch
     from the loader; the same shards."""
     device = next((str(t.device) for t in teachers if t.has_images), "cpu")
-    if overlap_teachers is None:
-        overlap_teachers = any(str(t.device).startswith("cuda") for t in teachers)
     spec = dataclasses.replace(spec, replay=resolve_replay(opts.replay, device))
     replay = {"replay": spec.replay if spec.sizes else None}
     items = [(s.index, key, rec) for s in todo for key, rec in s.items]
@@ -72,7 +70,8 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
     policy = CpuPolicy(teachers, opts.workers, say=bar.write if announce and opts.progress else None)
     loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device, captioner,
                       overlap_writes)
-    embedder = _EmbeddingThread(loop, policy, bar, threaded=overlap_teachers)
+    embedder = _EmbeddingThread(loop, policy, bar,
+                                threaded=not policy.cpu if overlap_teachers is None else overlap_teachers)
     try:
         with cpu_settings(policy, opts.workers):
             t_wait = time.perf_counter()

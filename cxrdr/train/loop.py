@@ -99,7 +99,6 @@ class StepTimer:
         return round(1000 * sum(s for s, _ in laps) / steps, 3) if steps else None
 
 
-
 class Trainer:
     """Holds the run's state; ``run()`` trains to ``cfg.steps`` (or early stop) and returns the summary."""
 
