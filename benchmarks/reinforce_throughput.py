@@ -68,8 +68,10 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
 
     from cxrdr.common.augment import replay_many
     from cxrdr.common.shards import iter_tar_samples, load_meta, read_dataset_info
+    from cxrdr.reinforce.embed import worker_tokenizers
     from cxrdr.reinforce.prepare import decode_stored_image
 
+    tokenizers = dict(worker_tokenizers(teachers))  # the teachers whose texts the build's workers tokenize
     info = read_dataset_info(shards_dir)
     samples = [s for shard in info["shards"] for _, s in iter_tar_samples(shards_dir / shard["name"])]
     sizes = sorted({t.image_size for t in teachers if t.has_images})
@@ -87,7 +89,7 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
         for s in chunk:
             texts += [c["text"] for c in load_meta(s["json"])["captions"]]
         # tokenized beforehand (untimed) where the build's workers tokenize: the forward alone is timed
-        tokens = {t.name: tok(texts) for t in teachers if (tok := t.text_tokenizer()) is not None}
+        tokens = {name: tokenize(texts) for name, tokenize in tokenizers.items()}
         batches.append(({k: torch.cat(v) for k, v in crops.items()}, texts, tokens))
     best = float("inf")
     for _ in range(repeats):
