@@ -370,3 +370,14 @@ def test_students_compile_the_encoders_only_where_the_budget_allows(monkeypatch)
     assert [s.split(":")[0] for s in tight["skipped"]] == ["tiny tiny-A compiled inference",
                                                          "tiny tiny-E compiled inference"]
     assert gpu_suite.COMPILED_INFERENCE not in tight["E_over_A"]["tiny"]
+
+
+def test_patch_embed_benchmark_times_both_forms_and_prints_their_difference(capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import patch_embed
+
+    assert patch_embed.main(["--batch", "2", "--size", "32", "--patch", "8", "--width", "16", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert float(out[0].rsplit(" ", 1)[1]) < 1e-5  # max |conv - matmul|
+    assert [line.split()[0] for line in out[1:]] == ["forward", "forward"]
+    assert all("convolution" in line and "matrix product" in line and line.endswith("x)") for line in out[1:])
