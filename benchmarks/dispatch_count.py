@@ -40,6 +40,40 @@ def count_step_ops(trainer, batches) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 
 
+def ops_by_function(trainer, batches) -> collections.Counter:
+    """Operators of one forward + backward of the trainer's step by where they come from: the innermost cxrdr
+    function on the Python stack ("file:function"; an operator of timm or transformers counts for the cxrdr function
+    that called into them), or "backward" for the autograd engine's. Counted below autograd
+    (``TorchDispatchMode``: each operator once, nested calls not counted again), so the totals are lower than
+    ``count_step_ops``'; the split says which of the project's own functions issue the operators."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    package = str(Path(__file__).resolve().parents[1] / "cxrdr")
+    counts: collections.Counter = collections.Counter()
+
+    def origin() -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename.startswith(package):
+                return f"{Path(code.co_filename).relative_to(package)}:{code.co_name}"
+            if code.co_name in ("backward", "_engine_run_backward"):
+                return "backward"
+            frame = frame.f_back
+        return "other"
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[origin()] += 1
+            return func(*args, **(kwargs or {}))
+
+    batch = next(batches)
+    with Counting():
+        trainer._micro_step(batch, sync=True, log_balance=False)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return counts
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="cxrdr-inductor-"))  # a cold compile
     import torch
@@ -52,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--shards", help="shard folder (default: a phantom build in a temp folder)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--by-function", type=int, default=0, metavar="N",
+                        help="also print the N cxrdr functions that issue the most operators (eager configurations)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="cxrdr-dispatch-")
@@ -74,6 +110,10 @@ def main(argv=None) -> int:
         top = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in counts[spec].most_common(5))
         print(f"{spec:<12} {sum(counts[spec].values()):>7} aten ops per forward + backward; first step "
               f"{seconds[0]:.1f} s, second {seconds[1]:.2f} s  (most: {top})", flush=True)
+        if args.by_function and not scope:
+            where = ops_by_function(trainer, trainer._batches())  # a fresh pass: a small split may be spent
+            print(f"  {sum(where.values())} operators below autograd; by origin: " + ", ".join(
+                f"{name} {n}" for name, n in where.most_common(args.by_function)), flush=True)
     tmp.cleanup()
     return 0
 

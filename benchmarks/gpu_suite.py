@@ -61,6 +61,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repository's packages
 
+from child_deadline import DeadlineExceeded, call_with_deadline  # noqa: E402 - a sibling benchmark module
+
 VARIANTS = "ABCDE"
 PADDED_A = "A padded texts"  # the loop section's A with --no-pack-text, beside A
 # the loop section's D and E with the local-alignment heads default.yaml had before the CPU ladder's
@@ -73,12 +75,16 @@ FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # the variants' towers), which a budget too short for another whole model may still fit.
 COMPILED_ORDER = (("E", "model"), ("A", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
-# timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3.json): the
-# section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
+# timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3-0ef6026.json):
+# the section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
 # compiled code) and D, A whole (warm-ups 64.9 s and 43.9 s); with the former 75 / 150 s, and the skipped train_step's
 # 45 s held back (``reserve_after`` leaves skipped sections out now), it left E whole out with ~145 s of the budget
 # unspent. Kept above the measured ~20 s and ~65 s: a cold cache or another card.
 COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
+# The most one compiled loop configuration may take, compilation included, before its child process is killed
+# (``child_deadline``; on CUDA): on the H100 at 48c40d0 the whole-model E had not finished its warm-up after 149 s in
+# the full suite nor after 263 s alone, and the compilation in progress could not be stopped from the suite's process.
+COMPILE_LIMIT_S = {"blocks": 90, "model": 180}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 
@@ -86,11 +92,11 @@ SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", 
 def settings(tiny: bool, device: str) -> dict:
     """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
 
-    GPU sizes come from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3.json): build 41 s; students
-    38 s with A's and E's encoders compiled by blocks, now compiled whole instead (forward only: ~20 s each assumed,
-    not yet measured); loop 62 s with 4 timed blocks of 5 steps, ~95 s with the 10 it has now (8 configurations at ~0.13
-    s/step); compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows (20 timed steps beside their
-    eager twin); peer ~10 s eager + one compile and train_step ~36 s (../shared/gpu, not rerun since)."""
+    GPU sizes come from the H100 at 48c40d0 (benchmarks/results/nvidia-h100-80gb-hbm3.json): build 31 s; students
+    200 s, of which ~80 s each for A's and E's encoders compiled whole with CUDA graphs; loop 82 s (10 timed blocks
+    of 5 steps, 8 configurations); compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows (20
+    timed steps beside their eager twin), each cut at COMPILE_LIMIT_S; peer ~10 s eager + one compile and train_step
+    ~36 s (../shared/gpu, not rerun since)."""
     if tiny:
         return dict(device=device, teacher="random:tiny",
                     build=dict(n=16, workers=1, batch_size=8, n_aug=2, n_captions=2, store_size=64),
@@ -143,8 +149,8 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     # wall time against ~6 ms of CPU on a 2-core box could not tell which)
     keep = ("source", "device", "teachers", "workers", "batch_size", "n_aug", "n_captions", "store_size",
             "samples", "build_seconds", "build_samples_per_s", "teacher_seconds", "teacher_samples_per_s",
-            "ratio", "build_steady_samples_per_s", "steady_ratio", "time_split_seconds", "prepare_cpu_seconds",
-            "main_cpu_seconds", "cpu_threads", "cpus", "shards")
+            "ratio", "build_steady_samples_per_s", "steady_ratio", "start_up_seconds", "time_split_seconds",
+            "prepare_cpu_seconds", "main_cpu_seconds", "cpu_threads", "cpus", "shards")
     return {k: m.get(k) for k in keep}
 
 
@@ -195,8 +201,9 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
 
 COMPILED_INFERENCE = "inference_img_per_s_compiled"
 # Seconds one encoder's compiled inference is assumed to take (inductor's forward-only compilation of a ViT-S/16
-# encoder, CUDA-graph capture and its timed batches): not measured yet, a guess above the ~20 s the blocks took.
-COMPILED_INFERENCE_ESTIMATE_S = 60
+# encoder, CUDA-graph capture and its timed batches): on the H100 at 48c40d0 the students section took 199.5 s with
+# A's and E's, 37.6 s at 0ef6026 without them (and with a ~20 s block compilation), so ~80-90 s each.
+COMPILED_INFERENCE_ESTIMATE_S = 90
 
 
 def _compiled_inference(model, st: dict, backend: str = "inductor") -> dict:
@@ -213,17 +220,23 @@ def _compiled_inference(model, st: dict, backend: str = "inductor") -> dict:
     from cxrdr.train.evaluation.efficiency import image_encoder_metrics, model_device
 
     device = model_device(model)
+    start = time.perf_counter()  # compilation, graph capture and timing together: inference_compiled_seconds
     graphs = backend == "inductor" and device.type == "cuda"
     mode = "whole encoder, CUDA graphs" if graphs else f"whole encoder, {backend}"
     model.eval()
+    first_call_s: list[float] = []
     try:
         compiled = torch.compile(model.encode_image, backend=backend, fullgraph=True,
                                  **({"mode": "reduce-overhead"} if graphs else {}))
 
         def encode(images):
+            started = time.perf_counter() if not first_call_s else None
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # a new replay: the last one's output is not read again
-            return compiled(images)
+            out = compiled(images)
+            if started is not None:  # the compilation
+                first_call_s.append(time.perf_counter() - started)
+            return out
 
         m = image_encoder_metrics(encode, int(model.image_size), st["batch_size"], st["iters"], st["warmup"] + 2,
                                   device, amp_dtype=amp_dtype_for("bf16", device), batch_only=True)
@@ -233,7 +246,9 @@ def _compiled_inference(model, st: dict, backend: str = "inductor") -> dict:
         model.train()
         torch._dynamo.reset()  # the next model's encoder compiles afresh, without this one's guards
     return {COMPILED_INFERENCE: m["inference_img_per_s"], "inference_compiled_mode": mode,
-            "inference_gpu_busy_pct_compiled": m["inference_gpu_busy_pct"]}
+            "inference_gpu_busy_pct_compiled": m["inference_gpu_busy_pct"],
+            "inference_compile_s": round(first_call_s[0], 1),
+            "inference_compiled_seconds": round(time.perf_counter() - start, 1)}
 
 
 def _loop_description(cfg: dict) -> str:
@@ -325,24 +340,56 @@ def _compiled_name(variant: str, scope: str) -> str:
     return f"{variant} compiled {scope}"
 
 
+def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str, scope: str) -> list[dict]:
+    """One compiled loop configuration timed interleaved with its eager twin (``_run_loop``); the suite runs it in a
+    child process on CUDA. Each warm-up step of the compiled trainer is logged with its time and dynamo's graph count,
+    so a configuration killed at its limit still says where its time went (with TORCH_LOGS' recompile reasons)."""
+    pattern = cfg["families"][cfg["loop"]["family"]][0]
+    name = _compiled_name(variant, scope)
+    trainers = _loop_trainers(cfg, Path(work), shards, [(f"{variant} eager", pattern.format(v=variant), None),
+                                                        (name, pattern.format(v=variant), scope)])
+    trainer = trainers[name][0]
+    _log_first_steps(trainer, name, cfg["loop"]["warmup"])
+    return _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
+
+
+def _log_first_steps(trainer, name: str, steps: int) -> None:
+    """Print the time of ``trainer``'s first ``steps`` steps and dynamo's compiled-graph count after each."""
+    from torch._dynamo.utils import counters
+
+    step, start, calls = trainer.train_step, time.perf_counter(), [0]
+
+    def logged(*args, **kwargs):
+        out = step(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] <= steps:
+            print(f"[loop_compiled] {name}: step {calls[0]} returned {time.perf_counter() - start:.1f} s after the "
+                  f"start; graphs compiled {counters['stats'].get('unique_graphs', 0)}", file=sys.stderr, flush=True)
+        return out
+
+    trainer.train_step = logged
+
+
 def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
                           publish=lambda partial: None) -> dict:
     """E, A, D with TrainConfig.compile, whole and then by blocks (COMPILED_ORDER), each configuration timed
     interleaved with its eager twin, one at a time while the budget allows; ``publish(partial)`` gets the section
     after each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
-    pattern = cfg["families"][cfg["loop"]["family"]][0]
-    rows, done = [], []
+    rows, done, failed = [], [], []
 
     def summary(note_left: str) -> dict:
         by = {r["name"]: r for r in rows}
-        left_out = [_compiled_name(v, scope) for v, scope in COMPILED_ORDER if (v, scope) not in done]
+        tried = {f["name"] for f in failed}
+        left_out = [_compiled_name(v, scope) for v, scope in COMPILED_ORDER
+                    if (v, scope) not in done and _compiled_name(v, scope) not in tried]
         ratios = {}
         for scope in COMPILE_ESTIMATE_S:
             compiled = {v: by[_compiled_name(v, sc)] for v, sc in done if sc == scope}
             ratios[scope] = {**_ratios([{**r, "name": v} for v, r in compiled.items()]),
                              "compiled_over_eager_img_per_s": {
                                  v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"] for v, r in compiled.items()}}
-        return {"rows": list(rows), "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
+        return {"rows": list(rows), "failed": list(failed),
+                "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
                 "description": _loop_description(cfg),
                 "note": "each compiled configuration timed interleaved with its eager twin, one at a time; "
                         "warmup_s holds the compilation"
@@ -351,14 +398,21 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
     for v, scope in COMPILED_ORDER:
         if budget.left() - reserve_after < COMPILE_ESTIMATE_S[scope]:
             continue  # a cheaper configuration further down may still fit
-        trainers = _loop_trainers(cfg, work, shards, [(f"{v} eager", pattern.format(v=v), None),
-                                                      (_compiled_name(v, scope), pattern.format(v=v), scope)])
-        rows += _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
+        if cfg["device"].startswith("cuda"):  # in a child process, killed at its limit (child_deadline)
+            limit = min(budget.left() - reserve_after, COMPILE_LIMIT_S[scope])
+            try:
+                rows += call_with_deadline(compiled_configuration_rows, limit, cfg, str(work), shards, v, scope,
+                                           env={"TORCH_LOGS": "recompiles,graph_breaks"})
+            except (DeadlineExceeded, RuntimeError) as exc:
+                failed.append({"name": _compiled_name(v, scope), "error": str(exc).splitlines()[0][:300]})
+                publish(summary("still to measure"))
+                continue
+        else:
+            rows += compiled_configuration_rows(cfg, str(work), shards, v, scope)
         done.append((v, scope))
-        del trainers
         _free_device_memory()
         publish(summary("still to measure"))
-    if not done:
+    if not done and not failed:
         return {"rows": [], "note": f"not measured: {budget.left():.0f} s left, one compiled configuration needs "
                                     f"~{min(COMPILE_ESTIMATE_S.values())} s"}
     return summary("left out for the budget")
@@ -663,8 +717,12 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
         if not phantom:
             import train_step
 
+            start = time.perf_counter()
             phantom.append(str(train_step.build_phantom(work / "loop-shards", 96 if tiny else 2048,
-                                                        64 if tiny else 256)))
+                                                        64 if tiny else 256, workers=0 if tiny else
+                                                        cfg["build"]["workers"])))
+            log(f"[shards] the build section's shards missing (skipped or failed): built the loop's own in "
+                f"{time.perf_counter() - start:.0f} s")
         return phantom[0]
 
     run("students", lambda: section_students(cfg, work, budget, after("students")))
@@ -759,7 +817,8 @@ def markdown(result: dict) -> str:
                              ("ratio", "ratio"), ("build_seconds", "build s"), ("teacher_seconds", "teacher s"),
                              ("build_steady_samples_per_s", "from the first batch: samples/s"),
                              ("steady_ratio", "ratio")]), "",
-               f"time split (s, wall; decode_augment summed over the workers): {b['time_split_seconds']}",
+               f"time split (s, wall; decode_augment summed over the workers): {b['time_split_seconds']}; "
+               f"start-up before the first batch (s): {b.get('start_up_seconds')}",
                f"CPU (s): workers' steps {b.get('prepare_cpu_seconds')}; the build's threads "
                f"{b.get('main_cpu_seconds')}; {(b.get('cpu_threads') or {}).get('line', 'cpu threads as given')}, "
                f"{b.get('cpus')} CPUs", ""]
@@ -804,6 +863,7 @@ def markdown(result: dict) -> str:
             md += [f"- compiled {scope} / eager img/s: " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()] + [""]
+        md += [f"- **{f['name']}** not measured: {f['error']}" for f in lc.get("failed", [])]
     if "train_step" in s:
         ts = s["train_step"]
         md += ["## 6. Training step: stored embeddings vs teacher online vs no teacher", "",

@@ -202,6 +202,11 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
         for k, v in (r.get("main_cpu_seconds") or {}).items():
             main_cpu[k] = main_cpu.get(k, 0.0) + v
     steady_s = steady_seconds(info, build_wall)
+    rank = (info["build"].get("ranks") or [{}])[0]
+    # the start-up the steady figure leaves out, in two parts: the build's setup before its shard loop (reading the
+    # source, the plan, the lock) and the loop's wait for its first batch (the workers' start and first chunks)
+    start_up = {"setup": round(rank["wall_seconds"] - rank["pipeline_seconds"], 3),
+                "first_batch": rank["first_batch_seconds"]} if rank.get("first_batch_seconds") is not None else None
     steady_rate = info["total_samples"] / steady_s if steady_s else None
     choice = next((r["cpu_threads"] for r in info["build"].get("ranks", []) if r.get("cpu_threads")), None)
     replayed = ", ".join(sorted({str(r.get("replay")) for r in info["build"].get("ranks", [])}))
@@ -213,7 +218,7 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
             "teacher_seconds": n_built / teacher_rate, "teacher_samples_per_s": teacher_rate,
             "teacher_best_threads": best_threads, "teacher_rate_by_threads": rates,
             "ratio": build_rate / teacher_rate, "build_steady_seconds": steady_s,
-            "build_steady_samples_per_s": steady_rate,
+            "build_steady_samples_per_s": steady_rate, "start_up_seconds": start_up,
             "steady_ratio": steady_rate / teacher_rate if steady_rate else None,
             "time_split_seconds": split, "assemble_seconds": assemble_s,
             "prepare_cpu_seconds": prep, "main_cpu_seconds": main_cpu, "shards": str(shards)}

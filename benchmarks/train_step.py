@@ -38,11 +38,13 @@ FORMER_HEADS = {"local_attention": "mha", "head_layer": None, "head_conv_depth":
 FORMER_HEADS_E = {**FORMER_HEADS, "head_layer": 0}
 
 
-def build_phantom(out: Path, n: int, store_size: int) -> Path:
+def build_phantom(out: Path, n: int, store_size: int, workers: int = 0) -> Path:
+    """``n`` phantom studies with the random:tiny teacher; ``workers``: the build's preparation workers (0: in its
+    process, enough for the tests' small builds; the GPU suite's 2,048 at 256 px want a GPU host's cores)."""
     import subprocess
 
     cmd = [sys.executable, "-m", "cxrdr.reinforce.cli", "build", "--source", f"phantom:{n}", "--teachers", "random:tiny",
-           "--n-aug", "4", "--n-captions", "3", "--store-size", str(store_size), "--workers", "0",
+           "--n-aug", "4", "--n-captions", "3", "--store-size", str(store_size), "--workers", str(workers),
            "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out

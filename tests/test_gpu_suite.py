@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "gpu_suite.py"
@@ -57,6 +58,8 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert positive(s["build"]["build_samples_per_s"]) and positive(s["build"]["teacher_samples_per_s"])
     assert s["build"]["ratio"] == s["build"]["build_samples_per_s"] / s["build"]["teacher_samples_per_s"]
     assert s["build"]["steady_ratio"] >= s["build"]["ratio"]  # from the first batch: start-up left out
+    start_up = s["build"]["start_up_seconds"]  # what the steady figure leaves out, within the build's time
+    assert set(start_up) == {"setup", "first_batch"} and 0 < sum(start_up.values()) < s["build"]["build_seconds"]
     assert s["build"]["samples"] == 16
 
     rows = s["students"]["rows"]
@@ -178,13 +181,13 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
 
     def fake_trainers(cfg, work, shards, plan):
         plans.append([(name, compiled) for name, _, compiled in plan])
-        return {name: compiled for name, _, compiled in plan}
+        return {name: (SimpleNamespace(scope=compiled, train_step=None), None) for name, _, compiled in plan}
 
     def fake_run(cfg, trainers, steps=None):
-        scope = next(c for c in trainers.values() if c)
-        clock.left_s -= gpu_suite.COMPILE_ESTIMATE_S[scope]
+        scopes = {n: t.scope for n, (t, _) in trainers.items()}
+        clock.left_s -= gpu_suite.COMPILE_ESTIMATE_S[next(c for c in scopes.values() if c)]
         return [{"name": n, "compile": bool(c), "compile_scope": c or None, "img_per_s": 200.0 if c else 100.0,
-                 "step_ms": 10.0 if c else 20.0} for n, c in trainers.items()]
+                 "step_ms": 10.0 if c else 20.0} for n, c in scopes.items()]
 
     monkeypatch.setattr(gpu_suite, "_loop_trainers", fake_trainers)
     monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
@@ -207,6 +210,52 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
     assert model["E / A train img/s"] is None  # no A compiled whole to divide by
     assert next(t for t in targets if t["name"].startswith("D training, real loop, img/s [compiled blocks]"))[
         "value"] == 200.0
+
+
+def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goes_on(monkeypatch):
+    """On CUDA each compiled configuration runs in a child process killed at its limit (COMPILE_LIMIT_S, or what the
+    budget leaves): one that does not finish is recorded with the reason, and the next is measured."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+    from child_deadline import DeadlineExceeded
+
+    class Clock:
+        left_s = 1000.0
+
+        def left(self):
+            return self.left_s
+
+    clock, limits, published = Clock(), {}, []
+
+    def fake_call(fn, seconds, cfg, work, shards, variant, scope, env=None):
+        assert fn is gpu_suite.compiled_configuration_rows and "recompiles" in env["TORCH_LOGS"]
+        limits[(variant, scope)] = seconds
+        clock.left_s -= seconds if variant == "E" else 50
+        if (variant, scope) == ("E", "model"):
+            raise DeadlineExceeded("compiled_configuration_rows did not return within 180 s; its child process "
+                                   "was killed")
+        return [{"name": f"{variant} eager", "img_per_s": 100.0, "step_ms": 20.0},
+                {"name": gpu_suite._compiled_name(variant, scope), "img_per_s": 150.0, "step_ms": 13.0}]
+
+    monkeypatch.setattr(gpu_suite, "call_with_deadline", fake_call)
+    monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "device": "cuda"}
+    section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=100,
+                                              publish=published.append)
+    assert limits[("E", "model")] == gpu_suite.COMPILE_LIMIT_S["model"]
+    assert section["failed"] == [{"name": "E compiled model", "error": "compiled_configuration_rows did not return "
+                                  "within 180 s; its child process was killed"}]
+    assert published[0]["failed"] and published[0]["rows"] == []  # handed over at once
+    assert section["by_scope"]["model"]["compiled_over_eager_img_per_s"] == {"A": 1.5, "D": 1.5}
+    assert "E compiled model" not in section["note"]  # not "left out": tried and recorded
+    assert "E compiled model** not measured: compiled_configuration_rows did not return" in gpu_suite.markdown(
+        {**_minimal_result(), "sections": {"loop_compiled": section}})
+
+
+def _minimal_result() -> dict:
+    return {"device": "fake", "mode": "full", "torch": "x", "cuda": None, "date": "d", "command": "c",
+            "elapsed_s": 1.0, "budget_s": 1.0, "peak_bf16_flops": None, "targets": [], "targets_device": "fake",
+            "targets_note": "n", "skipped": [], "errors": {}}
 
 
 def test_skipped_sections_are_noted_and_each_section_hands_over_the_result_so_far(tmp_path, capsys):
@@ -263,6 +312,7 @@ def test_compiled_inference_times_the_whole_image_encoder_compiled_as_one_graph(
         torch.compile = original
         torch._dynamo.reset()
     assert m[gpu_suite.COMPILED_INFERENCE] > 0 and m["inference_compiled_mode"] == "whole encoder, aot_eager"
+    assert 0 < m["inference_compile_s"] <= m["inference_compiled_seconds"]  # the first call compiles
     assert compiled_calls[0] == {"backend": "aot_eager", "fullgraph": True}  # no CUDA graphs off CUDA
     assert model.training  # left as it was found
     assert "no-such-backend" in failed["inference_compiled_error"] and gpu_suite.COMPILED_INFERENCE not in failed

@@ -110,8 +110,8 @@ class CpuPolicy:
         """A GPU teacher's build process does little CPU work of its own (regrouping the workers' chunks,
         copies, the writer's encoding): its intra-op threads keep to the cores the workers leave, as a CPU
         teacher's do (``teacher_threads``), instead of one spinning thread a core beside them. On the H100 the
-        12 workers of a 16-core build took 13.8 ms of wall time a sample for what takes ~6 ms of CPU on an idle
-        2-core box; whether shared cores were the cause, the suite's CPU fields will say."""
+        12 workers of a 16-core build took 13.8 ms of wall time a sample at 0ef6026, with torch's default threads
+        here; 9.7 ms at 48c40d0 with 4, for 6.5 ms of their CPU (docs/gpu.md, "Third H100 session")."""
         threads, _ = teacher_threads(1.0, 0.0, self.cores, self.workers, self.cap)  # no CPU forward to share
         torch.set_num_threads(threads)
         self.choice = {"teacher_threads": threads, "workers": self.workers, "workers_used": self.workers,

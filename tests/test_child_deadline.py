@@ -1,0 +1,34 @@
+"""benchmarks/child_deadline.py: a call in a spawned child, its value returned, its failure named, and the child
+killed at the deadline (the GPU suite's compiled configurations run this way)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from child_deadline import DeadlineExceeded, call_with_deadline  # noqa: E402
+
+
+def test_the_child_returns_the_value_and_sees_the_variables_set_for_it():
+    assert call_with_deadline(math.factorial, 60, 10) == 3_628_800
+    assert call_with_deadline(sorted, 60, [3, 1, 2], reverse=True) == [3, 2, 1]
+    assert call_with_deadline(os.getenv, 60, "CXRDR_CHILD_ONLY", env={"CXRDR_CHILD_ONLY": "yes"}) == "yes"
+    assert "CXRDR_CHILD_ONLY" not in os.environ  # set for the child alone
+
+
+def test_a_failure_in_the_child_is_raised_with_its_type_and_message():
+    with pytest.raises(RuntimeError, match=r"sqrt failed in its child process: ValueError: .*math domain error"):
+        call_with_deadline(math.sqrt, 60, -1.0)
+
+
+def test_a_call_past_its_deadline_is_killed_and_raises():
+    start = time.perf_counter()
+    with pytest.raises(DeadlineExceeded, match="sleep did not return within 2 s; its child process was killed"):
+        call_with_deadline(time.sleep, 2, 120)
+    assert time.perf_counter() - start < 30  # not the 120 s the call would take
