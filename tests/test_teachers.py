@@ -178,6 +178,11 @@ def test_random_tiny_fast_and_deterministic():
     img = a.encode_images(images)
     assert img.shape == (8, a.embed_dim) and _unit_norm(img) and torch.equal(img, b.encode_images(images))
     assert _unit_norm(a.encode_texts(["a", "left pleural effusion"]))
+    # on_device: the same rows, left where the teacher runs (the build copies a batch's rows back at once)
+    kept = a.encode_images(images, on_device=True)
+    assert kept.device == torch.device(a.device) and torch.equal(kept, img)
+    texts = ["a", "left pleural effusion"]
+    assert torch.equal(a.encode_texts(texts, on_device=True), a.encode_texts(texts))
 
 
 def test_openclip_teachers_embed_patches_with_the_shared_patch_convolution():

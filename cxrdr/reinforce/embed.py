@@ -12,9 +12,17 @@ from cxrdr.reinforce.captioners.views import attach_view_captions
 from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_RETRIEVED
 
 
-def _forward(fn, inputs, chunk: int = 512):
-    outs = [fn(inputs[i:i + chunk]) for i in range(0, len(inputs), chunk)]
-    return torch.cat(outs).numpy() if outs else None
+def _forward(fn, inputs, chunk: int = 512) -> torch.Tensor | None:
+    """``fn`` over ``inputs`` in chunks, the rows left on the teacher's device: the caller copies a batch's rows
+    to the CPU at once (``_to_numpy``), so a GPU teacher is waited for once a batch, not after every chunk (each
+    wait left the GPU idle while the next chunk's kernels were being queued)."""
+    outs = [fn(inputs[i:i + chunk], on_device=True) for i in range(0, len(inputs), chunk)]
+    return torch.cat(outs) if outs else None
+
+
+def _to_numpy(rows: dict) -> dict:
+    """{name: device tensor} -> {name: float32 array}: the first copy waits for the GPU's work, the rest do not."""
+    return {name: t.cpu().numpy() for name, t in rows.items()}
 
 
 def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None = None,
@@ -24,28 +32,35 @@ def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None 
     ``crops``: the samples' crops already concatenated per teacher size ({size: (B*K, 1, S, S)},
     from :func:`collate_prepared`); default: each sample's own ``sample["crops"][size]`` (K, 1, S, S).
     ``captioner`` (with ``n_captions`` per view): captions the samples from the image rows first.
+    Every forward of the batch is queued before any row is copied back (one wait for a GPU teacher), except with
+    a captioner, whose captions need the image rows before the texts' forwards.
     """
     out = [{} for _ in samples]
     if not samples:
         return out
-    img_of: dict[str, np.ndarray] = {}
+    img_rows: dict[str, torch.Tensor] = {}
     for teacher in teachers:
         if images and teacher.has_images:
-            if crops is not None:
-                x = crops[teacher.image_size]
-            else:
-                x = torch.cat([s["crops"][teacher.image_size] for s in samples])
-            img = _forward(teacher.encode_images, x)
-            img_of[teacher.name] = img.reshape(len(samples), x.shape[0] // len(samples), -1)
+            x = crops[teacher.image_size] if crops is not None else \
+                torch.cat([s["crops"][teacher.image_size] for s in samples])
+            img_rows[teacher.name] = _forward(teacher.encode_images, x)
+    img_of: dict[str, np.ndarray] = {}
     if captioner is not None:
+        img_of = {k: v.reshape(len(samples), -1, v.shape[-1]) for k, v in _to_numpy(img_rows).items()}
+        img_rows = {}
         caption_samples(captioner, samples, img_of[captioner.teacher], n_captions)
     counts = [len(s["texts"]) - 1 for s in samples]
     ends = np.cumsum(counts)
     texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
+    txt_rows = {}
     for teacher in teachers:
         tokens = _batch_tokens(samples, teacher.name)
-        txt_all = _forward(teacher.encode_texts, texts) if tokens is None else _forward(teacher.encode_tokens, tokens)
-        txt, syn = txt_all[:len(samples)], txt_all[len(samples):]
+        txt_rows[teacher.name] = _forward(teacher.encode_texts, texts) if tokens is None else \
+            _forward(teacher.encode_tokens, tokens)
+    img_of.update({k: v.reshape(len(samples), -1, v.shape[-1]) for k, v in _to_numpy(img_rows).items()})
+    txt_of = _to_numpy(txt_rows)
+    for teacher in teachers:
+        txt, syn = txt_of[teacher.name][:len(samples)], txt_of[teacher.name][len(samples):]
         for i in range(len(samples)):
             parts = {"syn": syn[ends[i] - counts[i]:ends[i]], "txt": txt[i]}
             if teacher.name in img_of:

@@ -188,23 +188,26 @@ class _ShardLoop:
     def handle(self, collated: dict) -> None:
         batch = collated["samples"]
         ok = [b for b in batch if "skip" not in b]
-        replay_seconds, crops = 0.0, collated["crops"]
+        crops, replay = collated["crops"], None
+        t_start = time.perf_counter()
         if "pixels" in collated:
-            t = time.perf_counter()
-            crops = replay_on_device(collated["pixels"], ok, self.spec.sizes, self.device)
-            if self.device.startswith("cuda"):  # the kernels are queued: wait, so that replay's time is its own
-                torch.cuda.synchronize(self.device)
-            replay_seconds = time.perf_counter() - t
-            self.timing["replay"] += replay_seconds
+            replay = _ReplayTimer(self.device)
+            with replay:
+                crops = replay_on_device(collated["pixels"], ok, self.spec.sizes, self.device)
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         embs = embed_batch(self.teachers, ok, self.spec.images, crops=crops, captioner=self.captioner,
                            n_captions=self.spec.n_captions)
         t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+        replay_seconds = replay.seconds() if replay else 0.0  # on CUDA its kernels' time, ended by now
+        if replay:
+            self.timing["replay"] += replay_seconds
         self.main_cpu["teacher"] += c1 - c0
         self.main_cpu["teacher_process"] += p1 - p0
-        self.timing["teacher"] += t1 - t0
+        # the forwards' wall time; on CUDA the replay's kernels ran in the same stream before them, without a wait
+        # between (a wait there left the GPU idle while the forwards were being queued): they are not counted twice
+        self.timing["teacher"] += max(0.0, t1 - t0 - (replay_seconds if replay and replay.on_gpu else 0.0))
         # the CPU policy weighs this process's work against the workers': replay is part of it
-        self.last_batch = (sum(b["prep_seconds"] for b in ok), replay_seconds + t1 - t0, len(ok))
+        self.last_batch = (sum(b["prep_seconds"] for b in ok), t1 - t_start, len(ok))
         emb_of = {b["key"]: e for b, e in zip(ok, embs)}
         for b in batch:
             self._write(b, emb_of)
@@ -253,6 +256,34 @@ class _ShardLoop:
                 "assemble_seconds": round(self.writer.assemble_seconds, 3),
                 "prepare_cpu_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
                 "main_cpu_seconds": {k: round(v, 3) for k, v in main_cpu.items()}}
+
+
+class _ReplayTimer:
+    """The replay's time: on CUDA between two events around its kernels, read once the batch's forwards have
+    ended (no wait for the GPU of its own), elsewhere its wall time."""
+
+    def __init__(self, device: str):
+        self.on_gpu = str(device).startswith("cuda")
+        self.stream = torch.cuda.current_stream(device) if self.on_gpu else None
+        self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if self.on_gpu else (None,) * 2
+        self.wall = 0.0
+
+    def __enter__(self):
+        if self.on_gpu:
+            self.start.record(self.stream)
+        self.wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall
+        if self.on_gpu:
+            self.end.record(self.stream)
+
+    def seconds(self) -> float:
+        if not self.on_gpu:
+            return self.wall
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000.0
 
 
 def _chunk_size(batch_size: int, workers: int) -> int:

@@ -64,31 +64,34 @@ class Teacher:
         std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
         return (x - mean) / std
 
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 1, S, S) in [0, 1] -> (B, D) L2-normalised float32 on CPU."""
+    def encode_images(self, images: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+        """(B, 1, S, S) in [0, 1] -> (B, D) L2-normalised float32 on CPU (``on_device``: left on the teacher's
+        device, so a caller embedding several inputs waits for the GPU once, not once per call)."""
         if not self.has_images:
             raise TypeError(f"teacher {self.spec!r} is text-only and has no image encoder")
-        return self._embedded(lambda x: self._encode_images(self.prepare_images(x)), images)
+        return self._embedded(lambda x: self._encode_images(self.prepare_images(x)), images, on_device)
 
-    def encode_texts(self, texts: list[str]) -> torch.Tensor:
-        """list of B strings -> (B, D) L2-normalised float32 on CPU."""
-        return self._embedded(self._encode_texts, list(texts))
+    def encode_texts(self, texts: list[str], on_device: bool = False) -> torch.Tensor:
+        """list of B strings -> (B, D) L2-normalised float32 on CPU (``on_device``: as ``encode_images``)."""
+        return self._embedded(self._encode_texts, list(texts), on_device)
 
     def text_tokenizer(self):
         """A picklable ``texts -> (B, L) integer array`` that ``encode_tokens`` takes, for the build's workers to
         run (so the build's process only runs forwards), or None where the teacher tokenizes in its forward."""
         return None
 
-    def encode_tokens(self, tokens) -> torch.Tensor:
+    def encode_tokens(self, tokens, on_device: bool = False) -> torch.Tensor:
         """(B, L) tokens from ``text_tokenizer()`` -> (B, D) L2-normalised float32 on CPU: ``encode_texts``
-        of the texts they came from, without the tokenizing."""
-        return self._embedded(self._encode_tokens, torch.as_tensor(tokens))
+        of the texts they came from, without the tokenizing (``on_device``: as ``encode_images``)."""
+        return self._embedded(self._encode_tokens, torch.as_tensor(tokens), on_device)
 
-    def _embedded(self, encode, inputs) -> torch.Tensor:
-        """``encode(inputs)`` without autograd, under the teacher's autocast: L2-normalised float32 on CPU."""
+    def _embedded(self, encode, inputs, on_device: bool = False) -> torch.Tensor:
+        """``encode(inputs)`` without autograd, under the teacher's autocast: L2-normalised float32 on CPU, or on
+        the teacher's device (``on_device``: no wait for the GPU here)."""
         with torch.inference_mode(), self._autocast():
             out = encode(inputs)
-        return F.normalize(out.float(), dim=-1).cpu()
+        out = F.normalize(out.float(), dim=-1)
+        return out if on_device else out.cpu()
 
     def _autocast(self):
         """bf16 autocast on CUDA (fp32's exponent range, so no activation overflows, and the dtype the
