@@ -27,7 +27,7 @@ Sections (each a function; each reuses the project's own measurement code):
                   (``--no-pack-text``), for what running the text tower on the real tokens buys.
 4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
                   eager and compiled.
-5. loop_compiled  as 3 with ``TrainConfig.compile`` for E, A, D, whole then by blocks (as the budget allows),
+5. loop_compiled  as 3 with ``TrainConfig.compile`` for A, E, D, whole then by blocks (as the budget allows),
                   interleaved with their eager twins; skipped with a note where TrainConfig has no
                   ``compile`` option, and in --tiny (a CPU compile takes minutes).
 6. train_step     D with stored embeddings vs the ViT-B/16 teacher online vs no teacher, batch 64
@@ -69,11 +69,12 @@ PADDED_A = "A padded texts"  # the loop section's A with --no-pack-text, beside 
 # (train_step.FORMER_HEADS), beside D and E: what the change of heads costs or saves
 FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # The compiled loop configurations (variant, TrainConfig.compile_scope), most wanted first (the budget may cut the
-# tail). The whole model first, E leading: on the H100 at 0ef6026 whole-model compilation gained D 1.30x and A 1.21x
-# over their eager twins while blocks gained 1.00-1.06x, and E whole, the lever for its launch-bound step, was the
-# configuration the budget left out. Then block by block (cxrdr.train.compiling: a block's compile time, shared by
-# the variants' towers), which a budget too short for another whole model may still fit.
-COMPILED_ORDER = (("E", "model"), ("A", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
+# tail). The whole model first: on the H100 at 0ef6026 whole-model compilation gained D 1.30x and A 1.21x over their
+# eager twins while blocks gained 1.00-1.06x. A leads (~45 s of compilation there), so that E whole, the lever for its
+# host-bound step, has A's compiled figure to divide by; E's compilation ran past the section's time at 48c40d0
+# (COMPILE_LIMIT_S) and comes second, with what is left. Then block by block (cxrdr.train.compiling: a block's compile
+# time, shared by the variants' towers), which a budget too short for another whole model may still fit.
+COMPILED_ORDER = (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3-0ef6026.json):
 # the section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
@@ -83,10 +84,14 @@ COMPILED_ORDER = (("E", "model"), ("A", "model"), ("D", "model"), ("D", "blocks"
 COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
 # The most one compiled loop configuration may take, compilation included, before its child process is killed
 # (``child_deadline``; on CUDA): on the H100 at 48c40d0 the whole-model E had not finished its warm-up after 149 s in
-# the full suite nor after 263 s alone, and the compilation in progress could not be stopped from the suite's process.
-COMPILE_LIMIT_S = {"blocks": 90, "model": 180}
+# the full suite nor after 263 s alone (the section's own phantom build, ~60-100 s, included), and the compilation in
+# progress could not be stopped from the suite's process.
+COMPILE_LIMIT_S = {"blocks": 90, "model": 240}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
+# parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
+# students section at 48c40d0, time a 15-minute lease may want for the compiled loop
+SKIPPABLE_PARTS = ("inference_compiled",)
 
 
 def settings(tiny: bool, device: str) -> dict:
@@ -177,7 +182,7 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
             row = {"family": family, "variant": v, "config": name, "image_tower": config.image_tower,
                    "image_size": config.image_size, "text_tower": config.text_tower,
                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, **m}
-            if cfg["compile"] and v in "AE" and family == cfg["loop"]["family"]:
+            if cfg.get("compiled_inference", cfg["compile"]) and v in "AE" and family == cfg["loop"]["family"]:
                 if budget.left() - reserve_after >= COMPILED_INFERENCE_ESTIMATE_S:
                     row.update(_compiled_inference(model, st))
                 else:
@@ -372,7 +377,7 @@ def _log_first_steps(trainer, name: str, steps: int) -> None:
 
 def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
                           publish=lambda partial: None) -> dict:
-    """E, A, D with TrainConfig.compile, whole and then by blocks (COMPILED_ORDER), each configuration timed
+    """A, E, D with TrainConfig.compile, whole and then by blocks (COMPILED_ORDER), each configuration timed
     interleaved with its eager twin, one at a time while the budget allows; ``publish(partial)`` gets the section
     after each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
     rows, done, failed = [], [], []
@@ -645,6 +650,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
 
     cfg = settings(tiny, device)
     cfg["compile"] = cfg["compile"] and compile_
+    cfg["compiled_inference"] = cfg["compile"] and "inference_compiled" not in skip_sections
     cfg["peer"]["compile"] = cfg["peer"]["compile"] and compile_
     budget = Budget(budget_s)
     name = device_name(device, tiny)
@@ -902,7 +908,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=str(HERE / "results"), help="where <device>.json/.md go")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled loop and peer steps")
-    parser.add_argument("--skip", default="", help=f"comma-separated sections to leave out ({', '.join(SECTIONS)})")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out "
+                                                    f"({', '.join(SECTIONS + SKIPPABLE_PARTS)})")
     args = parser.parse_args(argv)
 
     import torch
@@ -919,10 +926,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     skip_sections = tuple(x for x in args.skip.split(",") if x)
-    unknown = sorted(set(skip_sections) - set(SECTIONS))
+    unknown = sorted(set(skip_sections) - set(SECTIONS + SKIPPABLE_PARTS))
     if unknown:
-        print(f"gpu_suite: --skip {','.join(unknown)}: no such section (sections: {', '.join(SECTIONS)})",
-              file=sys.stderr)
+        print(f"gpu_suite: --skip {','.join(unknown)}: no such section (sections: {', '.join(SECTIONS)}; parts: "
+              f"{', '.join(SKIPPABLE_PARTS)})", file=sys.stderr)
         return 2
     budget = args.budget or (120.0 if args.tiny else 480.0)
     out_dir = Path(args.out_dir)
