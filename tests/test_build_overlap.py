@@ -175,7 +175,7 @@ def test_abort_with_a_full_queue_completes_the_queued_shards_and_joins(tmp_path)
 def test_a_failure_in_the_main_loop_stops_the_writer_thread(tmp_path, tiny_teacher, monkeypatch, error):
     """The teacher raising at its third batch (Ctrl-C too): the error reaches the caller as it is, the
     writer thread is gone, the shards queued before it are complete and nothing is half-written."""
-    real = pipeline.embed_batch
+    real = pipeline.queue_batch
     calls = []
 
     def embed(*args, **kwargs):
@@ -184,7 +184,7 @@ def test_a_failure_in_the_main_loop_stops_the_writer_thread(tmp_path, tiny_teach
             raise error
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "embed_batch", embed)
+    monkeypatch.setattr(pipeline, "queue_batch", embed)
     out = tmp_path / "shards"
     with pytest.raises(type(error)):
         build(tiny_build_options(out, source="phantom:12"), teachers=tiny_teacher)
@@ -235,7 +235,27 @@ def test_teachers_in_an_embedding_thread_give_the_bytes_of_the_build_in_turn(tmp
         assert threaded[name] == in_turn[name], name
     assert not teacher_threads()
 
-    real = pipeline.embed_batch
+    # pipelined: each batch's rows are waited for once the next batch's forwards are queued (the GPU never waits
+    # for this process between batches); the last one at the end
+    events, queue, result = [], pipeline.queue_batch, pipeline.QueuedBatch.result
+
+    def queued(*args, **kwargs):
+        events.append("queue")
+        return queue(*args, **kwargs)
+
+    def waited(self):
+        events.append("result")
+        return result(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "queue_batch", queued)
+        patch.setattr(pipeline.QueuedBatch, "result", waited)
+        patch.setattr(build_module, "run_shards", functools.partial(pipeline.run_shards, overlap_teachers=True))
+        build(opts(tmp_path / "pipelined"), teachers=tiny_teacher)
+    assert events == ["queue"] + ["queue", "result"] * 5 + ["result"]  # 11 records in batches of 2: 6 batches
+    assert shard_files(tmp_path / "pipelined") == in_turn
+
+    real = pipeline.queue_batch
     calls = []
 
     def fail_on_the_fourth_batch(*args, **kwargs):
@@ -244,7 +264,7 @@ def test_teachers_in_an_embedding_thread_give_the_bytes_of_the_build_in_turn(tmp
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "embed_batch", fail_on_the_fourth_batch)
+    monkeypatch.setattr(pipeline, "queue_batch", fail_on_the_fourth_batch)
     monkeypatch.setattr(build_module, "run_shards", functools.partial(pipeline.run_shards, overlap_teachers=True))
     out = tmp_path / "failed"
     with pytest.raises(RuntimeError, match="illegal memory access"):

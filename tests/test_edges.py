@@ -140,7 +140,7 @@ def test_out_of_memory_in_a_teacher_batch_of_a_build_is_one_line_and_resumes(tmp
              "random:tiny", "--out", str(out), "--n-aug", "2", "--n-captions", "2", "--store-size", "48",
              "--shard-size", "3", "--workers", "0", "--device", "cpu", "--quiet"]
     with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "embed_batch", _oom_after(pipeline.embed_batch, 3))  # 2 batches of 4 embedded
+        patch.setattr(pipeline, "queue_batch", _oom_after(pipeline.queue_batch, 3))  # 2 batches of 4 embedded
         patch.setattr(oom, "device_memory", lambda device=None: FAKE_GPU)
         code, err = _cli(monkeypatch, capsys, cli.main, *flags, "--batch-size", "4")
     assert code == 1

@@ -13,16 +13,79 @@ from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_RETRIEVED
 
 
 def _forward(fn, inputs, chunk: int = 512) -> torch.Tensor | None:
-    """``fn`` over ``inputs`` in chunks, the rows left on the teacher's device: the caller copies a batch's rows
-    to the CPU at once (``_to_numpy``), so a GPU teacher is waited for once a batch, not after every chunk (each
-    wait left the GPU idle while the next chunk's kernels were being queued)."""
+    """``fn`` over ``inputs`` in chunks, the rows left on the teacher's device (``QueuedBatch`` copies a batch's
+    rows back together: a GPU teacher is waited for once a batch, not after every chunk)."""
     outs = [fn(inputs[i:i + chunk], on_device=True) for i in range(0, len(inputs), chunk)]
     return torch.cat(outs) if outs else None
 
 
-def _to_numpy(rows: dict) -> dict:
-    """{name: device tensor} -> {name: float32 array}: the first copy waits for the GPU's work, the rest do not."""
-    return {name: t.cpu().numpy() for name, t in rows.items()}
+def _copy_back(rows: torch.Tensor) -> torch.Tensor:
+    """Queue the copy of ``rows`` to the CPU: on CUDA into pinned memory without waiting, so the copy runs right
+    after the forwards that made the rows, ahead of whatever the stream gets next; elsewhere the rows as they are."""
+    if rows.device.type != "cuda":
+        return rows
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    return host.copy_(rows, non_blocking=True)
+
+
+class QueuedBatch:
+    """One batch's teacher forwards, queued with the copies of their rows to the CPU behind them (``queue_batch``);
+    ``result()`` waits for this batch's work alone (one CUDA event a device) and returns ``embed_batch``'s
+    per-sample dicts. Between the two the caller may queue the next batch, so a GPU teacher is never left
+    waiting for the host between batches."""
+
+    def __init__(self, teachers, samples: list[dict], img_rows: dict, txt_rows: dict, counts: list[int]):
+        self.teachers, self.samples, self.counts = teachers, samples, counts
+        self.img = {name: _copy_back(rows) for name, rows in img_rows.items()}
+        self.txt = {name: _copy_back(rows) for name, rows in txt_rows.items()}
+        devices = {r.device for r in [*img_rows.values(), *txt_rows.values()] if r.device.type == "cuda"}
+        self.events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.events.append(event)
+
+    def result(self) -> list[dict]:
+        for event in self.events:
+            event.synchronize()
+        n = len(self.samples)
+        ends = np.cumsum(self.counts)
+        out = [{} for _ in self.samples]
+        for teacher in self.teachers:
+            txt_all = self.txt[teacher.name].numpy()
+            txt, syn = txt_all[:n], txt_all[n:]
+            img = self.img.get(teacher.name)
+            img = None if img is None else np.asarray(img).reshape(n, -1, img.shape[-1])
+            for i in range(n):
+                parts = {"syn": syn[ends[i] - self.counts[i]:ends[i]], "txt": txt[i]}
+                if img is not None:
+                    parts["img"] = img[i]
+                out[i][teacher.name] = parts
+        return out
+
+
+def queue_batch(teachers, samples: list[dict], images: bool, crops: dict | None = None,
+                captioner=None, n_captions: int | None = None) -> QueuedBatch:
+    """Queue a batch's teacher forwards (``embed_batch`` without the wait; see there). With a captioner the image
+    rows are copied back first: its captions, which the text forwards embed, need them."""
+    img_rows: dict[str, torch.Tensor] = {}
+    for teacher in teachers:
+        if samples and images and teacher.has_images:
+            x = crops[teacher.image_size] if crops is not None else \
+                torch.cat([s["crops"][teacher.image_size] for s in samples])
+            img_rows[teacher.name] = _forward(teacher.encode_images, x)
+    if captioner is not None and samples:
+        img_rows = {name: rows.cpu() for name, rows in img_rows.items()}
+        rows = img_rows[captioner.teacher]
+        caption_samples(captioner, samples, rows.numpy().reshape(len(samples), -1, rows.shape[-1]), n_captions)
+    counts = [len(s["texts"]) - 1 for s in samples]
+    texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
+    txt_rows = {}
+    for teacher in teachers if samples else ():
+        tokens = _batch_tokens(samples, teacher.name)
+        txt_rows[teacher.name] = _forward(teacher.encode_texts, texts) if tokens is None else \
+            _forward(teacher.encode_tokens, tokens)
+    return QueuedBatch(teachers, samples, img_rows, txt_rows, counts)
 
 
 def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None = None,
@@ -32,41 +95,8 @@ def embed_batch(teachers, samples: list[dict], images: bool, crops: dict | None 
     ``crops``: the samples' crops already concatenated per teacher size ({size: (B*K, 1, S, S)},
     from :func:`collate_prepared`); default: each sample's own ``sample["crops"][size]`` (K, 1, S, S).
     ``captioner`` (with ``n_captions`` per view): captions the samples from the image rows first.
-    Every forward of the batch is queued before any row is copied back (one wait for a GPU teacher), except with
-    a captioner, whose captions need the image rows before the texts' forwards.
     """
-    out = [{} for _ in samples]
-    if not samples:
-        return out
-    img_rows: dict[str, torch.Tensor] = {}
-    for teacher in teachers:
-        if images and teacher.has_images:
-            x = crops[teacher.image_size] if crops is not None else \
-                torch.cat([s["crops"][teacher.image_size] for s in samples])
-            img_rows[teacher.name] = _forward(teacher.encode_images, x)
-    img_of: dict[str, np.ndarray] = {}
-    if captioner is not None:
-        img_of = {k: v.reshape(len(samples), -1, v.shape[-1]) for k, v in _to_numpy(img_rows).items()}
-        img_rows = {}
-        caption_samples(captioner, samples, img_of[captioner.teacher], n_captions)
-    counts = [len(s["texts"]) - 1 for s in samples]
-    ends = np.cumsum(counts)
-    texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
-    txt_rows = {}
-    for teacher in teachers:
-        tokens = _batch_tokens(samples, teacher.name)
-        txt_rows[teacher.name] = _forward(teacher.encode_texts, texts) if tokens is None else \
-            _forward(teacher.encode_tokens, tokens)
-    img_of.update({k: v.reshape(len(samples), -1, v.shape[-1]) for k, v in _to_numpy(img_rows).items()})
-    txt_of = _to_numpy(txt_rows)
-    for teacher in teachers:
-        txt, syn = txt_of[teacher.name][:len(samples)], txt_of[teacher.name][len(samples):]
-        for i in range(len(samples)):
-            parts = {"syn": syn[ends[i] - counts[i]:ends[i]], "txt": txt[i]}
-            if teacher.name in img_of:
-                parts["img"] = img_of[teacher.name][i]
-            out[i][teacher.name] = parts
-    return out
+    return queue_batch(teachers, samples, images, crops, captioner, n_captions).result()
 
 
 def worker_tokenizers(teachers) -> tuple:

@@ -7,9 +7,9 @@ teacher forwards and queues each batch's records with their embeddings to the wr
 which assembles the samples and writes the tars while this process loads and embeds the next
 batches (``writer.BackgroundWriter``), renaming each shard's tar with its stats file when
 complete. With CUDA teachers the replay and forwards of each batch run in an embedding thread while this
-one takes the next batch from the loader (``_EmbeddingThread``). With a CPU teacher the first two batches are
-prepared in this process and timed; from
-them ``where_to_prepare`` chooses where the rest is prepared (here, or in the workers) and the
+one takes the next batch from the loader (``_EmbeddingThread``), and the thread waits for a batch's rows only
+once the next batch's forwards are queued behind them (``_ShardLoop.handle``, ``embed.QueuedBatch``). With a
+CPU teacher the first two batches are prepared in this process and timed; from them ``where_to_prepare`` chooses where the rest is prepared (here, or in the workers) and the
 teacher's intra-op threads, and the choice is printed (``cpu_policy``). The shards do not depend
 on the choice, nor on the writer thread (``run_shards(overlap_writes=False)`` writes in turn).
 
@@ -31,7 +31,7 @@ from tqdm import tqdm
 from cxrdr.common.shards import shard_name
 from cxrdr.reinforce.assemble import assemble_sample
 from cxrdr.reinforce.cpu_policy import CpuPolicy, cpu_settings
-from cxrdr.reinforce.embed import embed_batch
+from cxrdr.reinforce.embed import QueuedBatch, queue_batch
 from cxrdr.reinforce.options import BuildOptions, resolve_replay
 from cxrdr.reinforce.plan import ShardPlan
 from cxrdr.reinforce.prepare import PrepareDataset, PrepareSpec, collate_prepared, pad_cat, replay_on_device
@@ -68,10 +68,10 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
     started = time.perf_counter()
     bar = tqdm(total=len(items), unit="rec", desc=f"build[{rank}]", disable=not opts.progress)
     policy = CpuPolicy(teachers, opts.workers, say=bar.write if announce and opts.progress else None)
+    threaded = not policy.cpu if overlap_teachers is None else overlap_teachers
     loop = _ShardLoop(todo, teachers, spec, opts, out_dir, skiplog, fail_after_shards, device, captioner,
-                      overlap_writes)
-    embedder = _EmbeddingThread(loop, policy, bar,
-                                threaded=not policy.cpu if overlap_teachers is None else overlap_teachers)
+                      overlap_writes, pipelined=threaded)
+    embedder = _EmbeddingThread(loop, policy, bar, threaded=threaded)
     try:
         with cpu_settings(policy, opts.workers):
             t_wait = time.perf_counter()
@@ -82,6 +82,7 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
                 embedder.submit(collated)
                 t_wait = time.perf_counter()
             embedder.finish()  # the last batch embedded and queued; raises its failure
+            loop.drain()  # pipelined: its rows waited for, its records to the writer
             policy.settle()
             loop.writer.close()  # waits for the last shard; raises a writer failure
     finally:
@@ -157,8 +158,12 @@ class _ShardLoop:
     thread in order (one queue item a batch), which assembles the samples (``_assemble``) and writes."""
 
     def __init__(self, todo, teachers, spec: PrepareSpec, opts: BuildOptions, out_dir: Path, skiplog,
-                 fail_after_shards: int | None, device: str, captioner=None, overlap_writes: bool = True):
+                 fail_after_shards: int | None, device: str, captioner=None, overlap_writes: bool = True,
+                 pipelined: bool = False):
         self.teachers, self.spec, self.opts, self.skiplog, self.device = teachers, spec, opts, skiplog, device
+        # pipelined (the embedding thread's, with CUDA teachers): a batch is completed once the next one's forwards
+        # are queued, so the GPU goes from one batch to the next without waiting for this process
+        self.pipelined, self.pending = pipelined, None
         self.captioner = captioner
         self.fail_after_shards, self.shards_done = fail_after_shards, 0
         self.remaining = {s.index: len(s.items) for s in todo}
@@ -186,30 +191,57 @@ class _ShardLoop:
             raise SimulatedKill(f"simulated kill after {self.shards_done} shard(s)")
 
     def handle(self, collated: dict) -> None:
+        """Replay the batch's views and queue its forwards; then, pipelined, complete the batch before it (its rows
+        waited for, its records queued to the writer) while this one runs on the GPU, else complete this one."""
         batch = collated["samples"]
         ok = [b for b in batch if "skip" not in b]
         crops, replay = collated["crops"], None
-        t_start = time.perf_counter()
+        started, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         if "pixels" in collated:
             replay = _ReplayTimer(self.device)
             with replay:
                 crops = replay_on_device(collated["pixels"], ok, self.spec.sizes, self.device)
+        replayed = time.perf_counter()
+        try:
+            queued = queue_batch(self.teachers, ok, self.spec.images, crops=crops, captioner=self.captioner,
+                                 n_captions=self.spec.n_captions)
+        except BaseException:
+            self.drain()  # the batches before this one complete their shards
+            raise
+        issued = _Issued(batch, ok, queued, replay, replayed - started, time.perf_counter() - replayed,
+                         time.thread_time() - c0, time.process_time() - p0)
+        previous, self.pending = self.pending, issued
+        if previous is not None:
+            self._complete(previous)
+        if not self.pipelined:
+            self.drain()
+
+    def drain(self) -> None:
+        """Complete the batch still in hand, if any (the end of the build)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._complete(pending)
+
+    def _complete(self, issued: "_Issued") -> None:
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-        embs = embed_batch(self.teachers, ok, self.spec.images, crops=crops, captioner=self.captioner,
-                           n_captions=self.spec.n_captions)
-        t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
-        replay_seconds = replay.seconds() if replay else 0.0  # on CUDA its kernels' time, ended by now
-        if replay:
+        embs = issued.queued.result()
+        waited = time.perf_counter() - t0
+        c1 = time.thread_time()
+        replay_seconds = issued.replay.seconds() if issued.replay else 0.0  # on CUDA its kernels' time, ended by now
+        if issued.replay:
             self.timing["replay"] += replay_seconds
-        self.main_cpu["teacher"] += c1 - c0
-        self.main_cpu["teacher_process"] += p1 - p0
-        # the forwards' wall time; on CUDA the replay's kernels ran in the same stream before them, without a wait
-        # between (a wait there left the GPU idle while the forwards were being queued): they are not counted twice
-        self.timing["teacher"] += max(0.0, t1 - t0 - (replay_seconds if replay and replay.on_gpu else 0.0))
+        self.main_cpu["teacher"] += issued.thread_cpu + c1 - c0
+        self.main_cpu["teacher_process"] += issued.process_cpu + time.process_time() - p0
+        # the forwards' wall time: queuing them and waiting for their rows. On CUDA the replay's kernels ran in the
+        # same stream before them, without a wait between (a wait there left the GPU idle while the forwards were
+        # being queued), so that wait may hold them: they are not counted twice
+        gpu_replay = replay_seconds if issued.replay and issued.replay.on_gpu else 0.0
+        self.timing["teacher"] += max(0.0, issued.issue_seconds + waited - gpu_replay)
         # the CPU policy weighs this process's work against the workers': replay is part of it
-        self.last_batch = (sum(b["prep_seconds"] for b in ok), t1 - t_start, len(ok))
-        emb_of = {b["key"]: e for b, e in zip(ok, embs)}
-        for b in batch:
+        self.last_batch = (sum(b["prep_seconds"] for b in issued.ok),
+                           issued.replay_seconds + issued.issue_seconds + waited, len(issued.ok))
+        emb_of = {b["key"]: e for b, e in zip(issued.ok, embs)}
+        for b in issued.batch:
             self._write(b, emb_of)
         self.writer.flush()  # the batch as one queue item; raises a writer failure
         self.main_cpu["queue"] += time.thread_time() - c1
@@ -256,6 +288,19 @@ class _ShardLoop:
                 "assemble_seconds": round(self.writer.assemble_seconds, 3),
                 "prepare_cpu_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
                 "main_cpu_seconds": {k: round(v, 3) for k, v in main_cpu.items()}}
+
+
+@dataclasses.dataclass
+class _Issued:
+    """A batch whose forwards are queued (``_ShardLoop.handle``), waiting for ``_ShardLoop._complete``."""
+    batch: list
+    ok: list
+    queued: QueuedBatch
+    replay: "_ReplayTimer | None"
+    replay_seconds: float  # wall, queuing the replay (on CUDA) or running it
+    issue_seconds: float  # wall, queuing the forwards (on CUDA) or running them
+    thread_cpu: float
+    process_cpu: float
 
 
 class _ReplayTimer:
