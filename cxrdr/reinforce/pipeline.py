@@ -9,8 +9,9 @@ batches (``writer.BackgroundWriter``), renaming each shard's tar with its stats 
 complete. With CUDA teachers the replay and forwards of each batch run in an embedding thread while this
 one takes the next batch from the loader (``_EmbeddingThread``), and the thread waits for a batch's rows only
 once the next batch's forwards are queued behind them (``_ShardLoop.handle``, ``embed.QueuedBatch``). With a
-CPU teacher the first two batches are prepared in this process and timed; from them ``where_to_prepare`` chooses where the rest is prepared (here, or in the workers) and the
-teacher's intra-op threads, and the choice is printed (``cpu_policy``). The shards do not depend
+CPU teacher the first two batches are prepared in this process and timed; from them ``where_to_prepare``
+chooses where the rest is prepared (here, or in the workers) and the teacher's intra-op threads, and the choice
+is printed (``cpu_policy``). The shards do not depend
 on the choice, nor on the writer thread (``run_shards(overlap_writes=False)`` writes in turn).
 
 ``--replay`` (``options.resolve_replay``): ``cpu`` has the workers replay each image's K views;
