@@ -414,8 +414,8 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
                 continue
         else:
             rows += compiled_configuration_rows(cfg, str(work), shards, v, scope)
+            _free_device_memory()  # (a child's memory went with it)
         done.append((v, scope))
-        _free_device_memory()
         publish(summary("still to measure"))
     if not done and not failed:
         return {"rows": [], "note": f"not measured: {budget.left():.0f} s left, one compiled configuration needs "
