@@ -1,6 +1,7 @@
 """Kernel-time profile of the real training step (``Trainer.train_step``) per student variant.
 
     python benchmarks/profile_step.py --shards SHARDS --out-dir DIR [--models A,D,E] [--batch-size 256]
+    python benchmarks/profile_step.py --encoder --out-dir DIR --models A,E      # the image encoder's inference
 
 Writes ``profile-<model>.txt`` per model: torch.profiler's operator table over a few steps (after
 warm-up steps), sorted by total CUDA time, then by self CUDA time. This is what
@@ -99,9 +100,48 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
                if cuda else ""))
 
 
+def profile_encoder(model: str, batch_size: int, device: str, warmup: int, steps: int) -> str:
+    """The same tables for the image encoder's inference (``encode_image`` of ``model``'s config, eval mode, bf16
+    autocast and the loop's CUDA math, a synthetic batch): the suite's "E / A inference" figure, whose E keeps a
+    fifth of A's MFU on the H100 (12.5 against 17.5 % at 48c40d0), shows here where its batch goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.evaluation.efficiency import loop_math
+    from cxrdr.train.models import build_student
+    from cxrdr.train.models.config import StudentConfig
+
+    dev = torch.device(device)
+    student = build_student(StudentConfig.from_yaml(model)).to(dev).eval()
+    x = torch.rand(batch_size, 1, int(student.image_size), int(student.image_size), device=dev)
+    cuda = dev.type == "cuda"
+
+    def encode():
+        with torch.no_grad(), autocast(dev, amp_dtype_for("bf16", dev)), loop_math(dev):
+            student.encode_image(x)
+
+    for _ in range(warmup):
+        encode()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            encode()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    averages = prof.key_averages()
+    return (f"{model} image encoder: {steps} batches of {batch_size} on {device} after {warmup} warm-up batches\n"
+            + averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n"
+            + averages.table(sort_by="self_" + key, row_limit=40, max_name_column_width=70))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", required=True, help="a reinforce build's shard folder")
+    parser.add_argument("--shards", help="a reinforce build's shard folder (the training step's profiles)")
+    parser.add_argument("--encoder", action="store_true",
+                        help="profile the image encoder's inference instead (profile-<model>-encoder.txt; no shards)")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--models", default="A,D,E")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -110,12 +150,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workers", type=int, default=8)
     args = parser.parse_args(argv)
+    if not args.encoder and not args.shards:
+        parser.error("--shards is required for the training step's profiles (or --encoder)")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for model in [m for m in args.models.split(",") if m]:
-        path = out / f"profile-{model}.txt"
-        path.write_text(profile_model(model, args.shards, args.batch_size, args.device, args.warmup, args.steps,
-                                      args.workers))
+        if args.encoder:
+            path = out / f"profile-{model}-encoder.txt"
+            path.write_text(profile_encoder(model, args.batch_size, args.device, args.warmup, args.steps))
+        else:
+            path = out / f"profile-{model}.txt"
+            path.write_text(profile_model(model, args.shards, args.batch_size, args.device, args.warmup, args.steps,
+                                          args.workers))
         print(f"wrote {path}", flush=True)
     return 0
 

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "gpu_suite.py"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
@@ -436,3 +438,18 @@ def test_patch_embed_benchmark_times_both_forms_and_prints_their_difference(caps
     assert float(out[0].rsplit(" ", 1)[1]) < 1e-5  # max |conv - matmul|
     assert [line.split()[0] for line in out[1:]] == ["forward", "forward"]
     assert all("convolution" in line and "matrix product" in line and line.endswith("x)") for line in out[1:])
+
+
+def test_profile_step_profiles_the_image_encoder_without_shards(tmp_path, capsys):
+    """profile_step --encoder: the image encoder's inference per model (no shards needed); the step's profiles
+    still need --shards, and say so."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import profile_step
+
+    assert profile_step.main(["--encoder", "--out-dir", str(tmp_path), "--models", "tiny-E", "--batch-size", "2",
+                              "--device", "cpu", "--warmup", "1", "--steps", "1"]) == 0
+    text = (tmp_path / "profile-tiny-E-encoder.txt").read_text()
+    assert text.startswith("tiny-E image encoder: 1 batches of 2 on cpu") and "aten::linear" in text
+    with pytest.raises(SystemExit):
+        profile_step.main(["--out-dir", str(tmp_path)])
+    assert "--shards is required" in capsys.readouterr().err
