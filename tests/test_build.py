@@ -836,6 +836,7 @@ def test_teacher_texts_are_tokenized_where_records_are_prepared(fresh, teachers,
     for a, b in zip(with_tokens, without):
         for name in a:
             assert np.array_equal(a[name]["txt"], b[name]["txt"]) and np.array_equal(a[name]["syn"], b[name]["syn"])
+    assert embed_batch(teachers, [], images=True) == []  # a batch whose records were all skipped
 
     def no_tokenizing(self, texts):
         raise AssertionError("the build's process tokenized texts")

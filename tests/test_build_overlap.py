@@ -255,6 +255,23 @@ def test_teachers_in_an_embedding_thread_give_the_bytes_of_the_build_in_turn(tmp
     assert events == ["queue"] + ["queue", "result"] * 5 + ["result"]  # 11 records in batches of 2: 6 batches
     assert shard_files(tmp_path / "pipelined") == in_turn
 
+    # the loader failing after three batches: the batch in hand, embedded, still completes its shard
+    regroup = pipeline._regroup
+
+    def three_batches_then_a_failure(*args, **kwargs):
+        for i, collated in enumerate(regroup(*args, **kwargs)):
+            if i == 3:
+                raise OSError("unreadable shard source")
+            yield collated
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "_regroup", three_batches_then_a_failure)
+        patch.setattr(build_module, "run_shards", functools.partial(pipeline.run_shards, overlap_teachers=True))
+        with pytest.raises(OSError, match="unreadable"):
+            build(opts(tmp_path / "loader-failed"), teachers=tiny_teacher)
+    assert [i for i in range(4) if is_shard_complete(tmp_path / "loader-failed", i)] == [0, 1]  # 6 records
+    assert not teacher_threads() and not writer_threads()
+
     real = pipeline.queue_batch
     calls = []
 

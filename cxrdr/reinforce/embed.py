@@ -49,6 +49,8 @@ class QueuedBatch:
         for event in self.events:
             event.synchronize()
         n = len(self.samples)
+        if not n:  # every record of the batch skipped: no forward ran
+            return []
         ends = np.cumsum(self.counts)
         out = [{} for _ in self.samples]
         for teacher in self.teachers:

@@ -20,6 +20,7 @@ teachers' device just before the forward (``prepare.replay_on_device``), timed a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -88,9 +89,11 @@ def run_shards(todo: list[ShardPlan], teachers, spec: PrepareSpec, opts: BuildOp
             loop.writer.close()  # waits for the last shard; raises a writer failure
     finally:
         # Whatever raised here (the loader, a teacher, the writer, Ctrl-C): the batch being embedded ends
-        # first, then the shards already queued complete, the one left incomplete is dropped, and the
-        # writer thread is joined. After a close this does nothing.
+        # first, then (pipelined) the batch in hand reaches the writer, then the shards already queued
+        # complete, the one left incomplete is dropped, and the writer thread is joined. After a close this
+        # does nothing.
         embedder.stop()
+        loop.drain_after_failure()
         loop.writer.abort()
         bar.close()
     return {**loop.result(time.perf_counter() - started), **policy.result(), **replay}
@@ -222,6 +225,13 @@ class _ShardLoop:
         pending, self.pending = self.pending, None
         if pending is not None:
             self._complete(pending)
+
+    def drain_after_failure(self) -> None:
+        """After a failure elsewhere (the loader, Ctrl-C): the batch in hand was embedded, so its records still go
+        to the writer and the shards they complete are kept. A failure here (the teacher's or the writer's, which
+        stopped the build already) is not raised over the first."""
+        with contextlib.suppress(Exception):
+            self.drain()
 
     def _complete(self, issued: "_Issued") -> None:
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
