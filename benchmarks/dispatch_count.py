@@ -33,11 +33,18 @@ def count_step_ops(trainer, batches) -> collections.Counter:
     """``aten::`` events of one forward + backward of the trainer's step (its batches' next one)."""
     from torch.profiler import ProfilerActivity, profile
 
+    prof = profile(activities=[ProfilerActivity.CPU])
+    _micro_step_within(trainer, batches, prof)
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def _micro_step_within(trainer, batches, context) -> None:
+    """One forward + backward of the trainer's step on its batches' next one, inside ``context`` (the batch is
+    taken outside it); the gradients cleared after, so the step leaves the trainer as it was."""
     batch = next(batches)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with context:
         trainer._micro_step(batch, sync=True, log_balance=False)
     trainer.optimizer.zero_grad(set_to_none=True)
-    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 
 
 def ops_by_function(trainer, batches) -> collections.Counter:
@@ -67,10 +74,7 @@ def ops_by_function(trainer, batches) -> collections.Counter:
             counts[origin()] += 1
             return func(*args, **(kwargs or {}))
 
-    batch = next(batches)
-    with Counting():
-        trainer._micro_step(batch, sync=True, log_balance=False)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    _micro_step_within(trainer, batches, Counting())
     return counts
 
 

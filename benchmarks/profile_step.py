@@ -89,21 +89,25 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
                 sync()
         finally:
             batches.close()
+    return (f"{model}: {steps} steps of batch {batch_size} on {device} after {warmup} warm-up steps\n"
+            + (idle_report(prof, steps) if cuda else "") + operator_tables(prof, cuda))
+
+
+def operator_tables(prof, cuda: bool) -> str:
+    """torch.profiler's operator table sorted by total CUDA time, then by self CUDA time (CPU time off CUDA), and on
+    CUDA by the host's own time: where a run bound by its host (E on the H100, 63 % busy) spends it."""
     key = "cuda_time_total" if cuda else "cpu_time_total"
     averages = prof.key_averages()
-    return (f"{model}: {steps} steps of batch {batch_size} on {device} after {warmup} warm-up steps\n"
-            + (idle_report(prof, steps) if cuda else "")
-            + averages.table(sort_by=key, row_limit=45, max_name_column_width=70) + "\n"
+    return (averages.table(sort_by=key, row_limit=45, max_name_column_width=70) + "\n"
             + averages.table(sort_by="self_" + key, row_limit=45, max_name_column_width=70)
-            # where the host's time goes: a step bound by its host (E on the H100, 63 % busy) shows it here
             + ("\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
                if cuda else ""))
 
 
 def profile_encoder(model: str, batch_size: int, device: str, warmup: int, steps: int) -> str:
-    """The same tables for the image encoder's inference (``encode_image`` of ``model``'s config, eval mode, bf16
-    autocast and the loop's CUDA math, a synthetic batch): the suite's "E / A inference" figure, whose E keeps a
-    fifth of A's MFU on the H100 (12.5 against 17.5 % at 48c40d0), shows here where its batch goes."""
+    """The same operator tables for the image encoder's inference (``encode_image`` of ``model``'s config, eval
+    mode, bf16 autocast and the loop's CUDA math, a synthetic batch): the suite's "E / A inference" figure, whose E
+    ran at 12.5 % MFU against A's 17.5 % on the H100 at 48c40d0, shows here where its batch goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -130,11 +134,8 @@ def profile_encoder(model: str, batch_size: int, device: str, warmup: int, steps
             encode()
         if cuda:
             torch.cuda.synchronize(dev)
-    key = "cuda_time_total" if cuda else "cpu_time_total"
-    averages = prof.key_averages()
     return (f"{model} image encoder: {steps} batches of {batch_size} on {device} after {warmup} warm-up batches\n"
-            + averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n"
-            + averages.table(sort_by="self_" + key, row_limit=40, max_name_column_width=70))
+            + operator_tables(prof, cuda))
 
 
 def main(argv=None) -> int:

@@ -202,11 +202,8 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
         for k, v in (r.get("main_cpu_seconds") or {}).items():
             main_cpu[k] = main_cpu.get(k, 0.0) + v
     steady_s = steady_seconds(info, build_wall)
-    rank = (info["build"].get("ranks") or [{}])[0]
-    # the start-up the steady figure leaves out, in two parts: the build's setup before its shard loop (reading the
-    # source, the plan, the lock) and the loop's wait for its first batch (the workers' start and first chunks)
-    start_up = {"setup": round(rank["wall_seconds"] - rank["pipeline_seconds"], 3),
-                "first_batch": rank["first_batch_seconds"]} if rank.get("first_batch_seconds") is not None else None
+    start_up = start_up_seconds(info)
+    start_up = {k: round(v, 3) for k, v in start_up.items()} if start_up else None
     steady_rate = info["total_samples"] / steady_s if steady_s else None
     choice = next((r["cpu_threads"] for r in info["build"].get("ranks", []) if r.get("cpu_threads")), None)
     replayed = ", ".join(sorted({str(r.get("replay")) for r in info["build"].get("ranks", [])}))
@@ -224,18 +221,26 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
             "prepare_cpu_seconds": prep, "main_cpu_seconds": main_cpu, "shards": str(shards)}
 
 
-def steady_seconds(info: dict, build_wall: float) -> float | None:
-    """Seconds of the build (``build_wall``: its call, timed by the caller) from the moment its main
-    loop received the first batch to its end, from the rank's stats: ``wall_seconds`` (the build's
-    start to the end of its shard loop) less ``pipeline_seconds`` (the shard loop) is the setup before
-    the loop, ``first_batch_seconds`` the loop's wait for the first batch. None without those (one
-    local rank only)."""
+def start_up_seconds(info: dict) -> dict | None:
+    """The start-up before a build's main loop received its first batch, from the rank's stats, in two parts:
+    ``setup``, the build's work before its shard loop (reading the source, the plan, the lock: ``wall_seconds``,
+    the build's start to the end of its shard loop, less ``pipeline_seconds``, the shard loop), and
+    ``first_batch``, the loop's wait for its first batch (the workers' start and first chunks). None without
+    those (one local rank only)."""
     ranks = info["build"].get("ranks") or []
     if len(ranks) != 1 or ranks[0].get("first_batch_seconds") is None:
         return None
     r = ranks[0]
-    before_first_batch = r["wall_seconds"] - r["pipeline_seconds"] + r["first_batch_seconds"]
-    steady = build_wall - before_first_batch
+    return {"setup": r["wall_seconds"] - r["pipeline_seconds"], "first_batch": r["first_batch_seconds"]}
+
+
+def steady_seconds(info: dict, build_wall: float) -> float | None:
+    """Seconds of the build (``build_wall``: its call, timed by the caller) from the moment its main loop received
+    the first batch to its end: the build less its ``start_up_seconds``. None without those."""
+    start_up = start_up_seconds(info)
+    if start_up is None:
+        return None
+    steady = build_wall - sum(start_up.values())
     return steady if steady > 0 else None
 
 

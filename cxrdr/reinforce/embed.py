@@ -49,7 +49,7 @@ class QueuedBatch:
         for event in self.events:
             event.synchronize()
         n = len(self.samples)
-        if not n:  # every record of the batch skipped: no forward ran
+        if not n:  # no forward ran (``queue_batch``)
             return []
         ends = np.cumsum(self.counts)
         out = [{} for _ in self.samples]
@@ -70,20 +70,22 @@ def queue_batch(teachers, samples: list[dict], images: bool, crops: dict | None 
                 captioner=None, n_captions: int | None = None) -> QueuedBatch:
     """Queue a batch's teacher forwards (``embed_batch`` without the wait; see there). With a captioner the image
     rows are copied back first: its captions, which the text forwards embed, need them."""
+    if not samples:  # every record of the batch skipped: nothing to embed
+        return QueuedBatch(teachers, [], {}, {}, [])
     img_rows: dict[str, torch.Tensor] = {}
     for teacher in teachers:
-        if samples and images and teacher.has_images:
+        if images and teacher.has_images:
             x = crops[teacher.image_size] if crops is not None else \
                 torch.cat([s["crops"][teacher.image_size] for s in samples])
             img_rows[teacher.name] = _forward(teacher.encode_images, x)
-    if captioner is not None and samples:
+    if captioner is not None:
         img_rows = {name: rows.cpu() for name, rows in img_rows.items()}
         rows = img_rows[captioner.teacher]
         caption_samples(captioner, samples, rows.numpy().reshape(len(samples), -1, rows.shape[-1]), n_captions)
     counts = [len(s["texts"]) - 1 for s in samples]
     texts = [s["texts"][0] for s in samples] + [t for s in samples for t in s["texts"][1:]]
     txt_rows = {}
-    for teacher in teachers if samples else ():
+    for teacher in teachers:
         tokens = _batch_tokens(samples, teacher.name)
         txt_rows[teacher.name] = _forward(teacher.encode_texts, texts) if tokens is None else \
             _forward(teacher.encode_tokens, tokens)
