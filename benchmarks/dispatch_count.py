@@ -13,7 +13,9 @@ Each argument is VARIANT[:SCOPE] (SCOPE: a ``TrainConfig.compile_scope``). The c
 calls included; the optimiser step is left out (on CUDA it is one fused AdamW). On CPU, inductor still calls aten
 for matrix products, so a GPU's count drops further than the CPU's. Beside it: the seconds of the first step (the
 compilation, with inductor's cache in a fresh folder per command unless TORCHINDUCTOR_CACHE_DIR is set; later
-configurations of one command reuse what earlier ones compiled) and of the second.
+configurations of one command reuse what earlier ones compiled) and of the second, and for a compiled
+configuration the graphs dynamo compiled in its three steps (1: no graph break, no recompilation; ``--backend
+aot_eager`` checks that without inductor's code generation).
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ def ops_by_function(trainer, batches) -> collections.Counter:
 def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="cxrdr-inductor-"))  # a cold compile
     import torch
+    from torch._dynamo.utils import counters
 
     import train_step
 
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--shards", help="shard folder (default: a phantom build in a temp folder)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled configurations")
     parser.add_argument("--by-function", type=int, default=0, metavar="N",
                         help="also print the N cxrdr functions that issue the most operators (eager configurations)")
     args = parser.parse_args(argv)
@@ -101,9 +105,10 @@ def main(argv=None) -> int:
     counts = {}
     for i, spec in enumerate(args.configs):
         variant, _, scope = spec.partition(":")
-        extra = {"compile": True, "compile_scope": scope} if scope else {}
+        extra = {"compile": True, "compile_scope": scope, "compile_backend": args.backend} if scope else {}
         base = {**train_step.bench_config(shards, args.batch_size, 0, "cpu"), "out": f"{tmp.name}/run{i}", **extra}
         trainer, batches = train_step.make_trainer(base, model=f"{prefix}{variant}")
+        graphs_before = counters["stats"].get("unique_graphs", 0)
         seconds = []
         for _ in range(2):  # warm-up: the compilation, the loader
             start = time.perf_counter()
@@ -112,8 +117,9 @@ def main(argv=None) -> int:
         counts[spec] = count_step_ops(trainer, batches)
         batches.close()
         top = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in counts[spec].most_common(5))
+        graphs = f", {counters['stats'].get('unique_graphs', 0) - graphs_before} graph(s) compiled" if scope else ""
         print(f"{spec:<12} {sum(counts[spec].values()):>7} aten ops per forward + backward; first step "
-              f"{seconds[0]:.1f} s, second {seconds[1]:.2f} s  (most: {top})", flush=True)
+              f"{seconds[0]:.1f} s, second {seconds[1]:.2f} s{graphs}  (most: {top})", flush=True)
         if args.by_function and not scope:
             where = ops_by_function(trainer, trainer._batches())  # a fresh pass: a small split may be spent
             print(f"  {sum(where.values())} operators below autograd; by origin: " + ", ".join(

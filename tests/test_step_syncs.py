@@ -289,6 +289,24 @@ def test_dispatch_count_benchmark_counts_a_steps_operators(phantom_shards, tmp_p
     assert all(p.grad is None for p in trainer.student.parameters())  # and its gradients cleared
 
 
+def test_dispatch_count_benchmark_says_how_many_graphs_a_compiled_configuration_made(phantom_shards, capsys):
+    """dispatch_count VARIANT:SCOPE: beside the operators, the graphs dynamo compiled over its steps (one: no break,
+    no recompilation), with the backend asked for; eager configurations print none."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dispatch_count
+
+    try:
+        assert dispatch_count.main(["A", "A:model", "--size", "tiny", "--backend", "aot_eager", "--shards",
+                                    str(phantom_shards), "--threads", "1"]) == 0
+    finally:
+        torch._dynamo.reset()
+    eager, compiled = [line for line in capsys.readouterr().out.splitlines() if "aten ops" in line]
+    assert "graph(s) compiled" not in eager and ", 1 graph(s) compiled" in compiled
+
+
 def test_train_step_benchmark_times_the_former_heads_and_counts_flops_on_request(phantom_shards, tmp_path):
     """benchmarks/train_step.py --former-heads --count-flops: D beside D with the former heads, FLOPs counted on CPU,
     each configuration its own count (D with padded texts is not D)."""
