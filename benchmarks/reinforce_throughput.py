@@ -39,11 +39,11 @@ a table of their ratios ends the run, e.g. the cheap, the text and the image tea
 
 (``openclip:ViT-B-32`` without a pretrained tag: random weights, the speed of the real architecture.)
 
-``--profile-out FILE`` also profiles the timed build's process with cProfile, thread by thread (the build's
-thread, its embedding thread on a GPU, its writer thread; the workers' CPU is in the figures above), and
-writes each thread's functions by own and by cumulative time to FILE: where that process spends what the
-teacher does not. The profiler slows Python code, so the figures of a profiled run read high; compare
-threads and functions within it, not its ratio with another run's.
+``--profile-out FILE`` also samples the timed build's process thread by thread (the build's thread, its
+embedding thread on a GPU, its writer thread; the workers' CPU is in the figures above; ``thread_sampler``), and
+writes each thread's functions by own and by cumulative share of its wall time to FILE: where that process
+spends, or waits out, what the teacher does not. The sampler takes the GIL every 5 ms, so a sampled run reads a
+little slow; compare threads and functions within it, not its ratio with another run's.
 
 Usage: python benchmarks/reinforce_throughput.py [--n 200] [--teachers random:tiny] [--workers 2] [--replay auto]
 """
@@ -52,13 +52,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import io
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # sibling benchmarks and the repository's packages
+
+from thread_sampler import sampled_threads  # noqa: E402
 
 
 def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats: int = 1) -> tuple[float, int]:
@@ -106,47 +109,12 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
     return best, len(samples)
 
 
-@contextlib.contextmanager
-def profiled_threads(path: Path, top: int = 30):
-    """cProfile of this thread and of every Python thread started inside the block, written to ``path`` per
-    thread: its functions by own time, then by cumulative time. A cProfile profiler sees only the thread that
-    enables it, so each new thread enables its own, from the hook ``threading.setprofile`` runs at its start."""
-    import cProfile
-    import pstats
-
-    profiles: dict[str, cProfile.Profile] = {}
-    lock = threading.Lock()
-
-    def enable_here(*_):
-        sys.setprofile(None)  # the start hook's work is done; this thread's own profiler takes over
-        profiler = cProfile.Profile()
-        with lock:
-            profiles[threading.current_thread().name] = profiler
-        profiler.enable()
-
-    main = profiles[threading.current_thread().name] = cProfile.Profile()
-    threading.setprofile(enable_here)
-    main.enable()
-    try:
-        yield
-    finally:
-        main.disable()
-        threading.setprofile(None)
-        text = io.StringIO()
-        for name, profiler in profiles.items():
-            stats = pstats.Stats(profiler, stream=text)
-            text.write(f"==== thread {name}: {stats.total_tt:.2f} s of Python-visible time\n")
-            for key in ("tottime", "cumulative"):
-                stats.sort_stats(key).print_stats(top)
-        Path(path).write_text(text.getvalue())
-
-
 def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch_size: int = 32, n_aug: int = 10,
             n_captions: int = 5, store_size: int = 256, device: str = "auto", files: bool = False,
             out: str | None = None, teacher_repeats: int = 2, replay: str = "auto",
             profile_out: str | None = None) -> dict:
     """Build N phantom samples, then time the teachers alone on the same inputs; returns the figures.
-    ``profile_out``: profile the timed build's threads into that file (``profiled_threads``)."""
+    ``profile_out``: sample the timed build's threads into that file (``thread_sampler``)."""
     import torch
 
     from cxrdr.reinforce.build import BuildOptions, build
@@ -176,7 +144,7 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
     # table: 0.15-0.35 s), PIL plugins, caches. An untimed build of two records pays them here.
     build(dataclasses.replace(opts, out=root / "warm-up", limit=min(n, 2)), teachers=loaded)
     torch.set_num_threads(threads_before)
-    with profiled_threads(Path(profile_out)) if profile_out else contextlib.nullcontext():
+    with sampled_threads(Path(profile_out)) if profile_out else contextlib.nullcontext():
         start = time.perf_counter()
         info = build(opts, teachers=loaded)
         build_wall = time.perf_counter() - start
@@ -336,7 +304,7 @@ def main() -> None:
                              "jsonl:, as with real data (decode instead of render)")
     parser.add_argument("--out", default=None, help="shard folder (default: a temp folder)")
     parser.add_argument("--profile-out", default=None,
-                        help="profile the timed build's threads with cProfile into this file (one teacher set)")
+                        help="sample the timed build's threads' stacks into this file (one teacher set)")
     args = parser.parse_args()
 
     import torch
