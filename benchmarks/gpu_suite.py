@@ -87,6 +87,13 @@ COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
 # the full suite nor after 263 s alone (the section's own phantom build, ~60-100 s, included), and the compilation in
 # progress could not be stopped from the suite's process.
 COMPILE_LIMIT_S = {"blocks": 90, "model": 240}
+# The compiled section first compiles a two-layer MLP's step in a child (``inductor_smoke``), cut at this limit: on
+# the H100 at 416dba0 neither the whole-model A (44 s of warm-up at 0ef6026) nor D by blocks (13 s) logged a first
+# step within 240 and 90 s. A smoke check that cannot compile says the host's inductor is stuck, not the student;
+# then it tries once more with one compile thread (TORCHINDUCTOR_COMPILE_THREADS=1: inductor's compile workers are
+# known to hang beside forked processes, pytorch#121197) and the configurations get the setting that worked.
+SMOKE_LIMIT_S = 60
+SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
@@ -345,14 +352,52 @@ def _compiled_name(variant: str, scope: str) -> str:
     return f"{variant} compiled {scope}"
 
 
+def inductor_smoke(device: str) -> float:
+    """Seconds to compile (inductor) and run one training step of a two-layer MLP on ``device``, under the loop's
+    autocast: whether torch.compile works on this host at all, apart from the student."""
+    import torch
+
+    from cxrdr.train.device import amp_dtype_for, autocast
+
+    start = time.perf_counter()
+    dev = torch.device(device)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 8)).to(dev)
+    step = torch.compile(model)
+    with autocast(dev, amp_dtype_for("bf16", dev)):
+        loss = step(torch.randn(32, 64, device=dev)).float().square().mean()
+    loss.backward()
+    float(loss)  # waits for the device
+    return time.perf_counter() - start
+
+
+def _smoke_check(device: str) -> dict:
+    """``inductor_smoke`` in a child, with inductor's defaults and, if that fails, with SMOKE_FALLBACK_ENV: the
+    attempts, and the env the configurations should get (None: neither compiled)."""
+    attempts = []
+    for env in ({}, SMOKE_FALLBACK_ENV):
+        try:
+            seconds = call_with_deadline(inductor_smoke, SMOKE_LIMIT_S, device, env=env)
+        except (DeadlineExceeded, RuntimeError) as exc:
+            attempts.append({"env": env, "error": str(exc).splitlines()[0][:300]})
+            continue
+        attempts.append({"env": env, "seconds": round(seconds, 2)})
+        return {"attempts": attempts, "env": env}
+    return {"attempts": attempts, "env": None}
+
+
 def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str, scope: str) -> list[dict]:
     """One compiled loop configuration timed interleaved with its eager twin (``_run_loop``); the suite runs it in a
-    child process on CUDA. Each warm-up step of the compiled trainer is logged with its time and dynamo's graph count,
-    so a configuration killed at its limit still says where its time went (with TORCH_LOGS' recompile reasons)."""
+    child process on CUDA. The child logs when its trainers are built, then each warm-up step of the compiled trainer
+    with its time and dynamo's graph count, so a configuration killed at its limit still says where its time went
+    (with TORCH_LOGS' recompile reasons, and ``child_deadline``'s stacks before the kill)."""
+    started = time.perf_counter()
     pattern = cfg["families"][cfg["loop"]["family"]][0]
     name = _compiled_name(variant, scope)
     trainers = _loop_trainers(cfg, Path(work), shards, [(f"{variant} eager", pattern.format(v=variant), None),
                                                         (name, pattern.format(v=variant), scope)])
+    print(f"[loop_compiled] {name}: its trainers and its eager twin's built in {time.perf_counter() - started:.1f} s; "
+          "warm-up starts", file=sys.stderr, flush=True)
     trainer = trainers[name][0]
     _log_first_steps(trainer, name, cfg["loop"]["warmup"])
     return _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
@@ -393,21 +438,27 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
             ratios[scope] = {**_ratios([{**r, "name": v} for v, r in compiled.items()]),
                              "compiled_over_eager_img_per_s": {
                                  v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"] for v, r in compiled.items()}}
-        return {"rows": list(rows), "failed": list(failed),
+        return {"rows": list(rows), "failed": list(failed), "smoke": smoke,
                 "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
                 "description": _loop_description(cfg),
                 "note": "each compiled configuration timed interleaved with its eager twin, one at a time; "
                         "warmup_s holds the compilation"
                         + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
 
+    cuda = cfg["device"].startswith("cuda")
+    smoke = _smoke_check(cfg["device"]) if cuda else None
+    if smoke is not None and smoke["env"] is None:
+        return {"rows": [], "failed": [], "smoke": smoke,
+                "note": f"not measured: torch.compile of a two-layer MLP did not finish within {SMOKE_LIMIT_S} s in a "
+                        "child process, with inductor's defaults nor with one compile thread (smoke)"}
     for v, scope in COMPILED_ORDER:
         if budget.left() - reserve_after < COMPILE_ESTIMATE_S[scope]:
             continue  # a cheaper configuration further down may still fit
-        if cfg["device"].startswith("cuda"):  # in a child process, killed at its limit (child_deadline)
+        if cuda:  # in a child process, killed at its limit (child_deadline)
             limit = min(budget.left() - reserve_after, COMPILE_LIMIT_S[scope])
             try:
                 rows += call_with_deadline(compiled_configuration_rows, limit, cfg, str(work), shards, v, scope,
-                                           env={"TORCH_LOGS": "recompiles,graph_breaks"})
+                                           env={"TORCH_LOGS": "recompiles,graph_breaks", **smoke["env"]})
             except (DeadlineExceeded, RuntimeError) as exc:
                 failed.append({"name": _compiled_name(v, scope), "error": str(exc).splitlines()[0][:300]})
                 publish(summary("still to measure"))
@@ -870,6 +921,10 @@ def markdown(result: dict) -> str:
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()] + [""]
         md += [f"- **{f['name']}** not measured: {f['error']}" for f in lc.get("failed", [])]
+        if lc.get("smoke"):
+            md += ["- smoke check (a two-layer MLP's step compiled in a child): " + "; ".join(
+                f"{' '.join(f'{k}={v}' for k, v in a['env'].items()) or 'inductor defaults'}: "
+                + (f"{a['seconds']} s" if "seconds" in a else a["error"]) for a in lc["smoke"]["attempts"])]
     if "train_step" in s:
         ts = s["train_step"]
         md += ["## 6. Training step: stored embeddings vs teacher online vs no teacher", "",

@@ -229,7 +229,10 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
 
     clock, limits, published = Clock(), {}, []
 
-    def fake_call(fn, seconds, cfg, work, shards, variant, scope, env=None):
+    def fake_call(fn, seconds, *args, env=None):
+        if fn is gpu_suite.inductor_smoke:
+            return 7.5
+        cfg, work, shards, variant, scope = args
         assert fn is gpu_suite.compiled_configuration_rows and "recompiles" in env["TORCH_LOGS"]
         limits[(variant, scope)] = seconds
         clock.left_s -= seconds if variant == "E" else 50
@@ -250,8 +253,51 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
     assert not published[0]["failed"] and published[1]["failed"] and len(published[1]["rows"]) == 2  # at once
     assert section["by_scope"]["model"]["compiled_over_eager_img_per_s"] == {"A": 1.5, "D": 1.5}
     assert "E compiled model" not in section["note"]  # not "left out": tried and recorded
-    assert "E compiled model** not measured: compiled_configuration_rows did not return" in gpu_suite.markdown(
-        {**_minimal_result(), "sections": {"loop_compiled": section}})
+    md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
+    assert "E compiled model** not measured: compiled_configuration_rows did not return" in md
+    assert section["smoke"] == {"attempts": [{"env": {}, "seconds": 7.5}], "env": {}}
+    assert "smoke check (a two-layer MLP's step compiled in a child): inductor defaults: 7.5 s" in md
+
+
+@pytest.mark.parametrize("works_with_one_thread", [True, False])
+def test_the_compiled_section_first_checks_that_inductor_compiles_at_all(monkeypatch, works_with_one_thread):
+    """On CUDA a two-layer MLP is compiled in a child first: if it does not finish, once more with one compile
+    thread, whose setting the configurations then get; if neither finishes, no configuration spends its limit."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+    from child_deadline import DeadlineExceeded
+
+    class Clock:
+        def left(self):
+            return 1000.0
+
+    envs = []
+
+    def fake_call(fn, seconds, *args, env=None):
+        if fn is gpu_suite.inductor_smoke:
+            assert seconds == gpu_suite.SMOKE_LIMIT_S and args == ("cuda",)
+            if env == gpu_suite.SMOKE_FALLBACK_ENV and works_with_one_thread:
+                return 12.0
+            raise DeadlineExceeded("inductor_smoke did not return within 60 s; its child process was killed")
+        envs.append(env)
+        return [{"name": f"{args[3]} eager", "img_per_s": 100.0, "step_ms": 20.0},
+                {"name": gpu_suite._compiled_name(args[3], args[4]), "img_per_s": 150.0, "step_ms": 13.0}]
+
+    monkeypatch.setattr(gpu_suite, "call_with_deadline", fake_call)
+    monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "device": "cuda"}
+    section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), Clock(), "shards", reserve_after=0)
+    first = {"env": {}, "error": "inductor_smoke did not return within 60 s; its child process was killed"}
+    md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
+    if works_with_one_thread:
+        assert section["smoke"] == {"attempts": [first, {"env": {"TORCHINDUCTOR_COMPILE_THREADS": "1"},
+                                                         "seconds": 12.0}], "env": {"TORCHINDUCTOR_COMPILE_THREADS": "1"}}
+        assert envs and all(e["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and "recompiles" in e["TORCH_LOGS"] for e in envs)
+        assert "TORCHINDUCTOR_COMPILE_THREADS=1: 12.0 s" in md
+    else:
+        assert envs == [] and section["rows"] == [] and section["smoke"]["env"] is None
+        assert section["note"].startswith("not measured: torch.compile of a two-layer MLP did not finish within 60 s")
+        assert "inductor defaults: inductor_smoke did not return within 60 s" in md
 
 
 def _minimal_result() -> dict:
