@@ -29,7 +29,7 @@ class ThreadSampler:
 
     def __init__(self, interval: float = 0.005):
         self.interval = float(interval)
-        self.samples: collections.Counter = collections.Counter()  # thread name -> samples
+        self.samples: collections.Counter = collections.Counter()  # "name [ident]" -> samples
         self.own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.cumulative: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._stop = threading.Event()
@@ -43,7 +43,8 @@ class ThreadSampler:
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
-                name = names.get(ident, f"thread {ident}")
+                # the ident too: threads may share a name (multiprocessing's QueueFeederThread, one a queue)
+                name = f"{names.get(ident, 'thread')} [{ident}]"
                 self.samples[name] += 1
                 self.own[name][_function(frame)] += 1
                 seen = set()

@@ -205,7 +205,7 @@ def test_throughput_benchmark_reports_the_steady_state(tmp_path):
     assert m["ratio"] == m["build_samples_per_s"] / m["teacher_samples_per_s"]
     # --profile-out: the build's own thread and its writer thread sampled, each with the functions on its stack
     sections = profile.read_text().split("==== thread ")[1:]
-    by_thread = {section.split(":")[0]: section for section in sections}
+    by_thread = {section.split(" [")[0]: section for section in sections}  # "name [ident]: ..."
     assert {threading.current_thread().name, "shard-writer"} <= set(by_thread)
     assert "run_shards (pipeline.py" in by_thread[threading.current_thread().name]
     assert "BackgroundWriter._run (writer.py" in by_thread["shard-writer"]
