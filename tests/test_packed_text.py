@@ -197,3 +197,72 @@ def test_text_padding_benchmark_counts_less_work_packed():
         assert 0 < r["real_tokens_per_text"] < r["padded_length"] <= 32
         assert 0 < r["packed_gflops_per_text"] < r["padded_gflops_per_text"]
         assert r["padded_ms"] > 0 and r["packed_ms"] > 0
+
+
+def _reference_varlen(q, k, v, offsets, max_length, dropout_p, scale):
+    """What FlashAttention's variable-length kernel computes (no dropout), one sequence at a time."""
+    assert dropout_p == 0.0 and int((offsets[1:] - offsets[:-1]).max()) <= max_length
+    out = torch.empty_like(q)
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        seq = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # (H, n, Dh)
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(*seq, scale=scale).transpose(0, 1)
+    return out
+
+
+def test_the_packed_attention_on_sequence_offsets_gives_the_grids_states_and_gradients(monkeypatch):
+    """Where FlashAttention's variable-length kernel applies (a GPU: here its computation stands in, on the CPU),
+    the layers attend on the packed tokens by their row offsets: the grid's states and gradients, for a step's
+    reports and captions stacked on one grid."""
+    import cxrdr.train.models.packed_text as packed_text
+
+    tower, tokenizer = _tower("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    tower.train()
+    reports, captions = tokenizer(TEXTS), tokenizer(["effusion.", "no pneumothorax.", "cardiomegaly.", "clear."])
+    ids, mask, index = stack_token_batches([(t["input_ids"], t["attention_mask"], t["token_index"])
+                                            for t in (reports, captions)])
+    offsets = packed_text.sequence_offsets(mask)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, *mask.sum(1).cumsum(0).tolist()]
+    weights = torch.randn(mask.shape + (tower.width,))
+    calls = []
+
+    def run(varlen: bool):
+        monkeypatch.setattr(packed_text, "flash_varlen_applies", lambda x, head_dim: varlen)
+        monkeypatch.setattr(packed_text, "flash_varlen", lambda *a: calls.append(a[3]) or _reference_varlen(*a))
+        tower.zero_grad()
+        states, pooled = tower(ids, mask, None, index)
+        ((states * weights)[mask.bool()].sum() + pooled.square().sum()).backward()
+        return states, {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+    grid_states, grid_grads = run(False)
+    assert not calls
+    varlen_states, varlen_grads = run(True)
+    assert len(calls) == tower.depth and all(torch.equal(c, offsets) for c in calls)
+    torch.testing.assert_close(varlen_states, grid_states, rtol=1e-4, atol=1e-5)
+    assert varlen_grads.keys() == grid_grads.keys()
+    for name in grid_grads:
+        torch.testing.assert_close(varlen_grads[name], grid_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_refused_packed_attention_warns_once_and_attends_on_the_grid(monkeypatch):
+    import cxrdr.train.models.packed_text as packed_text
+
+    tower, tokenizer = _tower("tiny")
+    tower.eval()
+    tok = tokenizer(TEXTS)
+    with torch.no_grad():
+        expected = tower(tok["input_ids"], tok["attention_mask"], None, tok["token_index"])[0]
+    calls = []
+
+    def refuses(*args):
+        calls.append(1)
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    monkeypatch.setattr(packed_text, "_flash_varlen_failed", False)
+    monkeypatch.setattr(packed_text, "flash_varlen_applies", lambda x, head_dim: not packed_text._flash_varlen_failed)
+    monkeypatch.setattr(packed_text, "flash_varlen", refuses)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="Ampere GPUs or newer.*attend on the padded grid"):
+        got = tower(tok["input_ids"], tok["attention_mask"], None, tok["token_index"])[0]
+    torch.testing.assert_close(got, expected)
+    with torch.no_grad():
+        tower(tok["input_ids"], tok["attention_mask"], None, tok["token_index"])
+    assert len(calls) == 1  # not tried again

@@ -16,8 +16,18 @@ The packing index (the flat positions of the real tokens) must be known where th
 from a mask on a GPU is a host sync and gives the step a new shape under torch.compile. ``TextTokenizer`` adds
 it to each batch (``token_index``), and the text tower packs where it is given (or where the mask is on the CPU,
 where reading it costs nothing).
+
+On a GPU with FlashAttention (sm80+, half precision, eager) the attention runs packed too: FlashAttention's
+variable-length kernel takes each text's tokens as one sequence (``cu_seqlens``: the row offsets, from the mask
+with tensor arithmetic). On the grid, the mask-capable kernel computed every (B, L, L) score, padding included:
+a step's reports and captions share one grid of the longest report's bucket (reports ~65 tokens and captions ~19
+on a 128 grid on the phantom), so ~7x the scores the texts have, and the H100's A step spent ~8 ms of its ~95 ms
+there (``benchmarks/results/profiles/nvidia-h100-0ef6026-A.txt``: ``fmha_cutlass`` forward and backward).
+Elsewhere (the CPU, fp32, a compiled layer) the grid runs, as before.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn as nn
@@ -74,21 +84,60 @@ def _has(module: nn.Module, dotted: str) -> bool:
     return True
 
 
+_flash_varlen_failed = False  # set once FlashAttention's variable-length call raised: the grid from then on
+
+
+def sequence_offsets(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B + 1,) int32: where each row's real tokens start in the packed order, then their total (``cu_seqlens``)."""
+    return F.pad(attention_mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def flash_varlen_applies(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether the layers' attention can run on ``x``'s device with FlashAttention's variable-length kernel: CUDA
+    at sm80 or later, in half precision (the autocast dtype, or ``x``'s own), a head size it takes, eager."""
+    if _flash_varlen_failed or not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return (dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_length: int,
+                 dropout_p: float, scale: float) -> torch.Tensor:
+    """(T, H, Dh) each -> (T, H, Dh): each sequence's tokens (``offsets``) attending among themselves. The aten op
+    under PyTorch's jagged-tensor attention and ``torch.nn.attention.varlen`` (which has no dropout, and the text
+    towers train with theirs); ``max_length`` bounds the sequences (the grid's length: no read of the lengths)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, offsets, offsets, max_length, max_length, dropout_p,
+                                                   False, False, scale=scale)[0]
+
+
 def packed_layer(layer: nn.Module, x: torch.Tensor, index: torch.Tensor, keep: torch.Tensor,
-                 batch: int, length: int) -> torch.Tensor:
+                 batch: int, length: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """One encoder layer on the packed tokens ``x`` (T, d) -> (T, d). ``index``: their positions in the
-    (batch, length) grid; ``keep``: (batch, 1, 1, length) bool, which keys may be attended to."""
+    (batch, length) grid; ``keep``: (batch, 1, 1, length) bool, which keys may be attended to; ``offsets``
+    (``sequence_offsets``, where ``flash_varlen_applies``): attend on the packed tokens instead of the grid."""
+    global _flash_varlen_failed
     att = layer.attention.self
     heads, head_dim = att.num_attention_heads, att.attention_head_size
+    dropout_p = att.dropout.p if layer.training else 0.0
     # one product for query, key and value: one kernel instead of three
     weight = torch.cat([att.query.weight, att.key.weight, att.value.weight])
     bias = torch.cat([att.query.bias, att.key.bias, att.value.bias])
     qkv = F.linear(x, weight, bias)
-    grid = qkv.new_zeros(batch * length, qkv.shape[-1]).index_copy(0, index, qkv)
-    q, k, v = grid.view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=att.scaling,
-                                             dropout_p=att.dropout.p if layer.training else 0.0)
-    context = context.transpose(1, 2).reshape(batch * length, heads * head_dim).index_select(0, index)
+    context = None
+    if offsets is not None and not _flash_varlen_failed:
+        q, k, v = qkv.view(-1, 3, heads, head_dim).transpose(0, 1).contiguous().unbind(0)  # one copy
+        try:
+            context = flash_varlen(q, k, v, offsets, length, dropout_p, att.scaling).reshape(-1, heads * head_dim)
+        except RuntimeError as exc:  # an argument the kernel refuses: checked on the host, so nothing ran
+            _flash_varlen_failed = True
+            warnings.warn(f"FlashAttention's variable-length kernel failed ({exc}); the text towers attend on the "
+                          "padded grid from now on", RuntimeWarning, stacklevel=2)
+    if context is None:
+        grid = qkv.new_zeros(batch * length, qkv.shape[-1]).index_copy(0, index, qkv)
+        q, k, v = grid.view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=att.scaling, dropout_p=dropout_p)
+        context = context.transpose(1, 2).reshape(batch * length, heads * head_dim).index_select(0, index)
     attended = layer.attention.output(context, x)
     return layer.output(layer.intermediate(attended), attended)
 
@@ -108,15 +157,19 @@ def encode_packed(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     x = embedded.reshape(batch * length, width).index_select(0, index)
     keep = attention_mask.bool()[:, None, None, :]
     layers = model.encoder.layer
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    # a compiled layer (compile_blocks) keeps the grid, whose graph the compile tests check
+    offsets = sequence_offsets(attention_mask) if layer_fn is packed_layer and flash_varlen_applies(x, head_dim) \
+        else None
     chosen = embedded if token_layer == 0 else None
     # transformers >= 4.52 flags each layer, older versions the encoder
     checkpointed = getattr(model.encoder, "gradient_checkpointing", False)
     for depth, layer in enumerate(layers, start=1):
         if (checkpointed or getattr(layer, "gradient_checkpointing", False)) and layer.training \
                 and torch.is_grad_enabled():
-            x = checkpoint(layer_fn, layer, x, index, keep, batch, length, use_reentrant=False)
+            x = checkpoint(layer_fn, layer, x, index, keep, batch, length, offsets, use_reentrant=False)
         else:
-            x = layer_fn(layer, x, index, keep, batch, length)
+            x = layer_fn(layer, x, index, keep, batch, length, offsets)
         if token_layer == depth and depth < len(layers):
             chosen = to_grid(x)
     last = to_grid(x)
