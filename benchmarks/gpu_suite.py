@@ -104,8 +104,8 @@ SKIPPABLE_PARTS = ("inference_compiled",)
 def settings(tiny: bool, device: str) -> dict:
     """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
 
-    GPU sizes come from the H100 at 48c40d0 (benchmarks/results/nvidia-h100-80gb-hbm3-48c40d0.json): build 31 s; students
-    200 s, of which ~80 s each for A's and E's encoders compiled whole with CUDA graphs; loop 82 s (10 timed blocks
+    GPU sizes come from the H100 at 48c40d0 (benchmarks/results/nvidia-h100-80gb-hbm3-48c40d0.json): build 31 s;
+    students 200 s, of which ~80 s each for A's and E's encoders compiled whole with CUDA graphs; loop 82 s (10 timed blocks
     of 5 steps, 8 configurations); compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows (20
     timed steps beside their eager twin), each cut at COMPILE_LIMIT_S; peer ~10 s eager + one compile and train_step
     ~36 s (../shared/gpu, not rerun since)."""
