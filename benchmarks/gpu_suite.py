@@ -97,8 +97,9 @@ SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
-# students section at 48c40d0, time a 15-minute lease may want for the compiled loop
-SKIPPABLE_PARTS = ("inference_compiled",)
+# students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
+# padded texts, D and E with the former heads: 3 of its 8 configurations, ~35 s) answered the same on three leases
+SKIPPABLE_PARTS = ("inference_compiled", "loop_comparisons")
 
 
 def settings(tiny: bool, device: str) -> dict:
@@ -327,10 +328,12 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
 
     lp = cfg["loop"]
     pattern = cfg["families"][lp["family"]][0]
+    comparisons = cfg.get("loop_comparisons", True)  # --skip loop_comparisons: A-E alone
     plan = [(v, pattern.format(v=v), None) for v in VARIANTS]
-    plan.append((PADDED_A, pattern.format(v="A"), None, {"pack_text": False}))
-    plan.append((FORMER_HEADS_D, pattern.format(v="D"), None, {"model_overrides": train_step.FORMER_HEADS}))
-    plan.append((FORMER_HEADS_E, pattern.format(v="E"), None, {"model_overrides": train_step.FORMER_HEADS_E}))
+    if comparisons:
+        plan.append((PADDED_A, pattern.format(v="A"), None, {"pack_text": False}))
+        plan.append((FORMER_HEADS_D, pattern.format(v="D"), None, {"model_overrides": train_step.FORMER_HEADS}))
+        plan.append((FORMER_HEADS_E, pattern.format(v="E"), None, {"model_overrides": train_step.FORMER_HEADS_E}))
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers)
     math_state = _math_state()  # as the Trainer left the process (it sets its CUDA math at start-up)
@@ -339,13 +342,13 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
     by = {r["name"]: r for r in rows}
     packing = {"A_packed_over_padded_img_per_s": by["A"]["img_per_s"] / by[PADDED_A]["img_per_s"],
                "D_over_former_heads_D_step": by["D"]["step_ms"] / by[FORMER_HEADS_D]["step_ms"],
-               "E_over_former_heads_E_step": by["E"]["step_ms"] / by[FORMER_HEADS_E]["step_ms"]}
+               "E_over_former_heads_E_step": by["E"]["step_ms"] / by[FORMER_HEADS_E]["step_ms"]} if comparisons else {}
     return {"rows": rows, **_ratios(rows), **packing, "description": _loop_description(cfg), "shards": shards,
             "batch_size": lp["batch_size"], "block": lp["block"], "steps": lp["steps"], "warmup": lp["warmup"],
             "cuda_math": math_state if cfg["device"].startswith("cuda") else None,
             "note": f"Trainer.train_step (non-log steps), {lp['steps']} timed steps per configuration in blocks of "
                     f"{lp['block']} after {lp['warmup']} warm-up steps, interleaved; E and the Top-K mask at their "
-                    "target rates"}
+                    "target rates" + ("" if comparisons else "; the comparisons left out (--skip loop_comparisons)")}
 
 
 def _compiled_name(variant: str, scope: str) -> str:
@@ -702,6 +705,9 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
     cfg = settings(tiny, device)
     cfg["compile"] = cfg["compile"] and compile_
     cfg["compiled_inference"] = cfg["compile"] and "inference_compiled" not in skip_sections
+    cfg["loop_comparisons"] = "loop_comparisons" not in skip_sections
+    if not cfg["loop_comparisons"]:  # A-E alone: 5 of the loop's 8 configurations
+        cfg["reserve"]["loop"] = round(cfg["reserve"]["loop"] * len(VARIANTS) / (len(VARIANTS) + 3))
     cfg["peer"]["compile"] = cfg["peer"]["compile"] and compile_
     budget = Budget(budget_s)
     name = device_name(device, tiny)

@@ -499,3 +499,30 @@ def test_profile_step_profiles_the_image_encoder_without_shards(tmp_path, capsys
     with pytest.raises(SystemExit):
         profile_step.main(["--out-dir", str(tmp_path)])
     assert "--shards is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("comparisons", [True, False])
+def test_the_loop_section_leaves_its_comparisons_out_when_told(monkeypatch, comparisons):
+    """--skip loop_comparisons: the real loop times A-E alone (the padded-text A and the former heads' D and E,
+    measured on three leases, give their time to the compiled section) and says so."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    planned = []
+
+    def fake_trainers(cfg, work, shards, plan):
+        planned.extend(name for name, *_ in plan)
+        return {}
+
+    monkeypatch.setattr(gpu_suite, "_loop_trainers", fake_trainers)
+    monkeypatch.setattr(gpu_suite, "_run_loop", lambda cfg, trainers: [
+        {"name": n, "img_per_s": 100.0 + i, "step_ms": 10.0 - i / 10} for i, n in enumerate(planned)])
+    monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "loop_comparisons": comparisons}
+    section = gpu_suite.section_loop(cfg, Path("/nonexistent"), None, "shards")
+    extra = [gpu_suite.PADDED_A, gpu_suite.FORMER_HEADS_D, gpu_suite.FORMER_HEADS_E]
+    assert planned == list(gpu_suite.VARIANTS) + (extra if comparisons else [])
+    assert ("A_packed_over_padded_img_per_s" in section) is comparisons and "D_over_A_step" in section
+    assert section["note"].endswith("target rates") is comparisons
+    md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop": section}})
+    assert "E / A img/s" in md
