@@ -86,12 +86,15 @@ COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
 # (``child_deadline``; on CUDA): on the H100 at 48c40d0 the whole-model E had not finished its warm-up after 149 s in
 # the full suite nor after 263 s alone (the section's own phantom build, ~60-100 s, included), and the compilation in
 # progress could not be stopped from the suite's process.
-COMPILE_LIMIT_S = {"blocks": 90, "model": 240}
+COMPILE_LIMIT_S = {"blocks": 90, "model": 180}
 # The compiled section first compiles a two-layer MLP's step in a child (``inductor_smoke``), cut at this limit: on
 # the H100 at 416dba0 neither the whole-model A (44 s of warm-up at 0ef6026) nor D by blocks (13 s) logged a first
 # step within 240 and 90 s. A smoke check that cannot compile says the host's inductor is stuck, not the student;
 # then it tries once more with one compile thread (TORCHINDUCTOR_COMPILE_THREADS=1: inductor's compile workers are
-# known to hang beside forked processes, pytorch#121197) and the configurations get the setting that worked.
+# known to hang beside forked processes, pytorch#121197; the loop's trainers fork 8 loader workers each) and the
+# configurations get the setting that worked. A configuration killed at its limit passes the fallback on to the
+# ones after it. The whole model's limit is 180 s (4x A's 44 s at 0ef6026), so that a stall leaves a lease's
+# budget room for another configuration.
 SMOKE_LIMIT_S = 60
 SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
@@ -454,6 +457,7 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
         return {"rows": [], "failed": [], "smoke": smoke,
                 "note": f"not measured: torch.compile of a two-layer MLP did not finish within {SMOKE_LIMIT_S} s in a "
                         "child process, with inductor's defaults nor with one compile thread (smoke)"}
+    env = dict(smoke["env"]) if cuda else {}
     for v, scope in COMPILED_ORDER:
         if budget.left() - reserve_after < COMPILE_ESTIMATE_S[scope]:
             continue  # a cheaper configuration further down may still fit
@@ -461,9 +465,12 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
             limit = min(budget.left() - reserve_after, COMPILE_LIMIT_S[scope])
             try:
                 rows += call_with_deadline(compiled_configuration_rows, limit, cfg, str(work), shards, v, scope,
-                                           env={"TORCH_LOGS": "recompiles,graph_breaks", **smoke["env"]})
+                                           env={"TORCH_LOGS": "recompiles,graph_breaks", **env})
             except (DeadlineExceeded, RuntimeError) as exc:
-                failed.append({"name": _compiled_name(v, scope), "error": str(exc).splitlines()[0][:300]})
+                failed.append({"name": _compiled_name(v, scope), "error": str(exc).splitlines()[0][:300],
+                               "env": dict(env)})
+                # a small step compiling is no proof for the student's: the next configurations get the fallback
+                env.update(SMOKE_FALLBACK_ENV)
                 publish(summary("still to measure"))
                 continue
         else:
@@ -926,7 +933,9 @@ def markdown(result: dict) -> str:
             md += [f"- compiled {scope} / eager img/s: " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()] + [""]
-        md += [f"- **{f['name']}** not measured: {f['error']}" for f in lc.get("failed", [])]
+        md += [f"- **{f['name']}** not measured: {f['error']}"
+               + (f" (with {' '.join(f'{k}={v}' for k, v in f['env'].items())})" if f.get("env") else "")
+               for f in lc.get("failed", [])]
         if lc.get("smoke"):
             md += ["- smoke check (a two-layer MLP's step compiled in a child): " + "; ".join(
                 f"{' '.join(f'{k}={v}' for k, v in a['env'].items()) or 'inductor defaults'}: "

@@ -216,7 +216,8 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
 
 def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goes_on(monkeypatch):
     """On CUDA each compiled configuration runs in a child process killed at its limit (COMPILE_LIMIT_S, or what the
-    budget leaves): one that does not finish is recorded with the reason, and the next is measured."""
+    budget leaves): one that does not finish is recorded with the reason, and the next is measured, with one compile
+    thread from then on."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_suite
     from child_deadline import DeadlineExceeded
@@ -227,7 +228,7 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
         def left(self):
             return self.left_s
 
-    clock, limits, published = Clock(), {}, []
+    clock, limits, envs, published = Clock(), {}, {}, []
 
     def fake_call(fn, seconds, *args, env=None):
         if fn is gpu_suite.inductor_smoke:
@@ -235,9 +236,10 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
         cfg, work, shards, variant, scope = args
         assert fn is gpu_suite.compiled_configuration_rows and "recompiles" in env["TORCH_LOGS"]
         limits[(variant, scope)] = seconds
+        envs[(variant, scope)] = env.get("TORCHINDUCTOR_COMPILE_THREADS")
         clock.left_s -= seconds if variant == "E" else 50
         if (variant, scope) == ("E", "model"):
-            raise DeadlineExceeded("compiled_configuration_rows did not return within 240 s; its child process "
+            raise DeadlineExceeded("compiled_configuration_rows did not return within 180 s; its child process "
                                    "was killed")
         return [{"name": f"{variant} eager", "img_per_s": 100.0, "step_ms": 20.0},
                 {"name": gpu_suite._compiled_name(variant, scope), "img_per_s": 150.0, "step_ms": 13.0}]
@@ -249,7 +251,8 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
                                               publish=published.append)
     assert limits[("E", "model")] == gpu_suite.COMPILE_LIMIT_S["model"]
     assert section["failed"] == [{"name": "E compiled model", "error": "compiled_configuration_rows did not return "
-                                  "within 240 s; its child process was killed"}]
+                                  "within 180 s; its child process was killed", "env": {}}]
+    assert envs[("A", "model")] is None and envs[("E", "model")] is None and envs[("D", "model")] == "1"
     assert not published[0]["failed"] and published[1]["failed"] and len(published[1]["rows"]) == 2  # at once
     assert section["by_scope"]["model"]["compiled_over_eager_img_per_s"] == {"A": 1.5, "D": 1.5}
     assert "E compiled model" not in section["note"]  # not "left out": tried and recorded
