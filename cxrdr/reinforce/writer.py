@@ -14,7 +14,6 @@ the disk never waits for a forward); the bytes are those of writing in the calli
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import queue
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.shards import part_of, shard_name, shard_stats_path
+from cxrdr.reinforce.gzip_stream import ParallelGzipWriter
 
 TMP_SUFFIX = ".tmp"
 GZIP_LEVEL = 1
@@ -71,17 +71,16 @@ def write_text_atomic(path: Path, text: str) -> None:
 class TarOut:
     """A webdataset TarWriter onto an open file, through a gzip stream when ``compression`` is gzip.
 
-    Our own GzipFile, not ``TarWriter(compress=True)`` (tarfile's "w|gz" stamps the time and the file
-    name into the gzip header): mtime 0 and no name, so identical inputs give identical bytes. Level 1:
-    the headers and padding it exists to remove shrink as much as at level 9, and JPEG and float16
-    payloads hardly compress at any level.
+    Our own gzip stream, not ``TarWriter(compress=True)`` (tarfile's "w|gz" stamps the time and the file
+    name into the gzip header): mtime 0 and no name, so identical inputs give identical bytes, deflated on a
+    thread pool (``gzip_stream``) rather than in the writer thread. Level 1: the headers and padding it exists
+    to remove shrink as much as at level 9, and JPEG and float16 payloads hardly compress at any level.
     """
 
     def __init__(self, file, compression: str):
         import webdataset as wds
 
-        self._gzip = (gzip.GzipFile(fileobj=file, mode="wb", compresslevel=GZIP_LEVEL, mtime=0, filename="")
-                      if compression == "gzip" else None)
+        self._gzip = ParallelGzipWriter(file, GZIP_LEVEL) if compression == "gzip" else None
         # mtime=0 and no encoder: byte-identical tars for identical inputs (resume == fresh build).
         self._tar = wds.TarWriter(self._gzip or file, encoder=False, mtime=0)
 
