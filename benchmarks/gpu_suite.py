@@ -109,9 +109,9 @@ def settings(tiny: bool, device: str) -> dict:
     """Sizes of every section: the GPU run, or a CPU-sized run that exercises the same code.
 
     GPU sizes come from the H100 at 48c40d0 (benchmarks/results/nvidia-h100-80gb-hbm3-48c40d0.json): build 31 s;
-    students 200 s, of which ~80 s each for A's and E's encoders compiled whole with CUDA graphs; loop 82 s (10 timed blocks
-    of 5 steps, 8 configurations); compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows (20
-    timed steps beside their eager twin), each cut at COMPILE_LIMIT_S; peer ~10 s eager + one compile and train_step
+    students 200 s, of which ~80 s each for A's and E's encoders compiled whole with CUDA graphs; loop 82 s (10 timed
+    blocks of 5 steps, 8 configurations); compiled loop configurations COMPILE_ESTIMATE_S each, as the budget allows
+    (20 timed steps beside their eager twin), each cut at COMPILE_LIMIT_S; peer ~10 s eager + one compile and train_step
     ~36 s (../shared/gpu, not rerun since)."""
     if tiny:
         return dict(device=device, teacher="random:tiny",
@@ -158,15 +158,17 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     import reinforce_throughput
 
     b = cfg["build"]
+    # its threads sampled every 20 ms (~1 % of a thread's time), so the figures come with where the build's process
+    # waited: the lease at 416dba0 lost its separate profiling call (docs/gpu.md, "Fourth H100 session")
     m = reinforce_throughput.measure(teachers=cfg["teacher"], device=cfg["device"], out=str(work / "build"),
-                                     **b)
+                                     profile_out=str(work / "build-threads.txt"), profile_interval=0.02, **b)
     # beside the wall-time split, the CPU seconds of the workers' steps and of the build's threads: a worker's
     # wall time well above its CPU time says the cores were shared (the H100 run's 13.8 ms a sample of worker
     # wall time against ~6 ms of CPU on a 2-core box could not tell which)
     keep = ("source", "device", "teachers", "workers", "batch_size", "n_aug", "n_captions", "store_size",
             "samples", "build_seconds", "build_samples_per_s", "teacher_seconds", "teacher_samples_per_s",
             "ratio", "build_steady_samples_per_s", "steady_ratio", "start_up_seconds", "time_split_seconds",
-            "prepare_cpu_seconds", "main_cpu_seconds", "cpu_threads", "cpus", "shards")
+            "prepare_cpu_seconds", "main_cpu_seconds", "cpu_threads", "cpus", "shards", "thread_samples")
     return {k: m.get(k) for k in keep}
 
 
@@ -892,6 +894,10 @@ def markdown(result: dict) -> str:
                f"CPU (s): workers' steps {b.get('prepare_cpu_seconds')}; the build's threads "
                f"{b.get('main_cpu_seconds')}; {(b.get('cpu_threads') or {}).get('line', 'cpu threads as given')}, "
                f"{b.get('cpus')} CPUs", ""]
+        md += [f"- thread {name}, {t['samples']} samples of 20 ms: " + ", ".join(
+            f"{fn} {pct}%" for fn, pct in list(t["own_pct"].items())[:5]) for name, t in
+            (b.get("thread_samples") or {}).items() if not name.startswith(("QueueFeederThread", "tqdm"))]
+        md += [""] if b.get("thread_samples") else []
     if "students" in s:
         st = s["students"]
         md += ["## 2. Students (synthetic batch)", "", st["note"] + ".", "",

@@ -112,9 +112,10 @@ def teacher_forward_seconds(shards_dir: Path, teachers, batch_size: int, repeats
 def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch_size: int = 32, n_aug: int = 10,
             n_captions: int = 5, store_size: int = 256, device: str = "auto", files: bool = False,
             out: str | None = None, teacher_repeats: int = 2, replay: str = "auto",
-            profile_out: str | None = None) -> dict:
+            profile_out: str | None = None, profile_interval: float = 0.005) -> dict:
     """Build N phantom samples, then time the teachers alone on the same inputs; returns the figures.
-    ``profile_out``: sample the timed build's threads into that file (``thread_sampler``)."""
+    ``profile_out``: sample the timed build's threads every ``profile_interval`` seconds into that file
+    (``thread_sampler``); the result's ``thread_samples`` then holds each thread's top functions."""
     import torch
 
     from cxrdr.reinforce.build import BuildOptions, build
@@ -144,7 +145,7 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
     # table: 0.15-0.35 s), PIL plugins, caches. An untimed build of two records pays them here.
     build(dataclasses.replace(opts, out=root / "warm-up", limit=min(n, 2)), teachers=loaded)
     torch.set_num_threads(threads_before)
-    with sampled_threads(Path(profile_out)) if profile_out else contextlib.nullcontext():
+    with sampled_threads(Path(profile_out), profile_interval) if profile_out else contextlib.nullcontext() as sampler:
         start = time.perf_counter()
         info = build(opts, teachers=loaded)
         build_wall = time.perf_counter() - start
@@ -186,7 +187,8 @@ def measure(n: int = 200, teachers: str = "random:tiny", workers: int = 2, batch
             "build_steady_samples_per_s": steady_rate, "start_up_seconds": start_up,
             "steady_ratio": steady_rate / teacher_rate if steady_rate else None,
             "time_split_seconds": split, "assemble_seconds": assemble_s,
-            "prepare_cpu_seconds": prep, "main_cpu_seconds": main_cpu, "shards": str(shards)}
+            "prepare_cpu_seconds": prep, "main_cpu_seconds": main_cpu, "shards": str(shards),
+            "thread_samples": sampler.summary() if sampler is not None else None}
 
 
 def start_up_seconds(info: dict) -> dict | None:

@@ -63,6 +63,12 @@ class ThreadSampler:
         self._thread.join()
         self.seconds = time.perf_counter() - self._started
 
+    def summary(self, top: int = 8) -> dict:
+        """Per thread, most sampled first: its samples and its ``top`` functions by own share (%), for a JSON."""
+        return {name: {"samples": count, "own_pct": {fn: round(100 * n / count, 1)
+                                                     for fn, n in self.own[name].most_common(top)}}
+                for name, count in self.samples.most_common()}
+
     def report(self, top: int = 30) -> str:
         """Per thread, most sampled first: its samples, then its functions by own and by cumulative share."""
         lines = [f"{sum(self.samples.values())} samples of {len(self.samples)} threads every "

@@ -63,6 +63,9 @@ def test_tiny_suite_measures_every_section(tmp_path):
     start_up = s["build"]["start_up_seconds"]  # what the steady figure leaves out, within the build's time
     assert set(start_up) == {"setup", "first_batch"} and 0 < sum(start_up.values()) < s["build"]["build_seconds"]
     assert s["build"]["samples"] == 16
+    threads = {name.split(" [")[0]: t for name, t in s["build"]["thread_samples"].items()}  # sampled during the build
+    assert "MainThread" in threads and "shard-writer" in threads
+    assert all(t["samples"] > 0 and all(0 < pct <= 100 for pct in t["own_pct"].values()) for t in threads.values())
 
     rows = s["students"]["rows"]
     families = [("tiny", v) for v in "ABCDE"] + [("tiny-32px", v) for v in "AE"]  # the second: A and E only
