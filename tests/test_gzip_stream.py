@@ -7,6 +7,7 @@ import gzip
 import io
 import random
 import tarfile
+import threading
 import zlib
 
 import pytest
@@ -67,8 +68,11 @@ def test_a_tar_written_through_it_reads_back_in_tarfiles_stream_mode():
     assert read == members
 
 
-def test_writing_after_close_is_refused():
+def test_writing_after_close_is_refused_and_the_streams_threads_are_gone():
     stream = ParallelGzipWriter(io.BytesIO(), 1)
+    stream.write(random.Random(1).randbytes(3 * gzip_stream.CHUNK))
+    assert any(t.name.startswith("gzip") for t in threading.enumerate())
     stream.close()
+    assert not any(t.name.startswith("gzip") for t in threading.enumerate())  # nothing left to a later fork
     with pytest.raises(ValueError, match="closed gzip stream"):
         stream.write(b"late")

@@ -5,7 +5,7 @@ waited 1.3 s for its queue (docs/gpu.md, "Fourth H100 session"); on this CPU thr
 is ``GzipFile.write``. Python's gzip deflates in the calling thread, one stream at a time. Concatenated gzip
 members would let threads compress parts apart, but ``tarfile``'s stream mode (``r|gz``, which webdataset reads
 shards with) stops at the first member. So the stream is cut pigz's way: each ``CHUNK`` bytes of input is
-deflated by its own raw compressor on the pool (zlib releases the GIL while it deflates) and ended with a sync
+deflated by its own raw compressor on a few threads (zlib releases the GIL while it deflates) and ended with a sync
 flush, which leaves the deflate stream byte-aligned with no final block, so the chunks' outputs concatenate into
 one deflate stream; the last chunk finishes it, and the writer adds one gzip header and trailer (CRC-32 and size
 of the whole input). One gzip member, any gzip reader, and the same bytes for the same input whatever the threads'
@@ -22,14 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 CHUNK = 256 * 1024  # input bytes a compressor takes; each starts with an empty dictionary (~1 % on JSON and text)
 # mtime 0, extra flags 4 (fastest), OS 255 (unknown): no time or machine in the bytes
 HEADER = b"\x1f\x8b\x08\x00" + struct.pack("<I", 0) + b"\x04\xff"
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:  # shared by every stream of the process; its threads idle between chunks
-        _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="gzip")
-    return _POOL
+THREADS = min(4, os.cpu_count() or 1)
 
 
 def _deflate(data: bytes, level: int, last: bool) -> bytes:
@@ -39,10 +32,13 @@ def _deflate(data: bytes, level: int, last: bool) -> bytes:
 
 class ParallelGzipWriter:
     """Write-only file object: ``write`` bytes, ``close`` ends the gzip stream (the file ``fileobj`` stays open).
-    At most ``in_flight`` chunks are deflating at once; their outputs reach ``fileobj`` in order."""
+    At most ``in_flight`` chunks are deflating at once; their outputs reach ``fileobj`` in order. The stream's own
+    threads (up to THREADS, started as chunks come) end with it: none is left to a process that forks later (the
+    loader workers of a training run after a build in the same process)."""
 
     def __init__(self, fileobj, level: int, in_flight: int = 8):
         self._file, self._level, self._in_flight = fileobj, level, in_flight
+        self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="gzip")
         self._buffer = bytearray()
         self._pending: collections.deque[Future] = collections.deque()
         self._crc, self._size, self.closed = 0, 0, False
@@ -61,7 +57,7 @@ class ParallelGzipWriter:
         return len(data)
 
     def _submit(self, chunk: bytes, last: bool) -> None:
-        self._pending.append(_pool().submit(_deflate, chunk, self._level, last))
+        self._pending.append(self._pool.submit(_deflate, chunk, self._level, last))
         while len(self._pending) > (0 if last else self._in_flight - 1):
             self._file.write(self._pending.popleft().result())
 
@@ -72,6 +68,9 @@ class ParallelGzipWriter:
         if self.closed:
             return
         self.closed = True
-        self._submit(bytes(self._buffer), last=True)  # waits for every chunk, in order
-        self._buffer = bytearray()
-        self._file.write(struct.pack("<II", self._crc, self._size & 0xFFFFFFFF))
+        try:
+            self._submit(bytes(self._buffer), last=True)  # waits for every chunk, in order
+            self._buffer = bytearray()
+            self._file.write(struct.pack("<II", self._crc, self._size & 0xFFFFFFFF))
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
