@@ -97,6 +97,8 @@ COMPILE_LIMIT_S = {"blocks": 90, "model": 180}
 # budget room for another configuration.
 SMOKE_LIMIT_S = 60
 SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+# the build section samples its build's threads this often (~1 % of a thread's time)
+BUILD_SAMPLE_INTERVAL_S = 0.02
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
@@ -158,10 +160,11 @@ def section_build(cfg: dict, work: Path, budget) -> dict:
     import reinforce_throughput
 
     b = cfg["build"]
-    # its threads sampled every 20 ms (~1 % of a thread's time), so the figures come with where the build's process
-    # waited: the lease at 416dba0 lost its separate profiling call (docs/gpu.md, "Fourth H100 session")
+    # its threads sampled, so the figures come with where the build's process waited: the lease at 416dba0 lost
+    # its separate profiling call (docs/gpu.md, "Fourth H100 session")
     m = reinforce_throughput.measure(teachers=cfg["teacher"], device=cfg["device"], out=str(work / "build"),
-                                     profile_out=str(work / "build-threads.txt"), profile_interval=0.02, **b)
+                                     profile_out=str(work / "build-threads.txt"),
+                                     profile_interval=BUILD_SAMPLE_INTERVAL_S, **b)
     # beside the wall-time split, the CPU seconds of the workers' steps and of the build's threads: a worker's
     # wall time well above its CPU time says the cores were shared (the H100 run's 13.8 ms a sample of worker
     # wall time against ~6 ms of CPU on a 2-core box could not tell which)
@@ -832,6 +835,11 @@ def _describe_tiny(cfg: dict) -> str:
             f"{cfg['loop']['batch_size']}, fp32, build {cfg['build']['n']} samples with {cfg['teacher']}")
 
 
+def _env_text(env: dict) -> str:
+    """Environment variables as ``NAME=value`` words (a compiled configuration's or the smoke check's)."""
+    return " ".join(f"{k}={v}" for k, v in env.items())
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -894,7 +902,7 @@ def markdown(result: dict) -> str:
                f"CPU (s): workers' steps {b.get('prepare_cpu_seconds')}; the build's threads "
                f"{b.get('main_cpu_seconds')}; {(b.get('cpu_threads') or {}).get('line', 'cpu threads as given')}, "
                f"{b.get('cpus')} CPUs", ""]
-        md += [f"- thread {name}, {t['samples']} samples of 20 ms: " + ", ".join(
+        md += [f"- thread {name}, {t['samples']} samples of {BUILD_SAMPLE_INTERVAL_S * 1e3:.0f} ms: " + ", ".join(
             f"{fn} {pct}%" for fn, pct in list(t["own_pct"].items())[:5]) for name, t in
             (b.get("thread_samples") or {}).items() if not name.startswith(("QueueFeederThread", "tqdm"))]
         md += [""] if b.get("thread_samples") else []
@@ -940,11 +948,10 @@ def markdown(result: dict) -> str:
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()] + [""]
         md += [f"- **{f['name']}** not measured: {f['error']}"
-               + (f" (with {' '.join(f'{k}={v}' for k, v in f['env'].items())})" if f.get("env") else "")
-               for f in lc.get("failed", [])]
+               + (f" (with {_env_text(f['env'])})" if f.get("env") else "") for f in lc.get("failed", [])]
         if lc.get("smoke"):
             md += ["- smoke check (a two-layer MLP's step compiled in a child): " + "; ".join(
-                f"{' '.join(f'{k}={v}' for k, v in a['env'].items()) or 'inductor defaults'}: "
+                f"{_env_text(a['env']) or 'inductor defaults'}: "
                 + (f"{a['seconds']} s" if "seconds" in a else a["error"]) for a in lc["smoke"]["attempts"])]
     if "train_step" in s:
         ts = s["train_step"]
