@@ -46,6 +46,7 @@ and the others still run.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gc
 import json
@@ -382,6 +383,15 @@ def inductor_smoke(device: str) -> float:
     return time.perf_counter() - start
 
 
+def _processes_text(processes: list[dict]) -> str:
+    """A killed configuration's processes at its deadline in a few words: how many, how many were working (at least
+    half a core over the last second: a compilation still running) and the busiest ones' commands."""
+    busy = sorted((p for p in processes if (p.get("busy") or 0) >= 0.5), key=lambda p: -p["busy"])
+    states = ", ".join(f"{n} {st}" for st, n in sorted(collections.Counter(p["state"] for p in processes).items()))
+    text = f"{len(processes)} processes at the deadline ({states}), {len(busy)} busy"
+    return text + (": " + "; ".join(f"{p['cmd'][:60]} {p['busy']:.2f} core" for p in busy[:3]) if busy else "")
+
+
 def _smoke_check(device: str) -> dict:
     """``inductor_smoke`` in a child, with inductor's defaults and, if that fails, with SMOKE_FALLBACK_ENV: the
     attempts, and the env the configurations should get (None: neither compiled)."""
@@ -473,7 +483,10 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
                                            env={"TORCH_LOGS": "recompiles,graph_breaks", **env})
             except (DeadlineExceeded, RuntimeError) as exc:
                 failed.append({"name": _compiled_name(v, scope), "error": str(exc).splitlines()[0][:300],
-                               "env": dict(env)})
+                               "env": dict(env), **({"processes": [{k: p[k] for k in ("pid", "ppid", "state", "busy",
+                                                                                      "cpu_s", "cmd")}
+                                                                   for p in exc.processes]}
+                                                    if getattr(exc, "processes", None) else {})})
                 # a small step compiling is no proof for the student's: the next configurations get the fallback
                 env.update(SMOKE_FALLBACK_ENV)
                 publish(summary("still to measure"))
@@ -948,7 +961,8 @@ def markdown(result: dict) -> str:
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()] + [""]
         md += [f"- **{f['name']}** not measured: {f['error']}"
-               + (f" (with {_env_text(f['env'])})" if f.get("env") else "") for f in lc.get("failed", [])]
+               + (f" (with {_env_text(f['env'])})" if f.get("env") else "")
+               + (f"; {_processes_text(f['processes'])}" if f.get("processes") else "") for f in lc.get("failed", [])]
         if lc.get("smoke"):
             md += ["- smoke check (a two-layer MLP's step compiled in a child): " + "; ".join(
                 f"{_env_text(a['env']) or 'inductor defaults'}: "

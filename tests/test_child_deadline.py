@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from child_deadline import DeadlineExceeded, call_with_deadline  # noqa: E402
+from child_deadline import DeadlineExceeded, _proc_stat, call_with_deadline, process_tree  # noqa: E402
 
 
 def test_the_child_returns_the_value_and_sees_the_variables_set_for_it():
@@ -36,3 +37,33 @@ def test_a_call_past_its_deadline_writes_its_stacks_then_is_killed_and_raises(ca
     err = capfd.readouterr().err
     assert "Timeout (" in err and "(most recent call first)" in err and "in _child" in err
 
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_at_the_deadline_the_childs_processes_are_listed_and_killed_with_it(capfd):
+    with pytest.raises(DeadlineExceeded) as raised:  # the child waits on a shell that waits on two sleeps
+        call_with_deadline(subprocess.run, 4, ["sh", "-c", "sleep 120 & sleep 120; wait"])
+    processes = raised.value.processes
+    sleeps = [p for p in processes if p["cmd"] == "sleep 120"]
+    assert len(sleeps) == 2 and all(p["state"] in "SR" and p["busy"] is not None and p["busy"] < 0.5 for p in sleeps)
+    assert any(p["cmd"].startswith("sh -c") for p in processes) and len(processes) == 4  # the child, sh, 2 sleeps
+    time.sleep(0.5)
+    for p in processes:  # none lives on (a zombie waits for its reaper, it runs nothing)
+        left = _proc_stat(p["pid"])
+        assert left is None or left["state"] == "Z", left
+    err = capfd.readouterr().err
+    assert "run's processes at its deadline of 4 s" in err and err.count("sleep 120") >= 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_the_process_tree_gives_a_busy_process_about_a_core():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        tree = process_tree(os.getpid(), interval=1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    mine = {p["pid"]: p for p in tree}
+    assert os.getpid() in mine and spinner.pid in mine and mine[spinner.pid]["ppid"] == os.getpid()
+    assert mine[spinner.pid]["busy"] > 0.3 and mine[spinner.pid]["state"] == "R"

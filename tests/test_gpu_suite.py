@@ -243,7 +243,9 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
         clock.left_s -= seconds if variant == "E" else 50
         if (variant, scope) == ("E", "model"):
             raise DeadlineExceeded("compiled_configuration_rows did not return within 180 s; its child process "
-                                   "was killed")
+                                   "was killed", [dict(pid=10, ppid=1, state="S", busy=0.0, cpu_s=50.0, cmd="python"),
+                                                  dict(pid=11, ppid=10, state="R", busy=0.97, cpu_s=30.0,
+                                                       cmd="python -m torch._inductor.compile_worker")])
         return [{"name": f"{variant} eager", "img_per_s": 100.0, "step_ms": 20.0},
                 {"name": gpu_suite._compiled_name(variant, scope), "img_per_s": 150.0, "step_ms": 13.0}]
 
@@ -254,13 +256,18 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
                                               publish=published.append)
     assert limits[("E", "model")] == gpu_suite.COMPILE_LIMIT_S["model"]
     assert section["failed"] == [{"name": "E compiled model", "error": "compiled_configuration_rows did not return "
-                                  "within 180 s; its child process was killed", "env": {}}]
+                                  "within 180 s; its child process was killed", "env": {}, "processes": [
+                                      dict(pid=10, ppid=1, state="S", busy=0.0, cpu_s=50.0, cmd="python"),
+                                      dict(pid=11, ppid=10, state="R", busy=0.97, cpu_s=30.0,
+                                           cmd="python -m torch._inductor.compile_worker")]}]
     assert envs[("A", "model")] is None and envs[("E", "model")] is None and envs[("D", "model")] == "1"
     assert not published[0]["failed"] and published[1]["failed"] and len(published[1]["rows"]) == 2  # at once
     assert section["by_scope"]["model"]["compiled_over_eager_img_per_s"] == {"A": 1.5, "D": 1.5}
     assert "E compiled model" not in section["note"]  # not "left out": tried and recorded
     md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
     assert "E compiled model** not measured: compiled_configuration_rows did not return" in md
+    assert ("killed; 2 processes at the deadline (1 R, 1 S), 1 busy: python -m torch._inductor.compile_worker "
+            "0.97 core") in md
     assert section["smoke"] == {"attempts": [{"env": {}, "seconds": 7.5}], "env": {}}
     assert "smoke check (a two-layer MLP's step compiled in a child): inductor defaults: 7.5 s" in md
 
