@@ -101,7 +101,8 @@ SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 # the build section samples its build's threads this often (~1 % of a thread's time)
 BUILD_SAMPLE_INTERVAL_S = 0.02
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
-SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
+SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
+GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_graphs (models/block_graphs.py)
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
 # padded texts, D and E with the former heads: 3 of its 8 configurations, ~35 s) answered the same on three leases
@@ -121,11 +122,12 @@ def settings(tiny: bool, device: str) -> dict:
                     build=dict(n=16, workers=1, batch_size=8, n_aug=2, n_captions=2, store_size=64),
                     families={"tiny": ("tiny-{v}", {}, "ABCDE"), "tiny-32px": ("tiny-{v}", {"image_size": 32}, "AE")},
                     students=dict(batch_size=4, iters=2, warmup=1),
-                    loop=dict(family="tiny", batch_size=4, steps=2, compiled_steps=2, warmup=1, block=1, workers=0),
+                    loop=dict(family="tiny", batch_size=4, steps=2, compiled_steps=2, warmup=1, block=1, workers=0,
+                              graphed="AED"),
                     peer=dict(model="tiny", batch_size=4, steps=2, warmup=1, block=1, compile=False),
                     compile=False, step=dict(size="tiny", batch_size=4, steps=2, warmup=1, block=1, workers=0),
                     table_family="tiny",
-                    reserve={"build": 5, "students": 10, "loop": 5, "peer": 3, "loop_compiled": 5,
+                    reserve={"build": 5, "students": 10, "loop": 5, "loop_graphs": 3, "peer": 3, "loop_compiled": 5,
                              "train_step": 5, "table": 0})
     workers = max(1, min(12, (os.cpu_count() or 2) - 2))
     return dict(device=device, teacher="openclip:ViT-B-16",
@@ -136,12 +138,12 @@ def settings(tiny: bool, device: str) -> dict:
                 # 10 blocks in the loop section, so its slowest is dropped (train_step.time_interleaved): on the
                 # H100 at 0ef6026, 4 blocks of E gave a mean step of 160 ms around a median of 137 ms
                 loop=dict(family="vit-s16", batch_size=256, steps=50, compiled_steps=20, warmup=10, block=5,
-                          workers=min(8, workers)),
+                          workers=min(8, workers), graphed="AED"),
                 peer=dict(model="ViT-S-16", batch_size=256, steps=20, warmup=10, block=5, compile=True),
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
                 table_family="vit-s16",
-                reserve={"build": 90, "students": 80, "loop": 110, "peer": 60,
+                reserve={"build": 90, "students": 80, "loop": 110, "loop_graphs": 60, "peer": 60,
                          "loop_compiled": COMPILE_ESTIMATE_S["blocks"], "train_step": 45, "table": 0})
 
 
@@ -358,6 +360,36 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
             "note": f"Trainer.train_step (non-log steps), {lp['steps']} timed steps per configuration in blocks of "
                     f"{lp['block']} after {lp['warmup']} warm-up steps, interleaved; E and the Top-K mask at their "
                     "target rates" + ("" if comparisons else "; the comparisons left out (--skip loop_comparisons)")}
+
+
+def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
+    """The real loop's A, E and D with ``--cuda-graphs`` (the image tower's blocks replayed as CUDA graphs, forward and
+    backward), each interleaved with its eager twin: what taking the blocks' operators off the host buys where the
+    eager step is bound by it (E at 60 % busy on the H100 at 416dba0). A section of its own, after the loop's, so
+    that a capture that fails on the card cannot take the eager figures with it. On CPU the graphed rows run eagerly
+    (the Trainer warns): the tiny run checks the section's code, not graphs."""
+    lp = cfg["loop"]
+    pattern = cfg["families"][lp["family"]][0]
+    plan = []
+    for v in lp["graphed"]:
+        plan += [(v, pattern.format(v=v), None), (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": True})]
+    trainers = _loop_trainers(cfg, work, shards, plan)
+    rows = _run_loop(cfg, trainers, lp["compiled_steps"])
+    for row in rows:  # what the graphed trainers captured, or why not
+        graphs = getattr(trainers[row["name"]][0], "block_graphs", None)
+        if row["name"] != row["name"].split()[0]:
+            row.update(graphs_captured=len(graphs) if graphs is not None else None,
+                       graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
+    del trainers
+    _free_device_memory()
+    by = {r["name"]: r for r in rows}
+    graphed = [{**by[GRAPHED.format(v=v)], "name": v} for v in lp["graphed"]]
+    return {"rows": rows, "graphed_over_eager_img_per_s": {
+                v: by[GRAPHED.format(v=v)]["img_per_s"] / by[v]["img_per_s"] for v in lp["graphed"]},
+            "graphed_ratios": _ratios(graphed), "description": _loop_description(cfg),
+            "note": f"Trainer.train_step (non-log steps), {lp['compiled_steps']} timed steps per configuration in "
+                    f"blocks of {lp['block']} after {lp['warmup']} warm-up steps (the capture among them), each "
+                    "graphed configuration beside its eager twin, interleaved; E at its target keep rate"}
 
 
 def _compiled_name(variant: str, scope: str) -> str:
@@ -664,12 +696,11 @@ def _target(name: str, op: str, threshold: float, value) -> dict:
             "met": met}
 
 
-def _loop_targets(loop: dict | None, label: str, desc: str, eager: bool) -> list[dict]:
-    """The real-loop targets on one section's rows: those named "A".."E" (eager) or "A compiled <scope>"...; rows
-    beside them ("A padded texts", "D former heads", a compiled row's eager twin) are no target's."""
+def _loop_targets(loop: dict | None, label: str, desc: str, variant_names: set[str]) -> list[dict]:
+    """The real-loop targets on one section's rows: those named in ``variant_names`` ("A".."E" eager, "A compiled
+    <scope>", "A CUDA graphs"...); rows beside them ("A padded texts", "D former heads", a compiled or graphed row's
+    eager twin) are no target's."""
     rows = (loop or {}).get("rows", [])
-    variant_names = (set(VARIANTS) if eager
-                     else {_compiled_name(v, scope) for v in VARIANTS for scope in COMPILE_ESTIMATE_S})
     by = {r["name"].split()[0]: r for r in rows if r["name"] in variant_names}
     get = lambda v, k: (by.get(v) or {}).get(k)  # noqa: E731
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
@@ -694,7 +725,10 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
     b = cfg["build"]
     desc = (sections.get("loop") or {}).get("description") or TARGET_CONFIG
     e_over_a_infer = (students.get("E_over_A") or {}).get(family, {}).get("inference_img_per_s")
-    targets = _loop_targets(sections.get("loop"), "eager", desc, eager=True)
+    targets = _loop_targets(sections.get("loop"), "eager", desc, set(VARIANTS))
+    if (sections.get("loop_graphs") or {}).get("rows"):
+        targets += _loop_targets(sections["loop_graphs"], "eager + CUDA graphs of the blocks", desc,
+                                 {GRAPHED.format(v=v) for v in VARIANTS})
     targets.append(_target(f"E / A inference img/s ({family}, image encoder, batch {cfg['students']['batch_size']})",
                            ">=", 2, e_over_a_infer))
     e_over_a_compiled = (students.get("E_over_A") or {}).get(family, {}).get(COMPILED_INFERENCE)
@@ -710,7 +744,8 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
     for scope in COMPILE_ESTIMATE_S:
         rows = [r for r in compiled_rows if r.get("compile_scope") == scope]
         if rows:
-            targets += _loop_targets({"rows": rows}, f"compiled {scope}", desc, eager=False)
+            targets += _loop_targets({"rows": rows}, f"compiled {scope}", desc,
+                                     {_compiled_name(v, scope) for v in VARIANTS})
     return targets
 
 
@@ -815,6 +850,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
 
     run("students", lambda: section_students(cfg, work, budget, after("students")))
     run("loop", lambda: section_loop(cfg, work, budget, shards()))
+    run("loop_graphs", lambda: section_loop_graphs(cfg, work, shards()))
     run("peer", lambda: section_peer(cfg, work, budget, after("peer")))
     if not cfg["compile"]:
         skip("loop_compiled", "skipped: " + ("the tiny CPU run times no compiled step (a CPU compile takes minutes)"
@@ -947,6 +983,18 @@ def markdown(result: dict) -> str:
                f"D step / D step with the former heads {_fmt(lp.get('D_over_former_heads_D_step'))}; "
                f"E step / E step with the former heads {_fmt(lp.get('E_over_former_heads_E_step'))}",
                f"- CUDA math after the Trainer's start-up: {lp['cuda_math']}" if lp.get("cuda_math") else "", ""]
+    if "loop_graphs" in s:
+        lg = s["loop_graphs"]
+        md += ["## 3b. Real training loop, the image tower's blocks as CUDA graphs (TrainConfig.cuda_graphs)", "",
+               f"{lg['description']}; {lg['note']}.", "",
+               *_table(lg["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), "",
+               "- graphed / eager img/s: " + ", ".join(f"{v} {_fmt(x)}x" for v, x in
+                                                       lg["graphed_over_eager_img_per_s"].items())
+               + f"; graphed D step / A step {_fmt(lg['graphed_ratios'].get('D_over_A_step'))}; graphed E / A img/s "
+                 f"{_fmt(lg['graphed_ratios'].get('E_over_A_img_per_s'))}"]
+        md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
+               + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
+               for r in lg["rows"] if "graphs_captured" in r] + [""]
     if "peer" in s:
         pe = s["peer"]
         md += ["## 4. Peer: open_clip's own CLIP step on the same device", "", pe["description"] + ".", "",

@@ -170,7 +170,7 @@ def eager_twin_key(cfg) -> str:
     """What a configuration's FLOP count depends on: every TrainConfig field but compilation and the run folder. A
     compiled configuration shares it with its eager twin; "A padded texts" or "D former heads" do not share A's or
     D's (model, mode and teacher alone made them share it, and their counts were their twins')."""
-    skip = ("compile", "compile_scope", "compile_backend", "out", "overwrite", "resume")
+    skip = ("compile", "compile_scope", "compile_backend", "cuda_graphs", "out", "overwrite", "resume")
     fields = {k: v for k, v in cfg.to_dict().items() if k not in skip}
     return json.dumps(fields, sort_keys=True, default=str)
 
@@ -200,15 +200,16 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
         count = count_flops if count_flops is not None else peak_bf16_flops(trainer.device) is not None
         cfg = trainer.cfg
         compiled = bool(getattr(cfg, "compile", False))
+        graphed = getattr(trainer, "block_graphs", None) is not None  # a replayed graph's operators go uncounted
         key = eager_twin_key(cfg)
         row = {"name": name, "model": cfg.model, "mode": cfg.mode, "online_teacher": cfg.online_teacher,
-               "compile": compiled, "compile_scope": cfg.compile_scope if compiled else None,
+               "compile": compiled, "compile_scope": cfg.compile_scope if compiled else None, "cuda_graphs": graphed,
                "batch_size": cfg.batch_size, "device": str(trainer.device), **timed[name]}
         # the timed steps' waits only (the last ones so far): the first warm-up step starts the loader
         waits = batches.waits[-timed[name]["steps"] * cfg.accum_steps:]
         row["data_ms"] = 1000 * sum(waits) / max(1, timed[name]["steps"])
         if figures:
-            if count and not compiled and key not in flops:
+            if count and not compiled and not graphed and key not in flops:
                 flops[key] = gflops(fns[name], grad=True) * 1e9
             row.update(step_figures(fns[name], trainer.device, cfg.batch_size * cfg.accum_steps,
                                     row["step_ms"], flops.get(key)))
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the student (TrainConfig.compile)")
     parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="model",
                         help="with --compile: the whole forward or each tower block (TrainConfig.compile_scope)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the image tower's blocks as CUDA graphs (TrainConfig.cuda_graphs; CUDA only)")
     parser.add_argument("--only", default=None,
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
     parser.add_argument("--padded-texts", action="store_true",
@@ -264,6 +267,8 @@ def main(argv=None) -> int:
             "out": str(Path(tmp.name) / "run")}
     if args.compile:
         base.update(compile=True, compile_scope=args.compile_scope)
+    if args.cuda_graphs:
+        base.update(cuda_graphs=True)
 
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),

@@ -19,8 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "train_step", "table")
-MEASURED_IN_TINY = {"build", "students", "loop", "peer", "train_step", "table"}  # loop_compiled: GPU only
+SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
+MEASURED_IN_TINY = {"build", "students", "loop", "loop_graphs", "peer", "train_step", "table"}  # loop_compiled: GPU only
 TARGET_KEYS = {"name", "required", "value", "met"}
 
 
@@ -101,6 +101,16 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert s["loop"]["D_over_A_step"] == lb["D"]["step_ms"] / lb["A"]["step_ms"]
     assert s["loop"]["shards"] == s["build"]["shards"]  # the loop trains on the build's shards
 
+    graphs = s["loop_graphs"]  # on CPU the graphed trainers run eagerly, and say so
+    assert [r["name"] for r in graphs["rows"]] == ["A", "A CUDA graphs", "E", "E CUDA graphs", "D", "D CUDA graphs"]
+    assert all(positive(r["img_per_s"]) for r in graphs["rows"])
+    assert all(r["graphs_captured"] is None and r["graphs_failed"] == "no graphs: not a CUDA device"
+               for r in graphs["rows"][1::2])
+    gb = {r["name"]: r for r in graphs["rows"]}
+    assert graphs["graphed_over_eager_img_per_s"]["E"] == gb["E CUDA graphs"]["img_per_s"] / gb["E"]["img_per_s"]
+    assert graphs["graphed_ratios"]["E_over_A_img_per_s"] == (
+        gb["E CUDA graphs"]["img_per_s"] / gb["A CUDA graphs"]["img_per_s"])
+
     peer = s["peer"]["rows"]
     assert [r["name"] for r in peer] == ["open_clip tiny eager"] and s["peer"]["notes"]
     assert positive(peer[0]["img_per_s"])
@@ -123,8 +133,11 @@ def test_tiny_suite_measures_every_section(tmp_path):
 
     targets = result["targets"]
     assert all(set(t) >= TARGET_KEYS for t in targets)
-    # no compiled rows in the tiny run: the eager targets, and the build's steady ratio beside its whole one
-    assert len(targets) == 9
+    # no compiled rows in the tiny run: the eager and graphed loops' targets, and the build's steady ratio beside its
+    # whole one
+    assert len(targets) == 15
+    graphed_a = next(t for t in targets if t["name"].startswith("A training, real loop, img/s [eager + CUDA graphs"))
+    assert graphed_a["value"] == gb["A CUDA graphs"]["img_per_s"]
     steady = next(t for t in targets if t["name"].startswith("build / teacher forward [steady"))
     assert steady["value"] == s["build"]["steady_ratio"] and steady["required"] == ">= 0.9"
     by_name = {t["name"].split(" (")[0]: t for t in targets}
@@ -143,7 +156,9 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert result["targets_device"] == result["device"] and "tiny CPU run" in result["targets_note"]
     assert "not the GPU targets" in md
 
-    for heading in ("## Targets", "## 1. Build", "## 2. Students", "## 3. Real training loop", "## 4. Peer",
+    assert "- **A CUDA graphs**: None graph(s) captured; capture failed or off: no graphs: not a CUDA device" in md
+    for heading in ("## Targets", "## 1. Build", "## 2. Students", "## 3. Real training loop", "## 3b. Real training",
+                    "## 4. Peer",
                     "## 6. Training step", "## 7. Efficiency table", "Tiny CPU run"):
         assert heading in md
     assert "| target | required | measured | met |" in md and "| D step / A step, real loop [eager] | <= 1.25 |" in md

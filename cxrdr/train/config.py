@@ -101,6 +101,10 @@ class TrainConfig:
                                        "fusion, minutes to compile; texts padded to the context length, eager while "
                                        "the k-ratio / keep-rate schedules change) or blocks (each tower block, one "
                                        "compiled block per tower shared by all: about a block's compile time).")
+    cuda_graphs: bool = _opt(False, "Replay the ViT image tower's transformer blocks as CUDA graphs, forward and "
+                                    "backward, once E's keep-rate warm-up is over: the host stops issuing their "
+                                    "operators one by one (cxrdr/train/models/block_graphs.py). CUDA, one process; not "
+                                    "with --compile, --grad-checkpointing or --accum-steps > 1.")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int = _opt(2, "DataLoader workers per rank.")
@@ -150,6 +154,13 @@ class TrainConfig:
             raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         if self.online_teacher and self.mode == "plain":
             raise ValueError("--online-teacher distils from a teacher: use it with --mode reinforced")
+        if self.cuda_graphs:
+            conflicts = [flag for flag, on in (("--compile", self.compile), ("--grad-checkpointing",
+                                               self.grad_checkpointing), ("--accum-steps > 1", self.accum_steps > 1))
+                         if on]
+            if conflicts:
+                raise ValueError(f"--cuda-graphs does not go with {' or '.join(conflicts)} (a graph's gradients come "
+                                 "back in its own buffers, and capture covers neither compiled nor recomputed blocks)")
 
     def to_dict(self) -> dict:
         """Plain nested dict (lists, no tuples): what RUN/config.yaml and checkpoints hold."""

@@ -28,11 +28,12 @@ def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if amp == "bf16" else torch.float16
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """torch.autocast with ``dtype``, or a no-op context for full precision."""
+def autocast(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
+    """torch.autocast with ``dtype``, or a no-op context for full precision. ``cache=False``: no cache of the
+    weights' casts (CUDA graph capture refuses it: models/block_graphs.py)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
 def to_device(x, device: torch.device | str):

@@ -26,6 +26,7 @@ import math
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ from cxrdr.train.health import FiniteWatch, read_scalars
 from cxrdr.train.integrity import SKIP_LOG, CorruptPolicy, count_skipped
 from cxrdr.train.losses import loss_balance
 from cxrdr.train.models import StudentConfig, build_student
+from cxrdr.train.models.block_graphs import BlockGraphs, enable_block_graphs, shapes_settled
 from cxrdr.train.optim import apply_stage, build_optimizer, build_scheduler
 from cxrdr.train.quick_eval import quick_evaluate
 from cxrdr.train.rng import preserved_rng, rng_state, seed_everything, set_rng_state
@@ -139,9 +141,19 @@ class Trainer:
             text_tower.pack = False
         if cfg.compile and cfg.compile_scope == "blocks":  # in place, once: dynamo guards see stage changes
             compile_blocks(self.student, cfg.compile_backend)
+        self.block_graphs = self._block_graphs()  # --cuda-graphs
         self.finite = FiniteWatch()  # non-finite losses, read at log and save steps only
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _block_graphs(self) -> BlockGraphs | None:
+        if not self.cfg.cuda_graphs:
+            return None
+        if self.device.type != "cuda" or self.ddp:
+            warnings.warn(f"--cuda-graphs needs one CUDA process (here: {self.device}, {self.world} process(es)); "
+                          "the blocks run eagerly", RuntimeWarning, stacklevel=2)
+            return None
+        return enable_block_graphs(self.student)
+
     def _read_data_description(self) -> None:
         cfg = self.cfg
         self.info = read_dataset_info(cfg.shards)
@@ -313,6 +325,8 @@ class Trainer:
             self.task.model = DistributedDataParallel(module, find_unused_parameters=True, **kwargs)
         if self._compiles_model:  # a stage change alters which parameters need gradients: compile anew
             self._compiled = compile_model(self.task.model, self.cfg.compile_backend)
+        if self.block_graphs is not None:  # the same for the graphs' captured gradients
+            self.block_graphs.clear()
 
     @property
     def _compiles_model(self) -> bool:
@@ -331,7 +345,10 @@ class Trainer:
         norms on logging steps)."""
         no_sync = self.task.model.no_sync() if self.ddp and not sync else None
         with no_sync if no_sync is not None else contextlib.nullcontext():
-            with record_function(PHASES["forward"]), autocast(self.device, self.amp_dtype):
+            if self.block_graphs is not None:
+                self.block_graphs.active = shapes_settled(self.student, self.step)
+            with record_function(PHASES["forward"]), autocast(self.device, self.amp_dtype,
+                                                              cache=self.block_graphs is None):
                 terms = self.task.forward(batch, self.step, compiled=self._compiled_now())
             balance = loss_balance(terms, self.student.trunk_parameters()) if log_balance else {}
             self.finite.observe(terms, self.step)

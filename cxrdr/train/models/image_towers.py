@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cxrdr.common.patch_conv import swap_patch_convs
 from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
+from cxrdr.train.models.block_graphs import BlockGraphs
 from cxrdr.train.models.registry import register_tower
 
 TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
@@ -106,6 +107,7 @@ class ViTTower(ImageTower):
         cfg = getattr(vit, "pretrained_cfg", None) or {}
         self.mean = tuple(cfg.get("mean", (0.5, 0.5, 0.5)))
         self.std = tuple(cfg.get("std", (0.5, 0.5, 0.5)))
+        self.block_graphs: BlockGraphs | None = None  # --cuda-graphs (the Trainer sets it; models/block_graphs.py)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Patch embedding + [CLS] + positional embedding (timm's _pos_embed): (B, 1+N, d)."""
@@ -123,13 +125,32 @@ class ViTTower(ImageTower):
         pooled = x[:, 0] if self.global_pool == "token" else patches.mean(1)
         return TowerOutput(x, pooled, patches, patch_index, keep_ratio)
 
-    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        x = self.embed(x)
-        at_head_layer = x if self.head_layer == 0 else None
-        for i, block in enumerate(self.trunk.blocks):
+    def run_blocks(self, x: torch.Tensor, start: int, stop: int,
+                   mark: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blocks ``start``..``stop - 1`` on ``x``; returns their output and, where ``start < mark <= stop``, the
+        tokens as they left block ``mark - 1`` (the heads' layer), else None. Each run between marks goes through
+        ``block_graphs`` where it applies (one CUDA graph for the run), else block by block."""
+        if mark is not None and start < mark < stop:
+            marked, _ = self.run_blocks(x, start, mark)
+            return self.run_blocks(marked, mark, stop)[0], marked
+        if start < stop:
+            graphs = self.block_graphs
+            if graphs is not None and not getattr(self.trunk, "grad_checkpointing", False) \
+                    and graphs.applies(self, x):
+                x = graphs.run(self.trunk.blocks, start, stop, x, lambda t: self._eager_blocks(t, start, stop))
+            else:
+                x = self._eager_blocks(x, start, stop)
+        return x, (x if mark is not None and start < mark == stop else None)
+
+    def _eager_blocks(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for block in self.trunk.blocks[start:stop]:
             x = self.run_block(block, x)
-            if self.head_layer == i + 1:
-                at_head_layer = x
+        return x
+
+    def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
+        embedded = self.embed(x)
+        x, marked = self.run_blocks(embedded, 0, self.depth, self.head_layer)
+        at_head_layer = embedded if self.head_layer == 0 else marked
         n = x.shape[1] - 1
         index = torch.arange(n, device=x.device).expand(x.shape[0], n)
         out = self.finish(x, index, n, 1.0)

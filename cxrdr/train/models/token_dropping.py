@@ -77,15 +77,15 @@ class TokenDroppingViT(ViTTower):
             raise ValueError("patch_score 'mask' takes the scores from the caller, and only it does")
         b, t, d = x.shape
         n = t - 1
-        blocks = self.trunk.blocks
         cls_scores = None
         at_head_layer = x if self.head_layer == 0 else None
-        for i, block in enumerate(blocks[:self.drop_layer]):
-            if self.patch_score == "cls_attn" and i == self.drop_layer - 1:
-                cls_scores = self._cls_attention(block, x)
-            x = self.run_block(block, x)
-            if self.head_layer == i + 1:
-                at_head_layer = x
+        last_full = self.drop_layer - 1 if self.patch_score == "cls_attn" else self.drop_layer
+        x, marked = self.run_blocks(x, 0, last_full, self.head_layer)
+        if self.patch_score == "cls_attn":  # the attention of block L1-1 on its input
+            cls_scores = self._cls_attention(self.trunk.blocks[last_full], x)
+            x, marked_last = self.run_blocks(x, last_full, self.drop_layer, self.head_layer)
+            marked = marked if marked is not None else marked_last
+        at_head_layer = marked if marked is not None else at_head_layer
 
         k = self.num_kept(n, step)
         patches = x[:, 1:]
@@ -116,10 +116,9 @@ class TokenDroppingViT(ViTTower):
         head_index = None
         if at_head_layer is not None:
             head_index = torch.arange(n, device=x.device).expand(b, n)
-        for i, block in enumerate(blocks[self.drop_layer:], start=self.drop_layer):
-            x = self.run_block(block, x)
-            if self.head_layer == i + 1:
-                at_head_layer, head_index = x, index
+        x, marked = self.run_blocks(x, self.drop_layer, self.depth, self.head_layer)
+        if marked is not None:
+            at_head_layer, head_index = marked, index
         out = self.finish(x, index, k, k / n)
         if head_index is not None:
             out.head_patches, out.head_index = head_tokens(at_head_layer, head_index.shape[1]), head_index

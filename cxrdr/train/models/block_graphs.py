@@ -1,0 +1,130 @@
+"""``--cuda-graphs``: a ViT tower's runs of transformer blocks replayed as CUDA graphs, forward and backward.
+
+Why: an eager training step issues every operator from Python. On the H100 (docs/gpu.md) token dropping's (E) step
+was bound by the host, 60 % of the GPU busy: its blocks run on 40 % of the tokens, so their kernels shrink while the
+host still issues as many operators as A's. A CUDA graph replays a whole run of blocks, and its backward, as one
+launch each. PyTorch's ``torch.cuda.make_graphed_callables`` does the capture (warm-up on a side stream, a graph for
+the forward and one for the backward, in an autograd node); this module decides where it applies and keeps it safe:
+
+- A graph is fixed to its input's shape: one is captured per (blocks, shape, dtype, autocast dtype) on first use,
+  at most ``MAX_GRAPHS``, and only while ``active`` (the Trainer sets it once the keep-rate warm-up, which changes
+  E's token count every step, is over). Evaluation (eval mode, no grad), CPU tensors and anything else run eagerly.
+- A replay overwrites the graph's outputs and the activations its backward reads. A second call of the same graph
+  before the first one's backward ran would corrupt that backward, so it runs eagerly instead (``_live``: a
+  gradient hook on the output releases it).
+- The parameters' gradients come back in the graph's own buffers, which autograd may keep as ``.grad``: a second
+  backward into them before the optimiser step (gradient accumulation) would add a buffer to itself, so the Trainer
+  refuses ``accum_steps > 1`` with graphs, and DDP, compilation and activation checkpointing, which capture does not
+  cover.
+- The autocast cache must be off (make_graphed_callables refuses it): the Trainer's autocast turns it off.
+- A capture that fails warns once, with the reason, and the tower runs eagerly from then on.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+MAX_GRAPHS = 4  # per tower: A and D need one, E two (before and after the drop); more means shapes that change
+
+
+def capture_cuda_graphs(module: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``module`` (in training mode) with its forward and backward on inputs shaped like ``x`` as CUDA graphs.
+    The capture is thread-local, so the loader's pin-memory thread may go on allocating page-locked memory."""
+    sample = x.detach().clone().requires_grad_(x.requires_grad)
+    kwargs = {}
+    if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
+        kwargs["capture_error_mode"] = "thread_local"
+    return torch.cuda.make_graphed_callables(module, (sample,), **kwargs)
+
+
+class BlockGraphs:
+    """The graphs of one tower's block runs (``run``), captured on first use while ``active``."""
+
+    def __init__(self, capture: Callable[[nn.Module, torch.Tensor], nn.Module] = capture_cuda_graphs,
+                 on_device: Callable[[torch.Tensor], bool] = lambda x: x.is_cuda):
+        self._capture, self._on_device = capture, on_device
+        self._graphed: dict[tuple, nn.Module] = {}
+        self._live: set[tuple] = set()
+        self.active = False
+        self.failed: str | None = None  # why capturing stopped (the first failure), None while it works
+        self._warned: set[str] = set()
+
+    def __deepcopy__(self, memo) -> "BlockGraphs":
+        """A copy of the model (efficiency measurements) starts without graphs: its blocks are other modules."""
+        return BlockGraphs(self._capture, self._on_device)
+
+    def applies(self, module: nn.Module, x: torch.Tensor) -> bool:
+        """Whether a block run of ``module`` on ``x`` goes through a graph (training with gradients, on the
+        graphs' device, active, no failure so far)."""
+        return (self.active and self.failed is None and module.training and torch.is_grad_enabled()
+                and self._on_device(x))
+
+    def clear(self) -> None:
+        """Forget every graph (the Trainer calls it when a training stage changes which parameters train)."""
+        self._graphed.clear()
+        self._live.clear()
+
+    def __len__(self) -> int:
+        return len(self._graphed)
+
+    def run(self, blocks: nn.ModuleList, start: int, stop: int, x: torch.Tensor,
+            eager: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``blocks[start:stop]`` on ``x``: the graph of this run and shape (captured now if new), or ``eager(x)``
+        where no graph may run (see the module docstring)."""
+        device_type = x.device.type
+        amp = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        key = (start, stop, tuple(x.shape), x.dtype, x.requires_grad, amp)
+        if key in self._live:
+            self._warn("live", "a block run's CUDA graph was called again before the backward of its last call; "
+                               "that call runs eagerly (a replay would overwrite what the pending backward reads)")
+            return eager(x)
+        graphed = self._graphed.get(key)
+        if graphed is None:
+            if len(self._graphed) >= MAX_GRAPHS:
+                self._warn("full", f"{MAX_GRAPHS} CUDA graphs of block runs are captured already (input shapes "
+                                   f"that change?); {tuple(x.shape)} runs eagerly")
+                return eager(x)
+            try:
+                graphed = self._capture(nn.Sequential(*blocks[start:stop]), x)
+            except Exception as exc:  # noqa: BLE001 - a capture the host cannot make: eager from now on
+                self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                self._warn("failed", f"capturing the blocks as a CUDA graph failed ({self.failed}); the blocks run "
+                                     "eagerly")
+                return eager(x)
+            self._graphed[key] = graphed
+        out = graphed(x)
+        if out.requires_grad:
+            self._live.add(key)
+            out.register_hook(functools.partial(self._release, key))
+        return out
+
+    def _release(self, key: tuple, grad: torch.Tensor) -> None:
+        self._live.discard(key)
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def enable_block_graphs(student: nn.Module, **kwargs) -> BlockGraphs | None:
+    """Give the student's image tower a BlockGraphs (``kwargs``: BlockGraphs'); None, with a warning, where the tower
+    has no transformer blocks to run (a CNN or hybrid tower)."""
+    tower = student.image_tower
+    if not hasattr(tower, "run_blocks"):
+        warnings.warn(f"--cuda-graphs: the image tower {type(tower).__name__} has no transformer blocks to replay; "
+                      "it runs eagerly", RuntimeWarning, stacklevel=2)
+        return None
+    tower.block_graphs = BlockGraphs(**kwargs)
+    return tower.block_graphs
+
+
+def shapes_settled(student: nn.Module, step: int) -> bool:
+    """Whether the tower's block inputs keep their shapes from ``step`` on: E's kept tokens change every step of its
+    keep-rate warm-up (TokenDroppingViT.warmup_steps); the other towers' never do."""
+    return step >= getattr(student.image_tower, "warmup_steps", 0)

@@ -1,0 +1,187 @@
+"""--cuda-graphs (cxrdr/train/models/block_graphs.py): which block runs go through a graph, and the guards around it.
+
+A CUDA graph cannot be captured on the CPU; a stand-in capture (the run's blocks as they are, counted) takes its
+place, so these tests check the plumbing: the same outputs and gradients as the eager tower, a graph per run and
+shape, eager where a graph may not run, and the Trainer's settings."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cxrdr.train.config import TrainConfig
+from cxrdr.train.device import autocast
+from cxrdr.train.models import StudentConfig, build_student
+from cxrdr.train.models.block_graphs import MAX_GRAPHS, BlockGraphs, enable_block_graphs, shapes_settled
+
+TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
+
+
+class CountingCapture:
+    """Stands in for capture_cuda_graphs: the run's blocks as they are; counts captures and replays."""
+
+    def __init__(self):
+        self.captured: list[tuple[int, tuple]] = []
+        self.replays = 0
+
+    def __call__(self, module, x):
+        self.captured.append((len(module), tuple(x.shape)))
+
+        def replay(t):
+            self.replays += 1
+            return module(t)
+        return replay
+
+
+def _student(name: str, **overrides):
+    torch.manual_seed(0)
+    return build_student(StudentConfig.from_yaml(name, **overrides)).train()
+
+
+def _images(n: int = 2):
+    return torch.rand(n, 1, 64, 64, generator=torch.Generator().manual_seed(0))
+
+
+def _loss_and_grads(model, images):
+    tok = model.tokenize(TEXTS[:images.shape[0]] * (images.shape[0] // 2 or 1))
+    torch.manual_seed(1)
+    out = model(images, tok["input_ids"], tok["attention_mask"])
+    loss = out.image_emb.square().sum() + out.patch_tokens.square().mean()
+    if out.mask_scores is not None:
+        loss = loss + out.mask_scores.sum()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.image_tower.named_parameters() if p.grad is not None}
+
+
+def _with_graphs(model, capture):
+    graphs = enable_block_graphs(model, capture=capture, on_device=lambda x: True)
+    graphs.active = True
+    return graphs
+
+
+@pytest.mark.parametrize("name, overrides, runs", [
+    ("tiny-D", {}, [(4, (2, 65, 64))]),                                   # one run of the 4 blocks
+    ("tiny-D", {"head_layer": 1}, [(1, (2, 65, 64)), (3, (2, 65, 64))]),  # split at the heads' layer
+    ("tiny-E", {}, [(2, (2, 65, 64)), (2, (2, 33, 64))]),                 # before and after the drop (keep 0.5)
+    ("tiny-E", {"head_layer": 3}, [(2, (2, 65, 64)), (1, (2, 33, 64)), (1, (2, 33, 64))]),
+    ("tiny-E", {"patch_score": "cls_attn"}, [(1, (2, 65, 64)), (1, (2, 65, 64)), (2, (2, 33, 64))]),
+])
+def test_graphed_runs_give_the_eager_towers_outputs_and_gradients(name, overrides, runs):
+    eager_loss, eager_grads = _loss_and_grads(_student(name, **overrides), _images())
+    model, capture = _student(name, **overrides), CountingCapture()
+    graphs = _with_graphs(model, capture)
+    loss, grads = _loss_and_grads(model, _images())
+    assert capture.captured == runs and len(graphs) == len(runs)
+    assert torch.allclose(loss, eager_loss, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for key, grad in grads.items():
+        assert torch.allclose(grad, eager_grads[key], atol=1e-6), key
+    _loss_and_grads(model, _images())  # a second step replays what the first captured
+    assert len(capture.captured) == len(runs) and capture.replays == 2 * len(runs)
+
+
+def test_no_graph_outside_training_with_gradients_on_the_graphs_device_while_active():
+    model, capture = _student("tiny-D"), CountingCapture()
+    graphs = _with_graphs(model, capture)
+    tok = model.tokenize(TEXTS)
+    with torch.no_grad():
+        model(_images(), tok["input_ids"], tok["attention_mask"])
+    model.eval()
+    model(_images(), tok["input_ids"], tok["attention_mask"])
+    model.train()
+    graphs.active = False  # the Trainer's keep-rate warm-up
+    model(_images(), tok["input_ids"], tok["attention_mask"])
+    graphs.active, graphs._on_device = True, lambda x: x.is_cuda
+    model(_images(), tok["input_ids"], tok["attention_mask"])
+    assert capture.captured == [] and capture.replays == 0
+
+
+def test_a_second_call_before_the_backward_runs_eagerly_and_the_backward_releases_the_graph():
+    model, capture = _student("tiny-D"), CountingCapture()
+    _with_graphs(model, capture)
+    tok = model.tokenize(TEXTS)
+    first = model(_images(), tok["input_ids"], tok["attention_mask"])
+    with pytest.warns(RuntimeWarning, match="called again before the backward of its last call"):
+        second = model(_images(), tok["input_ids"], tok["attention_mask"])  # would overwrite what first's needs
+    assert capture.replays == 1 and torch.allclose(first.image_emb, second.image_emb, atol=1e-6)
+    first.image_emb.sum().backward()
+    model(_images(), tok["input_ids"], tok["attention_mask"])
+    assert capture.replays == 2 and len(capture.captured) == 1
+
+
+def test_changing_shapes_stop_at_max_graphs_and_a_failed_capture_leaves_the_tower_eager():
+    model, capture = _student("tiny-D"), CountingCapture()
+    graphs = _with_graphs(model, capture)
+    for n in range(1, MAX_GRAPHS + 2):
+        if n == MAX_GRAPHS + 1:
+            with pytest.warns(RuntimeWarning, match=f"{MAX_GRAPHS} CUDA graphs of block runs are captured already"):
+                _loss_and_grads(model, _images(2 * n))
+        else:
+            _loss_and_grads(model, _images(2 * n))
+    assert len(graphs) == MAX_GRAPHS and len(capture.captured) == MAX_GRAPHS
+    graphs.clear()
+    assert len(graphs) == 0
+
+    def refuse(module, x):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    model = _student("tiny-D")
+    graphs = _with_graphs(model, refuse)
+    eager_loss, _ = _loss_and_grads(_student("tiny-D"), _images())
+    with pytest.warns(RuntimeWarning, match="capturing the blocks as a CUDA graph failed .*not permitted"):
+        loss, _ = _loss_and_grads(model, _images())
+    assert torch.allclose(loss, eager_loss, atol=1e-6)
+    assert graphs.failed == "RuntimeError: operation not permitted when stream is capturing"
+    assert not graphs.applies(model.image_tower, torch.zeros(1))
+
+
+def test_a_copied_model_starts_without_graphs_and_cnn_towers_have_none():
+    model = _student("tiny-D")
+    graphs = _with_graphs(model, CountingCapture())
+    _loss_and_grads(model, _images())
+    twin = copy.deepcopy(model)
+    assert len(graphs) == 1 and isinstance(twin.image_tower.block_graphs, BlockGraphs)
+    assert len(twin.image_tower.block_graphs) == 0 and not twin.image_tower.block_graphs.active
+    with pytest.warns(RuntimeWarning, match="has no transformer blocks to replay"):
+        assert enable_block_graphs(_student("tiny-cnn-D")) is None
+
+
+def test_shapes_settle_after_es_keep_rate_warm_up_only():
+    e = _student("tiny-E", keep_rate_warmup_steps=50)
+    assert not shapes_settled(e, 49) and shapes_settled(e, 50)
+    assert shapes_settled(_student("tiny-D"), 0)
+
+
+def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache():
+    for flags, named in (({"compile": True}, "--compile"), ({"grad_checkpointing": True}, "--grad-checkpointing"),
+                         ({"accum_steps": 2}, "--accum-steps > 1")):
+        with pytest.raises(ValueError, match=f"--cuda-graphs does not go with {named}"):
+            TrainConfig.load(None, shards="s", cuda_graphs=True, **flags)
+    assert TrainConfig.load(None, shards="s", cuda_graphs=True).cuda_graphs
+    with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+    with autocast(torch.device("cpu"), torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+
+
+def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_shards, tmp_path):
+    """The loop's steps: no graph during the keep-rate warm-up (E's kept tokens change), then one per block run,
+    replayed by every later step; --cuda-graphs without CUDA warns and leaves the blocks eager."""
+    from cxrdr.train.loop import Trainer
+
+    def trainer(name, **fields):
+        return Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-E", out=str(tmp_path / name), steps=6,
+                                   batch_size=4, workers=0, progress=False, device="cpu", eval_every=0,
+                                   model_overrides={"keep_rate_warmup_steps": 3}, **fields))
+
+    with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
+        assert trainer("cpu", cuda_graphs=True).block_graphs is None
+    run, capture = trainer("stand-in"), CountingCapture()
+    run.block_graphs = enable_block_graphs(run.student, capture=capture, on_device=lambda x: True)
+    batches = run._batches()
+    for step in range(5):
+        run.train_step(batches, log_balance=step == 4)  # a logging step's loss balance: backward more than once
+        assert len(capture.captured) == (0 if step < 3 else 2) and capture.replays == max(0, step - 2) * 2
+    assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))]
