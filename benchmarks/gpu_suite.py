@@ -368,8 +368,18 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     eager step is bound by it (E at 60 % busy on the H100 at 416dba0). A section of its own, after the loop's, so
     that a capture that fails on the card cannot take the eager figures with it. On CPU the graphed rows run eagerly
     (the Trainer warns): the tiny run checks the section's code, not graphs."""
+    import block_graphs_check
+
     lp = cfg["loop"]
     pattern = cfg["families"][lp["family"]][0]
+    cuda = cfg["device"].startswith("cuda")
+    agreement = {}  # first, whether the graphs compute what the eager blocks do: a speed figure cannot say
+    for v in "DE":
+        try:
+            agreement[v] = block_graphs_check.compare(pattern.format(v=v), cfg["device"], 32 if cuda else 2, 3,
+                                                      capture=None if cuda else (lambda module, x: module))
+        except Exception as exc:  # noqa: BLE001 - recorded; the timing still runs
+            agreement[v] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     plan = []
     for v in lp["graphed"]:
         plan += [(v, pattern.format(v=v), None), (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": True})]
@@ -387,6 +397,9 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     return {"rows": rows, "graphed_over_eager_img_per_s": {
                 v: by[GRAPHED.format(v=v)]["img_per_s"] / by[v]["img_per_s"] for v in lp["graphed"]},
             "graphed_ratios": _ratios(graphed), "description": _loop_description(cfg),
+            "agreement": agreement, "agreement_note": "benchmarks/block_graphs_check.py: the image tower alone, "
+            "stochastic depth off, 3 steps of random images, graphed vs eager; the largest differences relative to "
+            "the largest value" + ("" if cuda else "; on CPU the blocks stand in for the capture (plumbing only)"),
             "note": f"Trainer.train_step (non-log steps), {lp['compiled_steps']} timed steps per configuration in "
                     f"blocks of {lp['block']} after {lp['warmup']} warm-up steps (the capture among them), each "
                     "graphed configuration beside its eager twin, interleaved; E at its target keep rate"}
@@ -992,6 +1005,9 @@ def markdown(result: dict) -> str:
                                                        lg["graphed_over_eager_img_per_s"].items())
                + f"; graphed D step / A step {_fmt(lg['graphed_ratios'].get('D_over_A_step'))}; graphed E / A img/s "
                  f"{_fmt(lg['graphed_ratios'].get('E_over_A_img_per_s'))}"]
+        md += [f"- graphed vs eager tower, {v}: " + (a["error"] if "error" in a else
+               f"output {a['max_rel_diff_output']:.1e}, gradients {a['max_rel_diff_grad']:.1e} (largest relative "
+               f"difference; {a['graphs_captured']} graph(s))") for v, a in lg["agreement"].items()]
         md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
                + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
                for r in lg["rows"] if "graphs_captured" in r] + [""]

@@ -185,3 +185,22 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
         run.train_step(batches, log_balance=step == 4)  # a logging step's loss balance: backward more than once
         assert len(capture.captured) == (0 if step < 3 else 2) and capture.replays == max(0, step - 2) * 2
     assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))]
+
+
+def test_the_agreement_check_finds_a_graph_fed_stale_inputs():
+    """benchmarks/block_graphs_check.py, which the GPU suite runs on the card before timing graphs: zero difference
+    with the blocks standing in for the capture, a large one from a 'graph' that replays its capture's input."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import block_graphs_check
+
+    def stale(module, x):
+        captured = x.detach().clone()
+        return lambda t: module(captured + 0 * t)  # a replay that ignores its new input
+
+    same = block_graphs_check.compare("tiny-E", "cpu", 2, 2, capture=lambda module, x: module)
+    assert same["graphs_captured"] == 2 and same["max_rel_diff_output"] == same["max_rel_diff_grad"] == 0.0
+    wrong = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=stale)
+    assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01

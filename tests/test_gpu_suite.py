@@ -106,6 +106,8 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert all(positive(r["img_per_s"]) for r in graphs["rows"])
     assert all(r["graphs_captured"] is None and r["graphs_failed"] == "no graphs: not a CUDA device"
                for r in graphs["rows"][1::2])
+    assert {v: (a["graphs_captured"], a["max_rel_diff_grad"]) for v, a in graphs["agreement"].items()} == {
+        "D": (1, 0.0), "E": (2, 0.0)}  # the plumbing only, on CPU: the blocks stand in for the capture
     gb = {r["name"]: r for r in graphs["rows"]}
     assert graphs["graphed_over_eager_img_per_s"]["E"] == gb["E CUDA graphs"]["img_per_s"] / gb["E"]["img_per_s"]
     assert graphs["graphed_ratios"]["E_over_A_img_per_s"] == (
@@ -156,6 +158,8 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert result["targets_device"] == result["device"] and "tiny CPU run" in result["targets_note"]
     assert "not the GPU targets" in md
 
+    assert "- graphed vs eager tower, E: output 0.0e+00, gradients 0.0e+00 (largest relative difference; 2 graph(s))" \
+        in md
     assert "- **A CUDA graphs**: None graph(s) captured; capture failed or off: no graphs: not a CUDA device" in md
     for heading in ("## Targets", "## 1. Build", "## 2. Students", "## 3. Real training loop", "## 3b. Real training",
                     "## 4. Peer",

@@ -1,0 +1,95 @@
+"""Do the image tower's blocks replayed as CUDA graphs (``--cuda-graphs``) compute what the eager blocks compute?
+
+Runs a student's image tower (the real one, e.g. ViT-S/16 of D or E, stochastic depth off so that two runs agree)
+on a few batches of random images, each step forward and backward, once eagerly and once through
+``models/block_graphs.py`` (the capture at the first step, replays after, on new inputs: a graph fed stale inputs
+would show), and prints the largest differences of the output and of the parameters' gradients, relative to their
+size. A speed figure says nothing about this; the GPU suite's loop_graphs section runs it before timing.
+
+    python benchmarks/block_graphs_check.py --device cuda --model E --batch-size 32
+    python benchmarks/block_graphs_check.py --device cpu --model tiny-E --stand-in   # the plumbing only (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+
+def _tower_step(tower, images):
+    """Loss and gradients of one forward + backward of the tower (E's mask-chosen tokens through its score path)."""
+    import torch
+
+    tower.zero_grad(set_to_none=True)
+    if getattr(tower, "patch_score", None) == "mask":  # E: the scores the student's mask would give, stood in for
+        tokens = tower.embed(images)
+        out = tower.forward_tokens(tokens, None, scores=torch.sigmoid(tokens[:, 1:].float().mean(-1)))
+    else:
+        out = tower(images, step=None)
+    loss = out.pooled.float().square().mean() + out.patches.float().mean()
+    loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in tower.named_parameters() if p.grad is not None}
+    return out.pooled.detach().float(), grads
+
+
+def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
+    """Largest relative differences (graphed vs eager) of the tower's output and its gradients over ``steps`` steps
+    of fresh random images, and how many graphs were captured. ``capture``: a stand-in for CPU tests."""
+    import torch
+
+    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.models import StudentConfig, build_student
+    from cxrdr.train.models.block_graphs import BlockGraphs
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    student = build_student(StudentConfig.from_yaml(model, drop_path_rate=0.0)).to(dev).train()
+    tower = student.image_tower
+    size = int(student.config.image_size)
+    amp = amp_dtype_for("bf16", dev) if dev.type == "cuda" else None
+    kwargs = {"capture": capture, "on_device": lambda x: True} if capture is not None else {}
+    graphs = BlockGraphs(**kwargs)
+    worst_out = worst_grad = 0.0
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        images = torch.randn(batch_size, 3, size, size, generator=gen).to(dev)
+        results = []
+        for graphed in (False, True):
+            tower.block_graphs, graphs.active = (graphs if graphed else None), graphed
+            with autocast(dev, amp, cache=False):
+                results.append(_tower_step(tower, images))
+        (out_e, grads_e), (out_g, grads_g) = results
+        if grads_e.keys() != grads_g.keys():
+            raise AssertionError(f"step {step}: the graphed tower's gradients reach other parameters")
+        worst_out = max(worst_out, float((out_g - out_e).abs().max() / out_e.abs().max().clamp_min(1e-12)))
+        for name, g in grads_e.items():
+            worst_grad = max(worst_grad, float((grads_g[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)))
+    tower.block_graphs = None
+    return {"model": model, "device": str(dev), "batch_size": batch_size, "steps": steps,
+            "graphs_captured": len(graphs), "capture_failed": graphs.failed,
+            "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="D", help="student config (D, E, tiny-E, ...)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--stand-in", action="store_true",
+                        help="no CUDA graph: the blocks as they are stand in for the capture (checks the plumbing)")
+    args = parser.parse_args(argv)
+    capture = (lambda module, x: module) if args.stand_in else None
+    r = compare(args.model, args.device, args.batch_size, args.steps, capture)
+    print(f"{r['model']} on {r['device']}, batch {r['batch_size']}, {r['steps']} steps: {r['graphs_captured']} "
+          f"graph(s) captured{'; capture failed: ' + r['capture_failed'] if r['capture_failed'] else ''}; largest "
+          f"relative difference to the eager tower: output {r['max_rel_diff_output']:.2e}, gradients "
+          f"{r['max_rel_diff_grad']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
