@@ -171,14 +171,15 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
     replayed by every later step; --cuda-graphs without CUDA warns and leaves the blocks eager."""
     from cxrdr.train.loop import Trainer
 
-    def trainer(name, **fields):
+    def trainer(name):
         return Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-E", out=str(tmp_path / name), steps=6,
                                    batch_size=4, workers=0, progress=False, device="cpu", eval_every=0,
-                                   model_overrides={"keep_rate_warmup_steps": 3}, **fields))
+                                   model_overrides={"keep_rate_warmup_steps": 3}))
 
-    with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
-        assert trainer("cpu", cuda_graphs=True).block_graphs is None
     run, capture = trainer("stand-in"), CountingCapture()
+    run.cfg.cuda_graphs = True
+    with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
+        assert run._block_graphs() is None
     run.block_graphs = enable_block_graphs(run.student, capture=capture, on_device=lambda x: True)
     batches = run._batches()
     for step in range(5):
