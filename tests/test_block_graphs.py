@@ -13,7 +13,8 @@ import torch
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.device import autocast
 from cxrdr.train.models import StudentConfig, build_student
-from cxrdr.train.models.block_graphs import MAX_GRAPHS, BlockGraphs, enable_block_graphs, shapes_settled
+from cxrdr.train.models.block_graphs import (MAX_GRAPHS, BlockGraphs, enable_block_graphs, shapes_settled,
+                                             thread_local_capture)
 
 TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
 
@@ -205,3 +206,13 @@ def test_the_agreement_check_finds_a_graph_fed_stale_inputs():
     assert same["graphs_captured"] == 2 and same["max_rel_diff_output"] == same["max_rel_diff_grad"] == 0.0
     wrong = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=stale)
     assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01
+
+
+def test_an_older_torchs_capture_is_made_thread_local_for_the_call_only():
+    import inspect
+
+    base = torch.cuda.graph
+    with thread_local_capture():
+        assert torch.cuda.graph is not base and issubclass(torch.cuda.graph, base)
+        assert inspect.signature(torch.cuda.graph.__init__).parameters["capture_error_mode"].default == "thread_local"
+    assert torch.cuda.graph is base

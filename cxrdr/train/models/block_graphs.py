@@ -21,6 +21,7 @@ the forward and one for the backward, in an autograd node); this module decides 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -34,12 +35,30 @@ MAX_GRAPHS = 4  # per tower: A and D need one, E two (before and after the drop)
 
 def capture_cuda_graphs(module: nn.Module, x: torch.Tensor) -> nn.Module:
     """``module`` (in training mode) with its forward and backward on inputs shaped like ``x`` as CUDA graphs.
-    The capture is thread-local, so the loader's pin-memory thread may go on allocating page-locked memory."""
+    The capture is thread-local, so the loader's pin-memory thread may go on allocating page-locked memory (in the
+    default "global" mode such a call from another thread would fail the capture, or that thread)."""
     sample = x.detach().clone().requires_grad_(x.requires_grad)
-    kwargs = {}
     if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
-        kwargs["capture_error_mode"] = "thread_local"
-    return torch.cuda.make_graphed_callables(module, (sample,), **kwargs)
+        return torch.cuda.make_graphed_callables(module, (sample,), capture_error_mode="thread_local")
+    with thread_local_capture():  # an older torch: make_graphed_callables has no such argument
+        return torch.cuda.make_graphed_callables(module, (sample,))
+
+
+@contextlib.contextmanager
+def thread_local_capture():
+    """``torch.cuda.graph`` capturing in "thread_local" mode unless told otherwise, for the block: what
+    ``make_graphed_callables`` uses where it cannot be told (PyTorch releases before its ``capture_error_mode``)."""
+    base = torch.cuda.graph
+
+    class ThreadLocalGraph(base):
+        def __init__(self, *args, capture_error_mode: str = "thread_local", **kwargs):
+            super().__init__(*args, capture_error_mode=capture_error_mode, **kwargs)
+
+    torch.cuda.graph = ThreadLocalGraph
+    try:
+        yield
+    finally:
+        torch.cuda.graph = base
 
 
 class BlockGraphs:
