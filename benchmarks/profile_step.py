@@ -68,14 +68,14 @@ def idle_report(prof, steps: int) -> str:
 
 
 def profile_model(model: str, shards: str, batch_size: int, device: str, warmup: int, steps: int,
-                  workers: int) -> str:
+                  workers: int, cuda_graphs: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     import train_step
 
     base = train_step.bench_config(shards, batch_size, workers, device)
     with tempfile.TemporaryDirectory(prefix="profile-step-") as out:
-        trainer, batches = train_step.make_trainer({**base, "out": out}, model=model)
+        trainer, batches = train_step.make_trainer({**base, "out": out, "cuda_graphs": cuda_graphs}, model=model)
         try:
             cuda = trainer.device.type == "cuda"
             sync = train_step.sync_fn(trainer.device)
@@ -89,7 +89,9 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
                 sync()
         finally:
             batches.close()
-    return (f"{model}: {steps} steps of batch {batch_size} on {device} after {warmup} warm-up steps\n"
+    graphs = f", image tower blocks as CUDA graphs ({len(trainer.block_graphs)} captured)" \
+        if trainer.block_graphs is not None else ""
+    return (f"{model}: {steps} steps of batch {batch_size} on {device} after {warmup} warm-up steps{graphs}\n"
             + (idle_report(prof, steps) if cuda else "") + operator_tables(prof, cuda))
 
 
@@ -150,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the training steps with the image tower's blocks as CUDA graphs (profile-<model>-graphs.txt)")
     args = parser.parse_args(argv)
     if not args.encoder and not args.shards:
         parser.error("--shards is required for the training step's profiles (or --encoder)")
@@ -160,9 +164,9 @@ def main(argv=None) -> int:
             path = out / f"profile-{model}-encoder.txt"
             path.write_text(profile_encoder(model, args.batch_size, args.device, args.warmup, args.steps))
         else:
-            path = out / f"profile-{model}.txt"
+            path = out / f"profile-{model}{'-graphs' if args.cuda_graphs else ''}.txt"
             path.write_text(profile_model(model, args.shards, args.batch_size, args.device, args.warmup, args.steps,
-                                          args.workers))
+                                          args.workers, args.cuda_graphs))
         print(f"wrote {path}", flush=True)
     return 0
 
