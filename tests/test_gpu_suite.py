@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,25 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SUITE = REPO / "benchmarks" / "gpu_suite.py"
 SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
 MEASURED_IN_TINY = {"build", "students", "loop", "loop_graphs", "peer", "train_step", "table"}  # loop_compiled: GPU only
 TARGET_KEYS = {"name", "required", "value", "met"}
 
 
-def run_suite(out_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SUITE), "--tiny", "--device", "cpu", "--threads", "1",
-                           "--out-dir", str(out_dir), *args], capture_output=True, text=True, env=env, timeout=240)
+def suite_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_suite.py's command in this process (its imports are this worker's already; a subprocess spent
+    ~5 s importing them again): its exit code and what it printed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    capsys.readouterr()
+    code = gpu_suite.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["gpu_suite.py", *args], code, out.out, out.err)
+
+
+def run_suite(capsys, out_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
+    proc = suite_main(capsys, "--tiny", "--device", "cpu", "--threads", "1", "--out-dir", str(out_dir), *args)
     written = sorted(out_dir.glob("*.json"))
     assert len(written) == 1, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert written[0].name.startswith("cpu-") and written[0].name.endswith("-tiny.json")
@@ -48,8 +56,8 @@ def assert_figure(row: dict, busy="gpu_busy_pct", mfu="mfu_pct", peak="peak_memo
     assert row[busy] is None and row[mfu] is None
 
 
-def test_tiny_suite_measures_every_section(tmp_path):
-    proc, result, md = run_suite(tmp_path)
+def test_tiny_suite_measures_every_section(tmp_path, capsys):
+    proc, result, md = run_suite(capsys, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert result["errors"] == {}
     assert set(result["sections"]) == MEASURED_IN_TINY
@@ -169,8 +177,8 @@ def test_tiny_suite_measures_every_section(tmp_path):
     assert "| run | infer img/s | synth step ms |" in md  # the ablation's cost-table layout
 
 
-def test_a_spent_budget_skips_sections_with_a_note_and_still_writes(tmp_path):
-    proc, result, md = run_suite(tmp_path, "--budget", "1")
+def test_a_spent_budget_skips_sections_with_a_note_and_still_writes(tmp_path, capsys):
+    proc, result, md = run_suite(capsys, tmp_path, "--budget", "1")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert result["sections"] == {}
     assert [s["section"] for s in result["skipped"]] == list(SECTIONS)
@@ -180,10 +188,8 @@ def test_a_spent_budget_skips_sections_with_a_note_and_still_writes(tmp_path):
     assert "not measured" in md and "section **build** skipped" in md
 
 
-def test_full_suite_refuses_cpu(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(SUITE), "--device", "cpu", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+def test_full_suite_refuses_cpu(tmp_path, capsys):
+    proc = suite_main(capsys, "--device", "cpu", "--out-dir", str(tmp_path))
     assert proc.returncode == 2 and "--tiny" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
 
