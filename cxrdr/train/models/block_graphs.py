@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-MAX_GRAPHS = 4  # per tower: A and D need one, E two (before and after the drop); more means shapes that change
+MAX_GRAPHS = 4  # per tower: the default A, D and E need one, an E dropping after block L1 > 0 two (before and
+# after the drop), heads at a middle layer one more; beyond that, shapes that change
 
 
 def capture_cuda_graphs(module: nn.Module, x: torch.Tensor) -> nn.Module:
