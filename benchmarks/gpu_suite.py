@@ -382,7 +382,8 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
             agreement[v] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     plan = []
     for v in lp["graphed"]:
-        plan += [(v, pattern.format(v=v), None), (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": True})]
+        plan += [(v, pattern.format(v=v), None),
+                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": True})]
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
     for row in rows:  # what the graphed trainers captured, or why not

@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="the training steps with the image tower's blocks as CUDA graphs (profile-<model>-graphs.txt)")
+                        help="the training steps with the image tower's blocks as CUDA graphs "
+                             "(profile-<model>-graphs.txt)")
     args = parser.parse_args(argv)
     if not args.encoder and not args.shards:
         parser.error("--shards is required for the training step's profiles (or --encoder)")

@@ -18,7 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
-MEASURED_IN_TINY = {"build", "students", "loop", "loop_graphs", "peer", "train_step", "table"}  # loop_compiled: GPU only
+# loop_compiled: GPU only
+MEASURED_IN_TINY = {"build", "students", "loop", "loop_graphs", "peer", "train_step", "table"}
 TARGET_KEYS = {"name", "required", "value", "met"}
 
 

@@ -30,25 +30,26 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
     was_training = model.training
     model.eval()
     img, txt, labels, study, subject, view, text, keys = [], [], [], [], [], [], [], []
+    # one autocast region for the whole pass: the weights (unchanged within it) are cast once, not per batch
     autocast = (torch.autocast(device_type=device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
     seen = 0
-    for batch in loader:
-        with autocast:
+    with autocast:
+        for batch in loader:
             out_img = model.encode_image(batch["images"].to(device, non_blocking=True))
             out_txt = model.encode_text(batch["report_ids"].to(device), batch["report_mask"].to(device),
                                         batch.get("report_token_index"))
-        img.append(out_img.float().cpu())
-        txt.append(out_txt.float().cpu())
-        labels.append(batch["labels"])
-        study += batch["study_id"]
-        subject += batch["subject_id"]
-        view += batch["view"]
-        text += batch["report_text"]
-        keys += batch["key"]
-        seen += len(batch["key"])
-        if max_samples and seen >= max_samples:
-            break
+            img.append(out_img.float().cpu())
+            txt.append(out_txt.float().cpu())
+            labels.append(batch["labels"])
+            study += batch["study_id"]
+            subject += batch["subject_id"]
+            view += batch["view"]
+            text += batch["report_text"]
+            keys += batch["key"]
+            seen += len(batch["key"])
+            if max_samples and seen >= max_samples:
+                break
     model.train(was_training)
     if not img:
         raise ValueError("evaluation split is empty")

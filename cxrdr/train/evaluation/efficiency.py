@@ -303,30 +303,22 @@ def gflops(fn, grad: bool = False) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def _with(contexts, fn):
-    """``fn`` called inside fresh instances of ``contexts`` (factories), e.g. autocast + TF32."""
-    def call():
-        with contextlib.ExitStack() as stack:
-            for make in contexts:
-                stack.enter_context(make())
-            return fn()
-    return call
-
-
 def image_encoder_metrics(encode_images, image_size: int, batch_size: int = 32, iters: int = 5,
                           warmup: int = 2, device="cpu", amp_dtype: torch.dtype | None = None,
                           batch_only: bool = False) -> dict:
     """Inference throughput, batch-1 latency, GFLOPs/img of any ``encode_images(B,1,S,S)``, and
     at the batch: peak memory, GPU busy % and MFU (None off CUDA). ``amp_dtype``: autocast dtype
-    (the training loop's ``amp_dtype_for``) or None for full precision; TF32 on CUDA.
+    (the training loop's ``amp_dtype_for``) or None for full precision; TF32 on CUDA. The timed batches share
+    one autocast region, as an inference pass's do (the weights cast once).
     ``batch_only``: call ``encode_images`` at the batch size alone (latency, GFLOPs and MFU None), for
     a function compiled for that one shape (a batch of 1 would compile it again)."""
     device = torch.device(device)
     x = torch.rand(batch_size, 1, image_size, image_size, device=device)
     x1 = x[:1]
-    contexts = [lambda: autocast(device, amp_dtype), lambda: loop_math(device)]
-    run_batch, run_one = _with(contexts, lambda: encode_images(x)), _with(contexts, lambda: encode_images(x1))
-    with torch.no_grad():
+    run_batch, run_one = (lambda: encode_images(x)), (lambda: encode_images(x1))
+    # the batches in one autocast region, as an inference pass runs them (quick_eval.collect_embeddings): the
+    # weights' casts are made once and cached, not again for every batch
+    with torch.no_grad(), autocast(device, amp_dtype), loop_math(device):
         with PeakMemory(device) as peak:
             t_batch = _time(run_batch, iters, warmup, device)
         t_one = None if batch_only else _time(run_one, iters * 2, warmup, device)
