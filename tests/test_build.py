@@ -9,8 +9,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -30,6 +28,9 @@ from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.shards import npy_load, sample_embedding
 from cxrdr.reinforce.verify import verify
 from cxrdr.reinforce.writer import TarOut, is_shard_complete
+from tests import forked_cli
+
+REPO = Path(__file__).resolve().parents[1]
 
 N = 16
 SOURCE_SEED = 4  # phantom seed whose first 16 studies span train (12), val (2) and test (2)
@@ -488,14 +489,13 @@ def test_resume_after_a_kill_gives_the_same_shards(fresh, teachers, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_then_merge_equal_a_single_process_build(fresh, tmp_path):
     out = tmp_path / "ranks"
-    exe = Path(sys.executable).parent / "reinforce"
-    base = [str(exe), "build", "--source", f"phantom:{N}", "--teachers", SPEC, "--out", str(out),
+    base = ["build", "--source", f"phantom:{N}", "--teachers", SPEC, "--out", str(out),
             "--source-seed", str(SOURCE_SEED), "--n-aug", "2", "--n-captions", "2", "--store-size", "64", "--shard-size", "4", "--workers", "0",
             "--batch-size", "4", "--device", "cpu", "--quiet", "--world-size", "2", "--merge-timeout", "150"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env=env, text=True) for r in (0, 1)]
-    outputs = [p.communicate(timeout=200)[0] for p in procs]
+    # two processes of their own, forked from a server that imported cxrdr once (tests/forked_cli.py)
+    procs = [forked_cli.CliProcess("cxrdr.reinforce.cli", base + ["--rank", str(r)], env, REPO) for r in (0, 1)]
+    outputs = ["".join(p.communicate(timeout=200)) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "rank 0 merges" in outputs[1]
     ranks = json.loads((out / "dataset.json").read_text())["build"]["ranks"]
