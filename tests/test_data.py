@@ -4,9 +4,6 @@ from __future__ import annotations
 import functools
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +13,6 @@ import torch
 from cxrdr.common import augment
 from cxrdr.common import shards as sf
 
-PY = sys.executable
 N_AUG, N_CAP = 2, 2
 
 
@@ -26,12 +22,16 @@ def build_phantom_shards(base: str) -> Path:
     out = Path(base) / "shards"
     if (out / sf.DATASET_JSON).is_file():
         return out
-    cmd = [PY, "-m", "cxrdr.reinforce.cli", "build", "--source", "phantom:40", "--teachers", "random:tiny",
-           "--n-aug", str(N_AUG), "--n-captions", str(N_CAP), "--store-size", "64", "--shard-size", "12",
-           "--workers", "0", "--out", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CXRDR_DEBUG="1"))
-    if result.returncode != 0:
-        raise RuntimeError(f"reinforce build failed:\n{result.stdout}\n{result.stderr}")
+    from typer.testing import CliRunner
+
+    from cxrdr.reinforce.cli import app
+
+    # the command in this process (its imports are the session's already; a fresh interpreter took seconds)
+    args = ["build", "--source", "phantom:40", "--teachers", "random:tiny", "--n-aug", str(N_AUG), "--n-captions",
+            str(N_CAP), "--store-size", "64", "--shard-size", "12", "--workers", "0", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    if result.exit_code != 0:
+        raise RuntimeError(f"reinforce build failed:\n{result.output}") from result.exception
     return out
 
 
