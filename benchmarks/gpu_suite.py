@@ -464,10 +464,22 @@ def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str,
     trainers = _loop_trainers(cfg, Path(work), shards, [(f"{variant} eager", pattern.format(v=variant), None),
                                                         (name, pattern.format(v=variant), scope)])
     print(f"[loop_compiled] {name}: its trainers and its eager twin's built in {time.perf_counter() - started:.1f} s; "
-          "warm-up starts", file=sys.stderr, flush=True)
+          f"warm-up starts ({_inductor_workers()})", file=sys.stderr, flush=True)
     trainer = trainers[name][0]
     _log_first_steps(trainer, name, cfg["loop"]["warmup"])
     return _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
+
+
+def _inductor_workers() -> str:
+    """How inductor will compile here: its compile threads (worker processes when > 1), what a killed
+    configuration's process list is read against."""
+    try:
+        import torch._inductor.config as inductor_config
+
+        start = getattr(inductor_config, "worker_start_method", "?")
+        return f"inductor compile threads {inductor_config.compile_threads}, worker start {start}"
+    except Exception as exc:  # noqa: BLE001 - a log line's detail
+        return f"inductor config unreadable: {type(exc).__name__}"
 
 
 def _log_first_steps(trainer, name: str, steps: int) -> None:
