@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
@@ -30,7 +31,11 @@ def suite_main(capsys, *args: str) -> subprocess.CompletedProcess:
     import gpu_suite
 
     capsys.readouterr()
-    code = gpu_suite.main(list(args))
+    threads = torch.get_num_threads()
+    try:
+        code = gpu_suite.main(list(args))
+    finally:
+        torch.set_num_threads(threads)  # --threads is the command's, not the session's
     out = capsys.readouterr()
     return subprocess.CompletedProcess(["gpu_suite.py", *args], code, out.out, out.err)
 
