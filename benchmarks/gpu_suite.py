@@ -101,7 +101,10 @@ SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 # the build section samples its build's threads this often (~1 % of a thread's time)
 BUILD_SAMPLE_INTERVAL_S = 0.02
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
-SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
+# loop_graphs after loop_compiled: the compiled loop runs in children (their own CUDA contexts), so a graph replay
+# that broke this process's context could not take the compiled section with it, and loop_graphs' reserve keeps
+# the compiled section from spending its time
+SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "loop_graphs", "train_step", "table")
 GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_graphs (models/block_graphs.py)
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
@@ -876,7 +879,6 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
 
     run("students", lambda: section_students(cfg, work, budget, after("students")))
     run("loop", lambda: section_loop(cfg, work, budget, shards()))
-    run("loop_graphs", lambda: section_loop_graphs(cfg, work, shards()))
     run("peer", lambda: section_peer(cfg, work, budget, after("peer")))
     if not cfg["compile"]:
         skip("loop_compiled", "skipped: " + ("the tiny CPU run times no compiled step (a CPU compile takes minutes)"
@@ -888,6 +890,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
 
         run("loop_compiled", lambda: section_loop_compiled(cfg, work, budget, shards(), after("loop_compiled"),
                                                            publish))
+    run("loop_graphs", lambda: section_loop_graphs(cfg, work, shards()))
     run("train_step", lambda: section_train_step(cfg, work, budget, built))
     if "loop" in sections or "students" in sections:
         run("table", lambda: section_table(cfg, sections.get("loop"), sections.get("students")))
