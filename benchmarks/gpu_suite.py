@@ -389,9 +389,10 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
                  (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": True})]
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
+    graphed_names = {GRAPHED.format(v=v) for v in lp["graphed"]}
     for row in rows:  # what the graphed trainers captured, or why not
         graphs = getattr(trainers[row["name"]][0], "block_graphs", None)
-        if row["name"] != row["name"].split()[0]:
+        if row["name"] in graphed_names:
             row.update(graphs_captured=len(graphs) if graphs is not None else None,
                        graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
     del trainers

@@ -11,7 +11,6 @@ chance, so a split too small for any probe label still ranks checkpoints by retr
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 
 from cxrdr.common.augment import stable_seed
 from cxrdr.common.views import one_per_study
+from cxrdr.train.device import autocast
 from cxrdr.train.evaluation.probe import linear_probe
 from cxrdr.train.evaluation.retrieval import retrieval_metrics
 from cxrdr.train.evaluation.zeroshot import encode_prompts, zeroshot_auc
@@ -30,11 +30,9 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
     was_training = model.training
     model.eval()
     img, txt, labels, study, subject, view, text, keys = [], [], [], [], [], [], [], []
-    # one autocast region for the whole pass: the weights (unchanged within it) are cast once, not per batch
-    autocast = (torch.autocast(device_type=device.type, dtype=amp_dtype) if amp_dtype is not None
-                else contextlib.nullcontext())
     seen = 0
-    with autocast:
+    # one autocast region for the whole pass: the weights (unchanged within it) are cast once, not per batch
+    with autocast(device, amp_dtype):
         for batch in loader:
             out_img = model.encode_image(batch["images"].to(device, non_blocking=True))
             out_txt = model.encode_text(batch["report_ids"].to(device), batch["report_mask"].to(device),
