@@ -7,6 +7,11 @@ measurable on any machine:
 
     python benchmarks/dispatch_count.py D D:blocks E E:blocks      # full-size students, batch 2, CPU
     python benchmarks/dispatch_count.py --size tiny A A:blocks
+    python benchmarks/dispatch_count.py A E --by-function 3 --inference-casts
+
+``--by-function N`` also splits the operators by the project's function that issued them and counts the image
+tower's blocks alone (forward + backward: what ``--cuda-graphs`` replays as two launches); ``--inference-casts``
+counts the bf16 casts of a validation pass's first batch and of each later one (the weights' are cached).
 
 Each argument is VARIANT[:SCOPE] (SCOPE: a ``TrainConfig.compile_scope``). The count is torch.profiler's
 ``aten::`` events of one micro-step (``Trainer._micro_step``) after two warm-up steps (the compilation), nested
@@ -80,6 +85,49 @@ def ops_by_function(trainer, batches) -> collections.Counter:
     return counts
 
 
+def tower_block_ops(student, batch_size: int) -> int:
+    """Operators below autograd of the image tower's transformer blocks alone, forward + backward, on tokens of the
+    shape they see in training (E: its kept tokens): what ``--cuda-graphs`` replays as two launches."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tower = student.image_tower
+    n = tower.num_patches
+    tokens = 1 + (tower.num_kept(n) + int(tower.fuse_dropped) if hasattr(tower, "num_kept") else n)
+    x = torch.randn(batch_size, tokens, tower.width, requires_grad=True)
+    count = [0]
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        tower._eager_blocks(x, 0, tower.depth).float().sum().backward()
+    student.zero_grad(set_to_none=True)
+    return count[0]
+
+
+def inference_casts(student, batch_size: int, batches: int) -> int:
+    """``aten::_to_copy`` events of a validation pass (``quick_eval.collect_embeddings``) of ``batches`` random
+    batches under bf16 autocast on the CPU: the casts an inference pass makes, the weights' among them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from cxrdr.train.quick_eval import collect_embeddings
+
+    tok = student.tokenize(["no acute findings."] * batch_size)
+    size = student.config.image_size
+    data = [{"images": torch.rand(batch_size, 1, size, size), "report_ids": tok["input_ids"],
+             "report_mask": tok["attention_mask"], "labels": torch.zeros(batch_size, 3),
+             "study_id": ["s"] * batch_size, "subject_id": ["s"] * batch_size, "view": ["PA"] * batch_size,
+             "report_text": ["x"] * batch_size, "key": [f"k{i}-{j}" for j in range(batch_size)]}
+            for i in range(batches)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        collect_embeddings(student, data, torch.device("cpu"), torch.bfloat16)
+    return sum(e.name == "aten::_to_copy" for e in prof.events())
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="cxrdr-inductor-"))  # a cold compile
     import torch
@@ -96,6 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled configurations")
     parser.add_argument("--by-function", type=int, default=0, metavar="N",
                         help="also print the N cxrdr functions that issue the most operators (eager configurations)")
+    parser.add_argument("--inference-casts", action="store_true",
+                        help="also count the bf16 casts of a validation pass's first and later batches")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="cxrdr-dispatch-")
@@ -124,6 +174,13 @@ def main(argv=None) -> int:
             where = ops_by_function(trainer, trainer._batches())  # a fresh pass: a small split may be spent
             print(f"  {sum(where.values())} operators below autograd; by origin: " + ", ".join(
                 f"{name} {n}" for name, n in where.most_common(args.by_function)), flush=True)
+            if hasattr(trainer.student.image_tower, "_eager_blocks"):
+                print(f"  the image tower's blocks alone, forward + backward: "
+                      f"{tower_block_ops(trainer.student, args.batch_size)} operators below autograd", flush=True)
+        if args.inference_casts and not scope:
+            one, three = (inference_casts(trainer.student, args.batch_size, n) for n in (1, 3))
+            print(f"  a validation pass under bf16 autocast: {one} casts for its first batch, {(three - one) / 2:.0f} "
+                  "for each later one", flush=True)
     tmp.cleanup()
     return 0
 

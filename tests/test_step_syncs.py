@@ -287,6 +287,14 @@ def test_dispatch_count_benchmark_counts_a_steps_operators(phantom_shards, tmp_p
     assert sum(where.values()) < sum(counts.values())
     assert not any("adam" in name for name in counts)  # the optimiser step is left out
     assert all(p.grad is None for p in trainer.student.parameters())  # and its gradients cleared
+    # the image tower's blocks alone (what --cuda-graphs replays): a share of the step's operators, as many at E's
+    # kept tokens as at A's full grid, and no gradient left behind
+    blocks = dispatch_count.tower_block_ops(trainer.student, 2)
+    assert 0 < blocks < sum(where.values())
+    assert all(p.grad is None for p in trainer.student.parameters())
+    from cxrdr.train.models import StudentConfig, build_student
+
+    assert dispatch_count.tower_block_ops(build_student(StudentConfig.from_yaml("tiny-E")), 2) == blocks
 
 
 def test_dispatch_count_benchmark_says_how_many_graphs_a_compiled_configuration_made(phantom_shards, capsys):

@@ -212,27 +212,18 @@ def test_kept_batches_from_a_loader_worker_hold_no_shared_memory(phantom_shards)
 
 def test_an_inference_pass_casts_the_weights_once_not_per_batch():
     """collect_embeddings runs its batches in one autocast region, where the weights' casts are cached: three
-    batches cast no more than one batch does plus the activations of two more."""
-    from torch.profiler import ProfilerActivity, profile
+    batches cast no more than one batch does plus the activations of two more (counted by
+    benchmarks/dispatch_count.py --inference-casts)."""
+    import sys
+    from pathlib import Path
 
     from cxrdr.train.models import StudentConfig, build_student
-    from cxrdr.train.quick_eval import collect_embeddings
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dispatch_count
 
     torch.manual_seed(0)
     model = build_student(StudentConfig.from_yaml("tiny-A"))
-    tok = model.tokenize(["no acute findings.", "small left effusion."])
-
-    def batches(n):
-        return [{"images": torch.rand(2, 1, 64, 64), "report_ids": tok["input_ids"],
-                 "report_mask": tok["attention_mask"], "labels": torch.zeros(2, 3), "study_id": ["a", "b"],
-                 "subject_id": ["a", "b"], "view": ["PA", "PA"], "report_text": ["x", "y"],
-                 "key": [f"k{i}a", f"k{i}b"]} for i in range(n)]
-
-    def casts(n):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            collect_embeddings(model, batches(n), torch.device("cpu"), torch.bfloat16)
-        return sum(e.name == "aten::_to_copy" for e in prof.events())
-
-    one, three = casts(1), casts(3)
+    one, three = (dispatch_count.inference_casts(model, 2, n) for n in (1, 3))
     weights = sum(1 for p in model.parameters() if p.ndim == 2)  # at least the linear layers' weights
     assert three <= 3 * one - 2 * weights  # per-batch regions would cast every weight again: 3 * one
