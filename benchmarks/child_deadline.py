@@ -15,6 +15,12 @@ child's own processes (inductor's compile workers, the loader's workers) with th
 over one second, which tells a compilation still working from one that waits on something; then it kills the child
 and those processes together (the child leads a process group of its own), so that nothing a killed configuration
 started lives on beside the next one.
+
+A spawned child's own default start method is "spawn" too (Python passes the parent's context on), so the loader
+in it would spawn its workers, each importing torch and cxrdr before the next one starts: on the H200 at 65e9f61 the
+whole-model A configuration spent its 180 s starting 14 loader workers and never reached its first compiled step.
+The child therefore goes back to the parent's default start method (fork on Linux up to Python 3.13), as in the
+suite's own process.
 """
 from __future__ import annotations
 
@@ -101,7 +107,8 @@ def _dump_margin(seconds: float) -> float:
     return min(10.0, max(0.5, seconds / 10))
 
 
-def _child(conn, fn, args, kwargs, dump_at: float) -> None:
+def _child(conn, fn, args, kwargs, dump_at: float, start_method: str) -> None:
+    multiprocessing.set_start_method(start_method, force=True)  # the parent's (module docstring), not "spawn"
     if hasattr(os, "setpgrp"):
         os.setpgrp()  # a group of its own: at the deadline the parent kills it with what it started
     faulthandler.dump_traceback_later(max(0.1, dump_at - time.time()), file=sys.stderr)
@@ -124,7 +131,8 @@ def call_with_deadline(fn, seconds: float, *args, env: dict | None = None, **kwa
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     dump_at = time.time() + seconds - _dump_margin(seconds)  # wall clock: the child's own start-up counts too
-    process = ctx.Process(target=_child, args=(send, fn, args, kwargs, dump_at), name=f"deadline-{fn.__name__}")
+    process = ctx.Process(target=_child, args=(send, fn, args, kwargs, dump_at, multiprocessing.get_start_method()),
+                          name=f"deadline-{fn.__name__}")
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:

@@ -101,10 +101,9 @@ SMOKE_FALLBACK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 # the build section samples its build's threads this often (~1 % of a thread's time)
 BUILD_SAMPLE_INTERVAL_S = 0.02
 TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
-# loop_graphs after loop_compiled: the compiled loop runs in children (their own CUDA contexts), so a graph replay
-# that broke this process's context could not take the compiled section with it, and loop_graphs' reserve keeps
-# the compiled section from spending its time
-SECTIONS = ("build", "students", "loop", "peer", "loop_compiled", "loop_graphs", "train_step", "table")
+# loop_graphs right after the eager loop (its twins are the loop's configurations): on the H200 at 65e9f61 its
+# graphs matched eager exactly, and placed after the compiled loop it was skipped for want of one second
+SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
 GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_graphs (models/block_graphs.py)
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
@@ -386,7 +385,7 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     plan = []
     for v in lp["graphed"]:
         plan += [(v, pattern.format(v=v), None),
-                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": True})]
+                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on"})]
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
     graphed_names = {GRAPHED.format(v=v) for v in lp["graphed"]}
@@ -880,6 +879,7 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
 
     run("students", lambda: section_students(cfg, work, budget, after("students")))
     run("loop", lambda: section_loop(cfg, work, budget, shards()))
+    run("loop_graphs", lambda: section_loop_graphs(cfg, work, shards()))
     run("peer", lambda: section_peer(cfg, work, budget, after("peer")))
     if not cfg["compile"]:
         skip("loop_compiled", "skipped: " + ("the tiny CPU run times no compiled step (a CPU compile takes minutes)"
@@ -891,7 +891,6 @@ def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, c
 
         run("loop_compiled", lambda: section_loop_compiled(cfg, work, budget, shards(), after("loop_compiled"),
                                                            publish))
-    run("loop_graphs", lambda: section_loop_graphs(cfg, work, shards()))
     run("train_step", lambda: section_train_step(cfg, work, budget, built))
     if "loop" in sections or "students" in sections:
         run("table", lambda: section_table(cfg, sections.get("loop"), sections.get("students")))
@@ -1026,6 +1025,7 @@ def markdown(result: dict) -> str:
                f"output {a['max_rel_diff_output']:.1e}, gradients {a['max_rel_diff_grad']:.1e} (largest relative "
                f"difference; {a['graphs_captured']} graph(s))") for v, a in lg["agreement"].items()]
         md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
+               + (f", their memory pool {r['graph_pool_mb']:.0f} MB (in its peak MB)" if r.get("graph_pool_mb") else "")
                + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
                for r in lg["rows"] if "graphs_captured" in r] + [""]
     if "peer" in s:

@@ -75,7 +75,8 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
 
     base = train_step.bench_config(shards, batch_size, workers, device)
     with tempfile.TemporaryDirectory(prefix="profile-step-") as out:
-        trainer, batches = train_step.make_trainer({**base, "out": out, "cuda_graphs": cuda_graphs}, model=model)
+        graphs = "on" if cuda_graphs else "off"
+        trainer, batches = train_step.make_trainer({**base, "out": out, "cuda_graphs": graphs}, model=model)
         try:
             cuda = trainer.device.type == "cuda"
             sync = train_step.sync_fn(trainer.device)

@@ -6,6 +6,7 @@ shape, eager where a graph may not run, and the Trainer's settings."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ import torch
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.device import autocast
 from cxrdr.train.models import StudentConfig, build_student
-from cxrdr.train.models.block_graphs import (MAX_GRAPHS, BlockGraphs, enable_block_graphs, shapes_settled,
-                                             thread_local_capture)
+from cxrdr.train.models.block_graphs import (MAX_GRAPHS, BlockGraphs, enable_block_graphs,
+                                             quiet_side_stream_gradients, shapes_settled, thread_local_capture)
 
 TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
 
@@ -158,13 +159,40 @@ def test_shapes_settle_after_es_keep_rate_warm_up_only():
 def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache():
     for flags, named in (({"compile": True}, "--compile"), ({"grad_checkpointing": True}, "--grad-checkpointing"),
                          ({"accum_steps": 2}, "--accum-steps > 1")):
-        with pytest.raises(ValueError, match=f"--cuda-graphs does not go with {named}"):
-            TrainConfig.load(None, shards="s", cuda_graphs=True, **flags)
-    assert TrainConfig.load(None, shards="s", cuda_graphs=True).cuda_graphs
+        with pytest.raises(ValueError, match=f"--cuda-graphs on does not go with {named}"):
+            TrainConfig.load(None, shards="s", cuda_graphs="on", **flags)
+        assert TrainConfig.load(None, shards="s", **flags).cuda_graphs == "auto"  # auto just leaves them off
+    assert TrainConfig.load(None, shards="s").cuda_graphs == "auto"
+    # YAML reads on / off as booleans, and config.yaml files before "auto" hold booleans
+    assert [TrainConfig.load(None, shards="s", cuda_graphs=v).cuda_graphs for v in (True, False)] == ["on", "off"]
+    with pytest.raises(ValueError, match=r"cuda_graphs must be one of \('auto', 'on', 'off'\), got 'yes'"):
+        TrainConfig.load(None, shards="s", cuda_graphs="yes")
     with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
     with autocast(torch.device("cpu"), torch.bfloat16):
         assert torch.is_autocast_cache_enabled()
+
+
+def test_auto_graphs_where_they_apply_and_nowhere_else(phantom_shards, tmp_path, recwarn):
+    """auto: graphs on one CUDA process without the settings they exclude, silently eager elsewhere; on: a warning
+    off CUDA; off: never. The device is only named here (the Trainer's choice reads it, no tensor goes there)."""
+    from cxrdr.train.loop import Trainer
+
+    run = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-D", out=str(tmp_path / "run"), steps=2,
+                              batch_size=4, workers=0, progress=False, device="cpu", eval_every=0))
+    assert run.cfg.cuda_graphs == "auto" and run.block_graphs is None and not recwarn.list  # CPU: silently eager
+    run.device = torch.device("cuda")
+    assert isinstance(run._block_graphs(), BlockGraphs)
+    for setting in ({"cuda_graphs": "off"}, {"compile": True}, {"grad_checkpointing": True}, {"accum_steps": 2}):
+        run.cfg = dataclasses.replace(run.cfg, **setting)
+        assert run._block_graphs() is None, setting
+        run.cfg = dataclasses.replace(run.cfg, cuda_graphs="auto", compile=False, grad_checkpointing=False,
+                                      accum_steps=1)
+    run.ddp = True
+    assert run._block_graphs() is None and not recwarn.list
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs="on")
+    with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
+        assert run._block_graphs() is None
 
 
 def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_shards, tmp_path):
@@ -178,7 +206,7 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
                                    model_overrides={"keep_rate_warmup_steps": 3}))
 
     run, capture = trainer("stand-in"), CountingCapture()
-    run.cfg.cuda_graphs = True
+    run.cfg.cuda_graphs = "on"
     with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
         assert run._block_graphs() is None
     run.block_graphs = enable_block_graphs(run.student, capture=capture, on_device=lambda x: True)
@@ -216,3 +244,17 @@ def test_an_older_torchs_capture_is_made_thread_local_for_the_call_only():
         assert torch.cuda.graph is not base and issubclass(torch.cuda.graph, base)
         assert inspect.signature(torch.cuda.graph.__init__).parameters["capture_error_mode"].default == "thread_local"
     assert torch.cuda.graph is base
+
+
+def test_the_capture_quiets_the_side_stream_warning_and_restores_it_on_failure(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", calls.append,
+                        raising=False)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with quiet_side_stream_gradients():
+            assert calls == [False]
+            raise RuntimeError("capture failed")
+    assert calls == [False, True]
+    monkeypatch.delattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch")
+    with quiet_side_stream_gradients():  # a PyTorch without the warning
+        pass

@@ -3,6 +3,7 @@ killed at the deadline (the GPU suite's compiled configurations run this way).""
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -21,6 +22,12 @@ def test_the_child_returns_the_value_and_sees_the_variables_set_for_it():
     assert call_with_deadline(sorted, 60, [3, 1, 2], reverse=True) == [3, 2, 1]
     assert call_with_deadline(os.getenv, 60, "CXRDR_CHILD_ONLY", env={"CXRDR_CHILD_ONLY": "yes"}) == "yes"
     assert "CXRDR_CHILD_ONLY" not in os.environ  # set for the child alone
+
+
+def test_the_child_starts_its_own_processes_as_the_parent_does():
+    # a spawned child defaults to "spawn": its loader workers would each import torch before the next one started
+    parent = multiprocessing.get_start_method()
+    assert call_with_deadline(eval, 60, "__import__('multiprocessing').get_start_method()") == parent
 
 
 def test_a_failure_in_the_child_is_raised_with_its_type_and_message():

@@ -146,11 +146,18 @@ class Trainer:
 
     # ---- set-up -------------------------------------------------------------------------------
     def _block_graphs(self) -> BlockGraphs | None:
-        if not self.cfg.cuda_graphs:
+        """The image tower's CUDA graphs (TrainConfig.cuda_graphs): "on" where asked (the config refuses what they
+        cannot go with), "auto" wherever they apply, silently eager elsewhere."""
+        cfg = self.cfg
+        if cfg.cuda_graphs == "off":
             return None
         if self.device.type != "cuda" or self.ddp:
-            warnings.warn(f"--cuda-graphs needs one CUDA process (here: {self.device}, {self.world} process(es)); "
-                          "the blocks run eagerly", RuntimeWarning, stacklevel=2)
+            if cfg.cuda_graphs == "on":
+                warnings.warn(f"--cuda-graphs needs one CUDA process (here: {self.device}, {self.world} "
+                              "process(es)); the blocks run eagerly", RuntimeWarning, stacklevel=2)
+            return None
+        if cfg.cuda_graphs == "auto" and (cfg.compile or cfg.grad_checkpointing or cfg.accum_steps > 1
+                                          or not hasattr(self.student.image_tower, "run_blocks")):
             return None
         return enable_block_graphs(self.student)
 

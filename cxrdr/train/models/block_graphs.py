@@ -39,10 +39,29 @@ def capture_cuda_graphs(module: nn.Module, x: torch.Tensor) -> nn.Module:
     The capture is thread-local, so the loader's pin-memory thread may go on allocating page-locked memory (in the
     default "global" mode such a call from another thread would fail the capture, or that thread)."""
     sample = x.detach().clone().requires_grad_(x.requires_grad)
-    if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
-        return torch.cuda.make_graphed_callables(module, (sample,), capture_error_mode="thread_local")
-    with thread_local_capture():  # an older torch: make_graphed_callables has no such argument
-        return torch.cuda.make_graphed_callables(module, (sample,))
+    with quiet_side_stream_gradients():
+        if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
+            return torch.cuda.make_graphed_callables(module, (sample,), capture_error_mode="thread_local")
+        with thread_local_capture():  # an older torch: make_graphed_callables has no such argument
+            return torch.cuda.make_graphed_callables(module, (sample,))
+
+
+@contextlib.contextmanager
+def quiet_side_stream_gradients():
+    """Without PyTorch's warning that a parameter's gradient accumulator was made on another stream, for the block.
+    The capture runs its warm-up and capture backwards on a side stream, and the eager steps before it made those
+    accumulators on the default stream; the capture synchronises the streams itself, and its replays run on the
+    default stream (on the H200 the warning came at the capture, and replays matched eager exactly). Only the capture
+    is quieted: should a later step raise it, it still shows."""
+    setter = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if setter is None:  # a PyTorch without the warning
+        yield
+        return
+    setter(False)
+    try:
+        yield
+    finally:
+        setter(True)  # its default; PyTorch offers no getter to restore another
 
 
 @contextlib.contextmanager
@@ -72,6 +91,9 @@ class BlockGraphs:
         self._live: set[tuple] = set()
         self.active = False
         self.failed: str | None = None  # why capturing stopped (the first failure), None while it works
+        # CUDA memory the captures reserved (MB): the graphs' activations live in a pool of their own, allocated at
+        # capture, which a peak of allocated memory measured over later steps leaves out
+        self.pool_mb = 0.0
         self._warned: set[str] = set()
 
     def __deepcopy__(self, memo) -> "BlockGraphs":
@@ -109,6 +131,7 @@ class BlockGraphs:
                 self._warn("full", f"{MAX_GRAPHS} CUDA graphs of block runs are captured already (input shapes "
                                    f"that change?); {tuple(x.shape)} runs eagerly")
                 return eager(x)
+            reserved = torch.cuda.memory_reserved(x.device) if x.is_cuda else 0
             try:
                 graphed = self._capture(nn.Sequential(*blocks[start:stop]), x)
             except Exception as exc:  # noqa: BLE001 - a capture the host cannot make: eager from now on
@@ -117,6 +140,8 @@ class BlockGraphs:
                                      "eagerly")
                 return eager(x)
             self._graphed[key] = graphed
+            if x.is_cuda:
+                self.pool_mb += (torch.cuda.memory_reserved(x.device) - reserved) / 2**20
         out = graphed(x)
         if out.requires_grad:
             self._live.add(key)
