@@ -1,4 +1,5 @@
 """Do the image tower's blocks replayed as CUDA graphs (``--cuda-graphs``) compute what the eager blocks compute?
+And the packed text tower's layers (``--cuda-graphs-text``, ``--text``)?
 
 Runs a student's image tower (the real one, e.g. ViT-S/16 of D or E, stochastic depth off so that two runs agree)
 on a few batches of random images, each step forward and backward, once eagerly and once through
@@ -8,6 +9,11 @@ size. A speed figure says nothing about this; the GPU suite's loop_graphs sectio
 
     python benchmarks/block_graphs_check.py --device cuda --model E --batch-size 32
     python benchmarks/block_graphs_check.py --device cpu --model tiny-E --stand-in   # the plumbing only (CPU)
+    python benchmarks/block_graphs_check.py --device cuda --model E --text           # the text tower
+
+The text check runs the student's text tower on texts of random lengths (a new count of real tokens each step, so
+the tokens' padding to their bucket changes), dropout off. It needs FlashAttention (CUDA): elsewhere the packed
+layers attend on the grid, no graph applies and it reports none captured.
 """
 from __future__ import annotations
 
@@ -73,18 +79,78 @@ def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps:
             "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
 
 
+WORDS = ("no", "acute", "left", "right", "pleural", "effusion", "small", "pneumothorax", "heart", "size", "is",
+         "normal", "mild", "cardiomegaly", "lungs", "are", "clear", "basilar", "atelectasis", "the", "with", "stable")
+
+
+def _texts(n: int, gen) -> list[str]:
+    import torch
+
+    lengths = torch.randint(2, 60, (n,), generator=gen).tolist()
+    return [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (k,), generator=gen).tolist()) + "." for k in lengths]
+
+
+def compare_text(model: str = "E", device: str = "cuda", batch_size: int = 64, steps: int = 3, capture=None) -> dict:
+    """``compare`` for the packed text tower (``--cuda-graphs-text``): its token states after the student's local
+    alignment layer and its pooled vectors, and its gradients, graphed vs eager, dropout off."""
+    import torch
+
+    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.models import StudentConfig, build_student
+    from cxrdr.train.models.block_graphs import BlockGraphs
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    student = build_student(StudentConfig.from_yaml(model, drop_path_rate=0.0)).to(dev).train()
+    tower = student.text_tower
+    for module in tower.modules():  # two runs must draw the same: no dropout (its masks would differ)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    amp = amp_dtype_for("bf16", dev) if dev.type == "cuda" else None
+    graphs = BlockGraphs(**({"capture": capture, "on_device": lambda x: True} if capture is not None else {}))
+    token_layer = student.config.local_text_layer  # the layer whose states the local alignment reads (None: last)
+    worst_out = worst_grad = 0.0
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        tok = student.tokenize(_texts(2 * batch_size, gen))
+        results = []
+        for graphed in (False, True):
+            tower.block_graphs, graphs.active = (graphs if graphed else None), graphed
+            tower.zero_grad(set_to_none=True)
+            with autocast(dev, amp, cache=False):
+                states, pooled = tower(*(tok[k].to(dev) for k in ("input_ids", "attention_mask")), token_layer,
+                                       tok["token_index"].to(dev))
+                loss = states.float().square().mean() + pooled.float().mean()
+            loss.backward()
+            results.append((states.detach().float(),
+                            {n: q.grad.detach().float().clone() for n, q in tower.named_parameters()
+                             if q.grad is not None}))
+        (out_e, grads_e), (out_g, grads_g) = results
+        if grads_e.keys() != grads_g.keys():
+            raise AssertionError(f"step {step}: the graphed text tower's gradients reach other parameters")
+        worst_out = max(worst_out, float((out_g - out_e).abs().max() / out_e.abs().max().clamp_min(1e-12)))
+        for name, g in grads_e.items():
+            worst_grad = max(worst_grad, float((grads_g[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)))
+    tower.block_graphs = None
+    return {"model": model, "tower": "text", "device": str(dev), "batch_size": batch_size, "steps": steps,
+            "graphs_captured": graphs.captured("text"), "capture_failed": graphs.failed,
+            "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="D", help="student config (D, E, tiny-E, ...)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--text", action="store_true", help="the packed text tower's layers (--cuda-graphs-text)")
     parser.add_argument("--stand-in", action="store_true",
                         help="no CUDA graph: the blocks as they are stand in for the capture (checks the plumbing)")
     args = parser.parse_args(argv)
-    capture = (lambda module, x: module) if args.stand_in else None
-    r = compare(args.model, args.device, args.batch_size, args.steps, capture)
-    print(f"{r['model']} on {r['device']}, batch {r['batch_size']}, {r['steps']} steps: {r['graphs_captured']} "
+    capture = (lambda module, *inputs: module) if args.stand_in else None
+    r = (compare_text if args.text else compare)(args.model, args.device, args.batch_size, args.steps, capture)
+    print(f"{r['model']}{' text tower' if args.text else ''} on {r['device']}, batch {r['batch_size']}, "
+          f"{r['steps']} steps: {r['graphs_captured']} "
           f"graph(s) captured{'; capture failed: ' + r['capture_failed'] if r['capture_failed'] else ''}; largest "
           f"relative difference to the eager tower: output {r['max_rel_diff_output']:.2e}, gradients "
           f"{r['max_rel_diff_grad']:.2e}")

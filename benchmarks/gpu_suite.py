@@ -105,6 +105,7 @@ TARGET_CONFIG = "ViT-S/16 224 + MiniLM, batch 256, bf16, stored teacher"
 # graphs matched eager exactly, and placed after the compiled loop it was skipped for want of one second
 SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled", "train_step", "table")
 GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_graphs (models/block_graphs.py)
+GRAPHED_TEXT = "{v} CUDA graphs + text"  # and with TrainConfig.cuda_graphs_text (the packed text tower's layers too)
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
 # padded texts, D and E with the former heads: 3 of its 8 configurations, ~35 s) answered the same on three leases
@@ -145,7 +146,7 @@ def settings(tiny: bool, device: str) -> dict:
                 compile=True,
                 step=dict(size="full", batch_size=64, steps=10, warmup=5, block=5, workers=min(8, workers)),
                 table_family="vit-s16",
-                reserve={"build": 90, "students": 80, "loop": 110, "loop_graphs": 60, "peer": 60,
+                reserve={"build": 90, "students": 80, "loop": 110, "loop_graphs": 80, "peer": 60,
                          "loop_compiled": COMPILE_ESTIMATE_S["blocks"], "train_step": 45, "table": 0})
 
 
@@ -376,34 +377,45 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     pattern = cfg["families"][lp["family"]][0]
     cuda = cfg["device"].startswith("cuda")
     agreement = {}  # first, whether the graphs compute what the eager blocks do: a speed figure cannot say
-    for v in "DE":
+    stand_in = None if cuda else (lambda module, *inputs: module)
+    checks = [(v, block_graphs_check.compare, v, 32) for v in "DE"] + [("E text", block_graphs_check.compare_text,
+                                                                        "E", 64)]
+    for name, check, v, batch in checks:
         try:
-            agreement[v] = block_graphs_check.compare(pattern.format(v=v), cfg["device"], 32 if cuda else 2, 3,
-                                                      capture=None if cuda else (lambda module, x: module))
+            agreement[name] = check(pattern.format(v=v), cfg["device"], batch if cuda else 2, 3, capture=stand_in)
         except Exception as exc:  # noqa: BLE001 - recorded; the timing still runs
-            agreement[v] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            agreement[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     plan = []
     for v in lp["graphed"]:
         plan += [(v, pattern.format(v=v), None),
-                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on"})]
+                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on"}),
+                 (GRAPHED_TEXT.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on", "cuda_graphs_text": True})]
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
-    graphed_names = {GRAPHED.format(v=v) for v in lp["graphed"]}
+    graphed_names = {n.format(v=v) for v in lp["graphed"] for n in (GRAPHED, GRAPHED_TEXT)}
     for row in rows:  # what the graphed trainers captured, or why not
         graphs = getattr(trainers[row["name"]][0], "block_graphs", None)
         if row["name"] in graphed_names:
             row.update(graphs_captured=len(graphs) if graphs is not None else None,
+                       text_graphs_captured=graphs.captured("text") if graphs is not None else None,
                        graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
     del trainers
     _free_device_memory()
     by = {r["name"]: r for r in rows}
     graphed = [{**by[GRAPHED.format(v=v)], "name": v} for v in lp["graphed"]]
+    graphed_text = [{**by[GRAPHED_TEXT.format(v=v)], "name": v} for v in lp["graphed"]]
     return {"rows": rows, "graphed_over_eager_img_per_s": {
                 v: by[GRAPHED.format(v=v)]["img_per_s"] / by[v]["img_per_s"] for v in lp["graphed"]},
-            "graphed_ratios": _ratios(graphed), "description": _loop_description(cfg),
+            "text_graphed_over_graphed_img_per_s": {
+                v: by[GRAPHED_TEXT.format(v=v)]["img_per_s"] / by[GRAPHED.format(v=v)]["img_per_s"]
+                for v in lp["graphed"]},
+            "graphed_ratios": _ratios(graphed), "text_graphed_ratios": _ratios(graphed_text),
+            "description": _loop_description(cfg),
             "agreement": agreement, "agreement_note": "benchmarks/block_graphs_check.py: the image tower alone, "
-            "stochastic depth off, 3 steps of random images, graphed vs eager; the largest differences relative to "
-            "the largest value" + ("" if cuda else "; on CPU the blocks stand in for the capture (plumbing only)"),
+            "stochastic depth off, 3 steps of random images (E text: the text tower alone, dropout off, 3 steps of "
+            "random texts), graphed vs eager; the largest differences relative to the largest value"
+            + ("" if cuda else "; on CPU the blocks stand in for the capture (plumbing only), and the text tower, "
+               "without FlashAttention, captures nothing"),
             "note": f"Trainer.train_step (non-log steps), {lp['compiled_steps']} timed steps per configuration in "
                     f"blocks of {lp['block']} after {lp['warmup']} warm-up steps (the capture among them), each "
                     "graphed configuration beside its eager twin, interleaved; E at its target keep rate"}
@@ -758,6 +770,8 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
     if (sections.get("loop_graphs") or {}).get("rows"):
         targets += _loop_targets(sections["loop_graphs"], "eager + CUDA graphs of the blocks", desc,
                                  {GRAPHED.format(v=v) for v in VARIANTS})
+        targets += _loop_targets(sections["loop_graphs"], "eager + CUDA graphs of the blocks and text layers", desc,
+                                 {GRAPHED_TEXT.format(v=v) for v in VARIANTS})
     targets.append(_target(f"E / A inference img/s ({family}, image encoder, batch {cfg['students']['batch_size']})",
                            ">=", 2, e_over_a_infer))
     e_over_a_compiled = (students.get("E_over_A") or {}).get(family, {}).get(COMPILED_INFERENCE)
@@ -1020,11 +1034,16 @@ def markdown(result: dict) -> str:
                "- graphed / eager img/s: " + ", ".join(f"{v} {_fmt(x)}x" for v, x in
                                                        lg["graphed_over_eager_img_per_s"].items())
                + f"; graphed D step / A step {_fmt(lg['graphed_ratios'].get('D_over_A_step'))}; graphed E / A img/s "
-                 f"{_fmt(lg['graphed_ratios'].get('E_over_A_img_per_s'))}"]
+                 f"{_fmt(lg['graphed_ratios'].get('E_over_A_img_per_s'))}",
+               "- with the text layers too, over the blocks alone, img/s: " + ", ".join(
+                   f"{v} {_fmt(x)}x" for v, x in lg.get("text_graphed_over_graphed_img_per_s", {}).items())
+               + f"; D step / A step {_fmt(lg.get('text_graphed_ratios', {}).get('D_over_A_step'))}; E / A img/s "
+                 f"{_fmt(lg.get('text_graphed_ratios', {}).get('E_over_A_img_per_s'))}"]
         md += [f"- graphed vs eager tower, {v}: " + (a["error"] if "error" in a else
                f"output {a['max_rel_diff_output']:.1e}, gradients {a['max_rel_diff_grad']:.1e} (largest relative "
                f"difference; {a['graphs_captured']} graph(s))") for v, a in lg["agreement"].items()]
         md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
+               + (f" ({r['text_graphs_captured']} of the text tower)" if r.get("text_graphs_captured") else "")
                + (f", their memory pool {r['graph_pool_mb']:.0f} MB (in its peak MB)" if r.get("graph_pool_mb") else "")
                + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
                for r in lg["rows"] if "graphs_captured" in r] + [""]

@@ -68,15 +68,15 @@ def idle_report(prof, steps: int) -> str:
 
 
 def profile_model(model: str, shards: str, batch_size: int, device: str, warmup: int, steps: int,
-                  workers: int, cuda_graphs: bool = False) -> str:
+                  workers: int, cuda_graphs: bool = False, text_graphs: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     import train_step
 
     base = train_step.bench_config(shards, batch_size, workers, device)
     with tempfile.TemporaryDirectory(prefix="profile-step-") as out:
-        graphs = "on" if cuda_graphs else "off"
-        trainer, batches = train_step.make_trainer({**base, "out": out, "cuda_graphs": graphs}, model=model)
+        graphs = {"cuda_graphs": "on" if cuda_graphs or text_graphs else "off", "cuda_graphs_text": text_graphs}
+        trainer, batches = train_step.make_trainer({**base, "out": out, **graphs}, model=model)
         try:
             cuda = trainer.device.type == "cuda"
             sync = train_step.sync_fn(trainer.device)
@@ -90,8 +90,8 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
                 sync()
         finally:
             batches.close()
-    graphs = f", image tower blocks as CUDA graphs ({len(trainer.block_graphs)} captured)" \
-        if trainer.block_graphs is not None else ""
+    graphs = f", image tower blocks{' and text layers' if text_graphs else ''} as CUDA graphs " \
+        f"({len(trainer.block_graphs)} captured)" if trainer.block_graphs is not None else ""
     return (f"{model}: {steps} steps of batch {batch_size} on {device} after {warmup} warm-up steps{graphs}\n"
             + (idle_report(prof, steps) if cuda else "") + operator_tables(prof, cuda))
 
@@ -156,6 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the training steps with the image tower's blocks as CUDA graphs "
                              "(profile-<model>-graphs.txt)")
+    parser.add_argument("--cuda-graphs-text", action="store_true",
+                        help="and the packed text tower's layers too (profile-<model>-graphs-text.txt)")
     args = parser.parse_args(argv)
     if not args.encoder and not args.shards:
         parser.error("--shards is required for the training step's profiles (or --encoder)")
@@ -166,9 +168,10 @@ def main(argv=None) -> int:
             path = out / f"profile-{model}-encoder.txt"
             path.write_text(profile_encoder(model, args.batch_size, args.device, args.warmup, args.steps))
         else:
-            path = out / f"profile-{model}{'-graphs' if args.cuda_graphs else ''}.txt"
+            suffix = "-graphs-text" if args.cuda_graphs_text else "-graphs" if args.cuda_graphs else ""
+            path = out / f"profile-{model}{suffix}.txt"
             path.write_text(profile_model(model, args.shards, args.batch_size, args.device, args.warmup, args.steps,
-                                          args.workers, args.cuda_graphs))
+                                          args.workers, args.cuda_graphs, args.cuda_graphs_text))
         print(f"wrote {path}", flush=True)
     return 0
 

@@ -240,6 +240,8 @@ def main(argv=None) -> int:
                         help="with --compile: the whole forward or each tower block (TrainConfig.compile_scope)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the image tower's blocks as CUDA graphs (TrainConfig.cuda_graphs; CUDA only)")
+    parser.add_argument("--cuda-graphs-text", action="store_true",
+                        help="and the packed text tower's layers (TrainConfig.cuda_graphs_text; CUDA only)")
     parser.add_argument("--only", default=None,
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
     parser.add_argument("--padded-texts", action="store_true",
@@ -271,8 +273,8 @@ def main(argv=None) -> int:
             "out": str(Path(tmp.name) / "run")}
     if args.compile:
         base.update(compile=True, compile_scope=args.compile_scope)
-    if args.cuda_graphs:
-        base.update(cuda_graphs="on")
+    if args.cuda_graphs or args.cuda_graphs_text:
+        base.update(cuda_graphs="on", cuda_graphs_text=args.cuda_graphs_text)
 
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),

@@ -118,7 +118,8 @@ def test_changing_shapes_stop_at_max_graphs_and_a_failed_capture_leaves_the_towe
     graphs = _with_graphs(model, capture)
     for n in range(1, MAX_GRAPHS + 2):
         if n == MAX_GRAPHS + 1:
-            with pytest.warns(RuntimeWarning, match=f"{MAX_GRAPHS} CUDA graphs of block runs are captured already"):
+            with pytest.warns(RuntimeWarning,
+                              match=f"{MAX_GRAPHS} CUDA graphs of the image tower.s block runs are captured already"):
                 _loss_and_grads(model, _images(2 * n))
         else:
             _loss_and_grads(model, _images(2 * n))
@@ -132,11 +133,15 @@ def test_changing_shapes_stop_at_max_graphs_and_a_failed_capture_leaves_the_towe
     model = _student("tiny-D")
     graphs = _with_graphs(model, refuse)
     eager_loss, _ = _loss_and_grads(_student("tiny-D"), _images())
-    with pytest.warns(RuntimeWarning, match="capturing the blocks as a CUDA graph failed .*not permitted"):
+    with pytest.warns(RuntimeWarning,
+                      match="capturing the image tower.s blocks as a CUDA graph failed .*not permitted"):
         loss, _ = _loss_and_grads(model, _images())
     assert torch.allclose(loss, eager_loss, atol=1e-6)
     assert graphs.failed == "RuntimeError: operation not permitted when stream is capturing"
     assert not graphs.applies(model.image_tower, torch.zeros(1))
+    assert graphs.applies(model.image_tower, torch.zeros(1), "text")  # the text tower's graphs fail on their own
+    graphs.clear()  # a new training stage tries again
+    assert graphs.applies(model.image_tower, torch.zeros(1)) and graphs.failed.startswith("RuntimeError")
 
 
 def test_a_copied_model_starts_without_graphs_and_cnn_towers_have_none():
@@ -167,6 +172,9 @@ def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache
     assert [TrainConfig.load(None, shards="s", cuda_graphs=v).cuda_graphs for v in (True, False)] == ["on", "off"]
     with pytest.raises(ValueError, match=r"cuda_graphs must be one of \('auto', 'on', 'off'\), got 'yes'"):
         TrainConfig.load(None, shards="s", cuda_graphs="yes")
+    for flags in ({"cuda_graphs": "off"}, {"pack_text": False}):
+        with pytest.raises(ValueError, match="--cuda-graphs-text .* needs --cuda-graphs auto or on, and --pack-text"):
+            TrainConfig.load(None, shards="s", cuda_graphs_text=True, **flags)
     with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
     with autocast(torch.device("cpu"), torch.bfloat16):
@@ -182,7 +190,12 @@ def test_auto_graphs_where_they_apply_and_nowhere_else(phantom_shards, tmp_path,
                               batch_size=4, workers=0, progress=False, device="cpu", eval_every=0))
     assert run.cfg.cuda_graphs == "auto" and run.block_graphs is None and not recwarn.list  # CPU: silently eager
     run.device = torch.device("cuda")
-    assert isinstance(run._block_graphs(), BlockGraphs)
+    graphs = run._block_graphs()
+    assert isinstance(graphs, BlockGraphs) and run.student.text_tower.block_graphs is None
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text=True)  # the text tower shares the image tower's
+    graphs = run._block_graphs()
+    assert run.student.text_tower.block_graphs is graphs is run.student.image_tower.block_graphs
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text=False)
     for setting in ({"cuda_graphs": "off"}, {"compile": True}, {"grad_checkpointing": True}, {"accum_steps": 2}):
         run.cfg = dataclasses.replace(run.cfg, **setting)
         assert run._block_graphs() is None, setting

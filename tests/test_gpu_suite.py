@@ -116,16 +116,23 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert s["loop"]["shards"] == s["build"]["shards"]  # the loop trains on the build's shards
 
     graphs = s["loop_graphs"]  # on CPU the graphed trainers run eagerly, and say so
-    assert [r["name"] for r in graphs["rows"]] == ["A", "A CUDA graphs", "E", "E CUDA graphs", "D", "D CUDA graphs"]
+    assert [r["name"] for r in graphs["rows"]] == [n.format(v=v) for v in "AED"
+                                                    for n in ("{v}", "{v} CUDA graphs", "{v} CUDA graphs + text")]
     assert all(positive(r["img_per_s"]) for r in graphs["rows"])
-    assert all(r["graphs_captured"] is None and r["graphs_failed"] == "no graphs: not a CUDA device"
-               for r in graphs["rows"][1::2])
+    graphed_rows = [r for r in graphs["rows"] if " " in r["name"]]
+    assert len(graphed_rows) == 6 and all(r["graphs_captured"] is None and r["text_graphs_captured"] is None
+                                          and r["graphs_failed"] == "no graphs: not a CUDA device" for r in graphed_rows)
+    # the plumbing only, on CPU: the blocks stand in for the capture; the text tower, without FlashAttention, has none
     assert {v: (a["graphs_captured"], a["max_rel_diff_grad"]) for v, a in graphs["agreement"].items()} == {
-        "D": (1, 0.0), "E": (2, 0.0)}  # the plumbing only, on CPU: the blocks stand in for the capture
+        "D": (1, 0.0), "E": (2, 0.0), "E text": (0, 0.0)}
     gb = {r["name"]: r for r in graphs["rows"]}
     assert graphs["graphed_over_eager_img_per_s"]["E"] == gb["E CUDA graphs"]["img_per_s"] / gb["E"]["img_per_s"]
+    assert graphs["text_graphed_over_graphed_img_per_s"]["A"] == (
+        gb["A CUDA graphs + text"]["img_per_s"] / gb["A CUDA graphs"]["img_per_s"])
     assert graphs["graphed_ratios"]["E_over_A_img_per_s"] == (
         gb["E CUDA graphs"]["img_per_s"] / gb["A CUDA graphs"]["img_per_s"])
+    assert graphs["text_graphed_ratios"]["E_over_A_img_per_s"] == (
+        gb["E CUDA graphs + text"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
 
     peer = s["peer"]["rows"]
     assert [r["name"] for r in peer] == ["open_clip tiny eager"] and s["peer"]["notes"]
@@ -151,9 +158,13 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert all(set(t) >= TARGET_KEYS for t in targets)
     # no compiled rows in the tiny run: the eager and graphed loops' targets, and the build's steady ratio beside its
     # whole one
-    assert len(targets) == 15
-    graphed_a = next(t for t in targets if t["name"].startswith("A training, real loop, img/s [eager + CUDA graphs"))
+    assert len(targets) == 21
+    graphed_a = next(t for t in targets if t["name"].startswith("A training, real loop, img/s [eager + CUDA graphs of "
+                                                                  "the blocks]"))
     assert graphed_a["value"] == gb["A CUDA graphs"]["img_per_s"]
+    text_d = next(t for t in targets if t["name"].startswith("D training, real loop, img/s [eager + CUDA graphs of the "
+                                                               "blocks and text layers]"))
+    assert text_d["value"] == gb["D CUDA graphs + text"]["img_per_s"]
     steady = next(t for t in targets if t["name"].startswith("build / teacher forward [steady"))
     assert steady["value"] == s["build"]["steady_ratio"] and steady["required"] == ">= 0.9"
     by_name = {t["name"].split(" (")[0]: t for t in targets}

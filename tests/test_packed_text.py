@@ -266,3 +266,70 @@ def test_a_refused_packed_attention_warns_once_and_attends_on_the_grid(monkeypat
     with torch.no_grad():
         tower(tok["input_ids"], tok["attention_mask"], None, tok["token_index"])
     assert len(calls) == 1  # not tried again
+
+
+def test_text_graphs_pad_the_packed_tokens_to_a_bucket_and_give_the_unpadded_states_and_gradients(monkeypatch):
+    """--cuda-graphs-text (a stand-in for the capture and for FlashAttention on the CPU): the layers run on the packed
+    tokens padded to their bucket, the padding one sequence of its own within the length bound, as one graph per run
+    of layers and bucket; the real tokens' states and the gradients are the unpadded run's."""
+    import cxrdr.train.models.packed_text as packed_text
+    from cxrdr.train.models.block_graphs import BlockGraphs
+
+    tower, tokenizer = _tower("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    tower.train()
+    calls, captured = [], []
+
+    def varlen(q, k, v, offsets, max_length, dropout_p, scale):
+        assert int(offsets.diff().max()) <= max_length  # every sequence, the padding's too, within the bound
+        calls.append((q.shape[0], max_length))
+        return _reference_varlen(q, k, v, offsets, max_length, dropout_p, scale)
+
+    def stand_in(module, *inputs):
+        captured.append((len(module), tuple(inputs[0].shape)))
+        return module
+
+    monkeypatch.setattr(packed_text, "flash_varlen_applies", lambda x, head_dim: True)
+    monkeypatch.setattr(packed_text, "flash_varlen", varlen)
+
+    def run(tok, token_layer, graphs):
+        tower.block_graphs = graphs
+        tower.zero_grad()
+        states, pooled = tower(tok["input_ids"], tok["attention_mask"], token_layer, tok["token_index"])
+        weights = torch.linspace(-1, 1, states.numel()).view_as(states)
+        ((states * weights).sum() + pooled.square().sum()).backward()
+        return states, {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+    graphs = BlockGraphs(capture=stand_in, on_device=lambda x: True)
+    graphs.active = True
+    tok = tokenizer(TEXTS)
+    real = int(tok["attention_mask"].sum())
+    bucket = packed_text.pack_bucket(real)
+    padded = -(-real // bucket) * bucket
+    for token_layer, runs in ((None, [(2, (padded, tower.width))]), (1, [(1, (padded, tower.width))] * 2)):
+        calls.clear()
+        eager_states, eager_grads = run(tok, token_layer, None)
+        assert calls == [(real, tok["input_ids"].shape[1])] * tower.depth  # unpadded, bounded by the grid's length
+        calls.clear()
+        graphed_states, graphed_grads = run(tok, token_layer, graphs)
+        assert calls == [(padded, packed_text.graph_max_length(tower.model, bucket))] * tower.depth
+        assert captured[-len(runs):] == runs
+        torch.testing.assert_close(graphed_states, eager_states, rtol=1e-5, atol=1e-6)
+        assert graphed_grads.keys() == eager_grads.keys()
+        for name in eager_grads:
+            torch.testing.assert_close(graphed_grads[name], eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert graphs.captured("text") == 3 and graphs.captured("image") == 0
+    other = tokenizer(TEXTS[:3] + ["no acute process."])  # fewer real tokens, the same bucket: no new graph
+    assert packed_text.pack_bucket(int(other["attention_mask"].sum())) == bucket
+    run(other, None, graphs)
+    assert len(captured) == 3
+
+
+def test_the_pack_bucket_pads_by_at_most_a_sixteenth_and_keeps_sizes_few():
+    from cxrdr.train.models.packed_text import pack_bucket
+
+    assert pack_bucket(21_658) == 1024 and pack_bucket(40) == 64 and pack_bucket(2_000) == 64
+    for tokens in range(1_024, 60_000, 37):
+        bucket = pack_bucket(tokens)
+        assert bucket & (bucket - 1) == 0 and (-(-tokens // bucket) * bucket - tokens) <= tokens / 16
+    sizes = {-(-t // pack_bucket(t)) * pack_bucket(t) for t in range(20_800, 22_500)}  # ~ +-2 sd at batch 256
+    assert len(sizes) <= 3

@@ -108,6 +108,10 @@ class TrainConfig:
                                     "A, D and E on an H200). auto: where they apply (CUDA, one process, no "
                                     "--compile, --grad-checkpointing or --accum-steps > 1); on: asked for (refused "
                                     "with those three, a warning off CUDA); off: eager.")
+    cuda_graphs_text: bool = _opt(False, "With --cuda-graphs, also replay the packed text tower's layers as CUDA "
+                                         "graphs (BERT-family towers on FlashAttention): the packed tokens padded to "
+                                         "a bucket, a graph per bucket (cxrdr/train/models/packed_text.py). Not yet "
+                                         "timed on a GPU.")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int = _opt(2, "DataLoader workers per rank.")
@@ -159,6 +163,9 @@ class TrainConfig:
             raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
         if self.online_teacher and self.mode == "plain":
             raise ValueError("--online-teacher distils from a teacher: use it with --mode reinforced")
+        if self.cuda_graphs_text and (self.cuda_graphs == "off" or not self.pack_text):
+            raise ValueError("--cuda-graphs-text replays the packed text tower with the image tower's graphs: it "
+                             "needs --cuda-graphs auto or on, and --pack-text")
         if self.cuda_graphs == "on":
             conflicts = [flag for flag, on in (("--compile", self.compile), ("--grad-checkpointing",
                                                self.grad_checkpointing), ("--accum-steps > 1", self.accum_steps > 1))

@@ -159,7 +159,7 @@ class Trainer:
         if cfg.cuda_graphs == "auto" and (cfg.compile or cfg.grad_checkpointing or cfg.accum_steps > 1
                                           or not hasattr(self.student.image_tower, "run_blocks")):
             return None
-        return enable_block_graphs(self.student)
+        return enable_block_graphs(self.student, text=cfg.cuda_graphs_text)
 
     def _read_data_description(self) -> None:
         cfg = self.cfg

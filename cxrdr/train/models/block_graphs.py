@@ -31,19 +31,20 @@ import torch
 import torch.nn as nn
 
 MAX_GRAPHS = 4  # per tower: the default A, D and E need one, an E dropping after block L1 > 0 two (before and
-# after the drop), heads at a middle layer one more; beyond that, shapes that change
+# after the drop), heads at a middle layer one more; beyond that, shapes that change. The packed text tower: one per
+# token bucket (packed_text.pack_bucket), two or three at batch 256
 
 
-def capture_cuda_graphs(module: nn.Module, x: torch.Tensor) -> nn.Module:
-    """``module`` (in training mode) with its forward and backward on inputs shaped like ``x`` as CUDA graphs.
+def capture_cuda_graphs(module: nn.Module, *inputs: torch.Tensor) -> nn.Module:
+    """``module`` (in training mode) with its forward and backward on inputs shaped like ``inputs`` as CUDA graphs.
     The capture is thread-local, so the loader's pin-memory thread may go on allocating page-locked memory (in the
     default "global" mode such a call from another thread would fail the capture, or that thread)."""
-    sample = x.detach().clone().requires_grad_(x.requires_grad)
+    sample = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
     with quiet_side_stream_gradients():
         if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
-            return torch.cuda.make_graphed_callables(module, (sample,), capture_error_mode="thread_local")
+            return torch.cuda.make_graphed_callables(module, sample, capture_error_mode="thread_local")
         with thread_local_capture():  # an older torch: make_graphed_callables has no such argument
-            return torch.cuda.make_graphed_callables(module, (sample,))
+            return torch.cuda.make_graphed_callables(module, sample)
 
 
 @contextlib.contextmanager
@@ -82,15 +83,18 @@ def thread_local_capture():
 
 
 class BlockGraphs:
-    """The graphs of one tower's block runs (``run``), captured on first use while ``active``."""
+    """The graphs of one student's block runs, captured on first use while ``active``: the image tower's (``run``)
+    and, with ``--cuda-graphs-text``, the packed text tower's layers (``run_module``, tag "text"). Each tower
+    (tag) has at most ``MAX_GRAPHS`` and fails on its own: a text capture that fails leaves the image graphs."""
 
-    def __init__(self, capture: Callable[[nn.Module, torch.Tensor], nn.Module] = capture_cuda_graphs,
+    def __init__(self, capture: Callable[..., nn.Module] = capture_cuda_graphs,
                  on_device: Callable[[torch.Tensor], bool] = lambda x: x.is_cuda):
         self._capture, self._on_device = capture, on_device
         self._graphed: dict[tuple, nn.Module] = {}
         self._live: set[tuple] = set()
         self.active = False
         self.failed: str | None = None  # why capturing stopped (the first failure), None while it works
+        self._failed_tags: set[str] = set()
         # CUDA memory the captures reserved (MB): the graphs' activations live in a pool of their own, allocated at
         # capture, which a peak of allocated memory measured over later steps leaves out
         self.pool_mb = 0.0
@@ -100,49 +104,64 @@ class BlockGraphs:
         """A copy of the model (efficiency measurements) starts without graphs: its blocks are other modules."""
         return BlockGraphs(self._capture, self._on_device)
 
-    def applies(self, module: nn.Module, x: torch.Tensor) -> bool:
+    def applies(self, module: nn.Module, x: torch.Tensor, tag: str = "image") -> bool:
         """Whether a block run of ``module`` on ``x`` goes through a graph (training with gradients, on the
-        graphs' device, active, no failure so far)."""
-        return (self.active and self.failed is None and module.training and torch.is_grad_enabled()
+        graphs' device, active, no failure of this tower's so far)."""
+        return (self.active and tag not in self._failed_tags and module.training and torch.is_grad_enabled()
                 and self._on_device(x))
 
     def clear(self) -> None:
-        """Forget every graph (the Trainer calls it when a training stage changes which parameters train)."""
+        """Forget every graph (the Trainer calls it when a training stage changes which parameters train), and try
+        again where a capture failed: a stage with frozen towers captures other graphs (``failed`` keeps its note)."""
         self._graphed.clear()
         self._live.clear()
+        self._failed_tags.clear()
 
     def __len__(self) -> int:
         return len(self._graphed)
+
+    def captured(self, tag: str) -> int:
+        """How many graphs of one tower ("image", "text") are held."""
+        return sum(key[0] == tag for key in self._graphed)
 
     def run(self, blocks: nn.ModuleList, start: int, stop: int, x: torch.Tensor,
             eager: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``blocks[start:stop]`` on ``x``: the graph of this run and shape (captured now if new), or ``eager(x)``
         where no graph may run (see the module docstring)."""
+        return self.run_module("image", (start, stop), lambda: nn.Sequential(*blocks[start:stop]), (x,), eager)
+
+    def run_module(self, tag: str, run: tuple, build: Callable[[], nn.Module], inputs: tuple[torch.Tensor, ...],
+                   eager: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``build()(*inputs)`` (one tensor out) as the graph of ``run`` (what the module computes, e.g. its blocks)
+        and the inputs' shapes, captured now if new; ``eager(*inputs)`` where no graph may run."""
+        x = inputs[0]
         device_type = x.device.type
         amp = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        key = (start, stop, tuple(x.shape), x.dtype, x.requires_grad, amp)
+        key = (tag, *run, *((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs), amp)
         if key in self._live:
             self._warn("live", "a block run's CUDA graph was called again before the backward of its last call; "
                                "that call runs eagerly (a replay would overwrite what the pending backward reads)")
-            return eager(x)
+            return eager(*inputs)
         graphed = self._graphed.get(key)
         if graphed is None:
-            if len(self._graphed) >= MAX_GRAPHS:
-                self._warn("full", f"{MAX_GRAPHS} CUDA graphs of block runs are captured already (input shapes "
-                                   f"that change?); {tuple(x.shape)} runs eagerly")
-                return eager(x)
+            if self.captured(tag) >= MAX_GRAPHS:
+                self._warn(f"full {tag}", f"{MAX_GRAPHS} CUDA graphs of the {tag} tower's block runs are captured "
+                                          f"already (input shapes that change?); {tuple(x.shape)} runs eagerly")
+                return eager(*inputs)
             reserved = torch.cuda.memory_reserved(x.device) if x.is_cuda else 0
             try:
-                graphed = self._capture(nn.Sequential(*blocks[start:stop]), x)
+                graphed = self._capture(build(), *inputs)
             except Exception as exc:  # noqa: BLE001 - a capture the host cannot make: eager from now on
-                self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                self._warn("failed", f"capturing the blocks as a CUDA graph failed ({self.failed}); the blocks run "
-                                     "eagerly")
-                return eager(x)
+                message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                self.failed = self.failed or message
+                self._failed_tags.add(tag)
+                self._warn(f"failed {tag}", f"capturing the {tag} tower's blocks as a CUDA graph failed ({message}); "
+                                            "they run eagerly")
+                return eager(*inputs)
             self._graphed[key] = graphed
             if x.is_cuda:
                 self.pool_mb += (torch.cuda.memory_reserved(x.device) - reserved) / 2**20
-        out = graphed(x)
+        out = graphed(*inputs)
         if out.requires_grad:
             self._live.add(key)
             out.register_hook(functools.partial(self._release, key))
@@ -157,15 +176,22 @@ class BlockGraphs:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def enable_block_graphs(student: nn.Module, **kwargs) -> BlockGraphs | None:
-    """Give the student's image tower a BlockGraphs (``kwargs``: BlockGraphs'); None, with a warning, where the tower
-    has no transformer blocks to run (a CNN or hybrid tower)."""
+def enable_block_graphs(student: nn.Module, text: bool = False, **kwargs) -> BlockGraphs | None:
+    """Give the student's image tower (and with ``text`` its packed text tower) one BlockGraphs (``kwargs``:
+    BlockGraphs'); None, with a warning, where the image tower has no transformer blocks to run (a CNN or hybrid
+    tower). A text tower that cannot run packed (not BERT-layout) stays eager, with a warning."""
     tower = student.image_tower
     if not hasattr(tower, "run_blocks"):
         warnings.warn(f"--cuda-graphs: the image tower {type(tower).__name__} has no transformer blocks to replay; "
                       "it runs eagerly", RuntimeWarning, stacklevel=2)
         return None
     tower.block_graphs = BlockGraphs(**kwargs)
+    if text:
+        if getattr(student.text_tower, "pack", False):
+            student.text_tower.block_graphs = tower.block_graphs
+        else:
+            warnings.warn(f"--cuda-graphs-text: the text tower {type(student.text_tower).__name__} does not run "
+                          "packed; it runs eagerly", RuntimeWarning, stacklevel=2)
     return tower.block_graphs
 
 

@@ -24,6 +24,13 @@ a step's reports and captions share one grid of the longest report's bucket (rep
 on a 128 grid on the phantom), so ~7x the scores the texts have, and the H100's A step spent ~8 ms of its ~95 ms
 there (``benchmarks/results/profiles/nvidia-h100-0ef6026-A.txt``: ``fmha_cutlass`` forward and backward).
 Elsewhere (the CPU, fp32, a compiled layer) the grid runs, as before.
+
+With ``--cuda-graphs-text`` the packed layers on FlashAttention also run as CUDA graphs (``models/block_graphs.py``):
+a graph is fixed to its input's shape, and a batch's count of real tokens changes every step, so the packed tokens
+are padded to a bucket (``pack_bucket``: a power of two, at most a 16th of them), the padding rows forming one more
+sequence of their own that attends only among itself, and every sequence is bounded by one length
+(``graph_max_length``). The real tokens' states are the unpadded run's (to float rounding; the padding rows are
+dropped after the layers, and their gradient is zero).
 """
 from __future__ import annotations
 
@@ -142,11 +149,44 @@ def packed_layer(layer: nn.Module, x: torch.Tensor, index: torch.Tensor, keep: t
     return layer.output(layer.intermediate(attended), attended)
 
 
+def pack_bucket(tokens: int) -> int:
+    """Rows the packed tokens are padded to a multiple of under CUDA graphs: the largest power of two at most a 16th
+    of ``tokens`` (at least 64), so padding adds at most ~6 % and a batch of ~22k tokens (batch 256 of reports and
+    captions on the phantom) meets two or three sizes."""
+    return max(64, 1 << max(0, (int(tokens) // 16).bit_length() - 1))
+
+
+def graph_max_length(model: nn.Module, bucket: int) -> int:
+    """The sequence length bound FlashAttention gets under CUDA graphs: one for every batch (a graph holds it), above
+    any text (the model's position limit) and the padding's own sequence (below a bucket)."""
+    return max(int(getattr(model.config, "max_position_embeddings", 512)), int(bucket))
+
+
+class PackedLayers(nn.Module):
+    """Encoder layers on packed tokens attending by ``offsets`` on FlashAttention, the module a CUDA graph captures:
+    (x (T, d), offsets (S + 1,)) -> (T, d)."""
+
+    def __init__(self, layers, max_length: int):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.max_length = int(max_length)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:  # the grid's index and mask stay unused on FlashAttention
+            x = packed_layer(layer, x, None, None, 0, self.max_length, offsets)
+        return x
+
+
 def encode_packed(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor,
-                  token_layer: int | None = None, layer_fn=packed_layer) -> tuple[torch.Tensor, torch.Tensor]:
+                  token_layer: int | None = None, layer_fn=packed_layer,
+                  graphs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(last hidden states (B, L, d), the states after ``token_layer`` layers (B, L, d); 0: the embeddings,
     None: the last) of a BERT-layout ``model`` run on the real tokens only; padded rows are zeros.
-    ``layer_fn``: ``packed_layer`` or its torch.compile (``compiling.compile_blocks``)."""
+    ``layer_fn``: ``packed_layer`` or its torch.compile (``compiling.compile_blocks``); ``graphs``: a
+    ``BlockGraphs`` (``--cuda-graphs-text``), used where the layers run packed on FlashAttention."""
     batch, length = input_ids.shape
     embedded = model.embeddings(input_ids=input_ids)
     width = embedded.shape[-1]
@@ -164,6 +204,9 @@ def encode_packed(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     chosen = embedded if token_layer == 0 else None
     # transformers >= 4.52 flags each layer, older versions the encoder
     checkpointed = getattr(model.encoder, "gradient_checkpointing", False)
+    if graphs is not None and offsets is not None and graphs.applies(model, x, "text") and not checkpointed \
+            and not any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        return _graphed_layers(model, graphs, x, offsets, token_layer, to_grid, chosen)
     for depth, layer in enumerate(layers, start=1):
         if (checkpointed or getattr(layer, "gradient_checkpointing", False)) and layer.training \
                 and torch.is_grad_enabled():
@@ -173,4 +216,32 @@ def encode_packed(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if token_layer == depth and depth < len(layers):
             chosen = to_grid(x)
     last = to_grid(x)
+    return last, (last if chosen is None else chosen)
+
+
+def _graphed_layers(model: nn.Module, graphs, x: torch.Tensor, offsets: torch.Tensor, token_layer: int | None,
+                    to_grid, chosen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encode_packed``'s layers as CUDA graphs: the tokens padded to their bucket (module docstring), one graph
+    per run of layers (two where ``token_layer`` splits them) and bucket."""
+    layers = model.encoder.layer
+    real = x.shape[0]  # a shape: known on the host without reading the tensor
+    bucket = pack_bucket(real)
+    padded = -(-real // bucket) * bucket
+    max_length = graph_max_length(model, bucket)
+    x = F.pad(x, (0, 0, 0, padded - real))
+    offsets = F.pad(offsets, (0, 1), value=padded)  # the padding rows: one more sequence
+    stops = [token_layer] if token_layer is not None and 0 < token_layer < len(layers) else []
+    start = 0
+    for stop in [*stops, len(layers)]:
+        run = layers[start:stop]
+
+        def eager(t: torch.Tensor, o: torch.Tensor, run=run) -> torch.Tensor:
+            return PackedLayers(run, max_length)(t, o)
+
+        x = graphs.run_module("text", (start, stop, max_length), lambda run=run: PackedLayers(run, max_length),
+                              (x, offsets), eager)
+        if stop == token_layer and stop < len(layers):
+            chosen = to_grid(x[:real])
+        start = stop
+    last = to_grid(x[:real])
     return last, (last if chosen is None else chosen)

@@ -236,6 +236,7 @@ class HFTextTower(nn.Module):
         # run on the real tokens only where a packing index is at hand (packed_text); False: always padded
         self.pack = supports_packing(model)
         self.packed_layer = packed_layer  # compiling.compile_blocks puts its torch.compile here
+        self.block_graphs = None  # --cuda-graphs-text: the image tower's BlockGraphs (models/block_graphs.py)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None,
                 token_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +251,8 @@ class HFTextTower(nn.Module):
             token_index = packing_index(attention_mask)
         if self.pack and token_index is not None:
             tokens, layer_tokens = encode_packed(self.model, input_ids, attention_mask,
-                                                 token_index.to(input_ids.device), token_layer, self.packed_layer)
+                                                 token_index.to(input_ids.device), token_layer, self.packed_layer,
+                                                 self.block_graphs)
         else:
             wanted = token_layer is not None and token_layer < self.depth
             out = self.model(input_ids=input_ids, attention_mask=self._attention_bias(attention_mask),
