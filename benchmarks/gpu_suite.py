@@ -134,7 +134,11 @@ def settings(tiny: bool, device: str) -> dict:
                              "train_step": 5, "table": 0})
     workers = max(1, min(12, (os.cpu_count() or 2) - 2))
     return dict(device=device, teacher="openclip:ViT-B-16",
-                build=dict(n=1024, workers=workers, batch_size=64, n_aug=10, n_captions=5, store_size=256),
+                # four batches a worker: at 1,024 samples (1.3 batches a worker) the first wave of batches was most
+                # of the build, so its "steady" rate measured the workers' ramp-up (docs/gpu.md, stop 52); the
+                # teacher alone on all of them once (best of its thread settings)
+                build=dict(n=4 * 64 * workers, workers=workers, batch_size=64, n_aug=10, n_captions=5,
+                           store_size=256, teacher_repeats=1),
                 families={"vit-s16": ("{v}", {}, "ABCDE"),
                           "vit-b16": ("{v}", {"image_tower": "vit_base_patch16"}, "AE")},
                 students=dict(batch_size=256, iters=4, warmup=2),
