@@ -41,6 +41,18 @@ def _tower_step(tower, images):
     return out.pooled.detach().float(), grads
 
 
+def _differences(results, where: str) -> tuple[float, float]:
+    """The largest differences, relative to the largest value, of the output and of any gradient between the eager
+    and the graphed run's ``(output, {parameter: gradient})``."""
+    (out_e, grads_e), (out_g, grads_g) = results
+    if grads_e.keys() != grads_g.keys():
+        raise AssertionError(f"{where}: the graphed run's gradients reach other parameters")
+
+    def rel(a, b) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+    return rel(out_g, out_e), max((rel(grads_g[n], g) for n, g in grads_e.items()), default=0.0)
+
+
 def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
     """Largest relative differences (graphed vs eager) of the tower's output and its gradients over ``steps`` steps
     of fresh random images, and how many graphs were captured. ``capture``: a stand-in for CPU tests."""
@@ -67,12 +79,8 @@ def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps:
             tower.block_graphs, graphs.active = (graphs if graphed else None), graphed
             with autocast(dev, amp, cache=False):
                 results.append(_tower_step(tower, images))
-        (out_e, grads_e), (out_g, grads_g) = results
-        if grads_e.keys() != grads_g.keys():
-            raise AssertionError(f"step {step}: the graphed tower's gradients reach other parameters")
-        worst_out = max(worst_out, float((out_g - out_e).abs().max() / out_e.abs().max().clamp_min(1e-12)))
-        for name, g in grads_e.items():
-            worst_grad = max(worst_grad, float((grads_g[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)))
+        out_diff, grad_diff = _differences(results, f"step {step}")
+        worst_out, worst_grad = max(worst_out, out_diff), max(worst_grad, grad_diff)
     tower.block_graphs = None
     return {"model": model, "device": str(dev), "batch_size": batch_size, "steps": steps,
             "graphs_captured": len(graphs), "capture_failed": graphs.failed,
@@ -125,12 +133,8 @@ def compare_text(model: str = "E", device: str = "cuda", batch_size: int = 64, s
             results.append((states.detach().float(),
                             {n: q.grad.detach().float().clone() for n, q in tower.named_parameters()
                              if q.grad is not None}))
-        (out_e, grads_e), (out_g, grads_g) = results
-        if grads_e.keys() != grads_g.keys():
-            raise AssertionError(f"step {step}: the graphed text tower's gradients reach other parameters")
-        worst_out = max(worst_out, float((out_g - out_e).abs().max() / out_e.abs().max().clamp_min(1e-12)))
-        for name, g in grads_e.items():
-            worst_grad = max(worst_grad, float((grads_g[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)))
+        out_diff, grad_diff = _differences(results, f"step {step}, text tower")
+        worst_out, worst_grad = max(worst_out, out_diff), max(worst_grad, grad_diff)
     tower.block_graphs = None
     return {"model": model, "tower": "text", "device": str(dev), "batch_size": batch_size, "steps": steps,
             "graphs_captured": graphs.captured("text"), "capture_failed": graphs.failed,

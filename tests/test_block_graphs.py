@@ -249,6 +249,30 @@ def test_the_agreement_check_finds_a_graph_fed_stale_inputs():
     assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01
 
 
+def test_the_text_agreement_check_captures_per_bucket_and_finds_stale_inputs(monkeypatch):
+    """block_graphs_check.compare_text with FlashAttention's computation stood in on the CPU: the text tower's graphs
+    per bucket agree with eager; a 'graph' replaying its capture's tokens is caught."""
+    import sys
+    from pathlib import Path
+
+    from tests.varlen_reference import use_reference_varlen
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import block_graphs_check
+
+    use_reference_varlen(monkeypatch)
+
+    def stale(module, x, offsets):
+        captured = x.detach().clone()
+        return lambda t, o: module(captured + 0 * t, o)
+
+    same = block_graphs_check.compare_text("tiny-E", "cpu", 4, 3, capture=lambda module, *inputs: module)
+    assert same["graphs_captured"] >= 1 and same["capture_failed"] is None
+    assert same["max_rel_diff_output"] < 1e-5 and same["max_rel_diff_grad"] < 1e-5
+    wrong = block_graphs_check.compare_text("tiny-E", "cpu", 4, 3, capture=stale)
+    assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01
+
+
 def test_an_older_torchs_capture_is_made_thread_local_for_the_call_only():
     import inspect
 

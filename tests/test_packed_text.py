@@ -8,6 +8,7 @@ import torch
 from cxrdr.train.models.packed_text import (encode_packed, packed_layer, packing_index, stack_token_batches,
                                             supports_packing)
 from cxrdr.train.models.text_towers import build_text_tower, build_tokenizer
+from tests.varlen_reference import reference_varlen
 
 TEXTS = ["no acute cardiopulmonary process.",
          "moderate right pleural effusion with adjacent atelectasis. the heart size is normal. no pneumothorax.",
@@ -199,16 +200,6 @@ def test_text_padding_benchmark_counts_less_work_packed():
         assert r["padded_ms"] > 0 and r["packed_ms"] > 0
 
 
-def _reference_varlen(q, k, v, offsets, max_length, dropout_p, scale):
-    """What FlashAttention's variable-length kernel computes (no dropout), one sequence at a time."""
-    assert dropout_p == 0.0 and int((offsets[1:] - offsets[:-1]).max()) <= max_length
-    out = torch.empty_like(q)
-    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        seq = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # (H, n, Dh)
-        out[start:end] = torch.nn.functional.scaled_dot_product_attention(*seq, scale=scale).transpose(0, 1)
-    return out
-
-
 def test_the_packed_attention_on_sequence_offsets_gives_the_grids_states_and_gradients(monkeypatch):
     """Where FlashAttention's variable-length kernel applies (a GPU: here its computation stands in, on the CPU),
     the layers attend on the packed tokens by their row offsets: the grid's states and gradients, for a step's
@@ -227,7 +218,7 @@ def test_the_packed_attention_on_sequence_offsets_gives_the_grids_states_and_gra
 
     def run(varlen: bool):
         monkeypatch.setattr(packed_text, "flash_varlen_applies", lambda x, head_dim: varlen)
-        monkeypatch.setattr(packed_text, "flash_varlen", lambda *a: calls.append(a[3]) or _reference_varlen(*a))
+        monkeypatch.setattr(packed_text, "flash_varlen", lambda *a: calls.append(a[3]) or reference_varlen(*a))
         tower.zero_grad()
         states, pooled = tower(ids, mask, None, index)
         ((states * weights)[mask.bool()].sum() + pooled.square().sum()).backward()
@@ -282,7 +273,7 @@ def test_text_graphs_pad_the_packed_tokens_to_a_bucket_and_give_the_unpadded_sta
     def varlen(q, k, v, offsets, max_length, dropout_p, scale):
         assert int(offsets.diff().max()) <= max_length  # every sequence, the padding's too, within the bound
         calls.append((q.shape[0], max_length))
-        return _reference_varlen(q, k, v, offsets, max_length, dropout_p, scale)
+        return reference_varlen(q, k, v, offsets, max_length, dropout_p, scale)
 
     def stand_in(module, *inputs):
         captured.append((len(module), tuple(inputs[0].shape)))
