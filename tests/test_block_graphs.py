@@ -27,12 +27,12 @@ class CountingCapture:
         self.captured: list[tuple[int, tuple]] = []
         self.replays = 0
 
-    def __call__(self, module, x):
-        self.captured.append((len(module), tuple(x.shape)))
+    def __call__(self, module, *inputs):
+        self.captured.append((len(module), tuple(inputs[0].shape)))
 
-        def replay(t):
+        def replay(*t):
             self.replays += 1
-            return module(t)
+            return module(*t)
         return replay
 
 
@@ -228,6 +228,32 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
         run.train_step(batches, log_balance=step == 4)  # a logging step's loss balance: backward more than once
         assert len(capture.captured) == (0 if step < 3 else 2) and capture.replays == max(0, step - 2) * 2
     assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))]
+
+
+def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_shards, tmp_path, monkeypatch):
+    """--cuda-graphs-text in the loop (FlashAttention's computation and the capture stood in on the CPU): after E's
+    warm-up the image blocks and the text layers are captured, every later step replays both, a logging step's
+    repeated backward included, and the losses stay finite."""
+    from cxrdr.train.loop import Trainer
+    from tests.varlen_reference import use_reference_varlen
+
+    use_reference_varlen(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
+        run = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-E", out=str(tmp_path / "run"), steps=6,
+                                  batch_size=4, workers=0, progress=False, device="cpu", eval_every=0,
+                                  cuda_graphs="on", cuda_graphs_text=True,
+                                  model_overrides={"keep_rate_warmup_steps": 2}))
+    capture = CountingCapture()
+    run.block_graphs = enable_block_graphs(run.student, text=True, capture=capture, on_device=lambda x: True)
+    assert run.student.text_tower.block_graphs is run.block_graphs
+    batches = run._batches()
+    for step in range(5):
+        run.train_step(batches, log_balance=step == 4)  # a logging step's loss balance: backward more than once
+        assert len(capture.captured) == 0 if step < 2 else run.block_graphs.captured("text") >= 1
+    graphed_runs = run.block_graphs.captured("image") + run.block_graphs.captured("text")
+    assert run.block_graphs.captured("image") == 2 and len(capture.captured) == graphed_runs
+    assert capture.replays >= 3 * 3  # three graphed steps, two image runs and at least one text run each
+    assert all(torch.isfinite(p).all() for p in run.student.parameters())
 
 
 def test_the_agreement_check_finds_a_graph_fed_stale_inputs():

@@ -137,6 +137,8 @@ def packed_layer(layer: nn.Module, x: torch.Tensor, index: torch.Tensor, keep: t
         try:
             context = flash_varlen(q, k, v, offsets, length, dropout_p, att.scaling).reshape(-1, heads * head_dim)
         except RuntimeError as exc:  # an argument the kernel refuses: checked on the host, so nothing ran
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # a CUDA graph's capture failed (block_graphs runs these layers eagerly), not the kernel
             _flash_varlen_failed = True
             warnings.warn(f"FlashAttention's variable-length kernel failed ({exc}); the text towers attend on the "
                           "padded grid from now on", RuntimeWarning, stacklevel=2)
