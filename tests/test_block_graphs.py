@@ -253,6 +253,8 @@ def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_sh
     graphed_runs = run.block_graphs.captured("image") + run.block_graphs.captured("text")
     assert run.block_graphs.captured("image") == 2 and len(capture.captured) == graphed_runs
     assert capture.replays >= 3 * 3  # three graphed steps, two image runs and at least one text run each
+    assert run.block_graphs.describe() == {"image": 2, "text": run.block_graphs.captured("text"), "pool_mb": 0.0,
+                                           "failed": None}  # the run summary's "cuda_graphs" (no CUDA memory here)
     assert all(torch.isfinite(p).all() for p in run.student.parameters())
 
 

@@ -61,6 +61,7 @@ def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_p
             "--resume", "--log-every", "5", *FAST)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["start_step"] == 50 and summary["steps"] == 60
+    assert summary["cuda_graphs"] is None  # --cuda-graphs auto on the CPU: eager blocks, said so
     assert load_training_state(run / "last.pt")["step"] == 60
     steps = [r["step"] for r in _metrics(run) if r["kind"] == "train"]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) and steps[-1] == 60

@@ -482,6 +482,8 @@ class Trainer:
             "best_score": None if self.best_score == -math.inf else self.best_score,
             "best_step": self.best_step, "final_eval": self.last_eval,
             "skipped_corrupt": count_skipped(self.out / SKIP_LOG),
+            # None: the blocks ran eagerly (off, not CUDA, ...); else what --cuda-graphs captured
+            "cuda_graphs": self.block_graphs.describe() if self.block_graphs is not None else None,
         }
 
     def _train_until_done(self, bar) -> tuple[bool, list[float], "StepTimer"]:

@@ -124,6 +124,12 @@ class BlockGraphs:
         """How many graphs of one tower ("image", "text") are held."""
         return sum(key[0] == tag for key in self._graphed)
 
+    def describe(self) -> dict:
+        """What a run's summary says of its graphs: how many each tower holds, the memory their captures reserved,
+        and the first failure (None: none failed)."""
+        return {"image": self.captured("image"), "text": self.captured("text"), "pool_mb": round(self.pool_mb, 1),
+                "failed": self.failed}
+
     def run(self, blocks: nn.ModuleList, start: int, stop: int, x: torch.Tensor,
             eager: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``blocks[start:stop]`` on ``x``: the graph of this run and shape (captured now if new), or ``eager(x)``
