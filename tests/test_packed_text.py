@@ -294,8 +294,8 @@ def test_text_graphs_pad_the_packed_tokens_to_a_bucket_and_give_the_unpadded_sta
     graphs.active = True
     tok = tokenizer(TEXTS)
     real = int(tok["attention_mask"].sum())
-    bucket = packed_text.pack_bucket(real)
-    padded = -(-real // bucket) * bucket
+    bucket, padded = packed_text.pack_bucket(real), packed_text.padded_rows(real)
+    assert padded % bucket == 0 and real < padded <= real + bucket
     for token_layer, runs in ((None, [(2, (padded, tower.width))]), (1, [(1, (padded, tower.width))] * 2)):
         calls.clear()
         eager_states, eager_grads = run(tok, token_layer, None)
@@ -310,17 +310,18 @@ def test_text_graphs_pad_the_packed_tokens_to_a_bucket_and_give_the_unpadded_sta
             torch.testing.assert_close(graphed_grads[name], eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     assert graphs.captured("text") == 3 and graphs.captured("image") == 0
     other = tokenizer(TEXTS[:3] + ["no acute process."])  # fewer real tokens, the same bucket: no new graph
-    assert packed_text.pack_bucket(int(other["attention_mask"].sum())) == bucket
+    assert packed_text.padded_rows(int(other["attention_mask"].sum())) == padded
     run(other, None, graphs)
     assert len(captured) == 3
 
 
 def test_the_pack_bucket_pads_by_at_most_a_sixteenth_and_keeps_sizes_few():
-    from cxrdr.train.models.packed_text import pack_bucket
+    from cxrdr.train.models.packed_text import pack_bucket, padded_rows
 
     assert pack_bucket(21_658) == 1024 and pack_bucket(40) == 64 and pack_bucket(2_000) == 64
+    assert padded_rows(21_658) == 22_528 and padded_rows(2_048) == 2_176  # a full bucket still gets a padding row
     for tokens in range(1_024, 60_000, 37):
         bucket = pack_bucket(tokens)
-        assert bucket & (bucket - 1) == 0 and (-(-tokens // bucket) * bucket - tokens) <= tokens / 16
-    sizes = {-(-t // pack_bucket(t)) * pack_bucket(t) for t in range(20_800, 22_500)}  # ~ +-2 sd at batch 256
+        assert bucket & (bucket - 1) == 0 and 0 < padded_rows(tokens) - tokens <= tokens / 16
+    sizes = {padded_rows(t) for t in range(20_800, 22_500)}  # ~ +-2 sd of the tokens at batch 256
     assert len(sizes) <= 3

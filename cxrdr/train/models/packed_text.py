@@ -152,10 +152,17 @@ def packed_layer(layer: nn.Module, x: torch.Tensor, index: torch.Tensor, keep: t
 
 
 def pack_bucket(tokens: int) -> int:
-    """Rows the packed tokens are padded to a multiple of under CUDA graphs: the largest power of two at most a 16th
-    of ``tokens`` (at least 64), so padding adds at most ~6 % and a batch of ~22k tokens (batch 256 of reports and
-    captions on the phantom) meets two or three sizes."""
+    """Rows the packed tokens are padded to a multiple of under CUDA graphs (``padded_rows``): the largest power of
+    two at most a 16th of ``tokens`` (at least 64), so padding adds at most ~6 % and a batch of ~22k tokens (batch
+    256 of reports and captions on the phantom) meets two or three sizes."""
     return max(64, 1 << max(0, (int(tokens) // 16).bit_length() - 1))
+
+
+def padded_rows(tokens: int) -> int:
+    """The packed tokens' row count under CUDA graphs: the next multiple of their ``pack_bucket`` above ``tokens``,
+    so the padding's own sequence always has a row (at most a bucket's: FlashAttention never sees an empty one)."""
+    bucket = pack_bucket(tokens)
+    return (int(tokens) // bucket + 1) * bucket
 
 
 def graph_max_length(model: nn.Module, bucket: int) -> int:
@@ -227,9 +234,8 @@ def _graphed_layers(model: nn.Module, graphs, x: torch.Tensor, offsets: torch.Te
     per run of layers (two where ``token_layer`` splits them) and bucket."""
     layers = model.encoder.layer
     real = x.shape[0]  # a shape: known on the host without reading the tensor
-    bucket = pack_bucket(real)
-    padded = -(-real // bucket) * bucket
-    max_length = graph_max_length(model, bucket)
+    padded = padded_rows(real)
+    max_length = graph_max_length(model, pack_bucket(real))
     x = F.pad(x, (0, 0, 0, padded - real))
     offsets = F.pad(offsets, (0, 1), value=padded)  # the padding rows: one more sequence
     stops = [token_layer] if token_layer is not None and 0 < token_layer < len(layers) else []
