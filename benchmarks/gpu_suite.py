@@ -208,6 +208,8 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
             row = {"family": family, "variant": v, "config": name, "image_tower": config.image_tower,
                    "image_size": config.image_size, "text_tower": config.text_tower,
                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, **m}
+            if v in "AE" and family == cfg["loop"]["family"]:
+                row.update(_bf16_weights_inference(model, st))
             if cfg.get("compiled_inference", cfg["compile"]) and v in "AE" and family == cfg["loop"]["family"]:
                 if budget.left() - reserve_after >= COMPILED_INFERENCE_ESTIMATE_S:
                     row.update(_compiled_inference(model, st))
@@ -222,7 +224,8 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
         by = {r["variant"]: r for r in rows if r["family"] == family}
         if "A" in by and "E" in by:
             ratios[family] = {k: by["E"][k] / by["A"][k] for k in ("train_img_per_s", "inference_img_per_s",
-                                                                  "gflops_per_img", COMPILED_INFERENCE)
+                                                                  "gflops_per_img", COMPILED_INFERENCE,
+                                                                  BF16_INFERENCE)
                               if by["E"].get(k) and by["A"].get(k)}
     return {"rows": rows, "E_over_A": ratios, "skipped": skipped,
             "note": f"synthetic batch of {st['batch_size']} at the model size, run as the loop runs (autocast "
@@ -231,6 +234,45 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
 
 
 COMPILED_INFERENCE = "inference_img_per_s_compiled"
+BF16_INFERENCE = "inference_img_per_s_bf16_weights"
+
+
+def _bf16_weights_inference(model, st: dict) -> dict:
+    """The image encoder's inference img/s with its weights in bf16 and no autocast: what an inference deployment
+    in bf16 runs. Under autocast the residual stream, the layer norms and the adds stay fp32 and every linear layer
+    casts its input: about half of E's encoder time on the H100 at 416dba0 (its profile), memory-bound work that
+    token dropping does not shrink as it shrinks the products. Beside the figure, how far its embeddings are from
+    autocast's (the smallest cosine over a batch), since they are not the same computation. A failure is recorded
+    in the row (``inference_bf16_error``)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.evaluation.efficiency import image_encoder_metrics, model_device
+
+    device = model_device(model)
+    model.eval()
+    try:
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+
+        def encode(images):
+            return bf16.encode_image(images.to(torch.bfloat16))
+
+        m = image_encoder_metrics(encode, int(model.image_size), st["batch_size"], st["iters"], st["warmup"],
+                                  device, amp_dtype=None, batch_only=True)
+        images = torch.rand(min(32, st["batch_size"]), 1, model.image_size, model.image_size, device=device)
+        with torch.no_grad():
+            with autocast(device, amp_dtype_for("bf16", device)):
+                reference = model.encode_image(images).float()
+            cosine = F.cosine_similarity(encode(images).float(), reference, dim=-1)
+    except Exception as exc:  # noqa: BLE001 - one figure of the section; the rest of it was measured
+        return {"inference_bf16_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    finally:
+        model.train()
+    return {BF16_INFERENCE: m["inference_img_per_s"], "inference_gpu_busy_pct_bf16": m["inference_gpu_busy_pct"],
+            "inference_bf16_min_cosine_to_autocast": float(cosine.min())}
 # Seconds one encoder's compiled inference is assumed to take (inductor's forward-only compilation of a ViT-S/16
 # encoder, CUDA-graph capture and its timed batches): on the H100 at 48c40d0 the students section took 199.5 s with
 # A's and E's, 37.6 s at 0ef6026 without them (and with a ~20 s block compilation), so ~80-90 s each.
@@ -778,6 +820,10 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
                                  {GRAPHED_TEXT.format(v=v) for v in VARIANTS})
     targets.append(_target(f"E / A inference img/s ({family}, image encoder, batch {cfg['students']['batch_size']})",
                            ">=", 2, e_over_a_infer))
+    e_over_a_bf16 = (students.get("E_over_A") or {}).get(family, {}).get(BF16_INFERENCE)
+    if e_over_a_bf16 is not None:
+        targets.append(_target(f"E / A inference img/s [bf16 weights, no autocast] ({family}, image encoder, batch "
+                               f"{cfg['students']['batch_size']})", ">=", 2, e_over_a_bf16))
     e_over_a_compiled = (students.get("E_over_A") or {}).get(family, {}).get(COMPILED_INFERENCE)
     if e_over_a_compiled is not None:
         targets.append(_target(f"E / A inference img/s [compiled whole, CUDA graphs] ({family}, image encoder, batch "
@@ -1013,13 +1059,18 @@ def markdown(result: dict) -> str:
                                     ("inference_img_per_s", "infer img/s"), ("inference_gpu_busy_pct", "infer busy %"),
                                     ("inference_mfu_pct", "infer MFU %"), ("inference_peak_memory_mb", "infer peak MB"),
                                     (COMPILED_INFERENCE, "infer img/s, compiled + CUDA graphs"),
+                                    (BF16_INFERENCE, "infer img/s, bf16 weights"),
                                     ("latency_ms_per_img", "latency ms"), ("train_gflops_per_img", "train GFLOPs/img"),
                                     ("gflops_per_img", "infer GFLOPs/img"), ("patch_usage_pct", "patch use %")]), ""]
         for family, r in st["E_over_A"].items():
             md.append(f"- {family}: E / A train img/s {_fmt(r['train_img_per_s'])}x, inference "
                       f"{_fmt(r['inference_img_per_s'])}x, GFLOPs {_fmt(r['gflops_per_img'])}x"
                       + (f"; inference compiled whole (CUDA graphs) {_fmt(r[COMPILED_INFERENCE])}x"
-                         if r.get(COMPILED_INFERENCE) else ""))
+                         if r.get(COMPILED_INFERENCE) else "")
+                      + (f"; inference with bf16 weights {_fmt(r[BF16_INFERENCE])}x" if r.get(BF16_INFERENCE) else ""))
+        md += [f"- {r['config']} with bf16 weights: " + (r["inference_bf16_error"] if "inference_bf16_error" in r else
+               f"smallest cosine of its embeddings to autocast's {r['inference_bf16_min_cosine_to_autocast']:.4f}")
+               for r in st["rows"] if BF16_INFERENCE in r or "inference_bf16_error" in r]
         md += [f"- not measured: {x}" for x in st["skipped"]] + [""]
     if "loop" in s:
         lp = s["loop"]

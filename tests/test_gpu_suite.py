@@ -97,6 +97,11 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert by["tiny-E"]["gflops_per_img"] < by["tiny-A"]["gflops_per_img"]
     assert s["students"]["E_over_A"]["tiny"]["train_img_per_s"] == (
         by["tiny-E"]["train_img_per_s"] / by["tiny-A"]["train_img_per_s"])
+    bf16 = "inference_img_per_s_bf16_weights"  # A and E of the loop's family, their weights in bf16, no autocast
+    assert [r["config"] for r in rows if bf16 in r] == ["tiny-A", "tiny-E"]
+    for v in "AE":  # near the autocast (here fp32) embeddings, not equal: bf16 rounding
+        assert positive(by[f"tiny-{v}"][bf16]) and 0.95 < by[f"tiny-{v}"]["inference_bf16_min_cosine_to_autocast"] < 1.0001
+    assert s["students"]["E_over_A"]["tiny"][bf16] == by["tiny-E"][bf16] / by["tiny-A"][bf16]
 
     loop = s["loop"]["rows"]
     # A-E, A again with its texts padded (--no-pack-text): what packing them buys, and D, E with the former heads
@@ -158,7 +163,7 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert all(set(t) >= TARGET_KEYS for t in targets)
     # no compiled rows in the tiny run: the eager and graphed loops' targets, and the build's steady ratio beside its
     # whole one
-    assert len(targets) == 21
+    assert len(targets) == 22
     graphed_a = next(t for t in targets if t["name"].startswith("A training, real loop, img/s [eager + CUDA graphs of "
                                                                   "the blocks]"))
     assert graphed_a["value"] == gb["A CUDA graphs"]["img_per_s"]
