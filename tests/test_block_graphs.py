@@ -208,7 +208,7 @@ def test_auto_graphs_where_they_apply_and_nowhere_else(phantom_shards, tmp_path,
         assert run._block_graphs() is None
 
 
-def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_shards, tmp_path):
+def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_shards, tmp_path, capsys):
     """The loop's steps: no graph during the keep-rate warm-up (E's kept tokens change), then one per block run,
     replayed by every later step; --cuda-graphs without CUDA warns and leaves the blocks eager."""
     from cxrdr.train.loop import Trainer
@@ -228,6 +228,10 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
         run.train_step(batches, log_balance=step == 4)  # a logging step's loss balance: backward more than once
         assert len(capture.captured) == (0 if step < 3 else 2) and capture.replays == max(0, step - 2) * 2
     assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))]
+    notes = [line for line in capsys.readouterr().err.splitlines() if "captured as a CUDA graph" in line]
+    assert notes == ["note: the image tower's blocks 0-1 captured as a CUDA graph for inputs (4, 65, 64) (0 MB "
+                     "reserved); later steps replay it", "note: the image tower's blocks 2-3 captured as a CUDA graph "
+                     "for inputs (4, 33, 64) (0 MB reserved); later steps replay it"]  # said once each, at capture
 
 
 def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_shards, tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import warnings
 from typing import Callable
 
@@ -165,8 +166,11 @@ class BlockGraphs:
                                             "they run eagerly")
                 return eager(*inputs)
             self._graphed[key] = graphed
-            if x.is_cuda:
-                self.pool_mb += (torch.cuda.memory_reserved(x.device) - reserved) / 2**20
+            grown = (torch.cuda.memory_reserved(x.device) - reserved) / 2**20 if x.is_cuda else 0.0
+            self.pool_mb += grown
+            print(f"note: the {tag} tower's {'layers' if tag == 'text' else 'blocks'} {run[0]}-{run[1] - 1} captured "
+                  f"as a CUDA graph for inputs "
+                  f"{tuple(x.shape)} ({grown:.0f} MB reserved); later steps replay it", file=sys.stderr)
         out = graphed(*inputs)
         if out.requires_grad:
             self._live.add(key)
