@@ -210,10 +210,10 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, **m}
             if v in "AE" and family == cfg["loop"]["family"]:
                 row.update(_bf16_weights_inference(model, st))
-            if cfg.get("compiled_inference", cfg["compile"]) and v in "AE" and family == cfg["loop"]["family"]:
-                if budget.left() - reserve_after >= COMPILED_INFERENCE_ESTIMATE_S:
+                compiled = cfg.get("compiled_inference", cfg["compile"])
+                if compiled and budget.left() - reserve_after >= COMPILED_INFERENCE_ESTIMATE_S:
                     row.update(_compiled_inference(model, st))
-                else:
+                elif compiled:
                     skipped.append(f"{family} {name} compiled inference: {budget.left():.0f} s left, "
                                    f"{reserve_after:.0f} s held for the later sections")
             rows.append(row)
@@ -235,44 +235,6 @@ def section_students(cfg: dict, work: Path, budget, reserve_after: float = 0.0) 
 
 COMPILED_INFERENCE = "inference_img_per_s_compiled"
 BF16_INFERENCE = "inference_img_per_s_bf16_weights"
-
-
-def _bf16_weights_inference(model, st: dict) -> dict:
-    """The image encoder's inference img/s with its weights in bf16 and no autocast: what an inference deployment
-    in bf16 runs. Under autocast the residual stream, the layer norms and the adds stay fp32 and every linear layer
-    casts its input: about half of E's encoder time on the H100 at 416dba0 (its profile), memory-bound work that
-    token dropping does not shrink as it shrinks the products. Beside the figure, how far its embeddings are from
-    autocast's (the smallest cosine over a batch), since they are not the same computation. A failure is recorded
-    in the row (``inference_bf16_error``)."""
-    import copy
-
-    import torch
-    import torch.nn.functional as F
-
-    from cxrdr.train.device import amp_dtype_for, autocast
-    from cxrdr.train.evaluation.efficiency import image_encoder_metrics, model_device
-
-    device = model_device(model)
-    model.eval()
-    try:
-        bf16 = copy.deepcopy(model).to(torch.bfloat16)
-
-        def encode(images):
-            return bf16.encode_image(images.to(torch.bfloat16))
-
-        m = image_encoder_metrics(encode, int(model.image_size), st["batch_size"], st["iters"], st["warmup"],
-                                  device, amp_dtype=None, batch_only=True)
-        images = torch.rand(min(32, st["batch_size"]), 1, model.image_size, model.image_size, device=device)
-        with torch.no_grad():
-            with autocast(device, amp_dtype_for("bf16", device)):
-                reference = model.encode_image(images).float()
-            cosine = F.cosine_similarity(encode(images).float(), reference, dim=-1)
-    except Exception as exc:  # noqa: BLE001 - one figure of the section; the rest of it was measured
-        return {"inference_bf16_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-    finally:
-        model.train()
-    return {BF16_INFERENCE: m["inference_img_per_s"], "inference_gpu_busy_pct_bf16": m["inference_gpu_busy_pct"],
-            "inference_bf16_min_cosine_to_autocast": float(cosine.min())}
 # Seconds one encoder's compiled inference is assumed to take (inductor's forward-only compilation of a ViT-S/16
 # encoder, CUDA-graph capture and its timed batches): on the H100 at 48c40d0 the students section took 199.5 s with
 # A's and E's, 37.6 s at 0ef6026 without them (and with a ~20 s block compilation), so ~80-90 s each.
@@ -322,6 +284,45 @@ def _compiled_inference(model, st: dict, backend: str = "inductor") -> dict:
             "inference_gpu_busy_pct_compiled": m["inference_gpu_busy_pct"],
             "inference_compile_s": round(first_call_s[0], 1),
             "inference_compiled_seconds": round(time.perf_counter() - start, 1)}
+
+
+def _bf16_weights_inference(model, st: dict) -> dict:
+    """The image encoder's inference img/s with its weights in bf16 and no autocast: what an inference deployment
+    in bf16 runs. Under autocast the residual stream, the layer norms and the adds stay fp32 and every linear layer
+    casts its input: about half of E's encoder time on the H100 at 416dba0 (its profile), memory-bound work that
+    token dropping does not shrink as it shrinks the products. Beside the figure, how far its embeddings are from
+    autocast's (the smallest cosine over a batch), since they are not the same computation. A failure is recorded
+    in the row (``inference_bf16_error``)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.evaluation.efficiency import image_encoder_metrics, model_device
+
+    device = model_device(model)
+    model.eval()
+    try:
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+
+        def encode(images):
+            return bf16.encode_image(images.to(torch.bfloat16))
+
+        m = image_encoder_metrics(encode, int(model.image_size), st["batch_size"], st["iters"], st["warmup"],
+                                  device, amp_dtype=None, batch_only=True)
+        images = torch.rand(min(32, st["batch_size"]), 1, model.image_size, model.image_size, device=device)
+        with torch.no_grad():
+            with autocast(device, amp_dtype_for("bf16", device)):
+                reference = model.encode_image(images).float()
+            cosine = F.cosine_similarity(encode(images).float(), reference, dim=-1)
+    except Exception as exc:  # noqa: BLE001 - one figure of the section; the rest of it was measured
+        return {"inference_bf16_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    finally:
+        model.train()
+    return {BF16_INFERENCE: m["inference_img_per_s"], "inference_gpu_busy_pct_bf16": m["inference_gpu_busy_pct"],
+            "inference_bf16_min_cosine_to_autocast": float(cosine.min())}
+
 
 
 def _loop_description(cfg: dict) -> str:
@@ -412,10 +413,11 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
 
 
 def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
-    """The real loop's A, E and D with ``--cuda-graphs`` (the image tower's blocks replayed as CUDA graphs, forward and
-    backward), each interleaved with its eager twin: what taking the blocks' operators off the host buys where the
-    eager step is bound by it (E at 60 % busy on the H100 at 416dba0). A section of its own, after the loop's, so
-    that a capture that fails on the card cannot take the eager figures with it. On CPU the graphed rows run eagerly
+    """The real loop's A, E and D with ``--cuda-graphs on`` (the image tower's blocks replayed as CUDA graphs, forward
+    and backward) and with ``--cuda-graphs-text`` too (the packed text tower's layers), each interleaved with its
+    eager twin: what taking the blocks' operators off the host buys where the eager step is bound by it (E at 60 %
+    busy on the H100 at 416dba0). A section of its own, after the loop's, so that a capture that fails on the card
+    cannot take the eager figures with it. On CPU the graphed rows run eagerly
     (the Trainer warns): the tiny run checks the section's code, not graphs."""
     import block_graphs_check
 
@@ -435,16 +437,16 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     for v in lp["graphed"]:
         plan += [(v, pattern.format(v=v), None),
                  (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on"}),
-                 (GRAPHED_TEXT.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on", "cuda_graphs_text": True})]
+                 (GRAPHED_TEXT.format(v=v), pattern.format(v=v), None,
+                  {"cuda_graphs": "on", "cuda_graphs_text": True})]
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
     graphed_names = {n.format(v=v) for v in lp["graphed"] for n in (GRAPHED, GRAPHED_TEXT)}
-    for row in rows:  # what the graphed trainers captured, or why not
-        graphs = getattr(trainers[row["name"]][0], "block_graphs", None)
-        if row["name"] in graphed_names:
-            row.update(graphs_captured=len(graphs) if graphs is not None else None,
-                       text_graphs_captured=graphs.captured("text") if graphs is not None else None,
-                       graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
+    for row in (r for r in rows if r["name"] in graphed_names):  # what the graphed trainers captured, or why not
+        graphs = trainers[row["name"]][0].block_graphs
+        row.update(graphs_captured=len(graphs) if graphs is not None else None,
+                   text_graphs_captured=graphs.captured("text") if graphs is not None else None,
+                   graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
     del trainers
     _free_device_memory()
     by = {r["name"]: r for r in rows}

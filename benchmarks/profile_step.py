@@ -75,8 +75,8 @@ def profile_model(model: str, shards: str, batch_size: int, device: str, warmup:
 
     base = train_step.bench_config(shards, batch_size, workers, device)
     with tempfile.TemporaryDirectory(prefix="profile-step-") as out:
-        graphs = {"cuda_graphs": "on" if cuda_graphs or text_graphs else "off", "cuda_graphs_text": text_graphs}
-        trainer, batches = train_step.make_trainer({**base, "out": out, **graphs}, model=model)
+        settings = {"cuda_graphs": "on" if cuda_graphs or text_graphs else "off", "cuda_graphs_text": text_graphs}
+        trainer, batches = train_step.make_trainer({**base, "out": out, **settings}, model=model)
         try:
             cuda = trainer.device.type == "cuda"
             sync = train_step.sync_fn(trainer.device)

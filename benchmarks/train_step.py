@@ -168,10 +168,11 @@ def step_figures(fn, device, items: int, step_ms: float, flops_per_call: float |
 
 
 def eager_twin_key(cfg) -> str:
-    """What a configuration's FLOP count depends on: every TrainConfig field but compilation and the run folder. A
-    compiled configuration shares it with its eager twin; "A padded texts" or "D former heads" do not share A's or
-    D's (model, mode and teacher alone made them share it, and their counts were their twins')."""
-    skip = ("compile", "compile_scope", "compile_backend", "cuda_graphs", "out", "overwrite", "resume")
+    """What a configuration's FLOP count depends on: every TrainConfig field but compilation, CUDA graphs and the run
+    folder. A compiled or graphed configuration shares it with its eager twin; "A padded texts" or "D former heads"
+    do not share A's or D's (model, mode and teacher alone made them share it, and their counts were their twins')."""
+    skip = ("compile", "compile_scope", "compile_backend", "cuda_graphs", "cuda_graphs_text", "out", "overwrite",
+            "resume")
     fields = {k: v for k, v in cfg.to_dict().items() if k not in skip}
     return json.dumps(fields, sort_keys=True, default=str)
 

@@ -32,8 +32,9 @@ from cxrdr.train.optim import OptimConfig
 AMP_CHOICES = ("bf16", "fp16", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
-CHOICES = {"cuda_graphs": CUDA_GRAPHS_CHOICES, "mode": ("reinforced", "plain"), "amp": AMP_CHOICES, "device": DEVICE_CHOICES,
-           "pick": ("random", "sequential"), "on_corrupt": ("stop", "skip"), "compile_scope": COMPILE_SCOPES}
+CHOICES = {"mode": ("reinforced", "plain"), "amp": AMP_CHOICES, "device": DEVICE_CHOICES,
+           "pick": ("random", "sequential"), "on_corrupt": ("stop", "skip"), "compile_scope": COMPILE_SCOPES,
+           "cuda_graphs": CUDA_GRAPHS_CHOICES}
 # Allowed values of numeric fields (cxrdr.common.yamlio.validate_fields checks types and these).
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
@@ -167,13 +168,17 @@ class TrainConfig:
             raise ValueError("--cuda-graphs-text replays the packed text tower with the image tower's graphs: it "
                              "needs --cuda-graphs auto or on, and --pack-text")
         if self.cuda_graphs == "on":
-            conflicts = [flag for flag, on in (("--compile", self.compile), ("--grad-checkpointing",
-                                               self.grad_checkpointing), ("--accum-steps > 1", self.accum_steps > 1))
-                         if on]
+            conflicts = self.cuda_graph_conflicts()
             if conflicts:
                 raise ValueError(f"--cuda-graphs on does not go with {' or '.join(conflicts)} (a graph's gradients "
                                  "come back in its own buffers, and capture covers neither compiled nor recomputed "
                                  "blocks; auto leaves them off there)")
+
+    def cuda_graph_conflicts(self) -> list[str]:
+        """The settings CUDA graphs of the blocks cannot go with (``--cuda-graphs on`` refuses them, auto leaves the
+        graphs off with them)."""
+        return [flag for flag, on in (("--compile", self.compile), ("--grad-checkpointing", self.grad_checkpointing),
+                                      ("--accum-steps > 1", self.accum_steps > 1)) if on]
 
     def to_dict(self) -> dict:
         """Plain nested dict (lists, no tuples): what RUN/config.yaml and checkpoints hold."""

@@ -156,10 +156,9 @@ class Trainer:
                 warnings.warn(f"--cuda-graphs needs one CUDA process (here: {self.device}, {self.world} "
                               "process(es)); the blocks run eagerly", RuntimeWarning, stacklevel=2)
             return None
-        if cfg.cuda_graphs == "auto" and (cfg.compile or cfg.grad_checkpointing or cfg.accum_steps > 1
-                                          or not hasattr(self.student.image_tower, "run_blocks")):
+        if cfg.cuda_graph_conflicts():  # only auto gets here with any ("on" is refused by the config)
             return None
-        return enable_block_graphs(self.student, text=cfg.cuda_graphs_text)
+        return enable_block_graphs(self.student, text=cfg.cuda_graphs_text, warn=cfg.cuda_graphs == "on")
 
     def _read_data_description(self) -> None:
         cfg = self.cfg

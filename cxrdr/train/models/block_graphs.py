@@ -173,8 +173,8 @@ class BlockGraphs:
             self._graphed[key] = graphed
             grown = (torch.cuda.memory_reserved(x.device) - reserved) / 2**20 if x.is_cuda else 0.0
             self.pool_mb += grown
-            print(f"note: the {tag} tower's {'layers' if tag == 'text' else 'blocks'} {run[0]}-{run[1] - 1} captured "
-                  f"as a CUDA graph for inputs "
+            what = "layers" if tag == "text" else "blocks"
+            print(f"note: the {tag} tower's {what} {run[0]}-{run[1] - 1} captured as a CUDA graph for inputs "
                   f"{tuple(x.shape)} ({grown:.0f} MB reserved); later steps replay it", file=sys.stderr)
         out = graphed(*inputs)
         if out.requires_grad:
@@ -191,14 +191,17 @@ class BlockGraphs:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def enable_block_graphs(student: nn.Module, text: bool = False, **kwargs) -> BlockGraphs | None:
+def enable_block_graphs(student: nn.Module, text: bool = False, warn: bool = True,
+                        **kwargs) -> BlockGraphs | None:
     """Give the student's image tower (and with ``text`` its packed text tower) one BlockGraphs (``kwargs``:
-    BlockGraphs'); None, with a warning, where the image tower has no transformer blocks to run (a CNN or hybrid
-    tower). A text tower that cannot run packed (not BERT-layout) stays eager, with a warning."""
+    BlockGraphs'); None where the image tower has no transformer blocks to run (a CNN or hybrid tower), with a
+    warning if ``warn`` (graphs asked for, not taken wherever they apply). A text tower asked for that cannot run
+    packed (not BERT-layout) stays eager, with a warning."""
     tower = student.image_tower
     if not hasattr(tower, "run_blocks"):
-        warnings.warn(f"--cuda-graphs: the image tower {type(tower).__name__} has no transformer blocks to replay; "
-                      "it runs eagerly", RuntimeWarning, stacklevel=2)
+        if warn:
+            warnings.warn(f"--cuda-graphs: the image tower {type(tower).__name__} has no transformer blocks to "
+                          "replay; it runs eagerly", RuntimeWarning, stacklevel=2)
         return None
     tower.block_graphs = BlockGraphs(**kwargs)
     if text:

@@ -241,13 +241,8 @@ def _graphed_layers(model: nn.Module, graphs, x: torch.Tensor, offsets: torch.Te
     stops = [token_layer] if token_layer is not None and 0 < token_layer < len(layers) else []
     start = 0
     for stop in [*stops, len(layers)]:
-        run = layers[start:stop]
-
-        def eager(t: torch.Tensor, o: torch.Tensor, run=run) -> torch.Tensor:
-            return PackedLayers(run, max_length)(t, o)
-
-        x = graphs.run_module("text", (start, stop, max_length), lambda run=run: PackedLayers(run, max_length),
-                              (x, offsets), eager)
+        run = PackedLayers(layers[start:stop], max_length)  # the graph's module, or run eagerly where none may run
+        x = graphs.run_module("text", (start, stop, max_length), lambda run=run: run, (x, offsets), run)
         if stop == token_layer and stop < len(layers):
             chosen = to_grid(x[:real])
         start = stop
