@@ -589,3 +589,19 @@ def test_the_loop_section_leaves_its_comparisons_out_when_told(monkeypatch, comp
     assert section["note"].endswith("target rates") is comparisons
     md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop": section}})
     assert "E / A img/s" in md
+
+
+def test_compiled_and_graphed_configurations_share_their_eager_twins_flop_count():
+    """A graphed or compiled step's FLOPs cannot be counted through the graph: it takes its eager twin's, and only
+    settings that change the computation (padded texts, other heads) make another key."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step
+
+    from cxrdr.train.config import TrainConfig
+
+    def key(**fields):
+        return train_step.eager_twin_key(TrainConfig.load(None, shards="s", model="D", **fields))
+
+    eager = key(cuda_graphs="off")
+    assert key(cuda_graphs="on") == key(cuda_graphs="on", cuda_graphs_text=True) == key(compile=True) == eager
+    assert key(cuda_graphs="off", pack_text=False) != eager
