@@ -58,9 +58,11 @@ def test_the_gpu_recipe_has_the_issues_structure():
     for build in (students, report, plan["shards"]["build"]):
         assert build["source_options"]["size"] == 224 and build["store_size"] >= 224
     assert recipe["selection"]["split"] == "val" and recipe["efficiency"]["curve_split"] == "report"
-    # teacher: ViT-B/16 + the pretrained MiniLM, plain CLIP on its own set, judged on the report set, stored
+    # teacher: towers that start pretrained (ImageNet Lite2, MiniLM; a ViT-B/16 from scratch did not learn in the
+    # lease), plain CLIP on its own set with D's heads, judged on the report set, stored
     teacher = StudentConfig.from_yaml(plan["cfg"].model, **plan["cfg"].model_overrides)
-    assert (teacher.image_tower, teacher.image_size, teacher.text_tower) == ("vit_base_patch16", 224, "minilm")
+    assert (teacher.image_tower, teacher.image_size, teacher.text_tower) == ("efficientnet_lite2", 224, "minilm")
+    assert teacher.variant == "D" and teacher.image_kwargs.get("pretrained", True)
     assert plan["cfg"].mode == "plain" and "report" in plan["evaluate"]
     assert recipe["efficiency"]["train"]["teachers"] == plan["shard_name"]
     # arms and seeds; every trained arm a ViT-S/16 + MiniLM student (the same pretrained text tower)
@@ -130,7 +132,7 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     real_step = Trainer.train_step
 
     def killed_at_step_1(self, batches, log_balance):
-        if self.cfg.out.endswith(os.path.join("vitb-s1", "run")) and self.step == 1:  # last.pt saved at step 1
+        if self.cfg.out.endswith(os.path.join("lite2-s1", "run")) and self.step == 1:  # last.pt saved at step 1
             raise Killed()
         return real_step(self, batches, log_balance)
 
@@ -139,12 +141,12 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert isinstance(dead.exception, Killed)
     monkeypatch.setattr(Trainer, "train_step", real_step)
     status = invoke("--status")
-    assert "partial  teacher vitb-s1: training" in status.output and "continues it" in status.output
+    assert "partial  teacher lite2-s1: training" in status.output and "continues it" in status.output
 
     done = invoke()
     assert done.exit_code == 0, done.output + repr(done.exception)
     assert json.loads(students.read_text())["build"] == built  # reused, not rebuilt
-    teacher_run = Path(recipe["teachers"]["dir"]) / "vitb-s1" / "run"
+    teacher_run = Path(recipe["teachers"]["dir"]) / "lite2-s1" / "run"
     assert json.loads((teacher_run / "summary.json").read_text())["start_step"] == 1  # resumed, not restarted
     final = invoke("--status")
     assert final.exit_code == 0 and " 0 left" in final.output, final.output
@@ -160,7 +162,7 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
         assert crossing["rule"].startswith("first crossing") and crossing["target"] == data["arms"]["plain"][
             "plain_final_target"]
     assert set(data["bench_step_ms"]) >= {"plain", "reinforced", "online"}
-    teacher = data["teachers"]["vitb-s1"]
+    teacher = data["teachers"]["lite2-s1"]
     assert {"mean_recall", "pointing_z", "pointing_attn"} <= set(teacher["report"])
     assert (out / "runs" / "reinforced" / "seed-10" / "eval-report" / "heatmaps.png").is_file()
     # every evaluation ran on the recipe's device (a GPU host's ran on its CPU cores before)

@@ -719,10 +719,12 @@ CHANGED = {"cpu-": {"local_attention": "cosine", "head_layer": 0, "head_conv_dep
                  "keep_rate_warmup_steps": 2000}}
 # And (issue 35) the default family (A-E) got the cpu family's local-alignment heads.
 DEFAULT_FAMILY_HEADS = {"local_attention": "cosine", "head_layer": 0, "head_conv_depth": 2, "local_text_layer": 0}
+# Families added since (issue 36: the GPU recipe's teacher, ImageNet Lite2 + MiniLM at 224 px).
+NEW_CONFIGS = ["teacher-lite2-gpu-A", "teacher-lite2-gpu-D"]
 
 
 def test_family_configs_resolve_to_the_old_per_name_configs():
-    assert available_configs() == sorted(OLD_CONFIGS)
+    assert available_configs() == sorted([*OLD_CONFIGS, *NEW_CONFIGS])
     for name, old in OLD_CONFIGS.items():
         expected = {**ADDED_FIELDS, **old}
         expected.update(DEFAULT_FAMILY_HEADS if name in ("A", "B", "C", "D", "E") else {})

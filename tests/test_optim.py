@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from cxrdr.train.optim import (
     param_groups,
     warmup_cosine,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Block(nn.Module):
@@ -227,3 +230,36 @@ def test_lr_per_parameter_unchanged_for_every_config(name):
     assert all(p.requires_grad for p in model.parameters())
     freeze_towers(model, True)  # freezing uses the same layer list: exactly the heads stay trainable
     assert {n for n, p in model.named_parameters() if p.requires_grad} == heads
+
+
+def test_llrd_probe_chooses_each_decays_lr_on_seed_0_and_pairs_the_report_seeds(tmp_path, monkeypatch):
+    """scripts/llrd_probe.py: the lr of each decay is the one with the best final val mean recall of seed 0;
+    the report compares each decay at its own lr on the fresh seeds, paired by seed."""
+    spec = importlib.util.spec_from_file_location("llrd_probe", ROOT / "scripts" / "llrd_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    monkeypatch.setattr(probe, "ROOT", tmp_path)
+    best = {0.85: 0.002, 1.0: 0.0005}
+
+    def final(llrd, lr, seed):
+        if seed == probe.CHOICE_SEED:
+            return 0.05 if lr == best[llrd] else 0.03
+        return 0.02 + 0.01 * seed + (0.005 if llrd == 1.0 else 0.0)
+
+    for llrd in probe.LLRDS:
+        for lr in probe.LRS:
+            for seed in (probe.CHOICE_SEED, *probe.REPORT_SEEDS):
+                run = tmp_path / probe.run_name(llrd, lr, seed)
+                run.mkdir()
+                lines = [{"kind": "train", "step": 50},
+                         {"kind": "eval", "step": 50, "mean_recall": 0.0, "chance_mean_recall": 0.01},
+                         {"kind": "eval", "step": 400, "mean_recall": final(llrd, lr, seed), "chance_mean_recall": 0.01}]
+                (run / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    out = probe.summary()
+    assert out["choice"]["chosen_lr"] == {"0.85": 0.002, "1.0": 0.0005}
+    arms = out["report"]["arms"]
+    assert arms["llrd 1.0"]["lr"] == 0.0005 and arms["llrd 1.0"]["final_mean_recall"]["values"] == pytest.approx(
+        [0.035, 0.045, 0.055])
+    paired = out["report"]["llrd 1.0 - llrd 0.85 (paired by seed)"]
+    assert paired["values"] == pytest.approx([0.005] * 3) and paired["mean"] == pytest.approx(0.005)
+    assert out["report"]["chance_mean_recall"] == 0.01
