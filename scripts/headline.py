@@ -41,6 +41,7 @@ LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
 NIH = RESULTS / "nih-efficiency.json"
+GPU_EFFICIENCY = RESULTS / "gpu-efficiency.json"  # issue 36: the GPU recipe's results.json, once a GPU has run it
 NIH_TABLES = RESULTS / "nih-tables.md"
 CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
 FIRST = RESULTS / "superseded" / "cpu-demo-efficiency-00389eb.json"
@@ -109,9 +110,9 @@ def _load(path: Path) -> dict:
 # --------------------------------------------------------------------------- phantom efficiency
 
 
-def efficiency(res: dict) -> list[str]:
+def efficiency(res: dict, config: str = "configs/experiments/cpu-demo.yaml") -> list[str]:
     arms, cost = res["arms"], res.get("cost") or {}
-    lines = [f"**Efficiency** (`train experiment efficiency --config configs/experiments/cpu-demo.yaml`; report "
+    lines = [f"**Efficiency** (`train experiment efficiency --config {config}`; report "
              f"set `{res['protocol']['report_shards']}`; seeds {res['seeds']}, online and plain-more-data "
              f"on their own seed lists):", "",
              "| arm | seeds | mean R | same-findings R | probe AUC | samples to plain's final | ratio [95 %] |",
@@ -130,6 +131,25 @@ def efficiency(res: dict) -> list[str]:
     lines += [f"- {b['bar']}: {_num(b.get('value'))}" + (f" [{_num(b['ci'][0])}, {_num(b['ci'][1])}]"
                                                           if b.get("ci") else "") + f" — {_verdict(b.get('met'))}"
               for b in res.get("bars") or []]
+    return lines
+
+
+def gpu_efficiency() -> list[str]:
+    """The GPU recipe's figures (issue 36) once its results.json is committed as docs/results/gpu-efficiency.json:
+    the efficiency table and bars, and each teacher on the report set beside chance and the train-box prior."""
+    if not GPU_EFFICIENCY.is_file():
+        return ["*Not measured yet:* no GPU has run the recipe to the end, so `docs/results/gpu-efficiency.json` (its "
+                "`results.json`) does not exist; once a GPU session commits it, `python scripts/headline.py --write` "
+                "puts its table, bars and teacher here."]
+    res = _load(GPU_EFFICIENCY)
+    lines = efficiency(res, config="configs/experiments/gpu-efficiency.yaml") + [""]
+    for name, teacher in (res.get("teachers") or {}).items():
+        rep = teacher.get("report") or {}
+        lines.append(f"- teacher {name} ({teacher.get('model')}, {teacher.get('steps')} steps) on the report set: "
+                     f"mean R {_num(rep.get('mean_recall'))} (chance {_num(rep.get('chance_mean_recall'))}); "
+                     f"PG z {_num(rep.get('pointing_z'))} (train-box prior {_num(rep.get('train_prior_pointing_z'))}); "
+                     f"PG attention {_num(rep.get('pointing_attn'))} "
+                     f"(train-box prior {_num(rep.get('train_prior_pointing_attn'))})")
     return lines
 
 
@@ -1147,6 +1167,7 @@ def provenance_table() -> list[str]:
 
 BLOCKS = {
     "efficiency": lambda: efficiency(_load(EFFICIENCY)),
+    "gpu-efficiency": gpu_efficiency,
     "efficiency-reading": lambda: efficiency_reading(_load(EFFICIENCY)),
     "efficiency-caveats": lambda: efficiency_caveats(_load(EFFICIENCY)),
     "controls-table": lambda: controls_table(_load(CONTROLS)),

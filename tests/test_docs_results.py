@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -128,3 +129,26 @@ def test_the_samples_bar_limit_and_seeds_at_chance_are_read_from_the_results(hea
     assert headline._samples_upper_limit(bar) == 0.6
     arm = {"seeds": [20, 21, 22], "final_mean_recall": [0.27, 0.03, 0.29], "final": {"chance_mean_recall": 0.021}}
     assert headline._at_chance(arm) == [(21, 0.03)]
+
+
+def test_the_gpu_recipes_block_says_not_measured_until_its_results_exist(headline, tmp_path, monkeypatch):
+    """docs/experiments.md's gpu-efficiency block: a line saying no GPU has run the recipe while
+    docs/results/gpu-efficiency.json is absent; its table, bars and teacher once it is there."""
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "gpu-efficiency.json")
+    assert headline.gpu_efficiency()[0].startswith("*Not measured yet:*")
+    final = {"final_mean_recall": [0.2, 0.3], "final": {"mean_recall_findings_seeds": [0.5, 0.6],
+                                                        "probe_auc_seeds": [0.8, 0.9], "chance_mean_recall": 0.01}}
+    res = {"protocol": {"report_shards": "report"}, "seeds": [10, 11],
+           "arms": {"plain": {**final, "crossing": {"samples": 30720, "ratio": 1.0, "ratio_ci": [1.0, 1.0]}},
+                    "reinforced": {**final, "crossing": {"samples": 6144, "ratio": 0.2, "ratio_ci": [0.1, 0.3]}}},
+           "cost": {"teacher_train_samples": 30720}, "bars": [{"bar": "a bar", "value": 0.2, "met": True}],
+           "teachers": {"lite2-s1": {"model": "teacher-lite2-gpu-D", "steps": 120,
+                                     "report": {"mean_recall": 0.4, "chance_mean_recall": 0.006, "pointing_z": 0.8,
+                                                "train_prior_pointing_z": 0.5, "pointing_attn": 0.9,
+                                                "train_prior_pointing_attn": 0.55}}}}
+    (tmp_path / "gpu-efficiency.json").write_text(json.dumps(res))
+    text = "\n".join(headline.gpu_efficiency())
+    assert "--config configs/experiments/gpu-efficiency.yaml" in text
+    assert "| reinforced | 2 | 0.250 ± " in text and "0.200 [0.100, 0.300]" in text
+    assert "- a bar: 0.200 — **MET**" in text
+    assert "teacher lite2-s1 (teacher-lite2-gpu-D, 120 steps)" in text and "PG z 0.800 (train-box prior 0.500)" in text
