@@ -9,8 +9,8 @@ ViT-S/B, so the same decay reaches its first layers) + the tiny BERT text tower 
 
 - choose: seed 0, the shards' val split, final val mean recall, llrd {0.85, 1.0} x lr {5e-4, 1e-3, 2e-3}: the
   best lr of each llrd;
-- report: each llrd at its chosen lr, fresh seeds 1-3, on a report set no choice read (phantom:600 with its own
-  source seed 104, all test); mean +- 95 % CI, paired per-seed differences, beside chance.
+- report: each llrd at its chosen lr, fresh seeds 1-3, on a report set no choice read (phantom:600, source
+  seed 104 as image-only's report set, all test); mean +- 95 % CI, paired per-seed differences, beside chance.
 
     python scripts/llrd_probe.py choose   # ~13 min on 2 cores (two runs at a time, one thread each)
     python scripts/llrd_probe.py report   # ~15 min
