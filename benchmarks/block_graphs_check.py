@@ -53,35 +53,58 @@ def _differences(results, where: str) -> tuple[float, float]:
     return rel(out_g, out_e), max((rel(grads_g[n], g) for n, g in grads_e.items()), default=0.0)
 
 
-def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
-    """Largest relative differences (graphed vs eager) of the tower's output and its gradients over ``steps`` steps
-    of fresh random images, and how many graphs were captured. ``capture``: a stand-in for CPU tests."""
+def _setup(model: str, device: str, capture):
+    """The student (stochastic depth off, training mode), its device, the loop's autocast dtype (bf16 on CUDA) and
+    an empty BlockGraphs (``capture``: a stand-in for CPU tests)."""
     import torch
 
-    from cxrdr.train.device import amp_dtype_for, autocast
+    from cxrdr.train.device import amp_dtype_for
     from cxrdr.train.models import StudentConfig, build_student
     from cxrdr.train.models.block_graphs import BlockGraphs
 
     dev = torch.device(device)
     torch.manual_seed(0)
     student = build_student(StudentConfig.from_yaml(model, drop_path_rate=0.0)).to(dev).train()
-    tower = student.image_tower
-    size = int(student.config.image_size)
     amp = amp_dtype_for("bf16", dev) if dev.type == "cuda" else None
-    kwargs = {"capture": capture, "on_device": lambda x: True} if capture is not None else {}
-    graphs = BlockGraphs(**kwargs)
+    graphs = BlockGraphs(**({"capture": capture, "on_device": lambda x: True} if capture is not None else {}))
+    return student, dev, amp, graphs
+
+
+def _agreement(tower, graphs, steps: int, make_inputs, run_step, where: str) -> tuple[float, float]:
+    """The largest relative differences (output, gradients) over ``steps`` steps, each on fresh ``make_inputs()``
+    run by ``run_step`` eagerly and then through ``graphs`` (captured at the first graphed step, replayed after)."""
     worst_out = worst_grad = 0.0
-    gen = torch.Generator().manual_seed(1)
     for step in range(steps):
-        images = torch.randn(batch_size, 3, size, size, generator=gen).to(dev)
+        inputs = make_inputs()
         results = []
         for graphed in (False, True):
             tower.block_graphs, graphs.active = (graphs if graphed else None), graphed
-            with autocast(dev, amp, cache=False):
-                results.append(_tower_step(tower, images))
-        out_diff, grad_diff = _differences(results, f"step {step}")
+            results.append(run_step(inputs))
+        out_diff, grad_diff = _differences(results, f"step {step}{where}")
         worst_out, worst_grad = max(worst_out, out_diff), max(worst_grad, grad_diff)
     tower.block_graphs = None
+    return worst_out, worst_grad
+
+
+def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
+    """Largest relative differences (graphed vs eager) of the tower's output and its gradients over ``steps`` steps
+    of fresh random images, and how many graphs were captured. ``capture``: a stand-in for CPU tests."""
+    import torch
+
+    from cxrdr.train.device import autocast
+
+    student, dev, amp, graphs = _setup(model, device, capture)
+    tower = student.image_tower
+    size = int(student.config.image_size)
+    gen = torch.Generator().manual_seed(1)
+
+    def run_step(images):
+        with autocast(dev, amp, cache=False):
+            return _tower_step(tower, images)
+
+    worst_out, worst_grad = _agreement(tower, graphs, steps,
+                                       lambda: torch.randn(batch_size, 3, size, size, generator=gen).to(dev),
+                                       run_step, "")
     return {"model": model, "device": str(dev), "batch_size": batch_size, "steps": steps,
             "graphs_captured": len(graphs), "capture_failed": graphs.failed,
             "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
@@ -103,39 +126,28 @@ def compare_text(model: str = "E", device: str = "cuda", batch_size: int = 64, s
     alignment layer and its pooled vectors, and its gradients, graphed vs eager, dropout off."""
     import torch
 
-    from cxrdr.train.device import amp_dtype_for, autocast
-    from cxrdr.train.models import StudentConfig, build_student
-    from cxrdr.train.models.block_graphs import BlockGraphs
+    from cxrdr.train.device import autocast
 
-    dev = torch.device(device)
-    torch.manual_seed(0)
-    student = build_student(StudentConfig.from_yaml(model, drop_path_rate=0.0)).to(dev).train()
+    student, dev, amp, graphs = _setup(model, device, capture)
     tower = student.text_tower
     for module in tower.modules():  # two runs must draw the same: no dropout (its masks would differ)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    amp = amp_dtype_for("bf16", dev) if dev.type == "cuda" else None
-    graphs = BlockGraphs(**({"capture": capture, "on_device": lambda x: True} if capture is not None else {}))
     token_layer = student.config.local_text_layer  # the layer whose states the local alignment reads (None: last)
-    worst_out = worst_grad = 0.0
     gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        tok = student.tokenize(_texts(2 * batch_size, gen))
-        results = []
-        for graphed in (False, True):
-            tower.block_graphs, graphs.active = (graphs if graphed else None), graphed
-            tower.zero_grad(set_to_none=True)
-            with autocast(dev, amp, cache=False):
-                states, pooled = tower(*(tok[k].to(dev) for k in ("input_ids", "attention_mask")), token_layer,
-                                       tok["token_index"].to(dev))
-                loss = states.float().square().mean() + pooled.float().mean()
-            loss.backward()
-            results.append((states.detach().float(),
-                            {n: q.grad.detach().float().clone() for n, q in tower.named_parameters()
-                             if q.grad is not None}))
-        out_diff, grad_diff = _differences(results, f"step {step}, text tower")
-        worst_out, worst_grad = max(worst_out, out_diff), max(worst_grad, grad_diff)
-    tower.block_graphs = None
+
+    def run_step(tok):
+        tower.zero_grad(set_to_none=True)
+        with autocast(dev, amp, cache=False):
+            states, pooled = tower(*(tok[k].to(dev) for k in ("input_ids", "attention_mask")), token_layer,
+                                   tok["token_index"].to(dev))
+            loss = states.float().square().mean() + pooled.float().mean()
+        loss.backward()
+        return (states.detach().float(),
+                {n: q.grad.detach().float().clone() for n, q in tower.named_parameters() if q.grad is not None})
+
+    worst_out, worst_grad = _agreement(tower, graphs, steps, lambda: student.tokenize(_texts(2 * batch_size, gen)),
+                                       run_step, ", text tower")
     return {"model": model, "tower": "text", "device": str(dev), "batch_size": batch_size, "steps": steps,
             "graphs_captured": graphs.captured("text"), "capture_failed": graphs.failed,
             "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}

@@ -324,7 +324,6 @@ def _bf16_weights_inference(model, st: dict) -> dict:
             "inference_bf16_min_cosine_to_autocast": float(cosine.min())}
 
 
-
 def _loop_description(cfg: dict) -> str:
     from cxrdr.train.models.config import StudentConfig
 
