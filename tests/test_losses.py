@@ -524,6 +524,27 @@ def test_pair_similarity_gram_form_equals_the_fused_attention(with_values):
     assert low.dtype == torch.float32 and torch.allclose(low, outs[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("with_values, with_mask", [(False, False), (False, True), (True, True)])
+def test_gram_cosine_backward_is_the_gradient_of_its_forward(with_values, with_mask):
+    """The Gram form's hand-written backward (``gram_cosine``: one layout, the softmax's row sum dropped because
+    it is zero here) is the gradient of its forward: torch.autograd.gradcheck in float64, padded patches and
+    separate values included."""
+    from cxrdr.train.models.gram_cosine import _GramPooledCosine
+
+    g = torch.Generator().manual_seed(5)
+    flat = F.normalize(torch.randn(6, 8, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    patches = F.normalize(torch.randn(3, 5, 8, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    values = None
+    if with_values:
+        values = F.normalize(torch.randn(3, 5, 8, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    mask = None
+    if with_mask:
+        mask = torch.ones(3, 5, dtype=torch.bool)
+        mask[2, 3:] = False
+    assert torch.autograd.gradcheck(lambda f, p, v: _GramPooledCosine.apply(f, p, v, 0.3, mask),
+                                    (flat, patches, values))
+
+
 def test_pair_similarity_benchmark_agrees_with_the_heads_choice_of_form():
     """benchmarks/pair_similarity.py: both forms agree, and the head takes the Gram form exactly where it counts
     fewer FLOPs: many words against few patches of many dims, not few words, nor more patches than dims."""

@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.models.convnext import ConvNeXtBlock
 
+from cxrdr.train.models.gram_cosine import gram_pooled_cosine
+
 
 class Projection(nn.Module):
     """Linear map (no bias) from a tower width to the shared embedding space (not normalised here)."""
@@ -319,21 +321,9 @@ def pooled_cosine_by_gram(words: torch.Tensor, patches: torch.Tensor, values: to
     (B_image, B_text x L, D) tensor. Why it exists: at D 512 the fused attention falls back to the generic
     memory-efficient kernel, whose backward took 17 ms of the H100's 120 ms D step
     (benchmarks/results/profiles/nvidia-h100-0ef6026-D.txt). It runs outside autocast, in fp32 (TF32 where the
-    loop allows it): the fused kernels keep their scores in fp32 as well, and a^T G a loses digits in bf16."""
-    (b_txt, length, width), b_img = words.shape, patches.shape[0]
-    with torch.autocast(words.device.type, enabled=False):
-        flat = words.reshape(b_txt * length, width).float()
-        keys = patches.float()
-        vals = keys if values is None else values.float()
-        scores = flat @ keys.transpose(1, 2)  # (B_image, Q, N) cosines
-        logits = scores / temperature
-        if patch_mask is not None:
-            logits = logits.masked_fill(~patch_mask.bool().unsqueeze(1), float("-inf"))
-        attn = logits.softmax(-1)
-        along_word = scores if values is None else flat @ vals.transpose(1, 2)
-        norm_sq = ((attn @ (vals @ vals.transpose(1, 2))) * attn).sum(-1)
-        cosine = (attn * along_word).sum(-1) / norm_sq.clamp_min(1e-24).sqrt()
-    return cosine.reshape(b_img, b_txt, length).transpose(0, 1)
+    loop allows it): the fused kernels keep their scores in fp32 as well, and a^T G a loses digits in bf16.
+    Its forward and backward are written out in one memory layout (``gram_cosine.gram_pooled_cosine``)."""
+    return gram_pooled_cosine(words, patches, values, temperature, patch_mask)
 
 
 def build_local_align(kind: str, text_dim: int, patch_dim: int, embed_dim: int, heads: int,
