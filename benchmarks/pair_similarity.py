@@ -31,6 +31,8 @@ def gram_by_autograd(words, patches, values, temperature: float, patch_mask=None
     differentiates it (values and padded patches left out: the head pools neither in this form)."""
     import torch
 
+    if values is not None or patch_mask is not None:
+        raise ValueError("gram_by_autograd times the head's own case only: no values, no padded patches")
     (b_txt, length, width), b_img = words.shape, patches.shape[0]
     with torch.autocast(words.device.type, enabled=False):
         flat, keys = words.reshape(b_txt * length, width).float(), patches.float()

@@ -18,8 +18,8 @@ again single matrix products; only w = G a comes out of its batched product imag
 innermost, so the two products that read it with a stay coalesced.
 Its backward uses what the softmax's gradient reduces to here: with da = dc (r / sqrt(v) - (c / v) w)
 (r the numerator's scores, w = G a), sum_n a_n da_n = dc (u / sqrt(v) - c v / v) = 0, so the logits'
-gradient is a * da, with no row sum to subtract. It saves a, the logits and w (with separate values, their
-scores too) and nothing else.
+gradient is a * da, with no row sum to subtract. Of the (words, images, patches) tensors it saves a, the
+logits and w (with separate values, their scores too); beside them only its inputs and two (words, images) ones.
 """
 from __future__ import annotations
 
