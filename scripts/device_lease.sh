@@ -8,51 +8,86 @@
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
 #                                              # 470), after the pair similarity and text attention benchmarks
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
+#   MODE=collect bash scripts/device_lease.sh  # only gather what earlier recipe calls wrote (below) into $OUT
 #
 # Give the call a timeout_s about 50 s above RECIPE_S / SUITE_S (the install and the copies). The machine keeps its
 # disk while warm (30 s idle), so a second recipe call right after the first resumes its finished units. What
-# comes back lands in $OUT (at most 8 files): lease.log, and the recipe's results.json, table.md and plots when
-# it has finished, or the suite's JSON and Markdown.
+# comes back lands in $OUT (at most 8 files): lease.log; for the recipe, recipe.tar.gz (every JSON, JSONL,
+# Markdown, YAML and plot it has written so far, finished or not: a lease that ends first still brings back the
+# teacher's figures, the finished runs' curves and evaluations and each unit's time) and, once it has finished,
+# results.json, table.md, metric_vs_samples.png and the reinforced arm's heatmaps.png beside it; for the suite,
+# its JSON and Markdown.
+#   env: RECIPE (default configs/experiments/gpu-efficiency.yaml; its CPU twin rehearses this script on any machine:
+#        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
+#        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, INSTALL (default 1; 0: no install, this environment's
+#        cxrdr runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${MODE:-recipe}"
 OUT="${OUT:-/tmp/lease-out}"
-SITE=/tmp/cxrdr-site
+SITE="${SITE:-/tmp/cxrdr-site}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/lease.log") 2>&1
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-  .whl/wheels/*.whl || exit 1
-# --upgrade: without it pip leaves out cxrdr's console scripts
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . || exit 1
-export PYTHONPATH="$SITE:$PWD/.whl/pkgs" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
-python3 -c "import torch, cxrdr; print('torch', torch.__version__, torch.cuda.get_device_name(0), cxrdr.__file__)" \
+if [ "${INSTALL:-1}" = 1 ]; then  # INSTALL=0: use this environment's cxrdr (a rehearsal, the tests)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/wheels/*.whl || exit 1
+  # --upgrade: without it pip leaves out cxrdr's console scripts
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . || exit 1
+  export PYTHONPATH="$SITE:$PWD/.whl/pkgs" PATH="$SITE/bin:$PATH"
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, cxrdr; print('torch', torch.__version__, cxrdr.__file__,
+                                       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" \
   || exit 1
 echo "[lease] installed in $(elapsed) s; mode $MODE"
 
-pair() { python3 benchmarks/pair_similarity.py --device cuda --batch 256 --amp --shapes 196x512 --rounds 10; }
+pair() {
+  if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    python3 benchmarks/pair_similarity.py --device cuda --batch 256 --amp --shapes 196x512 --rounds 10
+  else
+    echo "[lease] no CUDA here: the pair similarity benchmark is left out"
+  fi
+}
+
+RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
+recipe_out=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['out'])" "$RECIPE") || exit 1
+
+# The recipe's files worth bringing back (RECIPE's out folder) into $OUT
+collect() {
+  # what the recipe has written so far, small files only (no shards, checkpoints or parquet); a file comes back
+  # at <= 16 MiB, so the runs' heatmaps (~1 MB each at 224 px) stay behind if they would pass that
+  small() { find "$recipe_out" -type f -size -4194304c \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
+            -o -name '*.yaml' -o -name '*.png' \) | sort; }
+  small | tar czf "$OUT/recipe.tar.gz" -T -
+  if [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( 15 * 1024 * 1024 )) ]; then
+    small | grep -v '/heatmaps.png$' | tar czf "$OUT/recipe.tar.gz" -T -
+  fi
+  results="$recipe_out/efficiency"
+  for f in results.json table.md metric_vs_samples.png; do
+    [ -f "$results/$f" ] && cp "$results/$f" "$OUT/"
+  done
+  heatmap=$(find "$results/runs/reinforced" -name heatmaps.png 2>/dev/null | sort | head -1)
+  [ -n "$heatmap" ] && cp "$heatmap" "$OUT/heatmaps.png"
+  return 0
+}
 
 case "$MODE" in
   recipe)
     RECIPE_S="${RECIPE_S:-540}"
     # a fresh machine's first call also times the pair similarity (~20 s): the loop's figure the recipe waits on
-    [ -d runs/experiments/gpu-efficiency ] || pair
+    [ -d "$recipe_out" ] || pair
     rc=3
     # a chunk stops before a new unit 90 s before its kill, and the last one is killed before RECIPE_S
     while [ "$rc" -eq 3 ] && [ $(( RECIPE_S - $(elapsed) )) -gt 150 ]; do
       hard=$(( RECIPE_S - $(elapsed) - 30 ))
-      CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh; rc=$?
+      CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE"; rc=$?
     done
-    results=runs/experiments/gpu-efficiency/efficiency
-    for f in results.json table.md metric_vs_samples.png metric_vs_samples_per_seed.png auc_vs_samples.png \
-             step_time.png; do
-      [ -f "$results/$f" ] && cp "$results/$f" "$OUT/"
-    done
-    heatmap=$(find runs/experiments/gpu-efficiency -name '*heatmap*.png' 2>/dev/null | sort | head -1)
-    [ -n "$heatmap" ] && cp "$heatmap" "$OUT/heatmaps.png"
-    echo "[lease] recipe exit $rc after $(elapsed) s (0: finished, 3: work left, call again while warm)"
+    collect
+    echo "[lease] recipe exit $rc after $(elapsed) s (0: finished, 3: work left, call again while warm);" \
+         "recipe.tar.gz holds $(tar tzf "$OUT/recipe.tar.gz" | wc -l) files"
     ;;
   suite)
     pair
@@ -61,6 +96,7 @@ case "$MODE" in
     cp /tmp/suite-out/*.json /tmp/suite-out/*.md "$OUT/"
     echo "[lease] suite done after $(elapsed) s"
     ;;
+  collect) collect ;;  # what an earlier recipe call left, again
   pair) pair ;;
-  *) echo "MODE must be recipe, suite or pair, got '$MODE'"; exit 2 ;;
+  *) echo "MODE must be recipe, suite, collect or pair, got '$MODE'"; exit 2 ;;
 esac

@@ -1,8 +1,11 @@
 """scripts/device_carry.py: the float16 packages a GPU lease carries load as the originals do (pip's download of
-the wheels needs the registry and is left to the script itself)."""
+the wheels needs the registry and is left to the script itself); scripts/device_lease.sh brings back what the
+recipe wrote, within what a lease returns."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +58,57 @@ def test_half_minilm_package_holds_the_same_files_with_float16_weights(tmp_path)
     for name, value in full.items():
         assert small[name].dtype == (torch.float16 if value.is_floating_point() else value.dtype)
         assert torch.allclose(small[name].float(), value.float(), rtol=1e-3, atol=1e-4), name
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _collect(recipe_out: Path, out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"out: {recipe_out}\n")
+    env = {**os.environ, "MODE": "collect", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(out),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _members(archive: Path, root: Path) -> set[str]:
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        return {str(Path("/", name).relative_to(root)) for name in tar.getnames()}
+
+
+def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatmaps(tmp_path):
+    """A lease returns at most 8 files of <= 16 MiB: the recipe's small files go back as one archive (finished or
+    not), its headline files and the reinforced arm's first heatmaps beside it; shards, checkpoints and files of 4
+    MB or more stay; and where the runs' heatmaps would pass 15 MiB, the archive leaves them out."""
+    root = tmp_path / "runs" / "x"
+    small = {"efficiency/results.json": b"{}", "efficiency/table.md": b"| a |", "efficiency/metric_vs_samples.png": b"p",
+             "efficiency/runs/plain/seed-10/metrics.jsonl": b"{}\n", "efficiency/runs/plain/seed-10/config.yaml": b"a: 1",
+             "efficiency/runs/plain/seed-10/eval-report/heatmaps.png": b"plain",
+             "efficiency/runs/reinforced/seed-11/eval-report/heatmaps.png": b"reinforced 11",
+             "efficiency/runs/reinforced/seed-10/eval-report/heatmaps.png": b"reinforced 10",
+             "teachers/lite2-s1/run/eval-report-test/eval.json": b"{}", "shards/dataset.json": b"{}"}
+    left = {"shards/shard-000000.tar.gz": b"t", "efficiency/runs/plain/seed-10/last.pt": b"w",
+            "shards/manifest.parquet": b"q", "efficiency/huge.json": b" " * (4 * 1024 * 1024 + 1)}
+    for name, data in {**small, **left}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+
+    done = _collect(root, tmp_path / "out", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["heatmaps.png", "lease.log", "metric_vs_samples.png",
+                                                      "recipe.tar.gz", "results.json", "table.md"]
+    assert (out / "heatmaps.png").read_bytes() == b"reinforced 10"  # the reinforced arm's, first seed
+    assert _members(out / "recipe.tar.gz", root) == set(small)
+
+    for seed in range(5):  # incompressible heatmaps past 15 MiB together
+        name = f"efficiency/runs/plain/seed-2{seed}/eval-report/heatmaps.png"
+        (root / name).parent.mkdir(parents=True)
+        (root / name).write_bytes(os.urandom(3_500_000))
+    done = _collect(root, tmp_path / "out2", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _members(tmp_path / "out2" / "recipe.tar.gz", root) == {n for n in small if not n.endswith("heatmaps.png")}
+    assert (tmp_path / "out2" / "heatmaps.png").read_bytes() == b"reinforced 10"
