@@ -10,6 +10,11 @@ size. A speed figure says nothing about this; the GPU suite's loop_graphs sectio
     python benchmarks/block_graphs_check.py --device cuda --model E --batch-size 32
     python benchmarks/block_graphs_check.py --device cpu --model tiny-E --stand-in   # the plumbing only (CPU)
     python benchmarks/block_graphs_check.py --device cuda --model E --text           # the text tower
+    python benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks # compiled blocks as graphs
+
+``--compile-blocks`` compiles every block first (``--compile-scope blocks``, inductor), so both runs use the compiled
+blocks: it checks that a graph replays what the compiled blocks compute (``--cuda-graphs on`` with them), not that
+compilation computes what eager does (its fused kernels round otherwise; the loop's losses say that).
 
 The text check runs the student's text tower on texts of random lengths (a new count of real tokens each step, so
 the tokens' padding to their bucket changes), dropout off. It needs FlashAttention (CUDA): elsewhere the packed
@@ -53,11 +58,12 @@ def _differences(results, where: str) -> tuple[float, float]:
     return rel(out_g, out_e), max((rel(grads_g[n], g) for n, g in grads_e.items()), default=0.0)
 
 
-def _setup(model: str, device: str, capture):
-    """The student (stochastic depth off, training mode), its device, the loop's autocast dtype (bf16 on CUDA) and
-    an empty BlockGraphs (``capture``: a stand-in for CPU tests)."""
+def _setup(model: str, device: str, capture, compile_backend: str | None = None):
+    """The student (stochastic depth off, training mode; its blocks compiled in place with ``compile_backend``), its
+    device, the loop's autocast dtype (bf16 on CUDA) and an empty BlockGraphs (``capture``: a stand-in for CPU tests)."""
     import torch
 
+    from cxrdr.train.compiling import compile_blocks
     from cxrdr.train.device import amp_dtype_for
     from cxrdr.train.models import StudentConfig, build_student
     from cxrdr.train.models.block_graphs import BlockGraphs
@@ -65,6 +71,8 @@ def _setup(model: str, device: str, capture):
     dev = torch.device(device)
     torch.manual_seed(0)
     student = build_student(StudentConfig.from_yaml(model, drop_path_rate=0.0)).to(dev).train()
+    if compile_backend:
+        compile_blocks(student, compile_backend)
     amp = amp_dtype_for("bf16", dev) if dev.type == "cuda" else None
     graphs = BlockGraphs(**({"capture": capture, "on_device": lambda x: True} if capture is not None else {}))
     return student, dev, amp, graphs
@@ -86,14 +94,16 @@ def _agreement(tower, graphs, steps: int, make_inputs, run_step, where: str) -> 
     return worst_out, worst_grad
 
 
-def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
+def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None,
+            compile_backend: str | None = None) -> dict:
     """Largest relative differences (graphed vs eager) of the tower's output and its gradients over ``steps`` steps
-    of fresh random images, and how many graphs were captured. ``capture``: a stand-in for CPU tests."""
+    of fresh random images, and how many graphs were captured. ``capture``: a stand-in for CPU tests;
+    ``compile_backend``: both runs with the blocks compiled (``--compile-scope blocks``) by that backend."""
     import torch
 
     from cxrdr.train.device import autocast
 
-    student, dev, amp, graphs = _setup(model, device, capture)
+    student, dev, amp, graphs = _setup(model, device, capture, compile_backend)
     tower = student.image_tower
     size = int(student.config.image_size)
     gen = torch.Generator().manual_seed(1)
@@ -106,7 +116,7 @@ def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps:
                                        lambda: torch.randn(batch_size, 3, size, size, generator=gen).to(dev),
                                        run_step, "")
     return {"model": model, "device": str(dev), "batch_size": batch_size, "steps": steps,
-            "graphs_captured": len(graphs), "capture_failed": graphs.failed,
+            "compiled_blocks": compile_backend, "graphs_captured": len(graphs), "capture_failed": graphs.failed,
             "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
 
 
@@ -162,13 +172,21 @@ def main(argv=None) -> int:
     parser.add_argument("--text", action="store_true", help="the packed text tower's layers (--cuda-graphs-text)")
     parser.add_argument("--stand-in", action="store_true",
                         help="no CUDA graph: the blocks as they are stand in for the capture (checks the plumbing)")
+    parser.add_argument("--compile-blocks", nargs="?", const="inductor", metavar="BACKEND",
+                        help="compile every block first (default backend inductor): graphed vs not, both compiled")
     args = parser.parse_args(argv)
+    if args.text and args.compile_blocks:
+        parser.error("--compile-blocks checks the image tower's blocks: leave out --text")
     capture = (lambda module, *inputs: module) if args.stand_in else None
-    r = (compare_text if args.text else compare)(args.model, args.device, args.batch_size, args.steps, capture)
-    print(f"{r['model']}{' text tower' if args.text else ''} on {r['device']}, batch {r['batch_size']}, "
+    if args.text:
+        r = compare_text(args.model, args.device, args.batch_size, args.steps, capture)
+    else:
+        r = compare(args.model, args.device, args.batch_size, args.steps, capture, args.compile_blocks)
+    compiled = f" (blocks compiled, {r['compiled_blocks']})" if r.get("compiled_blocks") else ""
+    print(f"{r['model']}{' text tower' if args.text else ''}{compiled} on {r['device']}, batch {r['batch_size']}, "
           f"{r['steps']} steps: {r['graphs_captured']} "
           f"graph(s) captured{'; capture failed: ' + r['capture_failed'] if r['capture_failed'] else ''}; largest "
-          f"relative difference to the eager tower: output {r['max_rel_diff_output']:.2e}, gradients "
+          f"relative difference to the tower without graphs: output {r['max_rel_diff_output']:.2e}, gradients "
           f"{r['max_rel_diff_grad']:.2e}")
     return 0
 

@@ -75,19 +75,30 @@ FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # host-bound step, has A's compiled figure to divide by; E's compilation ran past the section's time at 48c40d0
 # (COMPILE_LIMIT_S) and comes second, with what is left. Then block by block (cxrdr.train.compiling: a block's compile
 # time, shared by the variants' towers), which a budget too short for another whole model may still fit.
-COMPILED_ORDER = (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
+# Blocks compiled one by one *and* replayed as CUDA graphs ("blocks+graphs": --compile-scope blocks --cuda-graphs on,
+# what torch.compile's reduce-overhead mode does, for the blocks) lead since stop 55: the graphs took the blocks'
+# launches off the host (graphed A 1.22x, D 1.30x eager on the H200 at 65e9f61), and compilation fuses the blocks'
+# layer norms, casts and elementwise tails, which those graphs replay as they were (A's casts and copies 8.4 ms, layer
+# norms 12.1 ms of its 63.4 ms of kernels a step); their twin is the graphed eager row, so the ratio is what fusion
+# adds. A block compiles in ~13 s (D, H100 at 0ef6026) where a whole model took 44-65 s or did not finish.
+COMPILED_ORDER = (("A", "blocks+graphs"), ("D", "blocks+graphs"), ("E", "blocks+graphs"), ("A", "model"),
+                  ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
+# the TrainConfig fields of each compile scope of COMPILED_ORDER
+COMPILE_SETTINGS = {"model": {"compile": True, "compile_scope": "model"},
+                    "blocks": {"compile": True, "compile_scope": "blocks"},
+                    "blocks+graphs": {"compile": True, "compile_scope": "blocks", "cuda_graphs": "on"}}
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3-0ef6026.json):
 # the section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
 # compiled code) and D, A whole (warm-ups 64.9 s and 43.9 s); with the former 75 / 150 s, and the skipped train_step's
 # 45 s held back (``reserve_after`` leaves skipped sections out now), it left E whole out with ~145 s of the budget
 # unspent. Kept above the measured ~20 s and ~65 s: a cold cache or another card.
-COMPILE_ESTIMATE_S = {"blocks": 40, "model": 100}
+COMPILE_ESTIMATE_S = {"blocks+graphs": 45, "blocks": 40, "model": 100}  # blocks+graphs: blocks' + a capture
 # The most one compiled loop configuration may take, compilation included, before its child process is killed
 # (``child_deadline``; on CUDA): on the H100 at 48c40d0 the whole-model E had not finished its warm-up after 149 s in
 # the full suite nor after 263 s alone (the section's own phantom build, ~60-100 s, included), and the compilation in
 # progress could not be stopped from the suite's process.
-COMPILE_LIMIT_S = {"blocks": 90, "model": 180}
+COMPILE_LIMIT_S = {"blocks+graphs": 100, "blocks": 90, "model": 180}
 # The compiled section first compiles a two-layer MLP's step in a child (``inductor_smoke``), cut at this limit: on
 # the H100 at 416dba0 neither the whole-model A (44 s of warm-up at 0ef6026) nor D by blocks (13 s) logged a first
 # step within 240 and 90 s. A smoke check that cannot compile says the host's inductor is stuck, not the student;
@@ -336,14 +347,15 @@ def _loop_description(cfg: dict) -> str:
 
 
 def _loop_trainers(cfg: dict, work: Path, shards: str, plan: list[tuple]) -> dict:
-    """A trainer per (name, model, compile scope or None for eager[, other TrainConfig fields]) of ``plan``."""
+    """A trainer per (name, model, compile scope (COMPILE_SETTINGS) or None for eager[, other TrainConfig fields]) of
+    ``plan``."""
     import train_step
 
     lp = cfg["loop"]
     base = train_step.bench_config(shards, lp["batch_size"], lp["workers"], cfg["device"])
     trainers = {}
     for name, model, scope, *fields in plan:
-        extra = {"compile": True, "compile_scope": scope} if scope else {}
+        extra = dict(COMPILE_SETTINGS[scope]) if scope else {}
         extra.update(*fields)
         # a fresh run folder each: the compiled section builds trainers of the same models again
         out = tempfile.mkdtemp(prefix=f"loop-{model}-", dir=work)
@@ -472,6 +484,14 @@ def _compiled_name(variant: str, scope: str) -> str:
     return f"{variant} compiled {scope}"
 
 
+def _compiled_twin(variant: str, scope: str) -> tuple[str, dict]:
+    """The row a compiled configuration is timed beside, and its TrainConfig fields: eager, or for blocks+graphs the
+    blocks graphed uncompiled (what compiling them adds to the graphs)."""
+    if "graphs" in scope:
+        return GRAPHED.format(v=variant), {"cuda_graphs": "on"}
+    return f"{variant} eager", {"cuda_graphs": "off"}
+
+
 def inductor_smoke(device: str) -> float:
     """Seconds to compile (inductor) and run one training step of a two-layer MLP on ``device``, under the loop's
     autocast: whether torch.compile works on this host at all, apart from the student."""
@@ -523,13 +543,20 @@ def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str,
     started = time.perf_counter()
     pattern = cfg["families"][cfg["loop"]["family"]][0]
     name = _compiled_name(variant, scope)
-    trainers = _loop_trainers(cfg, Path(work), shards, [(f"{variant} eager", pattern.format(v=variant), None),
+    twin, twin_fields = _compiled_twin(variant, scope)
+    trainers = _loop_trainers(cfg, Path(work), shards, [(twin, pattern.format(v=variant), None, twin_fields),
                                                         (name, pattern.format(v=variant), scope)])
-    print(f"[loop_compiled] {name}: its trainers and its eager twin's built in {time.perf_counter() - started:.1f} s; "
-          f"warm-up starts ({_inductor_workers()})", file=sys.stderr, flush=True)
+    print(f"[loop_compiled] {name}: its trainers and its twin's ({twin}) built in {time.perf_counter() - started:.1f} "
+          f"s; warm-up starts ({_inductor_workers()})", file=sys.stderr, flush=True)
     trainer = trainers[name][0]
     _log_first_steps(trainer, name, cfg["loop"]["warmup"])
-    return _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
+    graphs = {n: t.block_graphs for n, (t, _) in trainers.items()} if "graphs" in scope else {}
+    rows = _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
+    for row in (r for r in rows if r["name"] in graphs):  # what both graphed trainers captured, or why not
+        g = graphs[row["name"]]
+        row.update(graphs_captured=len(g) if g is not None else None,
+                   graphs_failed=g.failed if g is not None else "no graphs: not a CUDA device")
+    return rows
 
 
 def _inductor_workers() -> str:
@@ -577,8 +604,9 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
         for scope in COMPILE_ESTIMATE_S:
             compiled = {v: by[_compiled_name(v, sc)] for v, sc in done if sc == scope}
             ratios[scope] = {**_ratios([{**r, "name": v} for v, r in compiled.items()]),
-                             "compiled_over_eager_img_per_s": {
-                                 v: r["img_per_s"] / by[f"{v} eager"]["img_per_s"] for v, r in compiled.items()}}
+                             "compiled_over_eager_img_per_s": {  # over its twin (_compiled_twin)
+                                 v: r["img_per_s"] / by[_compiled_twin(v, scope)[0]]["img_per_s"]
+                                 for v, r in compiled.items()}}
         return {"rows": list(rows), "failed": list(failed), "smoke": smoke,
                 "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
                 "description": _loop_description(cfg),
@@ -836,7 +864,7 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
                                ">=", 0.9, build["steady_ratio"]))
     compiled_rows = (sections.get("loop_compiled") or {}).get("rows") or []
     for scope in COMPILE_ESTIMATE_S:
-        rows = [r for r in compiled_rows if r.get("compile_scope") == scope]
+        rows = [r for r in compiled_rows if r["name"] in {_compiled_name(v, scope) for v in VARIANTS}]
         if rows:
             targets += _loop_targets({"rows": rows}, f"compiled {scope}", desc,
                                      {_compiled_name(v, scope) for v in VARIANTS})
@@ -1113,9 +1141,12 @@ def markdown(result: dict) -> str:
         md += ["## 5. Real training loop, torch.compile (TrainConfig.compile)", "", lc["note"] + ".", ""]
         if lc["rows"]:
             md += [*_table(lc["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), ""]
-            md += [f"- compiled {scope} / eager img/s: " + ", ".join(
+            md += [f"- compiled {scope} / {'graphed' if 'graphs' in scope else 'eager'} img/s: " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
-                lc["by_scope"].items()] + [""]
+                lc["by_scope"].items()]
+            md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
+                   + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
+                   for r in lc["rows"] if "graphs_captured" in r] + [""]
         md += [f"- **{f['name']}** not measured: {f['error']}"
                + (f" (with {_env_text(f['env'])})" if f.get("env") else "")
                + (f"; {_processes_text(f['processes'])}" if f.get("processes") else "") for f in lc.get("failed", [])]

@@ -6,7 +6,8 @@
 #                                              # for RECIPE_S seconds (default 540), then its status; a fresh
 #                                              # machine's first call times the pair similarity first
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
-#                                              # 470), after the pair similarity and text attention benchmarks
+#                                              # 470), after the pair similarity and text attention benchmarks and
+#                                              # the compiled blocks' graphs checked against them ungraphed
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
 #   MODE=collect bash scripts/device_lease.sh  # only gather what earlier recipe calls wrote (below) into $OUT
 #
@@ -92,6 +93,8 @@ case "$MODE" in
   suite)
     pair
     python3 benchmarks/text_attention.py --device cuda
+    # the compiled blocks as graphs (the compiled loop's first rows) replay what the compiled blocks compute?
+    timeout 120 python3 benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks
     python3 benchmarks/gpu_suite.py --device cuda --budget "${SUITE_S:-470}" --out-dir /tmp/suite-out ${SUITE_ARGS:-}
     cp /tmp/suite-out/*.json /tmp/suite-out/*.md "$OUT/"
     echo "[lease] suite done after $(elapsed) s"

@@ -5,6 +5,7 @@ place, so these tests check the plumbing: the same outputs and gradients as the 
 shape, eager where a graph may not run, and the Trainer's settings."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -162,11 +163,14 @@ def test_shapes_settle_after_es_keep_rate_warm_up_only():
 
 
 def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache():
-    for flags, named in (({"compile": True}, "--compile"), ({"grad_checkpointing": True}, "--grad-checkpointing"),
-                         ({"accum_steps": 2}, "--accum-steps > 1")):
+    for flags, named in (({"compile": True}, "--compile-scope model"), ({"accum_steps": 2}, "--accum-steps > 1"),
+                         ({"grad_checkpointing": True}, "--grad-checkpointing")):
         with pytest.raises(ValueError, match=f"--cuda-graphs on does not go with {named}"):
             TrainConfig.load(None, shards="s", cuda_graphs="on", **flags)
         assert TrainConfig.load(None, shards="s", **flags).cuda_graphs == "auto"  # auto just leaves them off
+    # blocks compiled one by one can be captured: asked for, they are
+    compiled_blocks = TrainConfig.load(None, shards="s", cuda_graphs="on", compile=True, compile_scope="blocks")
+    assert compiled_blocks.cuda_graphs == "on"
     assert TrainConfig.load(None, shards="s").cuda_graphs == "auto"
     # YAML reads on / off as booleans, and config.yaml files before "auto" hold booleans
     assert [TrainConfig.load(None, shards="s", cuda_graphs=v).cuda_graphs for v in (True, False)] == ["on", "off"]
@@ -196,11 +200,15 @@ def test_auto_graphs_where_they_apply_and_nowhere_else(phantom_shards, tmp_path,
     graphs = run._block_graphs()
     assert run.student.text_tower.block_graphs is graphs is run.student.image_tower.block_graphs
     run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text=False)
-    for setting in ({"cuda_graphs": "off"}, {"compile": True}, {"grad_checkpointing": True}, {"accum_steps": 2}):
+    for setting in ({"cuda_graphs": "off"}, {"compile": True}, {"compile": True, "compile_scope": "blocks"},
+                    {"grad_checkpointing": True}, {"accum_steps": 2}):
         run.cfg = dataclasses.replace(run.cfg, **setting)
         assert run._block_graphs() is None, setting
-        run.cfg = dataclasses.replace(run.cfg, cuda_graphs="auto", compile=False, grad_checkpointing=False,
-                                      accum_steps=1)
+        run.cfg = dataclasses.replace(run.cfg, cuda_graphs="auto", compile=False, compile_scope="model",
+                                      grad_checkpointing=False, accum_steps=1)
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs="on", compile=True, compile_scope="blocks")  # asked for: yes
+    assert isinstance(run._block_graphs(), BlockGraphs)
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs="auto", compile=False, compile_scope="model")
     run.ddp = True
     assert run._block_graphs() is None and not recwarn.list
     run.cfg = dataclasses.replace(run.cfg, cuda_graphs="on")
@@ -232,6 +240,46 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
     assert notes == ["note: the image tower's blocks 0-1 captured as a CUDA graph for inputs (4, 65, 64) (0 MB "
                      "reserved); later steps replay it", "note: the image tower's blocks 2-3 captured as a CUDA graph "
                      "for inputs (4, 33, 64) (0 MB reserved); later steps replay it"]  # said once each, at capture
+
+
+class CompiledCountingCapture(CountingCapture):
+    """CountingCapture that also notes whether every block it was given runs compiled (``nn.Module.compile``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiled: list[bool] = []
+
+    def __call__(self, module, *inputs):
+        self.compiled.append(all(getattr(b, "_compiled_call_impl", None) is not None for b in module))
+        return super().__call__(module, *inputs)
+
+
+def test_blocks_compiled_one_by_one_are_captured_and_give_the_losses_of_the_same_compiled_run(phantom_shards,
+                                                                                            tmp_path):
+    """--compile-scope blocks with --cuda-graphs on: once E's warm-up is over the graphs capture the compiled blocks
+    (a stand-in capture on the CPU: the plumbing, not CUDA's capture), every later step replays them, and the losses
+    are those of the same compiled run without graphs."""
+    from cxrdr.train.loop import Trainer
+
+    def run(graphs: bool):
+        config = TrainConfig(shards=str(phantom_shards), model="tiny-E", out=str(tmp_path / str(graphs)), steps=6,
+                             batch_size=4, workers=0, progress=False, device="cpu", eval_every=0, compile=True,
+                             compile_scope="blocks", compile_backend="aot_eager", cuda_graphs="on" if graphs else "off",
+                             model_overrides={"keep_rate_warmup_steps": 2})
+        with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process") if graphs \
+                else contextlib.nullcontext():
+            trainer = Trainer(config)
+        capture = CompiledCountingCapture()
+        if graphs:
+            trainer.block_graphs = enable_block_graphs(trainer.student, capture=capture, on_device=lambda x: True)
+        batches = trainer._batches()
+        return [float(trainer.train_step(batches, log_balance=False)["terms"]["total"]) for _ in range(5)], capture
+
+    plain, _ = run(graphs=False)
+    graphed, capture = run(graphs=True)
+    assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))] and capture.compiled == [True, True]
+    assert capture.replays == 3 * 2  # steps 2, 3 and 4, both runs of blocks
+    assert graphed == pytest.approx(plain, rel=1e-6, abs=1e-7)
 
 
 def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_shards, tmp_path, monkeypatch):
@@ -279,6 +327,9 @@ def test_the_agreement_check_finds_a_graph_fed_stale_inputs():
     assert same["graphs_captured"] == 2 and same["max_rel_diff_output"] == same["max_rel_diff_grad"] == 0.0
     wrong = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=stale)
     assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01
+    # --compile-blocks: both runs on the compiled blocks, the graphs around them (what --cuda-graphs on replays there)
+    compiled = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=stale, compile_backend="aot_eager")
+    assert compiled["compiled_blocks"] == "aot_eager" and compiled["max_rel_diff_output"] > 0.01
 
 
 def test_the_text_agreement_check_captures_per_bucket_and_finds_stale_inputs(monkeypatch):

@@ -84,8 +84,9 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     not), its headline files and the reinforced arm's first heatmaps beside it; shards, checkpoints and files of 4
     MB or more stay; and where the runs' heatmaps would pass 15 MiB, the archive leaves them out."""
     root = tmp_path / "runs" / "x"
-    small = {"efficiency/results.json": b"{}", "efficiency/table.md": b"| a |", "efficiency/metric_vs_samples.png": b"p",
-             "efficiency/runs/plain/seed-10/metrics.jsonl": b"{}\n", "efficiency/runs/plain/seed-10/config.yaml": b"a: 1",
+    small = {"efficiency/results.json": b"{}", "efficiency/table.md": b"| a |",
+             "efficiency/metric_vs_samples.png": b"p", "efficiency/runs/plain/seed-10/metrics.jsonl": b"{}\n",
+             "efficiency/runs/plain/seed-10/config.yaml": b"a: 1",
              "efficiency/runs/plain/seed-10/eval-report/heatmaps.png": b"plain",
              "efficiency/runs/reinforced/seed-11/eval-report/heatmaps.png": b"reinforced 11",
              "efficiency/runs/reinforced/seed-10/eval-report/heatmaps.png": b"reinforced 10",

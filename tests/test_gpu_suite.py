@@ -234,8 +234,8 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
     clock, plans, published = Clock(), [], []
 
     def fake_trainers(cfg, work, shards, plan):
-        plans.append([(name, compiled) for name, _, compiled in plan])
-        return {name: (SimpleNamespace(scope=compiled, train_step=None), None) for name, _, compiled in plan}
+        plans.append([(name, compiled) for name, _, compiled, *_ in plan])
+        return {name: (SimpleNamespace(scope=compiled, train_step=None), None) for name, _, compiled, *_ in plan}
 
     def fake_run(cfg, trainers, steps=None):
         scopes = {n: t.scope for n, (t, _) in trainers.items()}
@@ -247,6 +247,7 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
     monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
     monkeypatch.setattr(gpu_suite, "COMPILE_ESTIMATE_S", {"blocks": 60, "model": 150})
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks")))  # the budget's logic on scopes without graphs
     cfg = gpu_suite.settings(tiny=True, device="cpu")
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=50,
                                               publish=published.append)
@@ -264,6 +265,59 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
     assert model["E / A train img/s"] is None  # no E compiled whole to divide
     assert next(t for t in targets if t["name"].startswith("D training, real loop, img/s [compiled blocks]"))[
         "value"] == 200.0
+
+
+def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_judged_as_their_own_rows(monkeypatch):
+    """--compile-scope blocks with --cuda-graphs on (COMPILED_ORDER's first scope): its twin is the blocks graphed
+    uncompiled, so its ratio is what compiling adds to the graphs; what each trainer captured is reported, and the
+    targets read its rows under their own label, apart from the blocks compiled alone."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+
+    assert gpu_suite.COMPILED_ORDER[:3] == (("A", "blocks+graphs"), ("D", "blocks+graphs"), ("E", "blocks+graphs"))
+    plans = []
+
+    class TwoGraphs:  # what each fake trainer captured
+        failed = None
+
+        def __len__(self):
+            return 2
+
+    def fake_trainers(cfg, work, shards, plan):
+        plans.append([(name, compiled, *fields) for name, _, compiled, *fields in plan])
+        return {name: (SimpleNamespace(block_graphs=TwoGraphs(), train_step=None), None) for name, *_ in plan}
+
+    def fake_run(cfg, trainers, steps=None):
+        return [{"name": n, "compile": "compiled" in n, "compile_scope": "blocks" if "compiled" in n else None,
+                 "img_per_s": {"A": 300.0, "D": 240.0}[n[0]] * (1.25 if "compiled" in n else 1.0),
+                 "step_ms": 10.0} for n in trainers]
+
+    class Clock:
+        left_s = 100.0
+
+        def left(self):
+            return self.left_s
+
+    monkeypatch.setattr(gpu_suite, "_loop_trainers", fake_trainers)
+    monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
+    monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "blocks+graphs"), ("D", "blocks+graphs")))
+    cfg = gpu_suite.settings(tiny=True, device="cpu")
+    section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), Clock(), "shards", reserve_after=0)
+    assert plans == [[("A CUDA graphs", None, {"cuda_graphs": "on"}), ("A compiled blocks+graphs", "blocks+graphs")],
+                     [("D CUDA graphs", None, {"cuda_graphs": "on"}), ("D compiled blocks+graphs", "blocks+graphs")]]
+    assert gpu_suite.COMPILE_SETTINGS["blocks+graphs"] == {"compile": True, "compile_scope": "blocks",
+                                                           "cuda_graphs": "on"}
+    assert list(section["by_scope"]) == ["blocks+graphs"]
+    assert section["by_scope"]["blocks+graphs"]["compiled_over_eager_img_per_s"] == {"A": 1.25, "D": 1.25}
+    assert all(r["graphs_captured"] == 2 and r["graphs_failed"] is None for r in section["rows"])
+    targets = gpu_suite.evaluate_targets({"loop_compiled": section}, cfg, tiny=True)
+    labels = {t["name"]: t["value"] for t in targets if "compiled" in t["name"]}
+    assert labels["A training, real loop, img/s [compiled blocks+graphs]"] == 375.0
+    assert not any("[compiled blocks]" in name for name in labels)  # graphed rows are not the blocks-alone rows
+    md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
+    assert "compiled blocks+graphs / graphed img/s: A 1.25x, D 1.25x" in md
+    assert "**A compiled blocks+graphs**: 2 graph(s) captured" in md
 
 
 def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goes_on(monkeypatch):
@@ -300,6 +354,7 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
 
     monkeypatch.setattr(gpu_suite, "call_with_deadline", fake_call)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks")))
     cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "device": "cuda"}
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=100,
                                               publish=published.append)
@@ -347,6 +402,7 @@ def test_the_compiled_section_first_checks_that_inductor_compiles_at_all(monkeyp
 
     monkeypatch.setattr(gpu_suite, "call_with_deadline", fake_call)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks")))
     cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "device": "cuda"}
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), Clock(), "shards", reserve_after=0)
     first = {"env": {}, "error": "inductor_smoke did not return within 60 s; its child process was killed"}

@@ -107,8 +107,10 @@ class TrainConfig:
                                     "backward, once E's keep-rate warm-up is over: the host stops issuing their "
                                     "operators one by one (cxrdr/train/models/block_graphs.py; +22-31 % img/s for "
                                     "A, D and E on an H200). auto: where they apply (CUDA, one process, no "
-                                    "--compile, --grad-checkpointing or --accum-steps > 1); on: asked for (refused "
-                                    "with those three, a warning off CUDA); off: eager.")
+                                    "--compile, --grad-checkpointing or --accum-steps > 1); on: asked for, also "
+                                    "around blocks compiled by --compile-scope blocks (not yet timed on a GPU; "
+                                    "refused with --compile-scope model, --grad-checkpointing and --accum-steps > 1, "
+                                    "a warning off CUDA); off: eager.")
     cuda_graphs_text: bool = _opt(False, "With --cuda-graphs, also replay the packed text tower's layers as CUDA "
                                          "graphs (BERT-family towers on FlashAttention): the packed tokens padded to "
                                          "a bucket, a graph per bucket (cxrdr/train/models/packed_text.py). Not yet "
@@ -171,13 +173,17 @@ class TrainConfig:
             conflicts = self.cuda_graph_conflicts()
             if conflicts:
                 raise ValueError(f"--cuda-graphs on does not go with {' or '.join(conflicts)} (a graph's gradients "
-                                 "come back in its own buffers, and capture covers neither compiled nor recomputed "
-                                 "blocks; auto leaves them off there)")
+                                 "come back in its own buffers, and capture covers neither a model compiled whole nor "
+                                 "recomputed blocks; auto leaves them off there)")
 
     def cuda_graph_conflicts(self) -> list[str]:
         """The settings CUDA graphs of the blocks cannot go with (``--cuda-graphs on`` refuses them, auto leaves the
-        graphs off with them)."""
-        return [flag for flag, on in (("--compile", self.compile), ("--grad-checkpointing", self.grad_checkpointing),
+        graphs off with them). Blocks compiled one by one (``--compile-scope blocks``) can be captured: a graph replays
+        their compiled kernels, fused and without the host (the combination ``torch.compile``'s "reduce-overhead" mode
+        makes); auto leaves that combination off until a GPU has timed it."""
+        whole = self.compile and self.compile_scope == "model"
+        return [flag for flag, on in (("--compile-scope model", whole),
+                                      ("--grad-checkpointing", self.grad_checkpointing),
                                       ("--accum-steps > 1", self.accum_steps > 1)) if on]
 
     def to_dict(self) -> dict:

@@ -158,6 +158,8 @@ class Trainer:
             return None
         if cfg.cuda_graph_conflicts():  # only auto gets here with any ("on" is refused by the config)
             return None
+        if cfg.compile and cfg.cuda_graphs == "auto":  # compiled blocks as graphs: only where asked (untimed)
+            return None
         return enable_block_graphs(self.student, text=cfg.cuda_graphs_text, warn=cfg.cuda_graphs == "on")
 
     def _read_data_description(self) -> None:

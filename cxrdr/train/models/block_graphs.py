@@ -19,8 +19,10 @@ the forward and one for the backward, in an autograd node); this module decides 
   gradient hook on the output releases it).
 - The parameters' gradients come back in the graph's own buffers, which autograd may keep as ``.grad``: a second
   backward into them before the optimiser step (gradient accumulation) would add a buffer to itself, so the Trainer
-  refuses ``accum_steps > 1`` with graphs, and DDP, compilation and activation checkpointing, which capture does not
-  cover.
+  refuses ``accum_steps > 1`` with graphs, and DDP, a model compiled whole and activation checkpointing, which
+  capture does not cover. Blocks compiled one by one (``--compile-scope blocks``) are captured as they run, their
+  compiled kernels replayed (what ``torch.compile``'s "reduce-overhead" mode does), where ``--cuda-graphs on`` asks
+  for it: auto leaves compiled blocks eager until a GPU has timed them.
 - The autocast cache must be off (make_graphed_callables refuses it): the Trainer's autocast turns it off.
 - A capture that fails warns once, with the reason, and that tower runs eagerly until the next training stage.
 """
