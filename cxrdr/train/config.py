@@ -113,8 +113,8 @@ class TrainConfig:
                                     "a warning off CUDA); off: eager.")
     cuda_graphs_text: bool = _opt(False, "With --cuda-graphs, also replay the packed text tower's layers as CUDA "
                                          "graphs (BERT-family towers on FlashAttention): the packed tokens padded to "
-                                         "a bucket, a graph per bucket (cxrdr/train/models/packed_text.py). Not yet "
-                                         "timed on a GPU.")
+                                         "a bucket, a graph per bucket (cxrdr/train/models/packed_text.py); not with "
+                                         "--compile. Not yet timed on a GPU.")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int = _opt(2, "DataLoader workers per rank.")
@@ -169,6 +169,9 @@ class TrainConfig:
         if self.cuda_graphs_text and (self.cuda_graphs == "off" or not self.pack_text):
             raise ValueError("--cuda-graphs-text replays the packed text tower with the image tower's graphs: it "
                              "needs --cuda-graphs auto or on, and --pack-text")
+        if self.cuda_graphs_text and self.compile:
+            raise ValueError("--cuda-graphs-text does not go with --compile: compiled text layers attend on the padded "
+                             "grid, not on FlashAttention's packed tokens that the text graphs replay")
         if self.cuda_graphs == "on":
             conflicts = self.cuda_graph_conflicts()
             if conflicts:
