@@ -16,8 +16,9 @@
 # comes back lands in $OUT (at most 8 files): lease.log; for the recipe, recipe.tar.gz (every JSON, JSONL,
 # Markdown, YAML and plot it has written so far, finished or not: a lease that ends first still brings back the
 # teacher's figures, the finished runs' curves and evaluations and each unit's time) and, once it has finished,
-# results.json, table.md, metric_vs_samples.png and the reinforced arm's heatmaps.png beside it; for the suite,
-# its JSON and Markdown.
+# results.json, table.md, metric_vs_samples.png and the reinforced arm's heatmaps.png beside it, or, cut short, the
+# finished runs' partial-results.json and partial-table.md (`train experiment efficiency --partial`); for the
+# suite, its JSON and Markdown.
 #   env: RECIPE (default configs/experiments/gpu-efficiency.yaml; its CPU twin rehearses this script on any machine:
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, INSTALL (default 1; 0: no install, this environment's
@@ -70,6 +71,9 @@ collect() {
   for f in results.json table.md metric_vs_samples.png; do
     [ -f "$results/$f" ] && cp "$results/$f" "$OUT/"
   done
+  for f in results.json table.md; do  # a recipe cut short: its finished runs' figures, marked partial
+    [ -f "$results/partial/$f" ] && [ ! -f "$results/$f" ] && cp "$results/partial/$f" "$OUT/partial-$f"
+  done
   heatmap=$(find "$results/runs/reinforced" -name heatmaps.png 2>/dev/null | sort | head -1)
   [ -n "$heatmap" ] && cp "$heatmap" "$OUT/heatmaps.png"
   return 0
@@ -86,6 +90,10 @@ case "$MODE" in
       hard=$(( RECIPE_S - $(elapsed) - 30 ))
       CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE"; rc=$?
     done
+    if [ "$rc" -eq 3 ]; then  # cut short: the finished runs' results (nothing trained; refused before any run)
+      timeout 120 train experiment efficiency --config "$RECIPE" --quiet --partial \
+        || echo "[lease] no partial results (above: why)"
+    fi
     collect
     echo "[lease] recipe exit $rc after $(elapsed) s (0: finished, 3: work left, call again while warm);" \
          "recipe.tar.gz holds $(tar tzf "$OUT/recipe.tar.gz" | wc -l) files"

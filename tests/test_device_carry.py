@@ -90,7 +90,8 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
              "efficiency/runs/plain/seed-10/eval-report/heatmaps.png": b"plain",
              "efficiency/runs/reinforced/seed-11/eval-report/heatmaps.png": b"reinforced 11",
              "efficiency/runs/reinforced/seed-10/eval-report/heatmaps.png": b"reinforced 10",
-             "teachers/lite2-s1/run/eval-report-test/eval.json": b"{}", "shards/dataset.json": b"{}"}
+             "teachers/lite2-s1/run/eval-report-test/eval.json": b"{}", "shards/dataset.json": b"{}",
+             "efficiency/partial/results.json": b"{\"partial\": 1}", "efficiency/partial/table.md": b"**Partial"}
     left = {"shards/shard-000000.tar.gz": b"t", "efficiency/runs/plain/seed-10/last.pt": b"w",
             "shards/manifest.parquet": b"q", "efficiency/huge.json": b" " * (4 * 1024 * 1024 + 1)}
     for name, data in {**small, **left}.items():
@@ -105,6 +106,10 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     assert (out / "heatmaps.png").read_bytes() == b"reinforced 10"  # the reinforced arm's, first seed
     assert _members(out / "recipe.tar.gz", root) == set(small)
 
+    # a recipe cut short: no results of its own, its finished runs' partial ones beside the archive
+    for name in ("efficiency/results.json", "efficiency/table.md"):
+        (root / name).unlink()
+        small.pop(name)
     for seed in range(5):  # incompressible heatmaps past 15 MiB together
         name = f"efficiency/runs/plain/seed-2{seed}/eval-report/heatmaps.png"
         (root / name).parent.mkdir(parents=True)
@@ -113,3 +118,5 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     assert done.returncode == 0, done.stdout + done.stderr
     assert _members(tmp_path / "out2" / "recipe.tar.gz", root) == {n for n in small if not n.endswith("heatmaps.png")}
     assert (tmp_path / "out2" / "heatmaps.png").read_bytes() == b"reinforced 10"
+    assert (tmp_path / "out2" / "partial-table.md").read_bytes() == b"**Partial"
+    assert (tmp_path / "out2" / "partial-results.json").is_file() and not (tmp_path / "out2" / "results.json").exists()

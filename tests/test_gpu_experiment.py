@@ -89,6 +89,29 @@ def test_the_gpu_recipe_has_the_issues_structure():
     assert "SIZING" in header and "re-check" in header
 
 
+def test_the_gpu_recipe_trains_its_arms_seed_by_seed_so_a_recipe_cut_short_holds_paired_seeds(tmp_path,
+                                                                                             monkeypatch):
+    """The arms' first seeds, then their second seeds...: a lease that ends part-way leaves plain and reinforced
+    runs of the same seeds (not five plain runs and no reinforced one); the status listing shows that order."""
+    from typer.testing import CliRunner
+
+    from cxrdr.cli import train_app as app
+    from cxrdr.experiments.efficiency import runs_in_turn
+
+    arms = {"plain": [(10, "p10"), (11, "p11"), (12, "p12")], "reinforced": [(10, "r10"), (11, "r11"), (12, "r12")],
+            "plain-total-samples": [(10, "t10")]}
+    assert [(name, seed, first) for name, seed, _, first in runs_in_turn(arms)] == [
+        ("plain", 10, True), ("reinforced", 10, True), ("plain-total-samples", 10, True), ("plain", 11, False),
+        ("reinforced", 11, False), ("plain", 12, False), ("reinforced", 12, False)]
+    monkeypatch.chdir(tmp_path)  # the recipe's relative folders: none exists here, nothing is built by a listing
+    listing = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(GPU), "--quiet", "--status"])
+    assert listing.exit_code == 3, listing.output
+    order = [line.split(":")[0].split(None, 1)[1] for line in listing.output.splitlines() if ": training" in line
+             and " seed " in line]
+    assert order[:4] == ["plain seed 10", "reinforced seed 10", "plain-total-samples seed 10", "plain seed 11"]
+    assert not any(tmp_path.iterdir())
+
+
 def test_the_twin_is_the_same_recipe_key_for_key():
     gpu, twin = (dict(_leaves(yaml.safe_load(p.read_text()))) for p in (GPU, TWIN))
     assert set(gpu) == set(twin)
@@ -142,6 +165,25 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     monkeypatch.setattr(Trainer, "train_step", real_step)
     status = invoke("--status")
     assert "partial  teacher lite2-s1: training" in status.output and "continues it" in status.output
+    early = invoke("--partial")  # a lease that ended here: nothing to report, and nothing is run to make it
+    assert early.exit_code != 0 and "no partial results yet: 'report set' is not done" in str(early.exception)
+    assert not (out / "partial").exists()
+
+    for _ in range(12):  # one unit a command, until plain's first seed is trained and evaluated
+        step = invoke("--chunk-s", "0")
+        assert step.exit_code == 3, step.output + repr(step.exception)
+        if "done     plain seed 10: evaluation" in step.output:
+            break
+    assert "todo     reinforced seed 10: training" in step.output  # the arms' seeds in turn: reinforced next
+    part = invoke("--partial")  # what a lease that ended here brings back
+    assert part.exit_code == 0, part.output + repr(part.exception)
+    partial = json.loads((out / "partial" / "results.json").read_text())
+    assert partial["partial"]["finished"] == {"plain": [10]}
+    assert partial["partial"]["left"] == {"reinforced": [10], "plain-total-samples": [10]}
+    assert list(partial["arms"]) == ["plain"] and partial["bench_step_ms"] == {}
+    assert (out / "partial" / "table.md").read_text().startswith("**Partial results**: 1 of 3 runs finished")
+    assert not (out / "runs" / "reinforced" / "seed-10" / "last.pt").exists()  # nothing trained for it
+    assert not (out / "results.json").exists()
 
     done = invoke()
     assert done.exit_code == 0, done.output + repr(done.exception)

@@ -24,6 +24,7 @@ from cxrdr.common.errors import UserError
 from cxrdr.experiments.ablation import ablation_experiment
 from cxrdr.experiments.chunks import ChunkTimeUp, start_chunk
 from cxrdr.experiments.efficiency import efficiency_experiment
+from cxrdr.experiments.partial import partial_results
 from cxrdr.experiments.recipe import load_recipe
 from cxrdr.experiments.reinforcement import reinforcement_experiment
 from cxrdr.experiments.status import efficiency_status, format_status, left
@@ -49,6 +50,9 @@ def cli_experiment(
              "left: rerun to continue (interrupted runs continue from their last.pt with resume_runs: true).")] = None,
     status: Annotated[bool, typer.Option(help="Only list the units done and left (efficiency), with what the done "
                                               "ones measured; exit 0 when nothing is left, 3 otherwise.")] = False,
+    partial: Annotated[bool, typer.Option(help="Only write the results of the runs finished so far to OUT/partial/ "
+                                               "(efficiency; a recipe cut short): nothing is built, trained, "
+                                               "evaluated or timed.")] = False,
 ) -> None:
     """Run an experiment recipe: build shards if missing, train every run, evaluate, write tables and plots."""
     if name not in EXPERIMENTS:
@@ -68,6 +72,12 @@ def cli_experiment(
         units = efficiency_status(recipe, out_dir)
         typer.echo(format_status(recipe, out_dir, units))
         raise typer.Exit(WORK_LEFT if left(units) else 0)
+    if partial:
+        if name != "efficiency":
+            raise UserError("--partial reports the efficiency experiment's finished runs only")
+        result = partial_results(recipe, out_dir)
+        typer.echo(f"{name}: {result['partial']['note']} Wrote {out_dir}/partial/results.json, table.md and plots")
+        return
     started = time.perf_counter()
     start_chunk(chunk_s)
     try:

@@ -152,11 +152,26 @@ def arm_plan(recipe: dict, shards: Path, out_dir: Path, build: bool = True) -> t
     return arm_runs, options, timed_only
 
 
-def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, TrainConfig]]]) -> dict:
-    """Train and evaluate every run, each while holding its folder's lock (``claimed_in_turn``), so two
-    copies of the command split the runs; then per arm its rows and records, in seed order."""
-    jobs = {Path(cfg.out): (name, seed, cfg, seed == runs[0][0])
-            for name, runs in arm_runs.items() for seed, cfg in runs}
+def runs_in_turn(arm_runs: dict[str, list[tuple[int, TrainConfig]]]) -> list[tuple[str, int, TrainConfig, bool]]:
+    """Every run as (arm, seed, config, whether it is its arm's first seed), in the order they are trained: the
+    arms' first seeds, then their second seeds, and so on (an arm with fewer seeds drops out). A chunked recipe
+    stopped part-way (a GPU lease that ends first) then holds as many seeds of each arm as it got to, paired,
+    rather than every seed of the first arm and none of the next."""
+    ranked = [(rank, order, name, seed, cfg) for order, (name, runs) in enumerate(arm_runs.items())
+              for rank, (seed, cfg) in enumerate(runs)]
+    return [(name, seed, cfg, rank == 0) for rank, _, name, seed, cfg in sorted(ranked, key=lambda r: r[:2])]
+
+
+def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, TrainConfig]]],
+                only: set[Path] | None = None) -> dict:
+    """Train and evaluate every run (``runs_in_turn``'s order), each while holding its folder's lock
+    (``claimed_in_turn``), so two copies of the command split the runs; then per arm its rows and records, in seed
+    order. ``only``: just these run folders (``partial.py``: the finished ones), an arm without any left out; each
+    keeps its place in the whole plan (its arm's first seed alone measures the cost)."""
+    jobs = {Path(cfg.out): (name, seed, cfg, first) for name, seed, cfg, first in runs_in_turn(arm_runs)
+            if only is None or Path(cfg.out) in only}
+    arm_runs = {name: [(seed, cfg) for seed, cfg in runs if Path(cfg.out) in jobs] for name, runs in arm_runs.items()}
+    arm_runs = {name: runs for name, runs in arm_runs.items() if runs}
 
     def train_and_evaluate(run_dir: Path, lock) -> tuple[dict, dict, dict]:
         name, seed, cfg, first = jobs[run_dir]
@@ -339,8 +354,9 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
 
 
 def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: dict, seeds: list, trained: dict,
-             runs: dict, timed_only: list) -> dict:
-    """The step benchmark, then results.json, table.md and the plots from the trained arms."""
+             runs: dict, timed_only: list, partial: dict | None = None) -> dict:
+    """The step benchmark, then results.json, table.md and the plots from the trained arms. ``partial``: what a
+    report of the runs finished so far leaves out (``partial.py``), stated first in both files."""
     bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     curve_metric, final_metric, fraction = metrics_of(spec)
     fractions = target_fractions(spec)
@@ -375,7 +391,7 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
               "target_fractions": fractions, "comparisons": comparisons, "table": rows,
               "margins_over_train_prior": margins,
               "runs": {n: t["seeds"] for n, t in trained.items()},
-              **({"image_only": image_only} if image_only else {})}
+              **({"image_only": image_only} if image_only else {}), **({"partial": partial} if partial else {})}
     write_json(result, out_dir / "results.json")
     plain_x = (arms.get("plain") or {}).get("crossing", {}) or {}
     plot_efficiency(arms, bench, rows, spec.get("curve_split", "report"), out_dir,
@@ -386,6 +402,8 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
                   plain_x.get("target"))
     md = efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, result["protocol"],
                              curve_metric, final_metric, steps_ratio, comparisons)
+    if partial:
+        md = [f"**Partial results**: {partial['note']}", ""] + md
     md += image_only_markdown(image_only) if image_only else []
     md += margins_markdown(result["margins_over_train_prior"])
     (out_dir / "table.md").write_text("\n".join(md))

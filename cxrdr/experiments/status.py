@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cxrdr.experiments.efficiency import arm_plan
+from cxrdr.experiments.efficiency import arm_plan, runs_in_turn
 from cxrdr.experiments.runs import evaluation_done, evaluation_request, run_state
 from cxrdr.experiments.teacher_prep import teacher_eval_dir, teacher_eval_done, teacher_plans, teacher_seconds
 from cxrdr.train.config import TrainConfig
@@ -94,16 +94,15 @@ def efficiency_status(recipe: dict, out_dir: Path) -> list[dict]:
             units.append(shard_unit(f"{name}: its own shards", opts["shards"]))
     isolated = recipe.get("isolated_efficiency", False)
     eval_files = []
-    for name, runs in arm_runs.items():
-        for seed, cfg in runs:
-            run_dir = Path(cfg.out)
-            units.append(run_unit(f"{name} seed {seed}: training", cfg, resume))
-            done = (run_dir / "last.pt").is_file() and evaluation_done(recipe, run_dir, shards, isolated,
-                                                                       efficiency=seed == runs[0][0])
-            eval_dir = evaluation_request(recipe, run_dir, shards, isolated, build=False)[0]
-            eval_files.append(eval_dir / "eval.json")
-            seconds = _eval_seconds(eval_dir) if done else None
-            units.append(_unit(f"{name} seed {seed}: evaluation", "done" if done else "todo", seconds))
+    for name, seed, cfg, first in runs_in_turn(arm_runs):  # in the order the runs are trained
+        run_dir = Path(cfg.out)
+        units.append(run_unit(f"{name} seed {seed}: training", cfg, resume))
+        done = (run_dir / "last.pt").is_file() and evaluation_done(recipe, run_dir, shards, isolated,
+                                                                   efficiency=first)
+        eval_dir = evaluation_request(recipe, run_dir, shards, isolated, build=False)[0]
+        eval_files.append(eval_dir / "eval.json")
+        seconds = _eval_seconds(eval_dir) if done else None
+        units.append(_unit(f"{name} seed {seed}: evaluation", "done" if done else "todo", seconds))
     results = out_dir / "results.json"
     fresh = results.is_file() and all(u["state"] == "done" for u in units) and all(
         f.is_file() and f.stat().st_mtime <= results.stat().st_mtime for f in eval_files)
