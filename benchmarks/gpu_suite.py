@@ -27,8 +27,9 @@ Sections (each a function; each reuses the project's own measurement code):
                   (``--no-pack-text``), for what running the text tower on the real tokens buys.
 4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
                   eager and compiled.
-5. loop_compiled  as 3 with ``TrainConfig.compile`` for A, E, D, whole then by blocks (as the budget allows),
-                  interleaved with their eager twins; skipped with a note where TrainConfig has no
+5. loop_compiled  as 3 with ``TrainConfig.compile`` for A, D, E (COMPILED_ORDER, as the budget allows): by blocks
+                  with the blocks replayed as CUDA graphs (beside the blocks graphed uncompiled), then whole,
+                  then by blocks alone (beside their eager twins); skipped with a note where TrainConfig has no
                   ``compile`` option, and in --tiny (a CPU compile takes minutes).
 6. train_step     D with stored embeddings vs the ViT-B/16 teacher online vs no teacher, batch 64
                   (``benchmarks/train_step.py --size full --teachers openclip:ViT-B-16 --only D``).
@@ -69,8 +70,8 @@ PADDED_A = "A padded texts"  # the loop section's A with --no-pack-text, beside 
 # the loop section's D and E with the local-alignment heads default.yaml had before the CPU ladder's
 # (train_step.FORMER_HEADS), beside D and E: what the change of heads costs or saves
 FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
-# The compiled loop configurations (variant, TrainConfig.compile_scope), most wanted first (the budget may cut the
-# tail). The whole model first: on the H100 at 0ef6026 whole-model compilation gained D 1.30x and A 1.21x over their
+# The compiled loop configurations (variant, scope: COMPILE_SETTINGS), most wanted first (the budget may cut the
+# tail). Whole models next: on the H100 at 0ef6026 whole-model compilation gained D 1.30x and A 1.21x over their
 # eager twins while blocks gained 1.00-1.06x. A leads (~45 s of compilation there), so that E whole, the lever for its
 # host-bound step, has A's compiled figure to divide by; E's compilation ran past the section's time at 48c40d0
 # (COMPILE_LIMIT_S) and comes second, with what is left. Then block by block (cxrdr.train.compiling: a block's compile
@@ -536,7 +537,8 @@ def _smoke_check(device: str) -> dict:
 
 
 def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str, scope: str) -> list[dict]:
-    """One compiled loop configuration timed interleaved with its eager twin (``_run_loop``); the suite runs it in a
+    """One compiled loop configuration timed interleaved with its twin (``_compiled_twin``: eager, or the blocks graphed
+    uncompiled for blocks+graphs; ``_run_loop``); the suite runs it in a
     child process on CUDA. The child logs when its trainers are built, then each warm-up step of the compiled trainer
     with its time and dynamo's graph count, so a configuration killed at its limit still says where its time went
     (with TORCH_LOGS' recompile reasons, and ``child_deadline``'s stacks before the kill)."""
@@ -590,9 +592,9 @@ def _log_first_steps(trainer, name: str, steps: int) -> None:
 
 def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
                           publish=lambda partial: None) -> dict:
-    """A, E, D with TrainConfig.compile, whole and then by blocks (COMPILED_ORDER), each configuration timed
-    interleaved with its eager twin, one at a time while the budget allows; ``publish(partial)`` gets the section
-    after each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
+    """A, D, E with TrainConfig.compile in COMPILED_ORDER's scopes, each configuration timed interleaved with its
+    twin (``_compiled_twin``), one at a time while the budget allows; ``publish(partial)`` gets the section after
+    each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
     rows, done, failed = [], [], []
 
     def summary(note_left: str) -> dict:
@@ -604,13 +606,15 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
         for scope in COMPILE_ESTIMATE_S:
             compiled = {v: by[_compiled_name(v, sc)] for v, sc in done if sc == scope}
             ratios[scope] = {**_ratios([{**r, "name": v} for v, r in compiled.items()]),
-                             "compiled_over_eager_img_per_s": {  # over its twin (_compiled_twin)
+                             "compiled_over_twin_img_per_s": {
                                  v: r["img_per_s"] / by[_compiled_twin(v, scope)[0]]["img_per_s"]
-                                 for v, r in compiled.items()}}
+                                 for v, r in compiled.items()},
+                             "twins": {v: _compiled_twin(v, scope)[0] for v in compiled}}
         return {"rows": list(rows), "failed": list(failed), "smoke": smoke,
-                "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_eager_img_per_s"]},
+                "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_twin_img_per_s"]},
                 "description": _loop_description(cfg),
-                "note": "each compiled configuration timed interleaved with its eager twin, one at a time; "
+                "note": "each compiled configuration timed interleaved with its twin (eager; for blocks+graphs the "
+                        "blocks graphed uncompiled), one at a time; "
                         "warmup_s holds the compilation"
                         + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
 
@@ -1142,7 +1146,7 @@ def markdown(result: dict) -> str:
         if lc["rows"]:
             md += [*_table(lc["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), ""]
             md += [f"- compiled {scope} / {'graphed' if 'graphs' in scope else 'eager'} img/s: " + ", ".join(
-                f"{k} {_fmt(v)}x" for k, v in r["compiled_over_eager_img_per_s"].items()) for scope, r in
+                f"{k} {_fmt(v)}x" for k, v in r["compiled_over_twin_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()]
             md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
                    + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")

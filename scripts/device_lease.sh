@@ -6,12 +6,15 @@
 #                                              # for RECIPE_S seconds (default 540), then its status; a fresh
 #                                              # machine's first call times the pair similarity first
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
-#                                              # 470), after the pair similarity and text attention benchmarks and
+#                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
-#   MODE=collect bash scripts/device_lease.sh  # only gather what earlier recipe calls wrote (below) into $OUT
+#   MODE=collect bash scripts/device_lease.sh  # gather what earlier recipe calls wrote (below) into $OUT again,
+#                                              # running nothing of the recipe
 #
-# Give the call a timeout_s about 50 s above RECIPE_S / SUITE_S (the install and the copies). The machine keeps its
+# Give a recipe call a timeout_s about 50 s above RECIPE_S (the install and the copies; a partial report gets what
+# is left of RECIPE_S + 30 s), a suite call about 200 s above SUITE_S (the install, the pair similarity, text
+# attention and the compiled blocks' check, at most 120 s, before the suite). The machine keeps its
 # disk while warm (30 s idle), so a second recipe call right after the first resumes its finished units. What
 # comes back lands in $OUT (at most 8 files): lease.log; for the recipe, recipe.tar.gz (every JSON, JSONL,
 # Markdown, YAML and plot it has written so far, finished or not: a lease that ends first still brings back the
@@ -41,9 +44,11 @@ if [ "${INSTALL:-1}" = 1 ]; then  # INSTALL=0: use this environment's cxrdr (a r
   export PYTHONPATH="$SITE:$PWD/.whl/pkgs" PATH="$SITE/bin:$PATH"
 fi
 export PYTHONUNBUFFERED=1
-python3 -c "import torch, cxrdr; print('torch', torch.__version__, cxrdr.__file__,
-                                       torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" \
-  || exit 1
+if [ "$MODE" != collect ]; then  # what runs here (collect needs cxrdr's recipe reader only)
+  python3 -c "import torch, cxrdr; print('torch', torch.__version__, cxrdr.__file__,
+                                         torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" \
+    || exit 1
+fi
 echo "[lease] installed in $(elapsed) s; mode $MODE"
 
 pair() {
@@ -55,7 +60,11 @@ pair() {
 }
 
 RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
-recipe_out=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['out'])" "$RECIPE") || exit 1
+read -r -a TRAIN <<< "${TRAIN:-train}"
+recipe_folder() {  # the recipe's out folder, as train experiment reads it
+  python3 -c "import sys; from cxrdr.experiments.recipe import load_recipe
+r = load_recipe(sys.argv[1]); print(r.get('out') or f\"runs/experiments/{r['name']}\")" "$RECIPE"
+}
 
 # The recipe's files worth bringing back (RECIPE's out folder) into $OUT
 collect() {
@@ -63,10 +72,10 @@ collect() {
   # at <= 16 MiB, so the runs' heatmaps (~1 MB each at 224 px) stay behind if they would pass that
   small() { find "$recipe_out" -type f -size -4194304c \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
             -o -name '*.yaml' -o -name '*.png' \) | sort; }
+  too_big() { [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( 15 * 1024 * 1024 )) ]; }
   small | tar czf "$OUT/recipe.tar.gz" -T -
-  if [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( 15 * 1024 * 1024 )) ]; then
-    small | grep -v '/heatmaps.png$' | tar czf "$OUT/recipe.tar.gz" -T -
-  fi
+  if too_big; then small | grep -v '/heatmaps.png$' | tar czf "$OUT/recipe.tar.gz" -T -; fi
+  if too_big; then small | grep -v '\.png$' | tar czf "$OUT/recipe.tar.gz" -T -; fi  # the figures, no plot
   results="$recipe_out/efficiency"
   for f in results.json table.md metric_vs_samples.png; do
     [ -f "$results/$f" ] && cp "$results/$f" "$OUT/"
@@ -74,11 +83,12 @@ collect() {
   for f in results.json table.md; do  # a recipe cut short: its finished runs' figures, marked partial
     [ -f "$results/partial/$f" ] && [ ! -f "$results/$f" ] && cp "$results/partial/$f" "$OUT/partial-$f"
   done
-  heatmap=$(find "$results/runs/reinforced" -name heatmaps.png 2>/dev/null | sort | head -1)
+  heatmap=$(find "$results/runs/reinforced" -path '*/eval-report/heatmaps.png' 2>/dev/null | sort -V | head -1)
   [ -n "$heatmap" ] && cp "$heatmap" "$OUT/heatmaps.png"
   return 0
 }
 
+case "$MODE" in recipe|collect) recipe_out=$(recipe_folder) || exit 1 ;; esac
 case "$MODE" in
   recipe)
     RECIPE_S="${RECIPE_S:-540}"
@@ -90,11 +100,13 @@ case "$MODE" in
       hard=$(( RECIPE_S - $(elapsed) - 30 ))
       CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE"; rc=$?
     done
-    if [ "$rc" -eq 3 ]; then  # cut short: the finished runs' results (nothing trained; refused before any run)
-      timeout 120 train experiment efficiency --config "$RECIPE" --quiet --partial \
-        || echo "[lease] no partial results (above: why)"
+    collect  # first what is there, should the partial report below outlast the call
+    left_s=$(( RECIPE_S + 30 - $(elapsed) ))
+    if [ "$rc" -eq 3 ] && [ "$left_s" -gt 20 ]; then  # cut short: the finished runs' results (it only reads)
+      timeout "$(( left_s < 120 ? left_s : 120 ))" "${TRAIN[@]}" experiment efficiency --config "$RECIPE" --quiet \
+        --partial || echo "[lease] no partial results (above: why)"
+      collect
     fi
-    collect
     echo "[lease] recipe exit $rc after $(elapsed) s (0: finished, 3: work left, call again while warm);" \
          "recipe.tar.gz holds $(tar tzf "$OUT/recipe.tar.gz" | wc -l) files"
     ;;
@@ -103,7 +115,7 @@ case "$MODE" in
     python3 benchmarks/text_attention.py --device cuda
     # the compiled blocks as graphs (the compiled loop's first rows) replay what the compiled blocks compute?
     timeout 120 python3 benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks
-    python3 benchmarks/gpu_suite.py --device cuda --budget "${SUITE_S:-470}" --out-dir /tmp/suite-out ${SUITE_ARGS:-}
+    python3 benchmarks/gpu_suite.py --device cuda --budget "${SUITE_S:-380}" --out-dir /tmp/suite-out ${SUITE_ARGS:-}
     cp /tmp/suite-out/*.json /tmp/suite-out/*.md "$OUT/"
     echo "[lease] suite done after $(elapsed) s"
     ;;

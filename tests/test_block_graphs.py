@@ -163,7 +163,8 @@ def test_shapes_settle_after_es_keep_rate_warm_up_only():
 
 
 def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache():
-    for flags, named in (({"compile": True}, "--compile-scope model"), ({"accum_steps": 2}, "--accum-steps > 1"),
+    for flags, named in (({"compile": True}, r"--compile with --compile-scope model \(blocks can be graphed\)"),
+                         ({"accum_steps": 2}, "--accum-steps > 1"),
                          ({"grad_checkpointing": True}, "--grad-checkpointing")):
         with pytest.raises(ValueError, match=f"--cuda-graphs on does not go with {named}"):
             TrainConfig.load(None, shards="s", cuda_graphs="on", **flags)

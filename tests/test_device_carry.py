@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _collect(recipe_out: Path, out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"out: {recipe_out}\n")
+    recipe.write_text(f"name: x\nout: {recipe_out}\nshards: {{dir: {recipe_out}/shards}}\n")
     env = {**os.environ, "MODE": "collect", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(out),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
@@ -82,7 +82,8 @@ def _members(archive: Path, root: Path) -> set[str]:
 def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatmaps(tmp_path):
     """A lease returns at most 8 files of <= 16 MiB: the recipe's small files go back as one archive (finished or
     not), its headline files and the reinforced arm's first heatmaps beside it; shards, checkpoints and files of 4
-    MB or more stay; and where the runs' heatmaps would pass 15 MiB, the archive leaves them out."""
+    MB or more stay; where the runs' heatmaps would pass 15 MiB, the archive leaves them out, and every plot where
+    the others would; a recipe cut short sends its finished runs' partial report beside it."""
     root = tmp_path / "runs" / "x"
     small = {"efficiency/results.json": b"{}", "efficiency/table.md": b"| a |",
              "efficiency/metric_vs_samples.png": b"p", "efficiency/runs/plain/seed-10/metrics.jsonl": b"{}\n",
@@ -90,6 +91,8 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
              "efficiency/runs/plain/seed-10/eval-report/heatmaps.png": b"plain",
              "efficiency/runs/reinforced/seed-11/eval-report/heatmaps.png": b"reinforced 11",
              "efficiency/runs/reinforced/seed-10/eval-report/heatmaps.png": b"reinforced 10",
+             "efficiency/runs/reinforced/seed-9/eval-report/heatmaps.png": b"reinforced 9",
+             "efficiency/runs/reinforced/seed-9/eval-report/benchmark/heatmaps.png": b"benchmark 9",
              "teachers/lite2-s1/run/eval-report-test/eval.json": b"{}", "shards/dataset.json": b"{}",
              "efficiency/partial/results.json": b"{\"partial\": 1}", "efficiency/partial/table.md": b"**Partial"}
     left = {"shards/shard-000000.tar.gz": b"t", "efficiency/runs/plain/seed-10/last.pt": b"w",
@@ -103,7 +106,7 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["heatmaps.png", "lease.log", "metric_vs_samples.png",
                                                       "recipe.tar.gz", "results.json", "table.md"]
-    assert (out / "heatmaps.png").read_bytes() == b"reinforced 10"  # the reinforced arm's, first seed
+    assert (out / "heatmaps.png").read_bytes() == b"reinforced 9"  # the reinforced arm's first seed's own
     assert _members(out / "recipe.tar.gz", root) == set(small)
 
     # a recipe cut short: no results of its own, its finished runs' partial ones beside the archive
@@ -117,6 +120,11 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     done = _collect(root, tmp_path / "out2", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _members(tmp_path / "out2" / "recipe.tar.gz", root) == {n for n in small if not n.endswith("heatmaps.png")}
-    assert (tmp_path / "out2" / "heatmaps.png").read_bytes() == b"reinforced 10"
+    assert (tmp_path / "out2" / "heatmaps.png").read_bytes() == b"reinforced 9"
     assert (tmp_path / "out2" / "partial-table.md").read_bytes() == b"**Partial"
     assert (tmp_path / "out2" / "partial-results.json").is_file() and not (tmp_path / "out2" / "results.json").exists()
+    for seed in range(5):  # other plots past 15 MiB: the archive keeps the figures, no plot
+        (root / f"efficiency/runs/plain/seed-2{seed}/curve.png").write_bytes(os.urandom(3_500_000))
+    done = _collect(root, tmp_path / "out3", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _members(tmp_path / "out3" / "recipe.tar.gz", root) == {n for n in small if not n.endswith(".png")}

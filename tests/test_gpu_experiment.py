@@ -175,7 +175,22 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
         if "done     plain seed 10: evaluation" in step.output:
             break
     assert "todo     reinforced seed 10: training" in step.output  # the arms' seeds in turn: reinforced next
-    part = invoke("--partial")  # what a lease that ended here brings back
+    import cxrdr.experiments.runs as runs_module
+    import cxrdr.experiments.teacher_prep as teacher_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a partial report trained, evaluated, built or embedded something")
+
+    with monkeypatch.context() as m:  # what a lease that ended here brings back: read, not run
+        for module, name in ((runs_module, "train"), (runs_module, "evaluate"), (runs_module, "_build_shards"),
+                             (teacher_module, "evaluate"), (teacher_module, "add_teachers")):
+            m.setattr(module, name, refuse)
+        fresh = invoke("--partial", "--fresh")
+        assert fresh.exit_code != 0 and "leave out --fresh" in str(fresh.exception)
+        careless = tmp_path / "careless.yaml"  # a recipe that would retrain and rebuild: read all the same
+        careless.write_text(yaml.safe_dump({**recipe, "reuse_runs": False,
+                                            "shards": {**recipe["shards"], "rebuild": True}}))
+        part = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(careless), "--quiet", "--partial"])
     assert part.exit_code == 0, part.output + repr(part.exception)
     partial = json.loads((out / "partial" / "results.json").read_text())
     assert partial["partial"]["finished"] == {"plain": [10]}
@@ -192,6 +207,7 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert json.loads((teacher_run / "summary.json").read_text())["start_step"] == 1  # resumed, not restarted
     final = invoke("--status")
     assert final.exit_code == 0 and " 0 left" in final.output, final.output
+    assert not (out / "partial").exists()  # the recipe's own results replace the partial report
 
     data = json.loads((out / "results.json").read_text())
     assert [r["run"] for r in data["table"]] == ["plain", "reinforced", "plain-total-samples", "online"]

@@ -24,6 +24,11 @@ MEASURED_IN_TINY = {"build", "students", "loop", "loop_graphs", "peer", "train_s
 TARGET_KEYS = {"name", "required", "value", "met"}
 
 
+# COMPILED_ORDER as it was before the compiled blocks could be graphed: the tests of the compiled section's budget
+# and deadlines pin it, so they read the same whatever comes first now
+SCOPES_WITHOUT_GRAPHS = (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"),
+                         ("E", "blocks"))
+
 def suite_main(capsys, *args: str) -> subprocess.CompletedProcess:
     """benchmarks/gpu_suite.py's command in this process (its imports are this worker's already; a subprocess spent
     ~5 s importing them again): its exit code and what it printed."""
@@ -247,7 +252,7 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
     monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
     monkeypatch.setattr(gpu_suite, "COMPILE_ESTIMATE_S", {"blocks": 60, "model": 150})
-    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks")))  # the budget's logic on scopes without graphs
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", SCOPES_WITHOUT_GRAPHS)
     cfg = gpu_suite.settings(tiny=True, device="cpu")
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=50,
                                               publish=published.append)
@@ -256,8 +261,8 @@ def test_compiled_section_publishes_each_configuration_and_fits_the_budget(monke
                      [("D eager", None), ("D compiled blocks", "blocks")]]
     assert [len(p["rows"]) for p in published] == [2, 4]
     assert "still to measure: E compiled model, D compiled model, D compiled blocks" in published[0]["note"]
-    assert section["by_scope"] == {"model": {"compiled_over_eager_img_per_s": {"A": 2.0}},
-                                   "blocks": {"compiled_over_eager_img_per_s": {"D": 2.0}}}
+    assert section["by_scope"] == {"model": {"compiled_over_twin_img_per_s": {"A": 2.0}, "twins": {"A": "A eager"}},
+                                   "blocks": {"compiled_over_twin_img_per_s": {"D": 2.0}, "twins": {"D": "D eager"}}}
     assert "left out for the budget: E compiled model, D compiled model, A compiled blocks, E compiled blocks" \
         in section["note"]
     targets = gpu_suite.evaluate_targets({"loop_compiled": section}, cfg, tiny=True)
@@ -275,6 +280,9 @@ def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_jud
     import gpu_suite
 
     assert gpu_suite.COMPILED_ORDER[:3] == (("A", "blocks+graphs"), ("D", "blocks+graphs"), ("E", "blocks+graphs"))
+    scopes = {scope for _, scope in gpu_suite.COMPILED_ORDER}  # every scope has its settings, estimate and limit
+    assert scopes == set(gpu_suite.COMPILE_SETTINGS) == set(gpu_suite.COMPILE_ESTIMATE_S) == set(
+        gpu_suite.COMPILE_LIMIT_S)
     plans = []
 
     class TwoGraphs:  # what each fake trainer captured
@@ -309,7 +317,8 @@ def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_jud
     assert gpu_suite.COMPILE_SETTINGS["blocks+graphs"] == {"compile": True, "compile_scope": "blocks",
                                                            "cuda_graphs": "on"}
     assert list(section["by_scope"]) == ["blocks+graphs"]
-    assert section["by_scope"]["blocks+graphs"]["compiled_over_eager_img_per_s"] == {"A": 1.25, "D": 1.25}
+    assert section["by_scope"]["blocks+graphs"]["compiled_over_twin_img_per_s"] == {"A": 1.25, "D": 1.25}
+    assert section["by_scope"]["blocks+graphs"]["twins"] == {"A": "A CUDA graphs", "D": "D CUDA graphs"}
     assert all(r["graphs_captured"] == 2 and r["graphs_failed"] is None for r in section["rows"])
     targets = gpu_suite.evaluate_targets({"loop_compiled": section}, cfg, tiny=True)
     labels = {t["name"]: t["value"] for t in targets if "compiled" in t["name"]}
@@ -354,7 +363,7 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
 
     monkeypatch.setattr(gpu_suite, "call_with_deadline", fake_call)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
-    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks")))
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", SCOPES_WITHOUT_GRAPHS)
     cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "device": "cuda"}
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=100,
                                               publish=published.append)
@@ -366,7 +375,7 @@ def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goe
                                            cmd="python -m torch._inductor.compile_worker")]}]
     assert envs[("A", "model")] is None and envs[("E", "model")] is None and envs[("D", "model")] == "1"
     assert not published[0]["failed"] and published[1]["failed"] and len(published[1]["rows"]) == 2  # at once
-    assert section["by_scope"]["model"]["compiled_over_eager_img_per_s"] == {"A": 1.5, "D": 1.5}
+    assert section["by_scope"]["model"]["compiled_over_twin_img_per_s"] == {"A": 1.5, "D": 1.5}
     assert "E compiled model" not in section["note"]  # not "left out": tried and recorded
     md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
     assert "E compiled model** not measured: compiled_configuration_rows did not return" in md
@@ -402,7 +411,7 @@ def test_the_compiled_section_first_checks_that_inductor_compiles_at_all(monkeyp
 
     monkeypatch.setattr(gpu_suite, "call_with_deadline", fake_call)
     monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
-    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "model"), ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks")))
+    monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", SCOPES_WITHOUT_GRAPHS)
     cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "device": "cuda"}
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), Clock(), "shards", reserve_after=0)
     first = {"env": {}, "error": "inductor_smoke did not return within 60 s; its child process was killed"}

@@ -75,6 +75,8 @@ def cli_experiment(
     if partial:
         if name != "efficiency":
             raise UserError("--partial reports the efficiency experiment's finished runs only")
+        if fresh:
+            raise UserError("--partial reads the finished runs as they are: leave out --fresh (it would retrain)")
         result = partial_results(recipe, out_dir)
         typer.echo(f"{name}: {result['partial']['note']} Wrote {out_dir}/partial/results.json, table.md and plots")
         return

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -166,8 +167,8 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
                 only: set[Path] | None = None) -> dict:
     """Train and evaluate every run (``runs_in_turn``'s order), each while holding its folder's lock
     (``claimed_in_turn``), so two copies of the command split the runs; then per arm its rows and records, in seed
-    order. ``only``: just these run folders (``partial.py``: the finished ones), an arm without any left out; each
-    keeps its place in the whole plan (its arm's first seed alone measures the cost)."""
+    order. ``only``: just these run folders (``partial.py``: the finished ones; an arm with none of them is left
+    out), each with its place in the whole plan (its arm's first seed alone measures the cost)."""
     jobs = {Path(cfg.out): (name, seed, cfg, first) for name, seed, cfg, first in runs_in_turn(arm_runs)
             if only is None or Path(cfg.out) in only}
     arm_runs = {name: [(seed, cfg) for seed, cfg in runs if Path(cfg.out) in jobs] for name, runs in arm_runs.items()}
@@ -356,8 +357,8 @@ def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) ->
 def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: dict, seeds: list, trained: dict,
              runs: dict, timed_only: list, partial: dict | None = None) -> dict:
     """The step benchmark, then results.json, table.md and the plots from the trained arms. ``partial``: what a
-    report of the runs finished so far leaves out (``partial.py``), stated first in both files."""
-    bench = _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
+    report of the runs finished so far leaves out (``partial.py``), stated first in both files; it times no step."""
+    bench = {} if partial else _step_benchmark(recipe, shards, out_dir, runs, seeds[0])
     curve_metric, final_metric, fraction = metrics_of(spec)
     fractions = target_fractions(spec)
     pairs = comparison_pairs(spec, list(trained))
@@ -393,6 +394,8 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
               "runs": {n: t["seeds"] for n, t in trained.items()},
               **({"image_only": image_only} if image_only else {}), **({"partial": partial} if partial else {})}
     write_json(result, out_dir / "results.json")
+    if not partial:  # the recipe's own results replace a report of its runs finished earlier (partial.py)
+        shutil.rmtree(out_dir / "partial", ignore_errors=True)
     plain_x = (arms.get("plain") or {}).get("crossing", {}) or {}
     plot_efficiency(arms, bench, rows, spec.get("curve_split", "report"), out_dir,
                     samples_limit(plain_x.get("plain_samples") or plain_total, fraction), curve_metric,

@@ -3,12 +3,14 @@
 A lent GPU comes for a few minutes a session and its disk is wiped after (docs/gpu.md): a recipe that does not
 finish in one lease would leave nothing to read. This writes to OUT/partial/ the efficiency tables, bars and plots
 over each arm's runs that are trained and evaluated (the arms' seeds are trained in turn, so those are paired:
-``efficiency.runs_in_turn``), reusing them as they are. Nothing is built, trained, evaluated or timed: every unit
-before the runs (shards, teachers) must be done, and the step benchmark's figures stay empty. The figures rest on
-fewer seeds than the recipe names; the table's first line and the JSON's ``partial`` say which.
+``efficiency.runs_in_turn``). It only reads: every unit before the runs (shards, teachers) must be done, the recipe
+is read with every reuse on and no shard folder rebuilt (``read_only``), only finished runs are passed on, and
+no step is timed (the step benchmark's figures stay empty). The figures rest on fewer seeds than the recipe names;
+the table's first line and the JSON's ``partial`` say which.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from cxrdr.common.errors import UserError
@@ -16,6 +18,16 @@ from cxrdr.experiments.efficiency import _results, _train_arms, arm_plan
 from cxrdr.experiments.runs import evaluation_done, run_state
 from cxrdr.experiments.status import efficiency_status
 from cxrdr.experiments.teacher_prep import prepare_teachers
+
+
+def read_only(recipe: dict) -> dict:
+    """``recipe`` with finished runs and evaluations reused (``reuse_runs``) and no shard folder rebuilt
+    (``rebuild`` off wherever it is set): with every unit done, running it reads and trains nothing anew."""
+    def off(value):
+        if isinstance(value, dict):
+            return {k: (False if k == "rebuild" else off(v)) for k, v in value.items()}
+        return [off(v) for v in value] if isinstance(value, list) else value
+    return {**off(recipe), "reuse_runs": True}
 
 
 def finished_runs(recipe: dict, shards: Path, arm_runs: dict) -> set[Path]:
@@ -27,10 +39,11 @@ def finished_runs(recipe: dict, shards: Path, arm_runs: dict) -> set[Path]:
 
 
 def partial_results(recipe: dict, out_dir: Path) -> dict:
-    """results.json, table.md and the plots of the finished runs, in ``out_dir``/partial (module docstring)."""
-    units = efficiency_status(recipe, out_dir)
-    before_runs = [u for u in units if " seed " not in u["unit"] and not u["unit"].startswith("step benchmark")]
-    missing = [u["unit"] for u in before_runs if u["state"] != "done"]
+    """results.json, table.md and the plots of the finished runs, in ``out_dir``/partial (module docstring); an
+    earlier partial report there is removed first, so a refused one leaves none behind."""
+    shutil.rmtree(out_dir / "partial", ignore_errors=True)
+    recipe = read_only(recipe)
+    missing = [u["unit"] for u in efficiency_status(recipe, out_dir) if u["kind"] == "setup" and u["state"] != "done"]
     if missing:
         raise UserError(f"no partial results yet: {missing[0]!r} is not done ({len(missing)} unit(s) before the "
                         "runs are left); run the experiment further first")
@@ -40,18 +53,16 @@ def partial_results(recipe: dict, out_dir: Path) -> dict:
     if not finished:
         raise UserError("no partial results yet: no run is trained and evaluated")
     teachers = prepare_teachers(recipe, shards, progress=False, experiment="efficiency")  # all done: reused
-    trained = _train_arms(recipe, shards, arm_runs, only=finished)  # every run reused as it is
+    trained = _train_arms(recipe, shards, arm_runs, only=finished)  # finished runs only: each reused as it is
     spec = dict(recipe.get("efficiency") or {})
     spec["comparisons"] = [p for p in spec.get("comparisons") or [] if all(a in trained for a in p)]
-    quiet = {**recipe, "efficiency": {**spec, "step_benchmark": {"steps": 0}}}  # nothing timed
     done = {name: [r["seed"] for r in t["seeds"]] for name, t in trained.items()}
     planned = {name: [seed for seed, _ in rs] for name, rs in arm_runs.items()}
     left = {name: [s for s in seeds if s not in done.get(name, [])] for name, seeds in planned.items()}
     note = (f"{len(finished)} of {sum(map(len, planned.values()))} runs finished (" + "; ".join(
-        f"{name} seeds {', '.join(map(str, seeds)) or 'none'}" for name, seeds in
-        {n: done.get(n, []) for n in planned}.items()) + "); no step benchmark. Figures over fewer seeds than the "
-            "recipe names: not the recipe's result.")
+        f"{name} seeds {', '.join(map(str, done.get(name, []))) or 'none'}" for name in planned)
+            + "); no step benchmark. Figures over fewer seeds than the recipe names: not the recipe's result.")
     partial = {"note": note, "finished": done, "left": {n: s for n, s in left.items() if s}}
     seeds = sorted({s for seeds in done.values() for s in seeds})
     # the arms that are only timed (online) have no row without the step benchmark
-    return _results(quiet, out_dir / "partial", shards, teachers, spec, seeds, trained, runs, [], partial)
+    return _results(recipe, out_dir / "partial", shards, teachers, spec, seeds, trained, runs, [], partial)

@@ -30,8 +30,10 @@ def _eval_seconds(eval_dir: Path) -> float | None:
     return ((_json(eval_dir / "eval.json") or {}).get("meta") or {}).get("eval_seconds")
 
 
-def _unit(name: str, state: str, seconds: float | None = None, detail: str = "") -> dict:
-    return {"unit": name, "state": state, "seconds": seconds, "detail": detail}
+def _unit(name: str, state: str, seconds: float | None = None, detail: str = "", kind: str = "setup") -> dict:
+    """One unit of the listing; ``kind``: setup (shards, teachers), run (a run's training or evaluation) or
+    results (the step benchmark and the results)."""
+    return {"unit": name, "state": state, "seconds": seconds, "detail": detail, "kind": kind}
 
 
 def shard_unit(name: str, spec: dict) -> dict:
@@ -96,19 +98,19 @@ def efficiency_status(recipe: dict, out_dir: Path) -> list[dict]:
     eval_files = []
     for name, seed, cfg, first in runs_in_turn(arm_runs):  # in the order the runs are trained
         run_dir = Path(cfg.out)
-        units.append(run_unit(f"{name} seed {seed}: training", cfg, resume))
+        units.append({**run_unit(f"{name} seed {seed}: training", cfg, resume), "kind": "run"})
         done = (run_dir / "last.pt").is_file() and evaluation_done(recipe, run_dir, shards, isolated,
                                                                    efficiency=first)
         eval_dir = evaluation_request(recipe, run_dir, shards, isolated, build=False)[0]
         eval_files.append(eval_dir / "eval.json")
         seconds = _eval_seconds(eval_dir) if done else None
-        units.append(_unit(f"{name} seed {seed}: evaluation", "done" if done else "todo", seconds))
+        units.append(_unit(f"{name} seed {seed}: evaluation", "done" if done else "todo", seconds, kind="run"))
     results = out_dir / "results.json"
     fresh = results.is_file() and all(u["state"] == "done" for u in units) and all(
         f.is_file() and f.stat().st_mtime <= results.stat().st_mtime for f in eval_files)
     timed = f" (timed only: {', '.join(sorted(timed_only))})" if timed_only else ""
     units.append(_unit("step benchmark, results.json, table.md, plots", "done" if fresh else "todo", None,
-                       f"{out_dir}{timed}"))
+                       f"{out_dir}{timed}", kind="results"))
     return units
 
 

@@ -185,7 +185,7 @@ class TrainConfig:
         their compiled kernels, fused and without the host (the combination ``torch.compile``'s "reduce-overhead" mode
         makes); auto leaves that combination off until a GPU has timed it."""
         whole = self.compile and self.compile_scope == "model"
-        return [flag for flag, on in (("--compile-scope model", whole),
+        return [flag for flag, on in (("--compile with --compile-scope model (blocks can be graphed)", whole),
                                       ("--grad-checkpointing", self.grad_checkpointing),
                                       ("--accum-steps > 1", self.accum_steps > 1)) if on]
 
