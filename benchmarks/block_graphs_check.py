@@ -60,7 +60,8 @@ def _differences(results, where: str) -> tuple[float, float]:
 
 def _setup(model: str, device: str, capture, compile_backend: str | None = None):
     """The student (stochastic depth off, training mode; its blocks compiled in place with ``compile_backend``), its
-    device, the loop's autocast dtype (bf16 on CUDA) and an empty BlockGraphs (``capture``: a stand-in for CPU tests)."""
+    device, the loop's autocast dtype (bf16 on CUDA) and an empty BlockGraphs (``capture``: a stand-in for CPU
+    tests)."""
     import torch
 
     from cxrdr.train.compiling import compile_blocks

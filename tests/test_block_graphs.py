@@ -181,7 +181,8 @@ def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache
         with pytest.raises(ValueError, match="--cuda-graphs-text .* needs --cuda-graphs auto or on, and --pack-text"):
             TrainConfig.load(None, shards="s", cuda_graphs_text=True, **flags)
     with pytest.raises(ValueError, match="--cuda-graphs-text does not go with --compile: compiled text layers"):
-        TrainConfig.load(None, shards="s", cuda_graphs="on", cuda_graphs_text=True, compile=True, compile_scope="blocks")
+        TrainConfig.load(None, shards="s", cuda_graphs="on", cuda_graphs_text=True, compile=True,
+                         compile_scope="blocks")
     with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
     with autocast(torch.device("cpu"), torch.bfloat16):
