@@ -25,7 +25,7 @@
 #   env: RECIPE (default configs/experiments/gpu-efficiency.yaml; its CPU twin rehearses this script on any machine:
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, INSTALL (default 1; 0: no install, this environment's
-#        cxrdr runs)
+#        cxrdr runs), ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${MODE:-recipe}"
@@ -72,7 +72,7 @@ collect() {
   # at <= 16 MiB, so the runs' heatmaps (~1 MB each at 224 px) stay behind if they would pass that
   small() { find "$recipe_out" -type f -size -4194304c \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
             -o -name '*.yaml' -o -name '*.png' \) | sort; }
-  too_big() { [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( 15 * 1024 * 1024 )) ]; }
+  too_big() { [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( ${ARCHIVE_MAX_KB:-15360} * 1024 )) ]; }
   small | tar czf "$OUT/recipe.tar.gz" -T -
   if too_big; then small | grep -v '/heatmaps.png$' | tar czf "$OUT/recipe.tar.gz" -T -; fi
   if too_big; then small | grep -v '\.png$' | tar czf "$OUT/recipe.tar.gz" -T -; fi  # the figures, no plot

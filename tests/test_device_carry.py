@@ -64,9 +64,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _collect(recipe_out: Path, out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """MODE=collect with an archive limit of 1 MiB (15 MiB on a lease: the same logic on smaller files)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"name: x\nout: {recipe_out}\nshards: {{dir: {recipe_out}/shards}}\n")
     env = {**os.environ, "MODE": "collect", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(out),
+           "ARCHIVE_MAX_KB": "1024",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
                           text=True, timeout=120)
@@ -82,8 +84,9 @@ def _members(archive: Path, root: Path) -> set[str]:
 def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatmaps(tmp_path):
     """A lease returns at most 8 files of <= 16 MiB: the recipe's small files go back as one archive (finished or
     not), its headline files and the reinforced arm's first heatmaps beside it; shards, checkpoints and files of 4
-    MB or more stay; where the runs' heatmaps would pass 15 MiB, the archive leaves them out, and every plot where
-    the others would; a recipe cut short sends its finished runs' partial report beside it."""
+    MB or more stay; where the runs' heatmaps would pass the archive's limit (15 MiB; 1 MiB here), the archive
+    leaves them out, and every plot where the others would; a recipe cut short sends its finished runs' partial
+    report beside it."""
     root = tmp_path / "runs" / "x"
     small = {"efficiency/results.json": b"{}", "efficiency/table.md": b"| a |",
              "efficiency/metric_vs_samples.png": b"p", "efficiency/runs/plain/seed-10/metrics.jsonl": b"{}\n",
@@ -113,18 +116,18 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     for name in ("efficiency/results.json", "efficiency/table.md"):
         (root / name).unlink()
         small.pop(name)
-    for seed in range(5):  # incompressible heatmaps past 15 MiB together
+    for seed in range(5):  # incompressible heatmaps past the limit together
         name = f"efficiency/runs/plain/seed-2{seed}/eval-report/heatmaps.png"
         (root / name).parent.mkdir(parents=True)
-        (root / name).write_bytes(os.urandom(3_500_000))
+        (root / name).write_bytes(os.urandom(300_000))
     done = _collect(root, tmp_path / "out2", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _members(tmp_path / "out2" / "recipe.tar.gz", root) == {n for n in small if not n.endswith("heatmaps.png")}
     assert (tmp_path / "out2" / "heatmaps.png").read_bytes() == b"reinforced 9"
     assert (tmp_path / "out2" / "partial-table.md").read_bytes() == b"**Partial"
     assert (tmp_path / "out2" / "partial-results.json").is_file() and not (tmp_path / "out2" / "results.json").exists()
-    for seed in range(5):  # other plots past 15 MiB: the archive keeps the figures, no plot
-        (root / f"efficiency/runs/plain/seed-2{seed}/curve.png").write_bytes(os.urandom(3_500_000))
+    for seed in range(5):  # other plots past the limit: the archive keeps the figures, no plot
+        (root / f"efficiency/runs/plain/seed-2{seed}/curve.png").write_bytes(os.urandom(300_000))
     done = _collect(root, tmp_path / "out3", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _members(tmp_path / "out3" / "recipe.tar.gz", root) == {n for n in small if not n.endswith(".png")}
