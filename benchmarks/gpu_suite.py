@@ -485,10 +485,15 @@ def _compiled_name(variant: str, scope: str) -> str:
     return f"{variant} compiled {scope}"
 
 
+def _graphed(scope: str) -> bool:
+    """Whether a compile scope of COMPILE_SETTINGS also replays the blocks as CUDA graphs."""
+    return COMPILE_SETTINGS[scope].get("cuda_graphs") == "on"
+
+
 def _compiled_twin(variant: str, scope: str) -> tuple[str, dict]:
     """The row a compiled configuration is timed beside, and its TrainConfig fields: eager, or for blocks+graphs the
     blocks graphed uncompiled (what compiling them adds to the graphs)."""
-    if "graphs" in scope:
+    if _graphed(scope):
         return GRAPHED.format(v=variant), {"cuda_graphs": "on"}
     return f"{variant} eager", {"cuda_graphs": "off"}
 
@@ -552,7 +557,7 @@ def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str,
           f"s; warm-up starts ({_inductor_workers()})", file=sys.stderr, flush=True)
     trainer = trainers[name][0]
     _log_first_steps(trainer, name, cfg["loop"]["warmup"])
-    graphs = {n: t.block_graphs for n, (t, _) in trainers.items()} if "graphs" in scope else {}
+    graphs = {n: t.block_graphs for n, (t, _) in trainers.items()} if _graphed(scope) else {}
     rows = _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
     for row in (r for r in rows if r["name"] in graphs):  # what both graphed trainers captured, or why not
         g = graphs[row["name"]]
@@ -1145,7 +1150,7 @@ def markdown(result: dict) -> str:
         md += ["## 5. Real training loop, torch.compile (TrainConfig.compile)", "", lc["note"] + ".", ""]
         if lc["rows"]:
             md += [*_table(lc["rows"], [("name", "config"), *FIGURE_COLUMNS, ("data_ms", "data wait ms")]), ""]
-            md += [f"- compiled {scope} / {'graphed' if 'graphs' in scope else 'eager'} img/s: " + ", ".join(
+            md += [f"- compiled {scope} / {'graphed' if _graphed(scope) else 'eager'} img/s: " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_twin_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()]
             md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"

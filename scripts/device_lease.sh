@@ -62,8 +62,8 @@ pair() {
 RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
 read -r -a TRAIN <<< "${TRAIN:-train}"
 recipe_folder() {  # the recipe's out folder, as train experiment reads it
-  python3 -c "import sys; from cxrdr.experiments.recipe import load_recipe
-r = load_recipe(sys.argv[1]); print(r.get('out') or f\"runs/experiments/{r['name']}\")" "$RECIPE"
+  python3 -c "import sys; from cxrdr.experiments.recipe import load_recipe, recipe_out
+print(recipe_out(load_recipe(sys.argv[1])))" "$RECIPE"
 }
 
 # The recipe's files worth bringing back (RECIPE's out folder) into $OUT

@@ -25,7 +25,7 @@ from cxrdr.experiments.ablation import ablation_experiment
 from cxrdr.experiments.chunks import ChunkTimeUp, start_chunk
 from cxrdr.experiments.efficiency import efficiency_experiment
 from cxrdr.experiments.partial import partial_results
-from cxrdr.experiments.recipe import load_recipe
+from cxrdr.experiments.recipe import load_recipe, recipe_out
 from cxrdr.experiments.reinforcement import reinforcement_experiment
 from cxrdr.experiments.status import efficiency_status, format_status, left
 
@@ -65,7 +65,7 @@ def cli_experiment(
         recipe["reuse_runs"] = False
     if quiet:
         recipe.setdefault("train", {})["progress"] = False
-    out_dir = Path(out or Path(recipe.get("out", f"runs/experiments/{recipe['name']}")) / name)
+    out_dir = Path(out or recipe_out(recipe) / name)
     if status:
         if name != "efficiency":
             raise UserError("--status lists the units of the efficiency experiment only")

@@ -171,8 +171,8 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
     out), each with its place in the whole plan (its arm's first seed alone measures the cost)."""
     jobs = {Path(cfg.out): (name, seed, cfg, first) for name, seed, cfg, first in runs_in_turn(arm_runs)
             if only is None or Path(cfg.out) in only}
-    arm_runs = {name: [(seed, cfg) for seed, cfg in runs if Path(cfg.out) in jobs] for name, runs in arm_runs.items()}
-    arm_runs = {name: runs for name, runs in arm_runs.items() if runs}
+    arm_runs = {name: kept for name, runs in arm_runs.items()
+                if (kept := [(seed, cfg) for seed, cfg in runs if Path(cfg.out) in jobs])}
 
     def train_and_evaluate(run_dir: Path, lock) -> tuple[dict, dict, dict]:
         name, seed, cfg, first = jobs[run_dir]

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from cxrdr.common.errors import UserError
 from cxrdr.experiments.efficiency import _results, _train_arms, arm_plan
-from cxrdr.experiments.runs import evaluation_done, run_state
 from cxrdr.experiments.status import efficiency_status
 from cxrdr.experiments.teacher_prep import prepare_teachers
 
@@ -30,12 +29,13 @@ def read_only(recipe: dict) -> dict:
     return {**off(recipe), "reuse_runs": True}
 
 
-def finished_runs(recipe: dict, shards: Path, arm_runs: dict) -> set[Path]:
-    """The run folders of ``arm_runs`` whose training and evaluation are both done."""
-    isolated = recipe.get("isolated_efficiency", False)
-    return {Path(cfg.out) for runs in arm_runs.values() for seed, cfg in runs
-            if run_state(Path(cfg.out), cfg) == "done"
-            and evaluation_done(recipe, Path(cfg.out), shards, isolated, efficiency=seed == runs[0][0])}
+def finished_runs(units: list[dict]) -> set[Path]:
+    """The run folders whose training and evaluation units (``status.efficiency_status``) are both done."""
+    states: dict[Path, set[str]] = {}
+    for unit in units:
+        if unit["kind"] == "run":
+            states.setdefault(unit["run"], set()).add(unit["state"])
+    return {run for run, seen in states.items() if seen == {"done"}}
 
 
 def partial_results(recipe: dict, out_dir: Path) -> dict:
@@ -43,13 +43,14 @@ def partial_results(recipe: dict, out_dir: Path) -> dict:
     earlier partial report there is removed first, so a refused one leaves none behind."""
     shutil.rmtree(out_dir / "partial", ignore_errors=True)
     recipe = read_only(recipe)
-    missing = [u["unit"] for u in efficiency_status(recipe, out_dir) if u["kind"] == "setup" and u["state"] != "done"]
+    units = efficiency_status(recipe, out_dir)
+    missing = [u["unit"] for u in units if u["kind"] == "setup" and u["state"] != "done"]
     if missing:
         raise UserError(f"no partial results yet: {missing[0]!r} is not done ({len(missing)} unit(s) before the "
                         "runs are left); run the experiment further first")
     shards = Path(recipe["shards"]["dir"])
     arm_runs, runs, _ = arm_plan(recipe, shards, out_dir, build=False)
-    finished = finished_runs(recipe, shards, arm_runs)
+    finished = finished_runs(units)
     if not finished:
         raise UserError("no partial results yet: no run is trained and evaluated")
     teachers = prepare_teachers(recipe, shards, progress=False, experiment="efficiency")  # all done: reused

@@ -39,6 +39,12 @@ def load_recipe(path: str | Path) -> dict:
     return expand_env(data)
 
 
+def recipe_out(recipe: dict) -> Path:
+    """The folder a recipe's experiments write under (``out``, default runs/experiments/<name>): each experiment in
+    its own subfolder (``train experiment``), and the lease script gathers from it (scripts/device_lease.sh)."""
+    return Path(recipe.get("out", f"runs/experiments/{recipe['name']}"))
+
+
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 

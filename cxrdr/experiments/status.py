@@ -31,8 +31,8 @@ def _eval_seconds(eval_dir: Path) -> float | None:
 
 
 def _unit(name: str, state: str, seconds: float | None = None, detail: str = "", kind: str = "setup") -> dict:
-    """One unit of the listing; ``kind``: setup (shards, teachers), run (a run's training or evaluation) or
-    results (the step benchmark and the results)."""
+    """One unit of the listing; ``kind``: setup (shards, teachers), run (a run's training or evaluation; its folder
+    under ``run``) or results (the step benchmark and the results)."""
     return {"unit": name, "state": state, "seconds": seconds, "detail": detail, "kind": kind}
 
 
@@ -98,13 +98,14 @@ def efficiency_status(recipe: dict, out_dir: Path) -> list[dict]:
     eval_files = []
     for name, seed, cfg, first in runs_in_turn(arm_runs):  # in the order the runs are trained
         run_dir = Path(cfg.out)
-        units.append({**run_unit(f"{name} seed {seed}: training", cfg, resume), "kind": "run"})
+        units.append({**run_unit(f"{name} seed {seed}: training", cfg, resume), "kind": "run", "run": run_dir})
         done = (run_dir / "last.pt").is_file() and evaluation_done(recipe, run_dir, shards, isolated,
                                                                    efficiency=first)
         eval_dir = evaluation_request(recipe, run_dir, shards, isolated, build=False)[0]
         eval_files.append(eval_dir / "eval.json")
         seconds = _eval_seconds(eval_dir) if done else None
-        units.append(_unit(f"{name} seed {seed}: evaluation", "done" if done else "todo", seconds, kind="run"))
+        units.append({**_unit(f"{name} seed {seed}: evaluation", "done" if done else "todo", seconds, kind="run"),
+                      "run": run_dir})
     results = out_dir / "results.json"
     fresh = results.is_file() and all(u["state"] == "done" for u in units) and all(
         f.is_file() and f.stat().st_mtime <= results.stat().st_mtime for f in eval_files)
