@@ -6,6 +6,7 @@ GPU sessions. The GPU file itself is checked against the issue's structure.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -120,6 +121,39 @@ def test_the_twin_is_the_same_recipe_key_for_key():
                 "efficiency.runs.plain-total-samples.plus_teacher_samples", "efficiency.runs.online.step_benchmark_only",
                 "efficiency.train.teachers", "efficiency.train.loss.lambda_distill", "teachers.train.loss.use_syn"):
         assert gpu[key] == twin[key], key
+
+
+def test_the_rehearsal_is_the_twin_with_the_gpu_recipes_models_and_image_sizes(tmp_path, monkeypatch):
+    """scripts/rehearse_gpu_recipe.py: the GPU recipe's students, teacher and sizes at the twin's counts, every path
+    under its own folder; the recipe loads and lists its units without writing anything else."""
+    from typer.testing import CliRunner
+
+    from cxrdr.cli import train_app as app
+    from cxrdr.experiments.recipe import load_recipe
+
+    spec = importlib.util.spec_from_file_location("rehearse_gpu_recipe", ROOT / "scripts" / "rehearse_gpu_recipe.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "rehearsal"
+    assert script.main(["--out", str(out), "--write-only"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+    gpu, twin, rehearsal = (dict(_leaves(yaml.safe_load(p.read_text()))) for p in (GPU, TWIN, out / "recipe.yaml"))
+    assert set(rehearsal) == set(twin)
+    for key, value in rehearsal.items():
+        if key.endswith((".model", ".size", ".store_size")) or ".model_overrides." in key and "steps" not in key:
+            assert value == gpu[key], key  # the GPU recipe's models, heads and sizes
+        elif isinstance(value, str) and str(out) in value:
+            assert key.endswith("dir") or key in ("out", "efficiency.runs.online.online_teacher"), key
+        elif key not in ("name", "threads"):
+            assert value == twin[key], key  # the twin's counts, devices and options
+    assert rehearsal["train.model"] == "D" and rehearsal["shards.build.store_size"] == 224
+    assert rehearsal["train.model_overrides.k_anneal_steps"] == twin["train.model_overrides.k_anneal_steps"]
+    assert load_recipe(out / "recipe.yaml")["out"] == str(out)
+    monkeypatch.chdir(tmp_path)
+    listing = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(out / "recipe.yaml"), "--quiet",
+                                       "--status"])
+    assert listing.exit_code == 3, listing.output
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
 
 
 class Killed(Exception):

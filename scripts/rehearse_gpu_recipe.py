@@ -1,0 +1,93 @@
+"""Rehearse the GPU efficiency recipe's models on this CPU before a lease: its students, teacher and image sizes,
+with its CPU twin's counts.
+
+The twin (configs/experiments/gpu-efficiency-twin.yaml) runs in the tests, but with tiny students at 64 px, so a
+break in the GPU recipe's own models (ViT-S/16 + MiniLM at 224 px, the Lite2 teacher, their heads, heatmaps on a
+14 x 14 grid) would first show on a lent GPU, whose minutes are few. This writes a recipe that is the twin with the
+GPU recipe's models, model overrides and image sizes (the twin keeps its step counts, so the schedule keys that
+follow them, ``STEP_KEYS``, stay the twin's), and runs it end to end on the CPU (~80 s on 2 cores):
+
+    python scripts/rehearse_gpu_recipe.py                    # into runs/rehearsal/ (replaced), then runs it
+    python scripts/rehearse_gpu_recipe.py --out DIR --write-only
+
+Exit status: the experiment's (0: every unit ran). Its figures mean nothing (a few steps on a dozen images).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cxrdr.experiments.recipe import recipe_out  # noqa: E402
+
+GPU = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
+TWIN = ROOT / "configs" / "experiments" / "gpu-efficiency-twin.yaml"
+BUILDS = (("report", "shards", "build"), ("shards", "build"), ("teachers", "build"))
+TRAININGS = (("train",), ("teachers", "train"))
+# model keys counted in steps: the twin's few steps keep their own
+STEP_KEYS = ("k_anneal_steps", "keep_rate_warmup_steps")
+
+
+def _at(recipe: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        recipe = recipe[key]
+    return recipe
+
+
+def _relocated(value, old: str, new: str):
+    """Every string of ``value`` that names a path under ``old`` (or ``ckpt:`` one) moved under ``new``."""
+    if isinstance(value, dict):
+        return {k: _relocated(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relocated(v, old, new) for v in value]
+    if isinstance(value, str) and old in value:
+        return value.replace(old, new)
+    return value
+
+
+def rehearsal_recipe(gpu: dict, twin: dict, out: Path) -> dict:
+    """The twin with the GPU recipe's models and image sizes, writing under ``out``."""
+    recipe = _relocated(copy.deepcopy(twin), str(recipe_out(twin)), str(out))
+    recipe.update(name="gpu-efficiency-rehearsal", out=str(out), threads=None)
+    for path in BUILDS:
+        build, gpu_build = _at(recipe, path), _at(gpu, path)
+        build["source_options"]["size"] = gpu_build["source_options"]["size"]
+        build["store_size"] = gpu_build["store_size"]
+    for path in TRAININGS:
+        train, gpu_train = _at(recipe, path), _at(gpu, path)
+        steps = {k: v for k, v in (train.get("model_overrides") or {}).items() if k in STEP_KEYS}
+        train["model"] = gpu_train["model"]
+        train["model_overrides"] = {**(gpu_train.get("model_overrides") or {}), **steps}
+    return recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/rehearsal"), help="folder (replaced)")
+    parser.add_argument("--write-only", action="store_true", help="write OUT/recipe.yaml, run nothing")
+    args = parser.parse_args(argv)
+    gpu, twin = (yaml.safe_load(path.read_text()) for path in (GPU, TWIN))
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
+    config = args.out / "recipe.yaml"
+    config.write_text(yaml.safe_dump(rehearsal_recipe(gpu, twin, args.out.resolve()), sort_keys=False))
+    print(f"wrote {config}: the GPU recipe's models and image sizes, the twin's counts")
+    if args.write_only:
+        return 0
+    # `python -m cxrdr.cli` is the `train` command, run from this checkout
+    command = [sys.executable, "-m", "cxrdr.cli", "experiment", "efficiency", "--config", str(config), "--quiet"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
