@@ -230,8 +230,10 @@ def test_the_packed_attention_on_sequence_offsets_gives_the_grids_states_and_gra
     assert len(calls) == tower.depth and all(torch.equal(c, offsets) for c in calls)
     torch.testing.assert_close(varlen_states, grid_states, rtol=1e-4, atol=1e-5)
     assert varlen_grads.keys() == grid_grads.keys()
-    for name in grid_grads:
-        torch.testing.assert_close(varlen_grads[name], grid_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    for name, grad in grid_grads.items():
+        # float32 sums of terms up to the gradient's largest entry: entries that cancel to near 0 carry its rounding
+        scale = max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(varlen_grads[name], grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
 def test_a_refused_packed_attention_warns_once_and_attends_on_the_grid(monkeypatch):

@@ -14,16 +14,29 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
+
+
+_lock = threading.Lock()
+_depth = 0  # frozen_heap blocks open in this process
 
 
 @contextlib.contextmanager
 def frozen_heap():
-    """Freeze the objects alive now for the block's duration (the outermost block unfreezes). No collection
-    first: a cycle already dead stays frozen until the block ends, and is collected after it."""
-    outermost = gc.get_freeze_count() == 0
-    gc.freeze()
+    """Freeze the objects alive now for the block's duration; the outermost block unfreezes (everything: ``gc`` has
+    no partial unfreeze). No collection first: a cycle already dead stays frozen until the block ends, and is
+    collected after it. The nesting is counted here, not read from ``gc.get_freeze_count()``: Python 3.12 starts
+    with a few hundred objects counted as frozen, so a count of 0 does not mean "no block is open", and the heap
+    of a loop run there would never have been given back (its dead cycles, a finished trainer's CUDA memory among
+    them, never collected)."""
+    global _depth
+    with _lock:
+        _depth += 1
+        gc.freeze()
     try:
         yield
     finally:
-        if outermost:
-            gc.unfreeze()
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                gc.unfreeze()
