@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 # a file's tests stay together, so a module's fixtures (one Ray, one build) are made once.
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A demo run starts from an empty folder: the shards of a previous run already hold its added teacher,
 # and a build refuses a folder made with other settings.
