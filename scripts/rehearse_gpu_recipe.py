@@ -5,7 +5,7 @@ The twin (configs/experiments/gpu-efficiency-twin.yaml) runs in the tests, but w
 break in the GPU recipe's own models (ViT-S/16 + MiniLM at 224 px, the Lite2 teacher, their heads, heatmaps on a
 14 x 14 grid) would first show on a lent GPU, whose minutes are few. This writes a recipe that is the twin with the
 GPU recipe's models, model overrides and image sizes (the twin keeps its step counts, so the schedule keys that
-follow them, ``STEP_KEYS``, stay the twin's), and runs it end to end on the CPU (~80 s on 2 cores):
+follow them, ``STEP_KEYS``, stay the twin's), and runs it end to end on the CPU (~110 s on 2 cores):
 
     python scripts/rehearse_gpu_recipe.py                    # into runs/rehearsal/ (replaced), then runs it
     python scripts/rehearse_gpu_recipe.py --out DIR --write-only

@@ -16,7 +16,6 @@ import contextlib
 import gc
 import threading
 
-
 _lock = threading.Lock()
 _depth = 0  # frozen_heap blocks open in this process
 
@@ -25,10 +24,9 @@ _depth = 0  # frozen_heap blocks open in this process
 def frozen_heap():
     """Freeze the objects alive now for the block's duration; the outermost block unfreezes (everything: ``gc`` has
     no partial unfreeze). No collection first: a cycle already dead stays frozen until the block ends, and is
-    collected after it. The nesting is counted here, not read from ``gc.get_freeze_count()``: Python 3.12 starts
-    with a few hundred objects counted as frozen, so a count of 0 does not mean "no block is open", and the heap
-    of a loop run there would never have been given back (its dead cycles, a finished trainer's CUDA memory among
-    them, never collected)."""
+    collected after it. The nesting is counted here, not read from ``gc.get_freeze_count()``: Python 3.12.1 counts
+    375 objects as frozen after every collection with none frozen, so a count of 0 does not mean "no block is
+    open", and a loop's heap there was never given back (its cycles that died later never collected)."""
     global _depth
     with _lock:
         _depth += 1
