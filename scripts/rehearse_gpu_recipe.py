@@ -4,8 +4,9 @@ with its CPU twin's counts.
 The twin (configs/experiments/gpu-efficiency-twin.yaml) runs in the tests, but with tiny students at 64 px, so a
 break in the GPU recipe's own models (ViT-S/16 + MiniLM at 224 px, the Lite2 teacher, their heads, heatmaps on a
 14 x 14 grid) would first show on a lent GPU, whose minutes are few. This writes a recipe that is the twin with the
-GPU recipe's models, model overrides and image sizes (the twin keeps its step counts, so the schedule keys that
-follow them, ``STEP_KEYS``, stay the twin's), and runs it end to end on the CPU (~110 s on 2 cores):
+GPU recipe's models, model overrides, image sizes and loader workers (the twin keeps its step counts, so the
+schedule keys that follow them, ``STEP_KEYS``, stay the twin's), and runs it end to end on the CPU (~160 s on 2
+cores):
 
     python scripts/rehearse_gpu_recipe.py                    # into runs/rehearsal/ (replaced), then runs it
     python scripts/rehearse_gpu_recipe.py --out DIR --write-only
@@ -55,17 +56,19 @@ def _relocated(value, old: str, new: str):
 
 
 def rehearsal_recipe(gpu: dict, twin: dict, out: Path) -> dict:
-    """The twin with the GPU recipe's models and image sizes, writing under ``out``."""
+    """The twin with the GPU recipe's models, image sizes and workers, writing under ``out``."""
     recipe = _relocated(copy.deepcopy(twin), str(recipe_out(twin)), str(out))
     recipe.update(name="gpu-efficiency-rehearsal", out=str(out), threads=None)
     for path in BUILDS:
         build, gpu_build = _at(recipe, path), _at(gpu, path)
         build["source_options"]["size"] = gpu_build["source_options"]["size"]
         build["store_size"] = gpu_build["store_size"]
+        build["workers"] = gpu_build["workers"]  # more workers than the twin's shards, as the report set has
     for path in TRAININGS:
         train, gpu_train = _at(recipe, path), _at(gpu, path)
         steps = {k: v for k, v in (train.get("model_overrides") or {}).items() if k in STEP_KEYS}
         train["model"] = gpu_train["model"]
+        train["workers"] = gpu_train["workers"]
         train["model_overrides"] = {**(gpu_train.get("model_overrides") or {}), **steps}
     return recipe
 

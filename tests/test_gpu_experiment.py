@@ -140,13 +140,17 @@ def test_the_rehearsal_is_the_twin_with_the_gpu_recipes_models_and_image_sizes(t
     gpu, twin, rehearsal = (dict(_leaves(yaml.safe_load(p.read_text()))) for p in (GPU, TWIN, out / "recipe.yaml"))
     assert set(rehearsal) == set(twin)
     for key, value in rehearsal.items():
-        if key.endswith((".model", ".size", ".store_size")) or ".model_overrides." in key and "steps" not in key:
-            assert value == gpu[key], key  # the GPU recipe's models, heads and sizes
+        if key.endswith((".model", ".size", ".store_size", ".workers")) or ".model_overrides." in key \
+                and "steps" not in key:
+            assert value == gpu[key], key  # the GPU recipe's models, heads, sizes and workers
         elif isinstance(value, str) and str(out) in value:
             assert key.endswith("dir") or key in ("out", "efficiency.runs.online.online_teacher"), key
         elif key not in ("name", "threads"):
             assert value == twin[key], key  # the twin's counts, devices and options
     assert rehearsal["train.model"] == "D" and rehearsal["shards.build.store_size"] == 224
+    report = {k.rsplit(".", 1)[1]: v for k, v in rehearsal.items() if k.startswith("report.shards.build.")}
+    report_shards = int(report["source"].split(":")[1]) / report["shard_size"]
+    assert report["workers"] > report_shards  # more workers than shards, as on the GPU
     assert rehearsal["train.model_overrides.k_anneal_steps"] == twin["train.model_overrides.k_anneal_steps"]
     assert load_recipe(out / "recipe.yaml")["out"] == str(out)
     monkeypatch.chdir(tmp_path)
