@@ -8,7 +8,7 @@ GPU recipe's models, model overrides, image sizes and loader workers (the twin k
 schedule keys that follow them, ``STEP_KEYS``, stay the twin's), and runs it end to end on the CPU (~160 s on 2
 cores):
 
-    python scripts/rehearse_gpu_recipe.py                    # into runs/rehearsal/ (replaced), then runs it
+    python scripts/rehearse_gpu_recipe.py                    # into the checkout's runs/rehearsal/, then runs it
     python scripts/rehearse_gpu_recipe.py --out DIR --write-only
 
 Exit status: the experiment's (0: every unit ran). Its figures mean nothing (a few steps on a dozen images).
@@ -34,6 +34,7 @@ GPU = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
 TWIN = ROOT / "configs" / "experiments" / "gpu-efficiency-twin.yaml"
 BUILDS = (("report", "shards", "build"), ("shards", "build"), ("teachers", "build"))
 TRAININGS = (("train",), ("teachers", "train"))
+NAME = "gpu-efficiency-rehearsal"
 # model keys counted in steps: the twin's few steps keep their own
 STEP_KEYS = ("k_anneal_steps", "keep_rate_warmup_steps")
 
@@ -45,20 +46,23 @@ def _at(recipe: dict, path: tuple[str, ...]) -> dict:
 
 
 def _relocated(value, old: str, new: str):
-    """Every string of ``value`` that names a path under ``old`` (or ``ckpt:`` one) moved under ``new``."""
+    """Every string of ``value`` that is the folder ``old`` or a path below it, behind an optional spec prefix
+    (``ckpt:``), moved to ``new``; whole path components only (``old-2/`` stays)."""
     if isinstance(value, dict):
         return {k: _relocated(v, old, new) for k, v in value.items()}
     if isinstance(value, list):
         return [_relocated(v, old, new) for v in value]
-    if isinstance(value, str) and old in value:
-        return value.replace(old, new)
+    if isinstance(value, str):
+        prefix, _, path = value.rpartition(":") if value.startswith("ckpt:") else ("", "", value)
+        if path == old or path.startswith(old + "/"):
+            return (prefix + ":" if prefix else "") + new + path[len(old):]
     return value
 
 
 def rehearsal_recipe(gpu: dict, twin: dict, out: Path) -> dict:
     """The twin with the GPU recipe's models, image sizes and workers, writing under ``out``."""
     recipe = _relocated(copy.deepcopy(twin), str(recipe_out(twin)), str(out))
-    recipe.update(name="gpu-efficiency-rehearsal", out=str(out), threads=None)
+    recipe.update(name=NAME, out=str(out), threads=None)
     for path in BUILDS:
         build, gpu_build = _at(recipe, path), _at(gpu, path)
         build["source_options"]["size"] = gpu_build["source_options"]["size"]
@@ -75,15 +79,21 @@ def rehearsal_recipe(gpu: dict, twin: dict, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/rehearsal"), help="folder (replaced)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "rehearsal",
+                        help="folder (replaced if it holds an earlier rehearsal; refused if it holds anything else)")
     parser.add_argument("--write-only", action="store_true", help="write OUT/recipe.yaml, run nothing")
     args = parser.parse_args(argv)
     gpu, twin = (yaml.safe_load(path.read_text()) for path in (GPU, TWIN))
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
     config = args.out / "recipe.yaml"
+    if args.out.exists() and any(args.out.iterdir()):
+        earlier = yaml.safe_load(config.read_text()) if config.is_file() else None
+        if not (isinstance(earlier, dict) and earlier.get("name") == NAME):
+            print(f"{args.out} is not empty and holds no earlier rehearsal: name another --out", file=sys.stderr)
+            return 2
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(rehearsal_recipe(gpu, twin, args.out.resolve()), sort_keys=False))
-    print(f"wrote {config}: the GPU recipe's models and image sizes, the twin's counts")
+    print(f"wrote {config}: the GPU recipe's models, image sizes and workers, the twin's counts")
     if args.write_only:
         return 0
     # `python -m cxrdr.cli` is the `train` command, run from this checkout

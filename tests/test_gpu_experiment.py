@@ -137,16 +137,25 @@ def test_the_rehearsal_is_the_twin_with_the_gpu_recipes_models_and_image_sizes(t
     out = tmp_path / "rehearsal"
     assert script.main(["--out", str(out), "--write-only"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+    (out / "kept").write_text("x")
+    assert script.main(["--out", str(out), "--write-only"]) == 0  # an earlier rehearsal's folder is replaced
+    assert not (out / "kept").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert script.main(["--out", str(other), "--write-only"]) == 2  # anything else is left alone
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
     gpu, twin, rehearsal = (dict(_leaves(yaml.safe_load(p.read_text()))) for p in (GPU, TWIN, out / "recipe.yaml"))
     assert set(rehearsal) == set(twin)
     for key, value in rehearsal.items():
-        if key.endswith((".model", ".size", ".store_size", ".workers")) or ".model_overrides." in key \
-                and "steps" not in key:
+        if key.endswith((".model", ".size", ".store_size", ".workers")) or (
+                ".model_overrides." in key and "steps" not in key):
             assert value == gpu[key], key  # the GPU recipe's models, heads, sizes and workers
         elif isinstance(value, str) and str(out) in value:
             assert key.endswith("dir") or key in ("out", "efficiency.runs.online.online_teacher"), key
         elif key not in ("name", "threads"):
             assert value == twin[key], key  # the twin's counts, devices and options
+    assert not any("gpu-efficiency-twin" in str(v) for v in rehearsal.values())  # no path left in the twin's folders
     assert rehearsal["train.model"] == "D" and rehearsal["shards.build.store_size"] == 224
     report = {k.rsplit(".", 1)[1]: v for k, v in rehearsal.items() if k.startswith("report.shards.build.")}
     report_shards = int(report["source"].split(":")[1]) / report["shard_size"]

@@ -50,12 +50,15 @@ def test_the_heap_is_given_back_where_the_interpreter_starts_with_objects_counte
     open" before, and on the GPU host's Python 3.12 a loop's heap stayed frozen for the rest of the process)."""
     baseline = unfrozen_count()
     gc.freeze()  # stands for objects counted as frozen before the block
-    assert gc.get_freeze_count() > 0
-    with frozen_heap():
+    try:
+        assert gc.get_freeze_count() > 0
         with frozen_heap():
-            pass
-        assert gc.get_freeze_count() > baseline  # the inner block left it frozen
-    assert given_back(baseline)
+            with frozen_heap():
+                pass
+            assert gc.get_freeze_count() > baseline  # the inner block left it frozen
+        assert given_back(baseline)
+    finally:
+        gc.unfreeze()  # should the block not give it back, the worker's later tests do not inherit a frozen heap
 
 
 def test_a_training_run_steps_with_its_heap_frozen_and_gives_it_back(phantom_shards, tmp_path, monkeypatch):

@@ -144,7 +144,7 @@ def test_tiny_student_learns_on_phantom(phantom_shards, tmp_path):
     """100 CPU steps lower the loss, and image-report retrieval beats chance.
 
     Retrieval is measured on the training studies with their stored views: on phantom data a
-    CPU-sized student does not yet generalise to the (tiny) validation split in 200 steps
+    CPU-sized student does not yet generalise to the (tiny) validation split even in 200 steps
     (val R@K stays at chance; measured with phantom:200, 22 val studies), so this checks that
     the pipeline learns image-text correspondence, not generalisation. After 100 steps (seeds 0-2)
     the loss fell by 1.19-1.45 and mean recall stood 0.21-0.23 above chance, over twice the bars.

@@ -28,13 +28,16 @@ def frozen_heap():
     375 objects as frozen after every collection with none frozen, so a count of 0 does not mean "no block is
     open", and a loop's heap there was never given back (its cycles that died later never collected)."""
     global _depth
-    with _lock:
-        _depth += 1
-        gc.freeze()
+    entered = False
     try:
+        with _lock:
+            _depth += 1
+            entered = True
+            gc.freeze()
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                gc.unfreeze()
+        if entered:
+            with _lock:
+                _depth -= 1
+                if _depth == 0:
+                    gc.unfreeze()
