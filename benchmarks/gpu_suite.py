@@ -610,11 +610,11 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
         ratios = {}
         for scope in COMPILE_ESTIMATE_S:
             compiled = {v: by[_compiled_name(v, sc)] for v, sc in done if sc == scope}
+            twins = {v: _compiled_twin(v, scope)[0] for v in compiled}
             ratios[scope] = {**_ratios([{**r, "name": v} for v, r in compiled.items()]),
                              "compiled_over_twin_img_per_s": {
-                                 v: r["img_per_s"] / by[_compiled_twin(v, scope)[0]]["img_per_s"]
-                                 for v, r in compiled.items()},
-                             "twins": {v: _compiled_twin(v, scope)[0] for v in compiled}}
+                                 v: r["img_per_s"] / by[twins[v]]["img_per_s"] for v, r in compiled.items()},
+                             "twins": twins}
         return {"rows": list(rows), "failed": list(failed), "smoke": smoke,
                 "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_twin_img_per_s"]},
                 "description": _loop_description(cfg),

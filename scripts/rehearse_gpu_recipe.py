@@ -53,9 +53,10 @@ def _relocated(value, old: str, new: str):
     if isinstance(value, list):
         return [_relocated(v, old, new) for v in value]
     if isinstance(value, str):
-        prefix, _, path = value.rpartition(":") if value.startswith("ckpt:") else ("", "", value)
+        spec = "ckpt:" if value.startswith("ckpt:") else ""
+        path = value[len(spec):]
         if path == old or path.startswith(old + "/"):
-            return (prefix + ":" if prefix else "") + new + path[len(old):]
+            return spec + new + path[len(old):]
     return value
 
 
