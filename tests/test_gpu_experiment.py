@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -222,6 +223,9 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
         if "done     plain seed 10: evaluation" in step.output:
             break
     assert "todo     reinforced seed 10: training" in step.output  # the arms' seeds in turn: reinforced next
+    # where the validation passes spent their time (no probe in the recipe's passes)
+    assert re.search(r"plain seed 10: training .* validation passes [\d.]+ s \(embed [\d.]+ s, retrieval [\d.]+ s\)",
+                     step.output), step.output
     import cxrdr.experiments.runs as runs_module
     import cxrdr.experiments.teacher_prep as teacher_module
 

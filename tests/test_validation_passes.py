@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from cxrdr.experiments.repro import is_measured
 from cxrdr.train.data import ReplayedBatches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,8 +106,29 @@ def test_replayed_validation_equals_the_pass_read_from_the_shards(phantom_shards
     first = quick_evaluate(student, replayed, device, max_samples=10)
     again = quick_evaluate(student, replayed, device, max_samples=10)
     assert replayed.batches is not None
-    as_text = [json.dumps(m, sort_keys=True) for m in (streamed, first, again)]  # NaN (no probe) equals itself
+    as_text = [json.dumps({k: v for k, v in m.items() if not is_measured(k)}, sort_keys=True)
+               for m in (streamed, first, again)]  # NaN (no probe) equals itself
     assert as_text[0] == as_text[1] == as_text[2] and streamed["n_eval"] == 12  # 3 batches of 4 reach 10
+    assert set(first["eval_phase_s"]) == {"embed", "retrieval", "probe"}
+    assert all(s >= 0 for s in first["eval_phase_s"].values())
+
+
+def test_a_pass_without_the_probe_ranks_by_retrieval_alone(phantom_shards):
+    """eval_probe false (the recipes' curve passes read mean R only): no probe fitted, its phase not timed, and the
+    score is retrieval's with the AUC half at chance."""
+    from cxrdr.train.data import make_eval_loader
+    from cxrdr.train.models import build_student
+    from cxrdr.train.quick_eval import quick_evaluate
+
+    torch.manual_seed(0)
+    student = build_student("tiny-A")
+    loader = ReplayedBatches(make_eval_loader(phantom_shards, "train", student, batch_size=4))
+    with_probe = quick_evaluate(student, loader, torch.device("cpu"), recall_weight=0.6)
+    without = quick_evaluate(student, loader, torch.device("cpu"), recall_weight=0.6, probe=False)
+    assert with_probe["probe_n_labels"] >= 1 and "probe_mean_auc" not in without
+    assert set(without["eval_phase_s"]) == {"embed", "retrieval"}
+    assert without["mean_recall"] == with_probe["mean_recall"]
+    assert without["score"] == pytest.approx(0.6 * without["mean_recall"] + 0.4 * 0.5)
 
 
 def _train_recording_saves(phantom_shards, out, monkeypatch, **settings) -> tuple[dict, list]:
@@ -189,7 +211,7 @@ def test_a_run_killed_between_saves_resumes_to_the_uninterrupted_run_where_passe
     def passes(name):
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         records = map(json.loads, lines)
-        return [{k: v for k, v in r.items() if k != "eval_time_s"} for r in records if r["kind"] == "eval"]
+        return [{k: v for k, v in r.items() if not is_measured(k)} for r in records if r["kind"] == "eval"]
 
     assert [p["step"] for p in passes("run")] == list(range(1, 8))
     assert json.dumps(passes("run"), sort_keys=True) == json.dumps(passes("ref"), sort_keys=True)

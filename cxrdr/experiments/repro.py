@@ -43,7 +43,7 @@ TIMING_KEYS = frozenset({
     # `train eval`'s cost block (cxrdr.train.evaluation.efficiency) and its own seconds (eval.json,
     # benchmark.json), the loop's per-log timings (metrics.jsonl)
     "inference_img_per_s", "latency_ms", "synthetic_train_img_per_s", "latency_ms_per_img",
-    "eval_seconds", "seconds", "data_time_ms", "step_time_ms", "samples_per_s",
+    "eval_seconds", "seconds", "data_time_ms", "step_time_ms", "samples_per_s", "eval_phase_s",
 })
 MEMORY_KEYS = frozenset({"peak_memory_mb", "step_memory_delta_mb",  # measured, not timings, also excluded
                          "inference_peak_memory_mb", "memory_before_model_mb"})

@@ -56,13 +56,18 @@ def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
     evals = [json.loads(line) for line in complete_lines(metrics.read_text())] if metrics.is_file() else []
     passes = [r for r in evals if r.get("kind") == "eval"]
     eval_s = sum(float(r.get("eval_time_s") or 0) for r in passes)
+    phases: dict[str, float] = {}  # where the passes spent it (the loop's eval_phase_s)
+    for record in passes:
+        for phase, seconds in (record.get("eval_phase_s") or {}).items():
+            phases[phase] = phases.get(phase, 0.0) + float(seconds)
+    split = f" ({', '.join(f'{p} {s:.1f} s' for p, s in phases.items())})" if phases else ""
     if state == "done":
         summary = _json(run_dir / "summary.json") or {}
         train_s = summary.get("train_time_s")
         return _unit(name, "done", None if train_s is None else float(train_s) + eval_s,
                      f"{summary.get('steps')} steps x {cfg.batch_size * cfg.accum_steps}: training "
                      f"{train_s} s, mean step {summary.get('mean_step_ms')} ms; {len(passes)} validation "
-                     f"passes {eval_s:.1f} s")
+                     f"passes {eval_s:.1f} s{split}")
     if state == "partial":
         step = max((int(r.get("step", 0)) for r in evals), default=0)
         how = "the next command continues it" if resume else "restarts: the recipe does not set resume_runs"

@@ -88,6 +88,8 @@ class TrainConfig:
     eval_max_samples: int | None = _opt(None, "Validate on at most this many samples (default all).")
     eval_cache_mb: int = _opt(2048, "Keep the validation batches in memory after the first pass, up to this many "
                                     "MB (0: read the shards at every pass).")
+    eval_probe: bool = _opt(True, "Fit the quick linear probe at each validation pass (its AUC is the early-stop "
+                                  "score's other half); off: retrieval alone ranks checkpoints.")
     recall_weight: float = _opt(0.5, "Early-stop score = w*mean Recall + (1-w)*mean AUC.")
     early_stop_patience: int = _opt(0, "Stop after N validations without improvement (0: off).")
     resume: bool = _opt(False, "Continue from RUN/last.pt (settings must match the run's, except steps, "

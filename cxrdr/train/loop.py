@@ -353,8 +353,9 @@ class Trainer:
         norms on logging steps)."""
         no_sync = self.task.model.no_sync() if self.ddp and not sync else None
         with no_sync if no_sync is not None else contextlib.nullcontext():
-            if self.block_graphs is not None:
-                self.block_graphs.active = shapes_settled(self.student, self.step)
+            if self.block_graphs is not None:  # eager on a logging step: its loss balance backpropagates each
+                # term, and a graph's replay takes one backward (block_graphs)
+                self.block_graphs.active = shapes_settled(self.student, self.step) and not log_balance
             with record_function(PHASES["forward"]), autocast(self.device, self.amp_dtype,
                                                               cache=self.block_graphs is None):
                 terms = self.task.forward(batch, self.step, compiled=self._compiled_now())
@@ -432,7 +433,7 @@ class Trainer:
                 metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
                                          recall_weight=self.cfg.recall_weight,
                                          max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed,
-                                         prompts=self.eval_prompts)
+                                         prompts=self.eval_prompts, probe=self.cfg.eval_probe)
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:

@@ -7,11 +7,13 @@ on one half of the split's subjects and score it on the other half. The metric f
 the evaluation package's (``cxrdr.train.evaluation.retrieval`` / ``probe``) so numbers agree.
 
 Early-stopping score: ``w * mean Recall + (1 - w) * mean AUC`` (a missing AUC counts as 0.5,
-chance, so a split too small for any probe label still ranks checkpoints by retrieval).
+chance, so a split too small for any probe label, or a pass without the probe, ranks checkpoints by
+retrieval).
 """
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -90,22 +92,38 @@ def quick_zeroshot(model, img: np.ndarray, labels: np.ndarray, prompts: dict, de
 
 
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
-                   max_samples: int | None = None, seed: int = 0, prompts: dict | None = None) -> dict:
-    """Retrieval (one frontal image per study) + quick probe AUC (+ zero-shot mean AUC with ``prompts``)
-    + the early-stopping score."""
+                   max_samples: int | None = None, seed: int = 0, prompts: dict | None = None,
+                   probe: bool = True) -> dict:
+    """Retrieval (one frontal image per study) + quick probe AUC (unless not ``probe``; + zero-shot mean AUC with
+    ``prompts``) + the early-stopping score, and the seconds of each phase (``eval_phase_s``: a run validates
+    20-40 times, so which phase its passes spend on is worth a line of the log)."""
+    clock = time.perf_counter()
+    seconds = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[phase], clock = round(now - clock, 3), now
+
     data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
+    lap("embed")  # the embeddings come back to the host: the device's work is in it
     rows = one_per_study(data["key"], data["study_id"], data["view"])
     metrics = retrieval_metrics(data["img"][rows], data["txt"][rows],
                                 texts=[data["report_text"][i] for i in rows])
-    try:
-        probe = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed)
-        metrics["probe_mean_auc"] = probe["mean_auc"]
-        metrics["probe_n_labels"] = probe["n_labels"]
-    except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
-        metrics["probe_mean_auc"] = float("nan")
-        metrics["probe_error"] = str(exc)
+    lap("retrieval")
+    if probe:
+        try:
+            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed)
+            metrics["probe_mean_auc"] = fitted["mean_auc"]
+            metrics["probe_n_labels"] = fitted["n_labels"]
+        except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
+            metrics["probe_mean_auc"] = float("nan")
+            metrics["probe_error"] = str(exc)
+        lap("probe")
     if prompts:
         metrics["zeroshot_mean_auc"] = quick_zeroshot(model, data["img"], data["labels"], prompts, device)
+        lap("zeroshot")
     metrics["n_eval"] = len(data["key"])
     metrics["score"] = early_stop_score(metrics, recall_weight)
+    metrics["eval_phase_s"] = seconds
     return metrics

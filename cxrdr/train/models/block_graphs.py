@@ -17,6 +17,12 @@ the forward and one for the backward, in an autograd node); this module decides 
 - A replay overwrites the graph's outputs and the activations its backward reads. A second call of the same graph
   before the first one's backward ran would corrupt that backward, so it runs eagerly instead (``_live``: a
   gradient hook on the output releases it).
+- A replay's backward runs once: the capture freed the activations its backward reads as it went (PyTorch's
+  ``make_graphed_callables`` captures the backward without ``retain_graph``), so the memory is reused within the
+  backward, and a second backward through the same replay reads overwritten activations. On an H200 a logging
+  step's loss balance (one ``autograd.grad`` per loss term) gave its second term an infinite gradient norm and the
+  step NaN weights. The Trainer runs such steps eagerly; anything else that backpropagates a replay twice gets an
+  error at the second backward (``_release``) instead of wrong gradients.
 - The parameters' gradients come back in the graph's own buffers, which autograd may keep as ``.grad``: a second
   backward into them before the optimiser step (gradient accumulation) would add a buffer to itself, so the Trainer
   refuses ``accum_steps > 1`` with graphs, and DDP, a model compiled whole and activation checkpointing, which
@@ -181,10 +187,17 @@ class BlockGraphs:
         out = graphed(*inputs)
         if out.requires_grad:
             self._live.add(key)
-            out.register_hook(functools.partial(self._release, key))
+            out.register_hook(functools.partial(self._release, key, tag, []))
         return out
 
-    def _release(self, key: tuple, grad: torch.Tensor) -> None:
+    def _release(self, key: tuple, tag: str, backwards: list, grad: torch.Tensor) -> None:
+        """The gradient hook on a replay's output: releases the graph at its first backward, refuses a second
+        (``backwards`` is this replay's own list of them)."""
+        if backwards:
+            raise RuntimeError(f"a second backward through one replay of the {tag} tower's CUDA graph (retain_graph, "
+                               "or autograd.grad per loss term): the first one overwrote the activations it reads. "
+                               "Run such a step with BlockGraphs.active = False, or train with --cuda-graphs off")
+        backwards.append(True)
         self._live.discard(key)
 
     def _warn(self, kind: str, message: str) -> None:
