@@ -1,10 +1,12 @@
 """Validation passes that cost what they compute: the split's batches are read from the shards once and
 replayed from memory (``ReplayedBatches``), and a run that validates often need not write a checkpoint at each
-pass (``save_at_eval: false``). Tiny data (the session's phantom shards), the tiny-A student."""
+pass (``save_at_eval: false``), nor fit a probe (``eval_probe``); the passes time their phases. Tiny data (the
+session's phantom shards), the tiny-A student."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -249,3 +251,31 @@ def test_an_inference_pass_casts_the_weights_once_not_per_batch():
     one, three = (dispatch_count.inference_casts(model, 2, n) for n in (1, 3))
     weights = sum(1 for p in model.parameters() if p.ndim == 2)  # at least the linear layers' weights
     assert three <= 3 * one - 2 * weights  # per-batch regions would cast every weight again: 3 * one
+
+
+def test_the_quick_probe_fits_on_one_blas_thread_and_gives_the_threads_back(monkeypatch):
+    """A validation pass runs beside the loader's busy workers: its probe's few hundred rows use one BLAS thread,
+    the process's setting is restored after, and the probe's figures are the same as on every thread."""
+    from threadpoolctl import threadpool_info
+
+    import cxrdr.train.quick_eval as quick_eval
+
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(80, 16)).astype(np.float32)
+    labels = (rng.random((80, 14)) < 0.3).astype(np.float32)
+    subjects = [f"s{i}" for i in range(80)]
+    before = [pool["num_threads"] for pool in threadpool_info()]
+    seen = []
+    real = quick_eval.linear_probe
+
+    def recording(*args, **kwargs):
+        seen.extend(pool["num_threads"] for pool in threadpool_info())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quick_eval, "linear_probe", recording)
+    limited = quick_eval.quick_probe(emb, labels, subjects)
+    assert seen and set(seen) == {1}
+    assert [pool["num_threads"] for pool in threadpool_info()] == before
+    train = np.array([quick_eval.stable_seed("probe", 0, s) % 2 == 0 for s in subjects])
+    free = real(emb[train], labels[train], emb[~train], labels[~train], min_positives=2, max_iter=500, seed=0)
+    assert limited["n_labels"] >= 5 and limited["mean_auc"] == pytest.approx(free["mean_auc"], abs=1e-9)
