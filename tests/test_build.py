@@ -541,6 +541,61 @@ def test_add_teacher_replays_stored_augmentations(fresh, teachers, tmp_path):
         add_teachers(out, "text:minilm", progress=False, teachers=teachers[1:])
 
 
+def test_add_teacher_in_loader_workers_writes_the_same_bytes(teachers, tmp_path):
+    """Shards read and prepared by loader workers (each takes whole shards) come out byte for byte as those
+    rewritten in one process, stats and manifest alike; the record says how many workers read them."""
+    import shutil
+
+    from cxrdr.reinforce.add_teacher import add_teachers
+
+    here, there = tmp_path / "here", tmp_path / "workers"
+    build(options(here, teachers="text:minilm", limit=12), teachers=teachers[1:])  # shards of 4 records
+    shutil.copytree(here, there)
+    serial = add_teachers(here, "random:tiny", progress=False, teachers=teachers[:1], workers=0)
+    parallel = add_teachers(there, "random:tiny", progress=False, teachers=teachers[:1], workers=2)
+    assert [s["workers"] for s in (serial, parallel) for s in s["teacher_additions"]] == [0, 2]
+    shards = sorted(p.name for p in here.glob("shard-*.tar*"))
+    assert len(shards) >= 3 and shards == sorted(p.name for p in there.glob("shard-*.tar*"))
+    for name in shards:
+        assert (here / name).read_bytes() == (there / name).read_bytes(), name
+    for stats in sorted((here / "stats").glob("shard-*.json")):
+        assert stats.read_text() == (there / "stats" / stats.name).read_text()
+    assert manifest_rows(here) == manifest_rows(there)
+    assert verify(there)[0] == []
+
+
+def test_add_teacher_stopped_mid_shard_leaves_it_whole_and_a_rerun_finishes(teachers, tmp_path, monkeypatch):
+    """An add-teacher that fails inside a shard (here its second batch) leaves that shard as it was, keeps the
+    shards it finished, and a second run completes the rest: the same bytes as an add-teacher never stopped."""
+    import shutil
+
+    import cxrdr.reinforce.add_teacher as add_teacher
+
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    build(options(stopped, teachers="text:minilm", limit=12), teachers=teachers[1:])
+    shutil.copytree(stopped, whole)
+    add_teacher.add_teachers(whole, "random:tiny", progress=False, teachers=teachers[:1], batch_size=2)
+    before = {p.name: p.read_bytes() for p in stopped.glob("shard-*.tar*")}
+    real, calls = add_teacher.embed_prepared, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the second shard's second batch (2 samples a batch, 4 a shard)
+            raise RuntimeError("teacher lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(add_teacher, "embed_prepared", failing)
+    with pytest.raises(RuntimeError, match="teacher lost"):
+        add_teacher.add_teachers(stopped, "random:tiny", progress=False, teachers=teachers[:1], batch_size=2)
+    names = sorted(before)
+    assert (stopped / names[0]).read_bytes() == (whole / names[0]).read_bytes()  # finished: rewritten
+    assert all((stopped / n).read_bytes() == before[n] for n in names[1:])  # the one stopped in, and later: as were
+    monkeypatch.setattr(add_teacher, "embed_prepared", real)
+    add_teacher.add_teachers(stopped, "random:tiny", progress=False, teachers=teachers[:1], batch_size=2)
+    assert all((stopped / n).read_bytes() == (whole / n).read_bytes() for n in names)
+    assert not list(stopped.glob("*.tmp*")) and verify(stopped)[0] == []
+
+
 @pytest.mark.parametrize("replay", ["cpu", "device"])
 def test_add_teacher_with_an_image_teacher(fresh, teachers, tmp_path, replay):
     """Image embeddings added later equal those of a build that had the teacher from the start, whether
