@@ -178,6 +178,22 @@ def test_an_early_stop_writes_last_pt_even_where_passes_do_not_save(phantom_shar
     assert saves == [(6, "last.pt")]
 
 
+def test_the_loop_limits_the_probe_to_one_blas_thread_only_beside_loader_workers(phantom_shards, tmp_path,
+                                                                                 monkeypatch):
+    from cxrdr.train import loop
+
+    asked = []
+
+    def recording(*args, **kwargs):
+        asked.append((kwargs["probe_blas_threads"], kwargs["probe"]))
+        return {"score": 0.5}
+
+    monkeypatch.setattr(loop, "quick_evaluate", recording)
+    _train_recording_saves(phantom_shards, tmp_path / "here", monkeypatch, steps=2, workers=0)
+    _train_recording_saves(phantom_shards, tmp_path / "workers", monkeypatch, steps=2, workers=1, eval_probe=False)
+    assert asked == [(None, True), (1, False)]  # one pass each (eval_every 2): the loop's settings handed on
+
+
 class Killed(Exception):
     """Stands for a process killed between two saves."""
 
@@ -254,8 +270,8 @@ def test_an_inference_pass_casts_the_weights_once_not_per_batch():
 
 
 def test_the_quick_probe_fits_on_one_blas_thread_and_gives_the_threads_back(monkeypatch):
-    """A validation pass runs beside the loader's busy workers: its probe's few hundred rows use one BLAS thread,
-    the process's setting is restored after, and the probe's figures are the same as on every thread."""
+    """A validation pass beside the loader's busy workers: its probe's few hundred rows use one BLAS thread where
+    asked, the process's setting is restored after, and the probe's figures are the same as on every thread."""
     from threadpoolctl import threadpool_info
 
     import cxrdr.train.quick_eval as quick_eval
@@ -273,7 +289,7 @@ def test_the_quick_probe_fits_on_one_blas_thread_and_gives_the_threads_back(monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(quick_eval, "linear_probe", recording)
-    limited = quick_eval.quick_probe(emb, labels, subjects)
+    limited = quick_eval.quick_probe(emb, labels, subjects, blas_threads=1)
     assert seen and set(seen) == {1}
     assert [pool["num_threads"] for pool in threadpool_info()] == before
     train = np.array([quick_eval.stable_seed("probe", 0, s) % 2 == 0 for s in subjects])

@@ -433,7 +433,8 @@ class Trainer:
                 metrics = quick_evaluate(self.student, self.eval_loader, self.device, self.amp_dtype,
                                          recall_weight=self.cfg.recall_weight,
                                          max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed,
-                                         prompts=self.eval_prompts, probe=self.cfg.eval_probe)
+                                         prompts=self.eval_prompts, probe=self.cfg.eval_probe,
+                                         probe_blas_threads=1 if self.cfg.workers else None)
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:

@@ -12,6 +12,7 @@ retrieval).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -59,19 +60,20 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
 
 
 def quick_probe(emb: np.ndarray, labels: np.ndarray, subjects: list, seed: int = 0,
-                min_positives: int = 2) -> dict:
+                min_positives: int = 2, blas_threads: int | None = None) -> dict:
     """Linear probe fitted on half the subjects of the split and scored on the other half.
 
-    On one BLAS thread: a pass runs mid-training, beside the loader's busy workers, and a few hundred rows give
-    each thread too little work to pay for waiting on the others (on 2 cores with 4 busy processes beside it a
-    512-row probe took 0.5-1.4 s on every core's thread, 0.4-0.5 s on one; 0.13 and 0.19 s idle)."""
+    ``blas_threads``: at most this many BLAS threads (None: the process's). The loop asks for one when its loader
+    has workers, busy beside the pass: a few hundred rows then give each thread too little work to pay for waiting
+    on the others (on 2 cores with 4 busy processes beside it a 512-row probe took 0.5-1.4 s on every core's thread,
+    0.4-0.5 s on one; idle, 0.13 and 0.19 s)."""
     from threadpoolctl import threadpool_limits  # scikit-learn's own dependency, for this
 
     halves = np.array([stable_seed("probe", seed, s) % 2 for s in subjects])
     if halves.all() or not halves.any():  # one subject only: split rows instead
         halves = np.arange(len(subjects)) % 2
     train, test = halves == 0, halves == 1
-    with threadpool_limits(limits=1):
+    with threadpool_limits(limits=blas_threads) if blas_threads else contextlib.nullcontext():
         return linear_probe(emb[train], labels[train], emb[test], labels[test],
                             min_positives=min_positives, max_iter=500, seed=seed)
 
@@ -100,7 +102,7 @@ def quick_zeroshot(model, img: np.ndarray, labels: np.ndarray, prompts: dict, de
 
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
                    max_samples: int | None = None, seed: int = 0, prompts: dict | None = None,
-                   probe: bool = True) -> dict:
+                   probe: bool = True, probe_blas_threads: int | None = None) -> dict:
     """Retrieval (one frontal image per study) + quick probe AUC (unless not ``probe``; + zero-shot mean AUC with
     ``prompts``) + the early-stopping score, and the seconds of each phase (``eval_phase_s``: a run validates
     20-40 times, so which phase its passes spend on is worth a line of the log)."""
@@ -120,7 +122,8 @@ def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float =
     lap("retrieval")
     if probe:
         try:
-            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed)
+            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed,
+                                 blas_threads=probe_blas_threads)
             metrics["probe_mean_auc"] = fitted["mean_auc"]
             metrics["probe_n_labels"] = fitted["n_labels"]
         except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
