@@ -186,8 +186,9 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
                 name = batch["shard"]
                 rewrite = open_shards.get(name) or open_shards.setdefault(
                     name, ShardRewrite(shards_dir, {"name": name}, teachers, info))
-                rewrite.add(batch["items"], embed_prepared([entry for *_, entry in batch["items"]], teachers,
-                                                           info, replay, device))
+                items = batch["items"]  # empty where a shard ended on a full batch
+                if items:
+                    rewrite.add(items, embed_prepared([entry for *_, entry in items], teachers, info, replay, device))
                 if batch["last"]:
                     open_shards.pop(name).finish()
                     bar.update(1)
