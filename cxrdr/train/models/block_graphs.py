@@ -67,7 +67,10 @@ def quiet_side_stream_gradients():
     The capture runs its warm-up and capture backwards on a side stream, and the eager steps before it made those
     accumulators on the default stream; the capture synchronises the streams itself, and its replays run on the
     default stream (on the H200 the warning came at the capture, and replays matched eager exactly). Only the capture
-    is quieted: should a later step raise it, it still shows."""
+    is quieted: should a later step raise it, it still shows. On the H200 at 87a6120 it showed once a process, at the
+    first backward after a capture (that step's loss balance): likely the capture's own autograd graph, which
+    make_graphed_callables' static outputs keep alive, holding accumulators made on the side stream (not verified;
+    a GPU-side wait, no host sync)."""
     setter = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
     if setter is None:  # a PyTorch without the warning
         yield
