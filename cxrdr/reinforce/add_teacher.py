@@ -45,7 +45,8 @@ from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_p
 
 class ShardBatches(torch.utils.data.IterableDataset):
     """The shards to rewrite, read in ``--workers`` loader workers (or here with none): each worker takes whole
-    shards and hands on, shard by shard, batches of (key, sample members, prepared entry) in the shard's order, the
+    shards and hands on, shard by shard, batches of (key, sample members, metadata, prepared entry) in the shard's
+    order, the
     last batch of a shard marked. Reading the tar, decoding the image and replaying its views on the CPU are most of
     add-teacher's work (on an H200 it rewrote 20,000 samples in 63 s on one process, ~3 ms of host time a sample,
     with the teacher's forwards a small part): the workers take that, this process embeds and writes."""
@@ -61,15 +62,15 @@ class ShardBatches(torch.utils.data.IterableDataset):
         for shard in mine:
             pending: list[tuple] = []
             for key, sample in iter_tar_samples(self.shards_dir / shard["name"]):
-                pending.append((key, sample, self.prepare(key, sample)))
+                meta = load_meta(sample["json"])  # parsed once, here: the writer reuses it
+                pending.append((key, sample, meta, self.prepare(key, sample, meta)))
                 if len(pending) >= self.batch_size:
                     yield {"shard": shard["name"], "items": pending, "last": False}
                     pending = []
             yield {"shard": shard["name"], "items": pending, "last": True}
 
-    def prepare(self, key: str, sample: dict) -> dict:
+    def prepare(self, key: str, sample: dict, meta: dict) -> dict:
         """What the teachers take of one sample: its texts and, with image teachers, its views (or pixels)."""
-        meta = load_meta(sample["json"])
         texts = [sample["txt"].decode("utf-8")] + [c["text"] for c in meta["captions"]]
         entry = {"key": key, "texts": texts, "crops": {}, "aug": meta["aug"], "image_size": None}
         if self.sizes:
@@ -104,10 +105,10 @@ class ShardRewrite:
     """One shard rewritten with the new teachers' members: a temporary file written batch by batch (``add``),
     renamed over the shard and its stats updated at the end (``finish``); ``abort`` leaves the shard as it was."""
 
-    def __init__(self, shards_dir: Path, shard: dict, teachers, info: dict):
+    def __init__(self, shards_dir: Path, name: str, teachers, info: dict):
         self.shards_dir, self.info = shards_dir, info
-        self.index = shard_index(shard["name"])
-        self.path = shards_dir / shard["name"]
+        self.index = shard_index(name)
+        self.path = shards_dir / name
         self.stats = read_shard_stats(shards_dir, self.index)
         self.new_names = {t.name for t in teachers}
         self.old_names = [t["name"] for t in info["teachers"] if t["name"] not in self.new_names]
@@ -119,11 +120,11 @@ class ShardRewrite:
         self.checksums: dict[str, dict[str, str]] = {}
         self.tmp = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.file = open(self.tmp, "wb")
-        self.tar = TarOut(self.file, shard_compression(shard["name"]))  # the shard keeps its compression
+        self.tar = TarOut(self.file, shard_compression(name))  # the shard keeps its compression
 
     def add(self, items: list[tuple], embs: list[dict]) -> None:
         """Write one batch: each sample's members as they were plus its new teachers' rows (``embs``)."""
-        for (key, sample, _), emb in zip(items, embs):
+        for (key, sample, meta, _), emb in zip(items, embs):
             out = {"__key__": key}
             # Keep every original member byte-for-byte; drop stale members of the new teachers.
             out.update({ext: data for ext, data in sample.items() if part_of(ext) not in self.new_names})
@@ -133,7 +134,6 @@ class ShardRewrite:
                     if packed is not None:  # None: this shard was upgraded by an interrupted run
                         out = {ext: data for ext, data in out.items() if part_of(ext) != name}
                         out[teacher_ext(name)] = packed
-            meta = load_meta(sample["json"])
             if self.upgrade_json:  # schema 1/2 -> 3: the same metadata in the stored types of schema 3
                 out["json"] = meta_member(encode_meta(meta))
             for teacher, parts in emb.items():
@@ -169,10 +169,11 @@ class ShardRewrite:
 
 
 def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, batch_size: int, replay: str = "cpu",
-                   device: str = "cpu", workers: int = 0, progress: bool = False) -> None:
+                   device: str = "cpu", workers: int = 0, progress: bool = False) -> int:
     """Add ``teachers`` to each of ``shards``, read and prepared by ``workers`` loader workers (0: here), embedded
     and written here; a shard is replaced once all of it is written, so an interruption loses at most the shards
-    in progress. The same bytes whatever ``workers`` is: each shard's samples keep their order."""
+    in progress. The same bytes whatever ``workers`` is: each shard's samples keep their order. Returns the
+    workers used (at most one a shard)."""
     batches = ShardBatches(shards_dir, shards, info, teacher_sizes(teachers, info), replay, batch_size)
     workers = min(workers, len(shards))
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers, collate_fn=_as_is,
@@ -184,8 +185,9 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
         with frozen_heap() if workers else contextlib.nullcontext():
             for batch in loader:
                 name = batch["shard"]
-                rewrite = open_shards.get(name) or open_shards.setdefault(
-                    name, ShardRewrite(shards_dir, {"name": name}, teachers, info))
+                if name not in open_shards:
+                    open_shards[name] = ShardRewrite(shards_dir, name, teachers, info)
+                rewrite = open_shards[name]
                 items = batch["items"]  # empty where a shard ended on a full batch
                 if items:
                     rewrite.add(items, embed_prepared([entry for *_, entry in items], teachers, info, replay, device))
@@ -196,6 +198,7 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
         for rewrite in open_shards.values():
             rewrite.abort()
         bar.close()
+    return workers
 
 
 def add_teacher_workers(workers: int | None, device: str) -> int:
@@ -245,15 +248,15 @@ def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_c
     names = {t.name for t in teachers}
     todo = [s for s in info["shards"]
             if not names <= set(read_shard_stats(shards_dir, shard_index(s["name"])).get("teachers", []))]
-    workers = add_teacher_workers(workers, device)
-    rewrite_shards(shards_dir, todo, teachers, info, batch_size, replay, device, workers=workers, progress=progress)
+    workers = rewrite_shards(shards_dir, todo, teachers, info, batch_size, replay, device,
+                             workers=add_teacher_workers(workers, device), progress=progress)
     plan["teachers"] = plan["teachers"] + [json_safe(t.describe()) for t in teachers]
     if plan.get("schema_version", 1) < SCHEMA_VERSION:  # rewrite_shard upgraded every shard
         plan.setdefault("upgraded_from_schema_version", plan.get("schema_version", 1))
         plan["schema_version"] = SCHEMA_VERSION
     plan.setdefault("teacher_additions", []).append(
         {"teachers": [t.name for t in teachers], "spec": specs, "shards_rewritten": len(todo), "replay": replay,
-         "workers": min(workers, len(todo)), "seconds": round(time.perf_counter() - started, 3)})
+         "workers": workers, "seconds": round(time.perf_counter() - started, 3)})
     write_json_atomic(manifest.plan_path(shards_dir), plan)
     return manifest.merge(shards_dir)
 
