@@ -648,6 +648,10 @@ def test_bad_input_is_a_one_line_user_error(tmp_path, teachers):
         build(options(tmp_path / "d", rank=2, world_size=2))
     result = CliRunner().invoke(app(), ["build", "--crop-scale", "1.0", "--out", str(tmp_path / "e")])
     assert isinstance(result.exception, UserError) and "--crop-scale" in str(result.exception)
+    (tmp_path / "g").mkdir()
+    result = CliRunner().invoke(app(), ["add-teacher", str(tmp_path / "g"), "--teachers", "random:tiny",
+                                        "--workers", "-1"])
+    assert isinstance(result.exception, UserError) and "--workers must be >= 0 (got -1)" in str(result.exception)
     with pytest.raises(UserError, match="no dataset.json"):
         read_dataset_info(tmp_path / "nowhere")
     # A different build into a folder that holds one is refused, naming what differs.
