@@ -6,7 +6,7 @@ Stage 1 (`reinforce`) and stage 2 (`train`) never import each other; the experim
 from __future__ import annotations
 
 from cxrdr.common.allocator import keep_freed_memory
-from cxrdr.common.errors import run_app
+from cxrdr.common.errors import run_app, stacks_on_sigterm
 from cxrdr.experiments.cli import cli_experiment
 from cxrdr.reinforce.cli import app as reinforce_app
 from cxrdr.train.cli import app as train_app
@@ -15,11 +15,13 @@ train_app.command("experiment")(cli_experiment)
 
 
 def reinforce_main() -> None:
+    stacks_on_sigterm()
     keep_freed_memory()
     run_app(reinforce_app)
 
 
 def train_main() -> None:
+    stacks_on_sigterm()
     keep_freed_memory()
     run_app(train_app)
 

@@ -31,6 +31,8 @@ rc=$?
 if [ "$rc" -eq 0 ]; then echo "[gpu-experiment] nothing left to run"; exit 0; fi
 [ "$rc" -eq 3 ] || exit "$rc"
 COPIES="${COPIES:-1}"
+# a unit killed at HARD_S prints every thread's stack first: where it was (cxrdr.common.errors.stacks_on_sigterm)
+export CXRDR_STACKS_ON_TERM="${CXRDR_STACKS_ON_TERM-1}"
 echo "[gpu-experiment] next chunk (${COPIES} cop$([ "$COPIES" -eq 1 ] && echo y || echo ies)): stops before a new unit" \
      "after ${CHUNK_S} s, killed at ${HARD_S} s"
 start=$(date +%s)

@@ -227,7 +227,7 @@ def test_the_cpu_policy_probes_two_batches_in_this_process_then_prints_one_line(
     from cxrdr.reinforce import cpu_policy
 
     lines, threads = [], torch.get_num_threads()
-    monkeypatch.setattr(cpu_policy, "_cores", lambda: 2)
+    monkeypatch.setattr(cpu_policy, "available_cores", lambda: 2)
     say = lambda line, file=None: lines.append(line)  # noqa: E731
     try:
         torch.set_num_threads(2)

@@ -444,6 +444,13 @@ def test_train_eval_cli_writes_outputs(tiny_run):
     data = json.loads((out / "eval.json").read_text())
     assert data["retrieval"]["n_candidates"] >= 2 and "i2t_R@1_sametext" in data["retrieval"]
     assert data["meta"]["text_section"] == "both"
+    # where the time went, phase by phase (a GPU host's evaluation that outlasted its chunk said nothing), and the
+    # CPU's threads: on the CPU the process's own
+    phases = data["meta"]["phase_s"]
+    assert list(phases) == ["load", "embed", "retrieval", "embed_train", "probe", "zeroshot_geometry",
+                            "localisation", "efficiency"]
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= data["meta"]["eval_seconds"] + 0.05
+    assert data["meta"]["threads"] == torch.get_num_threads()
     lo = data["localisation"]
     assert lo["mask"]["n"] > 0  # phantom always has boxes
     for heat in ("mask", "attention"):  # every pointing game has its random-heatmap chance level beside it

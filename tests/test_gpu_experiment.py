@@ -226,6 +226,9 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     # where the validation passes spent their time (no probe in the recipe's passes)
     assert re.search(r"plain seed 10: training .* validation passes [\d.]+ s \(embed [\d.]+ s, retrieval [\d.]+ s\)",
                      step.output), step.output
+    # and the evaluation's phases (a GPU host's evaluation that outlasted its chunk said nothing of them)
+    assert re.search(r"done     plain seed 10: evaluation +[\d.]+ s +load [\d.]+ s, embed [\d.]+ s, retrieval", step.output), \
+        step.output
     import cxrdr.experiments.runs as runs_module
     import cxrdr.experiments.teacher_prep as teacher_module
 

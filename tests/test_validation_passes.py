@@ -178,20 +178,21 @@ def test_an_early_stop_writes_last_pt_even_where_passes_do_not_save(phantom_shar
     assert saves == [(6, "last.pt")]
 
 
-def test_the_loop_limits_the_probe_to_one_blas_thread_only_beside_loader_workers(phantom_shards, tmp_path,
-                                                                                 monkeypatch):
+def test_the_loop_keeps_the_processs_threads_for_its_passes_on_the_cpu(phantom_shards, tmp_path, monkeypatch):
+    """On the CPU the pass's threads do the model's work: the loop asks for no limit, with or without workers (on a
+    GPU it asks for one thread: test_host_threads.py)."""
     from cxrdr.train import loop
 
     asked = []
 
     def recording(*args, **kwargs):
-        asked.append((kwargs["probe_blas_threads"], kwargs["probe"]))
+        asked.append((kwargs["threads"], kwargs["probe"]))
         return {"score": 0.5}
 
     monkeypatch.setattr(loop, "quick_evaluate", recording)
     _train_recording_saves(phantom_shards, tmp_path / "here", monkeypatch, steps=2, workers=0)
     _train_recording_saves(phantom_shards, tmp_path / "workers", monkeypatch, steps=2, workers=1, eval_probe=False)
-    assert asked == [(None, True), (1, False)]  # one pass each (eval_every 2): the loop's settings handed on
+    assert asked == [(None, True), (None, False)]  # one pass each (eval_every 2): the loop's settings handed on
 
 
 class Killed(Exception):
@@ -269,29 +270,22 @@ def test_an_inference_pass_casts_the_weights_once_not_per_batch():
     assert three <= 3 * one - 2 * weights  # per-batch regions would cast every weight again: 3 * one
 
 
-def test_the_quick_probe_fits_on_one_blas_thread_and_gives_the_threads_back(monkeypatch):
-    """A validation pass beside the loader's busy workers: its probe's few hundred rows use one BLAS thread where
-    asked, the process's setting is restored after, and the probe's figures are the same as on every thread."""
+def test_a_pass_asked_for_one_thread_runs_on_one_and_gives_the_threads_back(monkeypatch):
+    """A validation pass on a GPU host runs its host work on one torch and one BLAS thread, and the process's
+    settings are back after it."""
     from threadpoolctl import threadpool_info
 
     import cxrdr.train.quick_eval as quick_eval
 
-    rng = np.random.default_rng(0)
-    emb = rng.normal(size=(80, 16)).astype(np.float32)
-    labels = (rng.random((80, 14)) < 0.3).astype(np.float32)
-    subjects = [f"s{i}" for i in range(80)]
-    before = [pool["num_threads"] for pool in threadpool_info()]
+    before = (torch.get_num_threads(), [pool["num_threads"] for pool in threadpool_info()])
     seen = []
-    real = quick_eval.linear_probe
 
-    def recording(*args, **kwargs):
-        seen.extend(pool["num_threads"] for pool in threadpool_info())
-        return real(*args, **kwargs)
+    def recording(*args):
+        seen.append((torch.get_num_threads(), {pool["num_threads"] for pool in threadpool_info()}))
+        return {"score": 0.5}
 
-    monkeypatch.setattr(quick_eval, "linear_probe", recording)
-    limited = quick_eval.quick_probe(emb, labels, subjects, blas_threads=1)
-    assert seen and set(seen) == {1}
-    assert [pool["num_threads"] for pool in threadpool_info()] == before
-    train = np.array([quick_eval.stable_seed("probe", 0, s) % 2 == 0 for s in subjects])
-    free = real(emb[train], labels[train], emb[~train], labels[~train], min_positives=2, max_iter=500, seed=0)
-    assert limited["n_labels"] >= 5 and limited["mean_auc"] == pytest.approx(free["mean_auc"], abs=1e-9)
+    monkeypatch.setattr(quick_eval, "_quick_evaluate", recording)
+    assert quick_eval.quick_evaluate(None, None, "cpu", threads=1) == {"score": 0.5}
+    assert quick_eval.quick_evaluate(None, None, "cpu") == {"score": 0.5}
+    assert seen == [(1, {1}), (before[0], set(before[1]))]
+    assert (torch.get_num_threads(), [pool["num_threads"] for pool in threadpool_info()]) == before

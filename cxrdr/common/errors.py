@@ -1,8 +1,11 @@
-"""Turn expected user errors into one-line messages instead of tracebacks (both CLIs use this)."""
+"""Turn expected user errors into one-line messages instead of tracebacks (both CLIs use this); on request, a
+SIGTERM prints where the process was first (`stacks_on_sigterm`)."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
+import signal
 import sys
 
 import typer
@@ -64,3 +67,12 @@ def run_app(app: typer.Typer) -> None:
         typer.secho(f"error ({type(exc).__name__}): {one_line(exc)} (set CXRDR_DEBUG=1 for the traceback)",
                     fg=typer.colors.RED, err=True)
         sys.exit(1)
+
+
+def stacks_on_sigterm() -> None:
+    """With CXRDR_STACKS_ON_TERM set, a SIGTERM (a chunk's ``timeout``) first prints every thread's stack to stderr,
+    so a unit that outlasted its chunk says where it was (scripts/gpu-experiment.sh sets it). The main process
+    only: forked loader workers drop the handler."""
+    if os.environ.get("CXRDR_STACKS_ON_TERM"):
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+        os.register_at_fork(after_in_child=lambda: faulthandler.unregister(signal.SIGTERM))

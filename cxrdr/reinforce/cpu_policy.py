@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 
 import torch
 
 from cxrdr.common.heap import frozen_heap
+from cxrdr.common.host_threads import available_cores
 
 
 def every_core(cores: int, cap: int) -> int:
@@ -71,10 +71,6 @@ def where_to_prepare(prepare_ms: float, teacher_ms: float, cores: int, workers: 
             "in_process_ms": in_process, "with_workers_ms": with_workers, "prepare_cores": prepare_cores}
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 class CpuPolicy:
     """Where a CPU teacher's build prepares its records and how many threads the teacher gets,
     chosen by ``where_to_prepare`` from what the first batches measure. The first ``PROBE``
@@ -90,7 +86,7 @@ class CpuPolicy:
     def __init__(self, teachers, workers: int, say=None):
         self.cpu = not any(str(t.device).startswith("cuda") for t in teachers)
         self.workers, self.say = workers, say
-        self.cap, self.cores = torch.get_num_threads(), _cores()
+        self.cap, self.cores = torch.get_num_threads(), available_cores()
         self.every_core = every_core(self.cores, self.cap)  # the teacher's threads while probing
         self.seen, self.measured, self.choice = 0, None, None
 

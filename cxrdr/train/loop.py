@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from cxrdr.common.augment import stable_seed
 from cxrdr.common.heap import frozen_heap
+from cxrdr.common.host_threads import host_threads, threads_beside
 from cxrdr.common.shards import read_dataset_info
 from cxrdr.teachers import load_teacher
 from cxrdr.train import distributed as dist_utils
@@ -434,7 +435,7 @@ class Trainer:
                                          recall_weight=self.cfg.recall_weight,
                                          max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed,
                                          prompts=self.eval_prompts, probe=self.cfg.eval_probe,
-                                         probe_blas_threads=1 if self.cfg.workers else None)
+                                         threads=1 if self.device.type == "cuda" else None)
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:
@@ -530,6 +531,13 @@ class Trainer:
         if timing.pending(self.step):
             self.train_time += timing.lap(self.step)[0]
 
+    def host_threads(self) -> int | None:
+        """The run's own CPU threads: on a GPU, the cores its loader workers leave (``cxrdr.common.host_threads``);
+        on the CPU, the process's (the model's work is theirs)."""
+        if self.device.type == "cuda" and self.cfg.workers > 0:
+            return threads_beside(self.cfg.workers)
+        return None
+
     def run(self) -> dict:
         start_step = self.step
         with tqdm(total=self.cfg.steps, initial=self.step, desc="train", unit="step",
@@ -557,7 +565,8 @@ def train(cfg: TrainConfig | dict, lock=None) -> dict:
     try:
         trainer = Trainer(cfg)
         try:
-            return trainer.run()
+            with host_threads(trainer.host_threads()):
+                return trainer.run()
         finally:
             dist_utils.barrier()
     finally:

@@ -12,14 +12,14 @@ retrieval).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 
 import numpy as np
 import torch
 
 from cxrdr.common.augment import stable_seed
+from cxrdr.common.host_threads import host_threads
+from cxrdr.common.phase_clock import PhaseClock
 from cxrdr.common.views import one_per_study
 from cxrdr.train.device import autocast
 from cxrdr.train.evaluation.probe import linear_probe
@@ -60,22 +60,14 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
 
 
 def quick_probe(emb: np.ndarray, labels: np.ndarray, subjects: list, seed: int = 0,
-                min_positives: int = 2, blas_threads: int | None = None) -> dict:
-    """Linear probe fitted on half the subjects of the split and scored on the other half.
-
-    ``blas_threads``: at most this many BLAS threads (None: the process's). The loop asks for one when its loader
-    has workers, busy beside the pass: a few hundred rows then give each thread too little work to pay for waiting
-    on the others (on 2 cores with 4 busy processes beside it a 512-row probe took 0.5-1.4 s on every core's thread,
-    0.4-0.5 s on one; idle, 0.13 and 0.19 s)."""
-    from threadpoolctl import threadpool_limits  # scikit-learn's own dependency, for this
-
+                min_positives: int = 2) -> dict:
+    """Linear probe fitted on half the subjects of the split and scored on the other half."""
     halves = np.array([stable_seed("probe", seed, s) % 2 for s in subjects])
     if halves.all() or not halves.any():  # one subject only: split rows instead
         halves = np.arange(len(subjects)) % 2
     train, test = halves == 0, halves == 1
-    with threadpool_limits(limits=blas_threads) if blas_threads else contextlib.nullcontext():
-        return linear_probe(emb[train], labels[train], emb[test], labels[test],
-                            min_positives=min_positives, max_iter=500, seed=seed)
+    return linear_probe(emb[train], labels[train], emb[test], labels[test],
+                        min_positives=min_positives, max_iter=500, seed=seed)
 
 
 def early_stop_score(metrics: dict, weight: float = 0.5) -> float:
@@ -102,38 +94,40 @@ def quick_zeroshot(model, img: np.ndarray, labels: np.ndarray, prompts: dict, de
 
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
                    max_samples: int | None = None, seed: int = 0, prompts: dict | None = None,
-                   probe: bool = True, probe_blas_threads: int | None = None) -> dict:
+                   probe: bool = True, threads: int | None = None) -> dict:
     """Retrieval (one frontal image per study) + quick probe AUC (unless not ``probe``; + zero-shot mean AUC with
     ``prompts``) + the early-stopping score, and the seconds of each phase (``eval_phase_s``: a run validates
-    20-40 times, so which phase its passes spend on is worth a line of the log)."""
-    clock = time.perf_counter()
-    seconds = {}
+    20-40 times, so which phase its passes spend on is worth a line of the log).
 
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[phase], clock = round(now - clock, 3), now
+    ``threads``: the pass's CPU threads, torch's and BLAS's (None: the process's). The loop asks for one when its
+    model is on a GPU: the host's part (retrieval on a few hundred rows, the probe) gives each thread too little
+    work to pay for waiting on ones that busy loader workers deschedule (``cxrdr.common.host_threads``: on the H200
+    a pass's retrieval took 0.7 s beside two runs' workers, 10 ms on this idle box)."""
+    with host_threads(threads):
+        return _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples, seed, prompts, probe)
 
+
+def _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples, seed, prompts, probe) -> dict:
+    clock = PhaseClock()
     data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
-    lap("embed")  # the embeddings come back to the host: the device's work is in it
+    clock.lap("embed")  # the embeddings come back to the host: the device's work is in it
     rows = one_per_study(data["key"], data["study_id"], data["view"])
     metrics = retrieval_metrics(data["img"][rows], data["txt"][rows],
                                 texts=[data["report_text"][i] for i in rows])
-    lap("retrieval")
+    clock.lap("retrieval")
     if probe:
         try:
-            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed,
-                                 blas_threads=probe_blas_threads)
+            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed)
             metrics["probe_mean_auc"] = fitted["mean_auc"]
             metrics["probe_n_labels"] = fitted["n_labels"]
         except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
             metrics["probe_mean_auc"] = float("nan")
             metrics["probe_error"] = str(exc)
-        lap("probe")
+        clock.lap("probe")
     if prompts:
         metrics["zeroshot_mean_auc"] = quick_zeroshot(model, data["img"], data["labels"], prompts, device)
-        lap("zeroshot")
+        clock.lap("zeroshot")
     metrics["n_eval"] = len(data["key"])
     metrics["score"] = early_stop_score(metrics, recall_weight)
-    metrics["eval_phase_s"] = seconds
+    metrics["eval_phase_s"] = clock.seconds
     return metrics

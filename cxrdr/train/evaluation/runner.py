@@ -21,11 +21,13 @@ global metrics only (retrieval, probe, zero-shot, geometry, inference cost).
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from cxrdr.common.host_threads import host_threads
+from cxrdr.common.phase_clock import PhaseClock
 from cxrdr.common.shards import read_dataset_info
 from cxrdr.common.views import one_per_study
 from cxrdr.train.evaluation.efficiency import efficiency_metrics, image_encoder_metrics
@@ -47,67 +49,83 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
              n_5x200: int = 200, n_localisation: int = 64, n_faithfulness: int = 16,
              faith_steps: int = 10, top_fraction: float = 0.2, efficiency: bool = True,
              efficiency_batch: int = 32, n_plots: int = 6, seed: int = 0, device: str | None = None,
-             progress: bool = True, quiet: bool = False) -> dict:
+             progress: bool = True, quiet: bool = False, threads: int | None = None) -> dict:
     """Run every metric on ``split`` of ``shards_dir``; write eval.json/eval.md/PNGs to ``out_dir``.
 
     ``train_shards`` (default ``shards_dir``) holds the ``train_split`` the linear probe is fitted on and
     whose boxes make the train-box prior of the localisation: the report set may be a folder of its own.
 
+    ``threads``: CPU threads for the host's part (decoding, views, metrics); default one when the model is on a
+    GPU (its host work is small operations, which many threads slow down beside other busy processes:
+    ``cxrdr.common.host_threads``), else the process's. ``meta.phase_s`` says what each part took.
+
     Returns the results dict (``results["summary"]`` is the flat row of headline numbers).
     """
     if text_section not in TEXT_SECTIONS:
         raise ValueError(f"text_section must be one of {TEXT_SECTIONS}, got {text_section!r}")
-    started = time.perf_counter()
     em = as_eval_model(model, device)
-    samples = load_split(shards_dir, split, max_samples)
-    if not samples:
-        raise ValueError(f"{shards_dir}: split {split!r} has no samples")
-    texts, fallbacks = zip(*(retrieval_text(s, text_section) for s in samples))
-    texts = list(texts)
-    results: dict = {"meta": {
-        "model": em.name, "student": em.is_student, "shards": str(shards_dir), "split": split,
-        "n_samples": len(samples), "text_section": text_section,
-        "text_section_fallbacks_to_report": int(sum(fallbacks)), "seed": seed,
-        "image_view": "full stored image (identity params) at the model input size",
-        "image_size": em.image_size, "device": str(em.device)}}
-    if em.is_student:
-        results["meta"]["student_config"] = _config_dict(em.module)
-    ids: dict = {"split": split, "text_section": text_section, "seed": seed}
+    if threads is None and str(em.device).startswith("cuda"):
+        threads = 1
+    with host_threads(threads):
+        clock = PhaseClock(digits=2)
+        samples = load_split(shards_dir, split, max_samples)
+        if not samples:
+            raise ValueError(f"{shards_dir}: split {split!r} has no samples")
+        texts, fallbacks = zip(*(retrieval_text(s, text_section) for s in samples))
+        texts = list(texts)
+        results: dict = {"meta": {
+            "model": em.name, "student": em.is_student, "shards": str(shards_dir), "split": split,
+            "n_samples": len(samples), "text_section": text_section,
+            "text_section_fallbacks_to_report": int(sum(fallbacks)), "seed": seed,
+            "image_view": "full stored image (identity params) at the model input size",
+            "image_size": em.image_size, "device": str(em.device), "threads": torch.get_num_threads()}}
+        if em.is_student:
+            results["meta"]["student_config"] = _config_dict(em.module)
+        ids: dict = {"split": split, "text_section": text_section, "seed": seed}
+        clock.lap("load")
 
-    img = embed_images(em, samples, batch_size, progress, f"embed {split} images")
-    _retrieval(results, ids, em, samples, texts, img, batch_size)
-    ids["all"] = [s.key for s in samples]
-    labels = np.asarray([s.labels for s in samples], dtype=np.float64)
-    train_shards = shards_dir if train_shards is None else train_shards
-    results["meta"]["train_shards"] = str(train_shards)
-    train_rows = _train_split_embeddings(em, train_shards, train_split, probe_max_train, batch_size, progress)
-    if train_rows is None:
-        results["probe"] = {"skipped": f"no {train_split!r} split in the shards"}
-    else:
-        results["probe"] = linear_probe(train_rows["img"], train_rows["labels"], img, labels,
-                                        min_positives=min_positives, seed=seed)
-        results["probe"]["train_split"] = train_split
-        ids["probe_train"] = train_rows["keys"]
-    _zeroshot(results, ids, em, samples, img, labels, prompts, batch_size, min_positives, n_5x200, seed)
-    results["geometry"] = distance_ratio(img, [s.meta.get("subject_id", s.key) for s in samples], seed=seed)
+        img = embed_images(em, samples, batch_size, progress, f"embed {split} images")
+        clock.lap("embed")
+        _retrieval(results, ids, em, samples, texts, img, batch_size)
+        clock.lap("retrieval")
+        ids["all"] = [s.key for s in samples]
+        labels = np.asarray([s.labels for s in samples], dtype=np.float64)
+        train_shards = shards_dir if train_shards is None else train_shards
+        results["meta"]["train_shards"] = str(train_shards)
+        train_rows = _train_split_embeddings(em, train_shards, train_split, probe_max_train, batch_size, progress)
+        clock.lap("embed_train")
+        if train_rows is None:
+            results["probe"] = {"skipped": f"no {train_split!r} split in the shards"}
+        else:
+            results["probe"] = linear_probe(train_rows["img"], train_rows["labels"], img, labels,
+                                            min_positives=min_positives, seed=seed)
+            results["probe"]["train_split"] = train_split
+            ids["probe_train"] = train_rows["keys"]
+        clock.lap("probe")
+        _zeroshot(results, ids, em, samples, img, labels, prompts, batch_size, min_positives, n_5x200, seed)
+        results["geometry"] = distance_ratio(img, [s.meta.get("subject_id", s.key) for s in samples], seed=seed)
+        clock.lap("zeroshot_geometry")
 
-    plots: dict = {}
-    if em.is_student:
-        localisation, faithfulness, plots = localisation_and_faithfulness(
-            em, samples, texts, n_localisation, n_faithfulness, faith_steps, top_fraction, n_plots,
-            seed, progress, train_boxes=_train_boxes(train_shards, train_split))
-        results["localisation"], results["faithfulness"] = localisation, faithfulness
-        ids.update(plots.get("ids", {}))
-    if efficiency:
-        results["efficiency"] = (efficiency_metrics(em.module, batch_size=efficiency_batch)
-                                 if em.is_student else
-                                 image_encoder_metrics(em.module.encode_images, em.image_size,
-                                                       efficiency_batch, device=em.device))
-    results["meta"]["eval_seconds"] = round(time.perf_counter() - started, 2)
-    results["summary"] = summary_row(results)
-    if out_dir is not None:
-        write_eval_outputs(results, ids, plots, Path(out_dir), quiet=quiet)
-    return results
+        plots: dict = {}
+        if em.is_student:
+            localisation, faithfulness, plots = localisation_and_faithfulness(
+                em, samples, texts, n_localisation, n_faithfulness, faith_steps, top_fraction, n_plots,
+                seed, progress, train_boxes=_train_boxes(train_shards, train_split))
+            results["localisation"], results["faithfulness"] = localisation, faithfulness
+            ids.update(plots.get("ids", {}))
+            clock.lap("localisation")
+        if efficiency:
+            results["efficiency"] = (efficiency_metrics(em.module, batch_size=efficiency_batch)
+                                     if em.is_student else
+                                     image_encoder_metrics(em.module.encode_images, em.image_size,
+                                                           efficiency_batch, device=em.device))
+            clock.lap("efficiency")
+        results["meta"]["eval_seconds"] = clock.total()
+        results["meta"]["phase_s"] = clock.seconds
+        results["summary"] = summary_row(results)
+        if out_dir is not None:
+            write_eval_outputs(results, ids, plots, Path(out_dir), quiet=quiet)
+        return results
 
 
 def _retrieval(results: dict, ids: dict, em: EvalModel, samples: list, texts: list[str], img: np.ndarray,

@@ -1,0 +1,49 @@
+"""CPU threads for a process's own small tensor and BLAS work when its model runs on a GPU.
+
+torch's intra-op pool (a thread a core) and the BLAS pool split each small operation across every core, then
+wait at a barrier for the slowest thread. Beside busy loader workers, or a second process doing the same, those
+threads are descheduled and every small operation waits for them: on this 2-core box, with two busy processes
+beside it, a pass's retrieval and quick probe on 512 rows took 1.07 s on 2 threads and 0.24 s on 1 (idle: 0.16
+and 0.16 s; ``python benchmarks/host_threads.py``). On the H200, two recipe copies with their loader workers made a
+validation pass's retrieval take 0.7 s (10 ms here), and a run's final evaluation did not end in 170 s
+(docs/gpu.md, "Seventh GPU session").
+So a process whose model is on a GPU keeps its threads to the cores its workers leave, and work between GPU
+batches (evaluations, validation passes) runs on one thread. The CPU path keeps every core: there the threads do
+the model's work.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_beside(workers: int, cap: int | None = None) -> int:
+    """Intra-op threads that leave ``workers`` loader workers a core each: at least 1, at most ``cap``
+    (default: torch's current count, which honours OMP_NUM_THREADS)."""
+    cap = torch.get_num_threads() if cap is None else cap
+    return max(1, min(cap, available_cores() - max(0, workers)))
+
+
+@contextlib.contextmanager
+def host_threads(threads: int | None):
+    """torch's intra-op threads and every BLAS/OpenMP pool (threadpoolctl, scikit-learn's own dependency)
+    at ``threads`` inside the block, restored after it; None changes nothing."""
+    if threads is None:
+        yield
+        return
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with threadpool_limits(limits=threads):
+            yield
+    finally:
+        torch.set_num_threads(before)
