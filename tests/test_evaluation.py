@@ -608,3 +608,31 @@ def _check_intervals_over_images(data: dict, md: str, printed: str, out) -> None
     assert "PG z − train prior" in printed and "PG attn train prior" in printed
     assert f"{s['margin_attn_train_prior']:+.3f} [" in printed
 
+
+def test_the_train_split_is_read_once_per_folder_state(phantom_shards, tmp_path, monkeypatch):
+    """An evaluation's probe rows and train boxes come from one pass over the train split, kept while the folder's
+    dataset.json is unchanged (a recipe evaluates a dozen runs against one split) and read again once it changes."""
+    import math
+    import os
+    import shutil
+
+    from cxrdr.common.shards import read_dataset_info
+    from cxrdr.train.evaluation import samples as samples_module
+
+    folder = tmp_path / "shards"
+    shutil.copytree(phantom_shards, folder)
+    passes = []
+    real = samples_module.iter_samples
+    monkeypatch.setattr(samples_module, "iter_samples", lambda *a: passes.append(a) or real(*a))
+    rows = samples_module.train_split_rows(folder, "train", 5)
+    every = list(real(folder, "train"))
+    stride = math.ceil(read_dataset_info(folder)["counts"]["train"] / 5)
+    assert [s.key for s in rows.probe] == [s.key for s in every[::stride]][:5] and len(rows.probe) <= 5
+    assert len(rows.boxes) == sum(bool(s.meta.get("boxes")) for s in every) > 0
+    assert samples_module.train_split_rows(folder, "train", 5) is rows and len(passes) == 1
+    info = folder / "dataset.json"
+    info.write_text(info.read_text())  # rewritten (add-teacher rewrites it): read again
+    stat = info.stat()
+    os.utime(info, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # however coarse the clock
+    assert samples_module.train_split_rows(folder, "train", 5) == rows and len(passes) == 2
+    assert samples_module.train_split_rows(folder, "no-such-split", 5) == samples_module.TrainSplitRows((), ())

@@ -20,7 +20,6 @@ global metrics only (retrieval, probe, zero-shot, geometry, inference cost).
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,6 @@ import torch
 
 from cxrdr.common.host_threads import host_threads
 from cxrdr.common.phase_clock import PhaseClock
-from cxrdr.common.shards import read_dataset_info
 from cxrdr.common.views import one_per_study
 from cxrdr.train.evaluation.efficiency import efficiency_metrics, image_encoder_metrics
 from cxrdr.train.evaluation.embedding import EvalModel, as_eval_model, embed_images, embed_texts
@@ -36,7 +34,8 @@ from cxrdr.train.evaluation.geometry import distance_ratio
 from cxrdr.train.evaluation.probe import linear_probe
 from cxrdr.train.evaluation.report import write_eval_outputs
 from cxrdr.train.evaluation.retrieval import retrieval_metrics
-from cxrdr.train.evaluation.samples import TEXT_SECTIONS, iter_samples, load_split, retrieval_text
+from cxrdr.train.evaluation.samples import (TEXT_SECTIONS, TrainSplitRows, load_split, retrieval_text,
+                                             train_split_rows)
 from cxrdr.train.evaluation.student_maps import localisation_and_faithfulness
 from cxrdr.train.evaluation.zeroshot import (encode_prompts, load_prompts, multiclass_accuracy,
                                              select_5x200, zeroshot_auc)
@@ -92,7 +91,8 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         labels = np.asarray([s.labels for s in samples], dtype=np.float64)
         train_shards = shards_dir if train_shards is None else train_shards
         results["meta"]["train_shards"] = str(train_shards)
-        train_rows = _train_split_embeddings(em, train_shards, train_split, probe_max_train, batch_size, progress)
+        train = train_split_rows(train_shards, train_split, probe_max_train)
+        train_rows = _train_split_embeddings(em, train, train_split, batch_size, progress)
         clock.lap("embed_train")
         if train_rows is None:
             results["probe"] = {"skipped": f"no {train_split!r} split in the shards"}
@@ -110,7 +110,7 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         if em.is_student:
             localisation, faithfulness, plots = localisation_and_faithfulness(
                 em, samples, texts, n_localisation, n_faithfulness, faith_steps, top_fraction, n_plots,
-                seed, progress, train_boxes=_train_boxes(train_shards, train_split))
+                seed, progress, train_boxes=list(train.boxes))
             results["localisation"], results["faithfulness"] = localisation, faithfulness
             ids.update(plots.get("ids", {}))
             clock.lap("localisation")
@@ -166,30 +166,14 @@ def _config_dict(student) -> dict:
     return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
 
 
-def _train_split_embeddings(em, shards_dir, split, max_rows, batch_size, progress):
-    """Embeddings of an even stride over the train split (at most ``max_rows``), or None."""
-    count = int(read_dataset_info(shards_dir).get("counts", {}).get(split, 0) or 0)
-    stride = max(1, math.ceil(count / max_rows)) if (max_rows and count) else 1
-    chosen = [s for i, s in enumerate(iter_samples(shards_dir, split)) if i % stride == 0]
-    if max_rows:
-        chosen = chosen[:max_rows]
-    if not chosen:
+def _train_split_embeddings(em, train: TrainSplitRows, split: str, batch_size: int, progress: bool):
+    """Embeddings of the probe's train rows, or None where the split has none."""
+    if not train.probe:
         return None
+    chosen = list(train.probe)
     return {"img": embed_images(em, chosen, batch_size, progress, f"embed {split} images"),
             "labels": np.asarray([s.labels for s in chosen], dtype=np.float64),
             "keys": [s.key for s in chosen]}
-
-
-def _train_boxes(shards_dir, split: str) -> list[tuple]:
-    """(width, height, boxes) of every image of ``split`` with boxes: the train-box prior's input."""
-    if not int(read_dataset_info(shards_dir).get("counts", {}).get(split, 0) or 0):
-        return []
-    out = []
-    for s in iter_samples(shards_dir, split):
-        if s.meta.get("boxes"):
-            width, height = s.meta.get("image_size") or s.image().size
-            out.append((width, height, s.meta["boxes"]))
-    return out
 
 
 def _get(d: dict, *path, default=None):
