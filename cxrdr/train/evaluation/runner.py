@@ -92,16 +92,7 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         train_shards = shards_dir if train_shards is None else train_shards
         results["meta"]["train_shards"] = str(train_shards)
         train = train_split_rows(train_shards, train_split, probe_max_train)
-        train_rows = _train_split_embeddings(em, train, train_split, batch_size, progress)
-        clock.lap("embed_train")
-        if train_rows is None:
-            results["probe"] = {"skipped": f"no {train_split!r} split in the shards"}
-        else:
-            results["probe"] = linear_probe(train_rows["img"], train_rows["labels"], img, labels,
-                                            min_positives=min_positives, seed=seed)
-            results["probe"]["train_split"] = train_split
-            ids["probe_train"] = train_rows["keys"]
-        clock.lap("probe")
+        _probe(results, ids, em, train, train_split, img, labels, batch_size, min_positives, seed, progress, clock)
         _zeroshot(results, ids, em, samples, img, labels, prompts, batch_size, min_positives, n_5x200, seed)
         results["geometry"] = distance_ratio(img, [s.meta.get("subject_id", s.key) for s in samples], seed=seed)
         clock.lap("zeroshot_geometry")
@@ -166,14 +157,21 @@ def _config_dict(student) -> dict:
     return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
 
 
-def _train_split_embeddings(em, train: TrainSplitRows, split: str, batch_size: int, progress: bool):
-    """Embeddings of the probe's train rows, or None where the split has none."""
+def _probe(results: dict, ids: dict, em: EvalModel, train: TrainSplitRows, split: str, img: np.ndarray,
+           labels: np.ndarray, batch_size: int, min_positives: int, seed: int, progress: bool,
+           clock: PhaseClock) -> None:
+    """The linear probe: fitted on the train split's probe rows, scored on the evaluated split's images."""
     if not train.probe:
-        return None
+        results["probe"] = {"skipped": f"no {split!r} split in the shards"}
+        return
     chosen = list(train.probe)
-    return {"img": embed_images(em, chosen, batch_size, progress, f"embed {split} images"),
-            "labels": np.asarray([s.labels for s in chosen], dtype=np.float64),
-            "keys": [s.key for s in chosen]}
+    train_img = embed_images(em, chosen, batch_size, progress, f"embed {split} images")
+    clock.lap("embed_train")
+    results["probe"] = linear_probe(train_img, np.asarray([s.labels for s in chosen], dtype=np.float64), img, labels,
+                                    min_positives=min_positives, seed=seed)
+    results["probe"]["train_split"] = split
+    ids["probe_train"] = [s.key for s in chosen]
+    clock.lap("probe")
 
 
 def _get(d: dict, *path, default=None):
