@@ -19,6 +19,8 @@ def test_threads_beside_workers_leave_each_worker_a_core(monkeypatch):
     assert ht.threads_beside(8, cap=4) == 4  # never more than torch had (OMP_NUM_THREADS)
     assert ht.threads_beside(20, cap=16) == 1 and ht.threads_beside(16, cap=16) == 1
     assert ht.threads_beside(0, cap=16) == 16
+    assert ht.threads_beside(4, cap=16, processes=2) == 4  # two ranks: 8 workers, 8 cores left, 4 each
+    assert ht.threads_beside(8, cap=16, processes=2) == 1
 
 
 def test_host_threads_sets_torch_and_blas_and_restores_them_even_on_error():
@@ -35,9 +37,14 @@ def test_host_threads_sets_torch_and_blas_and_restores_them_even_on_error():
 def test_a_gpu_run_keeps_its_threads_to_the_cores_its_workers_leave(monkeypatch):
     from cxrdr.train.loop import Trainer
 
-    monkeypatch.setattr("cxrdr.train.loop.threads_beside", lambda workers: 16 - workers)
-    run = lambda device, workers: SimpleNamespace(device=torch.device(device), cfg=SimpleNamespace(workers=workers))
+    monkeypatch.setattr(ht, "available_cores", lambda: 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+
+    def run(device, workers, world=1):
+        return SimpleNamespace(device=torch.device(device), cfg=SimpleNamespace(workers=workers), world=world)
+
     assert Trainer.host_threads(run("cuda", 8)) == 8
+    assert Trainer.host_threads(run("cuda", 4, world=2)) == 4
     assert Trainer.host_threads(run("cuda", 0)) is None  # the process loads its own batches: its threads
     assert Trainer.host_threads(run("cpu", 8)) is None  # the CPU's threads train the model
 

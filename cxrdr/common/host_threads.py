@@ -24,11 +24,13 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def threads_beside(workers: int, cap: int | None = None) -> int:
-    """Intra-op threads that leave ``workers`` loader workers a core each: at least 1, at most ``cap``
-    (default: torch's current count, which honours OMP_NUM_THREADS)."""
+def threads_beside(workers: int, cap: int | None = None, processes: int = 1) -> int:
+    """Intra-op threads for each of ``processes`` alike processes (DDP ranks on one host) that leave each one's
+    ``workers`` loader workers a core each: at least 1, at most ``cap`` (default: torch's current count, which
+    honours OMP_NUM_THREADS)."""
     cap = torch.get_num_threads() if cap is None else cap
-    return max(1, min(cap, available_cores() - max(0, workers)))
+    processes = max(1, processes)
+    return max(1, min(cap, (available_cores() - processes * max(0, workers)) // processes))
 
 
 @contextlib.contextmanager

@@ -532,10 +532,10 @@ class Trainer:
             self.train_time += timing.lap(self.step)[0]
 
     def host_threads(self) -> int | None:
-        """The run's own CPU threads: on a GPU, the cores its loader workers leave (``cxrdr.common.host_threads``);
-        on the CPU, the process's (the model's work is theirs)."""
+        """The run's own CPU threads: on a GPU, its share of the cores every rank's loader workers leave
+        (``cxrdr.common.host_threads``); on the CPU, the process's (the model's work is theirs)."""
         if self.device.type == "cuda" and self.cfg.workers > 0:
-            return threads_beside(self.cfg.workers)
+            return threads_beside(self.cfg.workers, processes=self.world)
         return None
 
     def run(self) -> dict:
