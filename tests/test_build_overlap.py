@@ -9,7 +9,6 @@ Tiny data: phantom:N builds with the random:tiny teacher, no DataLoader workers.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import threading
 import time
@@ -22,8 +21,8 @@ from cxrdr.reinforce import pipeline
 from cxrdr.reinforce.build import build
 from cxrdr.reinforce.writer import BackgroundWriter, ShardFile, WriterFailed, is_shard_complete
 from tests.test_faults import tiny_build_options
+from tests.script_loader import load_script
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -196,9 +195,7 @@ def test_a_failure_in_the_main_loop_stops_the_writer_thread(tmp_path, tiny_teach
 
 @pytest.mark.timeout(120)
 def test_throughput_benchmark_reports_the_steady_state(tmp_path):
-    spec = importlib.util.spec_from_file_location("reinforce_throughput", REPO / "benchmarks" / "reinforce_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/reinforce_throughput.py")
     profile = tmp_path / "profile.txt"
     m = bench.measure(n=6, teachers="random:tiny", workers=0, batch_size=2, n_aug=2, n_captions=2, store_size=48,
                       device="cpu", out=str(tmp_path), teacher_repeats=1, profile_out=str(profile))

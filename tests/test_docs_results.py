@@ -3,13 +3,14 @@ committed results file by scripts/headline.py, and nothing outside those blocks 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # pages other engineers own (GPU, CPU benchmarks, resume): their figures come from benchmark scripts, not results
@@ -28,10 +29,7 @@ GENERATED_SECTIONS = [("README.md", "## Headline figures"), ("README.md", "## On
 
 @pytest.fixture(scope="module")
 def headline():
-    spec = importlib.util.spec_from_file_location("headline", ROOT / "scripts" / "headline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/headline.py")
 
 
 def _outside(text: str, headline) -> str:

@@ -6,7 +6,6 @@ GPU sessions. The GPU file itself is checked against the issue's structure.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
@@ -132,9 +133,7 @@ def test_the_rehearsal_is_the_twin_with_the_gpu_recipes_models_and_image_sizes(t
     from cxrdr.cli import train_app as app
     from cxrdr.experiments.recipe import load_recipe
 
-    spec = importlib.util.spec_from_file_location("rehearse_gpu_recipe", ROOT / "scripts" / "rehearse_gpu_recipe.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/rehearse_gpu_recipe.py")
     out = tmp_path / "rehearsal"
     assert script.main(["--out", str(out), "--write-only"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]

@@ -6,6 +6,7 @@ import gc
 import pytest
 
 from cxrdr.common.heap import frozen_heap
+from tests.script_loader import load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,13 +82,8 @@ def test_a_training_run_steps_with_its_heap_frozen_and_gives_it_back(phantom_sha
 
 
 def test_the_gc_pauses_benchmark_times_each_collection_by_generation():
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gc_pauses.py"
-    spec = importlib.util.spec_from_file_location("gc_pauses", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/gc_pauses.py")
     timer = bench.CollectionTimer()
     enabled = gc.isenabled()
     gc.disable()  # only the two collections asked for

@@ -22,6 +22,7 @@ from cxrdr.train.optim import (
     param_groups,
     warmup_cosine,
 )
+from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,9 +236,7 @@ def test_lr_per_parameter_unchanged_for_every_config(name):
 def test_llrd_probe_chooses_each_decays_lr_on_seed_0_and_pairs_the_report_seeds(tmp_path, monkeypatch):
     """scripts/llrd_probe.py: the lr of each decay is the one with the best final val mean recall of seed 0;
     the report compares each decay at its own lr on the fresh seeds, paired by seed."""
-    spec = importlib.util.spec_from_file_location("llrd_probe", ROOT / "scripts" / "llrd_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("scripts/llrd_probe.py")
     monkeypatch.setattr(probe, "ROOT", tmp_path)
     best = {0.85: 0.002, 1.0: 0.0005}
 

@@ -5,7 +5,6 @@ Tiny data (the session's phantom:40 shards), the tiny-A student, a few steps of 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -21,11 +20,10 @@ import torch
 
 from tests.forked_cli import python_m
 from tests.test_faults import _rewrite_member, assert_one_line_error, run_cli
+from tests.script_loader import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kill_resume", REPO / "benchmarks" / "kill_resume.py")
-kill_resume = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kill_resume)  # the by-hand check's kill and compare, shared
+kill_resume = load_script("benchmarks/kill_resume.py")  # the by-hand check's kill and compare, shared
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Saved every 5 steps, killed at steps that 5 mostly does not divide: the lost steps are redone.
