@@ -47,6 +47,10 @@ def test_a_gpu_run_keeps_its_threads_to_the_cores_its_workers_leave(monkeypatch)
     assert Trainer.host_threads(run("cuda", 4, world=2)) == 4
     assert Trainer.host_threads(run("cuda", 0)) is None  # the process loads its own batches: its threads
     assert Trainer.host_threads(run("cpu", 8)) is None  # the CPU's threads train the model
+    # a validation pass: on a GPU one thread for all its host work; on the CPU the probe alone, beside workers
+    assert Trainer._pass_threads(run("cuda", 8)) == {"threads": 1, "probe_threads": None}
+    assert Trainer._pass_threads(run("cpu", 8)) == {"threads": None, "probe_threads": 1}
+    assert Trainer._pass_threads(run("cpu", 0)) == {"threads": None, "probe_threads": None}
 
 
 @pytest.mark.parametrize("device, expected", [("cuda", 1), ("cpu", None)])

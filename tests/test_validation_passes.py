@@ -178,21 +178,22 @@ def test_an_early_stop_writes_last_pt_even_where_passes_do_not_save(phantom_shar
     assert saves == [(6, "last.pt")]
 
 
-def test_the_loop_keeps_the_processs_threads_for_its_passes_on_the_cpu(phantom_shards, tmp_path, monkeypatch):
-    """On the CPU the pass's threads do the model's work: the loop asks for no limit, with or without workers (on a
-    GPU it asks for one thread: test_host_threads.py)."""
+def test_on_the_cpu_the_loop_limits_only_the_probe_and_only_beside_loader_workers(phantom_shards, tmp_path,
+                                                                                  monkeypatch):
+    """On the CPU the pass's threads do the model's work: the loop asks for no limit on the pass, and one thread
+    for its probe where loader workers are busy beside it (on a GPU one thread for all: test_host_threads.py)."""
     from cxrdr.train import loop
 
     asked = []
 
     def recording(*args, **kwargs):
-        asked.append((kwargs["threads"], kwargs["probe"]))
+        asked.append((kwargs["threads"], kwargs["probe_threads"], kwargs["probe"]))
         return {"score": 0.5}
 
     monkeypatch.setattr(loop, "quick_evaluate", recording)
     _train_recording_saves(phantom_shards, tmp_path / "here", monkeypatch, steps=2, workers=0)
     _train_recording_saves(phantom_shards, tmp_path / "workers", monkeypatch, steps=2, workers=1, eval_probe=False)
-    assert asked == [(None, True), (None, False)]  # one pass each (eval_every 2): the loop's settings handed on
+    assert asked == [(None, None, True), (None, 1, False)]  # one pass each (eval_every 2): the loop's settings
 
 
 class Killed(Exception):
@@ -270,9 +271,9 @@ def test_an_inference_pass_casts_the_weights_once_not_per_batch():
     assert three <= 3 * one - 2 * weights  # per-batch regions would cast every weight again: 3 * one
 
 
-def test_a_pass_asked_for_one_thread_runs_on_one_and_gives_the_threads_back(monkeypatch):
-    """A validation pass on a GPU host runs its host work on one torch and one BLAS thread, and the process's
-    settings are back after it."""
+def test_a_pass_or_its_probe_asked_for_one_thread_runs_on_one_and_gives_the_threads_back(monkeypatch):
+    """A validation pass on a GPU host runs its host work on one torch and one BLAS thread; a CPU run's probe beside
+    busy workers runs on one alone, with the same figures; the process's settings are back after either."""
     from threadpoolctl import threadpool_info
 
     import cxrdr.train.quick_eval as quick_eval
@@ -280,11 +281,20 @@ def test_a_pass_asked_for_one_thread_runs_on_one_and_gives_the_threads_back(monk
     before = (torch.get_num_threads(), [pool["num_threads"] for pool in threadpool_info()])
     seen = []
 
-    def recording(*args):
+    def threads_seen(*args, **kwargs):
         seen.append((torch.get_num_threads(), {pool["num_threads"] for pool in threadpool_info()}))
-        return {"score": 0.5}
 
-    monkeypatch.setattr(quick_eval, "_quick_evaluate", recording)
+    real_probe = quick_eval.linear_probe
+    monkeypatch.setattr(quick_eval, "linear_probe", lambda *a, **k: threads_seen() or real_probe(*a, **k))
+    rng = np.random.default_rng(0)
+    emb, labels = rng.normal(size=(40, 8)).astype(np.float32), (rng.random((40, 14)) < 0.3).astype(np.float32)
+    subjects = [f"s{i}" for i in range(40)]
+    one, every = quick_eval.quick_probe(emb, labels, subjects, threads=1), quick_eval.quick_probe(emb, labels, subjects)
+    assert one["n_labels"] >= 5 and one["mean_auc"] == pytest.approx(every["mean_auc"], abs=1e-9)
+    assert seen == [(1, {1}), (before[0], set(before[1]))]
+
+    seen.clear()
+    monkeypatch.setattr(quick_eval, "_quick_evaluate", lambda *a: threads_seen() or {"score": 0.5})
     assert quick_eval.quick_evaluate(None, None, "cpu", threads=1) == {"score": 0.5}
     assert quick_eval.quick_evaluate(None, None, "cpu") == {"score": 0.5}
     assert seen == [(1, {1}), (before[0], set(before[1]))]

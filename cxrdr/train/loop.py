@@ -435,7 +435,7 @@ class Trainer:
                                          recall_weight=self.cfg.recall_weight,
                                          max_samples=self.cfg.eval_max_samples, seed=self.cfg.seed,
                                          prompts=self.eval_prompts, probe=self.cfg.eval_probe,
-                                         threads=1 if self.device.type == "cuda" else None)
+                                         **self._pass_threads())
             metrics["eval_time_s"] = round(time.perf_counter() - t0, 3)
             self.last_eval = metrics
             if metrics["score"] > self.best_score:
@@ -530,6 +530,13 @@ class Trainer:
         self.finite.check()
         if timing.pending(self.step):
             self.train_time += timing.lap(self.step)[0]
+
+    def _pass_threads(self) -> dict:
+        """A validation pass's CPU threads: on a GPU one for all its host work (``cxrdr.common.host_threads``); on the
+        CPU the model needs every thread, and beside busy loader workers the probe alone gets one."""
+        if self.device.type == "cuda":
+            return {"threads": 1, "probe_threads": None}
+        return {"threads": None, "probe_threads": 1 if self.cfg.workers else None}
 
     def host_threads(self) -> int | None:
         """The run's own CPU threads: on a GPU, its share of the cores every rank's loader workers leave

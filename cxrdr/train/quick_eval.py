@@ -60,14 +60,17 @@ def collect_embeddings(model, loader, device, amp_dtype=None, max_samples: int |
 
 
 def quick_probe(emb: np.ndarray, labels: np.ndarray, subjects: list, seed: int = 0,
-                min_positives: int = 2) -> dict:
-    """Linear probe fitted on half the subjects of the split and scored on the other half."""
+                min_positives: int = 2, threads: int | None = None) -> dict:
+    """Linear probe fitted on half the subjects of the split and scored on the other half, on ``threads`` CPU
+    threads (None: the process's; a CPU run with busy loader workers asks for one: on 2 cores with 4 busy processes
+    beside it a 512-row probe took 0.5-1.4 s on every core's thread, 0.4-0.5 s on one; idle, 0.13 and 0.19 s)."""
     halves = np.array([stable_seed("probe", seed, s) % 2 for s in subjects])
     if halves.all() or not halves.any():  # one subject only: split rows instead
         halves = np.arange(len(subjects)) % 2
     train, test = halves == 0, halves == 1
-    return linear_probe(emb[train], labels[train], emb[test], labels[test],
-                        min_positives=min_positives, max_iter=500, seed=seed)
+    with host_threads(threads):
+        return linear_probe(emb[train], labels[train], emb[test], labels[test],
+                            min_positives=min_positives, max_iter=500, seed=seed)
 
 
 def early_stop_score(metrics: dict, weight: float = 0.5) -> float:
@@ -94,7 +97,7 @@ def quick_zeroshot(model, img: np.ndarray, labels: np.ndarray, prompts: dict, de
 
 def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float = 0.5,
                    max_samples: int | None = None, seed: int = 0, prompts: dict | None = None,
-                   probe: bool = True, threads: int | None = None) -> dict:
+                   probe: bool = True, threads: int | None = None, probe_threads: int | None = None) -> dict:
     """Retrieval (one frontal image per study) + quick probe AUC (unless not ``probe``; + zero-shot mean AUC with
     ``prompts``) + the early-stopping score, and the seconds of each phase (``eval_phase_s``: a run validates
     20-40 times, so which phase its passes spend on is worth a line of the log).
@@ -102,12 +105,15 @@ def quick_evaluate(model, loader, device, amp_dtype=None, recall_weight: float =
     ``threads``: the pass's CPU threads, torch's and BLAS's (None: the process's). The loop asks for one when its
     model is on a GPU: the host's part (retrieval on a few hundred rows, the probe) gives each thread too little
     work to pay for waiting on ones that busy loader workers deschedule (``cxrdr.common.host_threads``: on the H200
-    a pass's retrieval took 0.7 s beside two runs' workers, 10 ms on this idle box)."""
+    a pass's retrieval took 0.7 s beside two runs' workers, 10 ms on this idle box). ``probe_threads``: the probe's
+    alone (``quick_probe``), for a CPU run whose pass needs every thread for its model."""
     with host_threads(threads):
-        return _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples, seed, prompts, probe)
+        return _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples, seed, prompts, probe,
+                               probe_threads)
 
 
-def _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples, seed, prompts, probe) -> dict:
+def _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples, seed, prompts, probe,
+                    probe_threads) -> dict:
     clock = PhaseClock()
     data = collect_embeddings(model, loader, device, amp_dtype, max_samples)
     clock.lap("embed")  # the embeddings come back to the host: the device's work is in it
@@ -117,7 +123,7 @@ def _quick_evaluate(model, loader, device, amp_dtype, recall_weight, max_samples
     clock.lap("retrieval")
     if probe:
         try:
-            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed)
+            fitted = quick_probe(data["img"], data["labels"], data["subject_id"], seed=seed, threads=probe_threads)
             metrics["probe_mean_auc"] = fitted["mean_auc"]
             metrics["probe_n_labels"] = fitted["n_labels"]
         except ValueError as exc:  # too few rows for a probe: retrieval alone ranks checkpoints
