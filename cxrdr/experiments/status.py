@@ -27,14 +27,14 @@ def _json(path: Path) -> dict | None:
 
 
 def _phases(seconds: dict) -> str:
-    """" (embed 5.6 s, retrieval 14.5 s)": where a unit's time went, or nothing."""
-    return f" ({', '.join(f'{p} {float(s):.1f} s' for p, s in seconds.items())})" if seconds else ""
+    """"embed 5.6 s, retrieval 14.5 s": where a unit's time went ("" where it recorded none)."""
+    return ", ".join(f"{phase} {float(s):.1f} s" for phase, s in seconds.items())
 
 
 def _evaluation(eval_dir: Path) -> tuple[float | None, str]:
     """A finished evaluation's seconds and, where it recorded them, its phases'."""
     meta = (_json(eval_dir / "eval.json") or {}).get("meta") or {}
-    return meta.get("eval_seconds"), _phases(meta.get("phase_s") or {}).strip(" ()")
+    return meta.get("eval_seconds"), _phases(meta.get("phase_s") or {})
 
 
 def _unit(name: str, state: str, seconds: float | None = None, detail: str = "", kind: str = "setup") -> dict:
@@ -67,7 +67,7 @@ def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
     for record in passes:
         for phase, seconds in (record.get("eval_phase_s") or {}).items():
             phases[phase] = phases.get(phase, 0.0) + float(seconds)
-    split = _phases(phases)
+    split = f" ({_phases(phases)})" if phases else ""
     if state == "done":
         summary = _json(run_dir / "summary.json") or {}
         train_s = summary.get("train_time_s")
