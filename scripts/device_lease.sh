@@ -60,7 +60,7 @@ pair() {
 }
 
 RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
-read -r -a TRAIN <<< "${TRAIN:-train}"
+read -r -a TRAIN_CMD <<< "${TRAIN:-train}"  # an array of its own: TRAIN stays exported to the chunks
 recipe_folder() {  # the recipe's out folder, as train experiment reads it
   python3 -c "import sys; from cxrdr.experiments.recipe import load_recipe, recipe_out
 print(recipe_out(load_recipe(sys.argv[1])))" "$RECIPE"
@@ -106,17 +106,20 @@ case "$MODE" in
     # a fresh machine's first call also times the pair similarity (~20 s): the loop's figure the recipe waits on
     [ -d "$recipe_out" ] || pair
     rc=3
+    chunk_log=$(mktemp)
     # a chunk stops before a new unit 90 s before its kill, and the last one is killed before RECIPE_S
     while [ "$rc" -eq 3 ] && [ $(( RECIPE_S - $(elapsed) )) -gt 150 ]; do
       hard=$(( RECIPE_S - $(elapsed) - 30 ))
-      CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE"; rc=$?
+      # the chunk's own output read back whole (lease.log's tee may not have written its last lines yet)
+      CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE" 2>&1 \
+        | tee "$chunk_log"; rc=${PIPESTATUS[0]}
       if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ] && [ "$RECIPE" != "$eager_recipe" ] \
-         && grep -q "non-finite loss" "$OUT/lease.log" && go_eager; then rc=3; fi
+         && grep -q "non-finite loss" "$chunk_log" && go_eager; then rc=3; fi
     done
     collect  # first what is there, should the partial report below outlast the call
     left_s=$(( RECIPE_S + 30 - $(elapsed) ))
     if [ "$rc" -eq 3 ] && [ "$left_s" -gt 20 ]; then  # cut short: the finished runs' results (it only reads)
-      timeout "$(( left_s < 120 ? left_s : 120 ))" "${TRAIN[@]}" experiment efficiency --config "$RECIPE" --quiet \
+      timeout "$(( left_s < 120 ? left_s : 120 ))" "${TRAIN_CMD[@]}" experiment efficiency --config "$RECIPE" --quiet \
         --partial || echo "[lease] no partial results (above: why)"
       collect
     fi

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import device_carry  # noqa: E402
@@ -130,3 +131,46 @@ def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatm
     done = _collect(root, tmp_path / "out3", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _members(tmp_path / "out3" / "recipe.tar.gz", root) == {n for n in small if not n.endswith(".png")}
+
+
+def test_a_recipe_run_gone_non_finite_goes_on_eagerly_once(tmp_path):
+    """MODE=recipe: a chunk that fails with a non-finite loss makes the lease go on from recipe-eager.yaml in the
+    recipe's folder (train.cuda_graphs off), which a later call on the machine reads at once; an eager chunk that
+    fails again is not retried. `train` is a stand-in that says what it was asked."""
+    root = tmp_path / "runs" / "x"
+    root.mkdir(parents=True)  # an existing recipe folder: no pair similarity benchmark first
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: x\nout: {root}\nshards: {{dir: {root}/shards}}\ntrain: {{steps: 2}}\n")
+    asked, done = tmp_path / "asked.log", tmp_path / "done"
+    fake = tmp_path / "fake-train"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$4 $*" >> {asked}
+case " $* " in *" --status "*) [ -f {done} ] && exit 0 || exit 3 ;; esac
+if [[ "$4" == *recipe-eager.yaml && ! -f {tmp_path}/fail-eager ]]; then touch {done}; exit 0; fi
+echo "error (FloatingPointError): non-finite loss at step 1" >&2; exit 1
+""")
+    fake.chmod(0o755)
+
+    def lease(out: str) -> str:
+        env = {**os.environ, "MODE": "recipe", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(tmp_path / out),
+               "TRAIN": str(fake), "RECIPE_S": "200", "COPIES": "1",
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        run = subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return run.stdout
+
+    first = lease("out1")
+    eager = root / "recipe-eager.yaml"
+    assert "goes on eager" in first and "recipe exit 0" in first
+    saved = yaml.safe_load(eager.read_text())
+    assert saved["train"] == {"steps": 2, "cuda_graphs": "off"} and saved["name"] == "x"
+    chunks = [line.split()[0] for line in asked.read_text().splitlines() if "--chunk-s" in line]
+    assert chunks == [str(recipe), str(eager)]  # one chunk as written, then the eager copy
+
+    done.unlink()
+    (tmp_path / "fail-eager").touch()
+    asked.unlink()
+    second = lease("out2")  # a later call: the eager copy from the start; failing again, it stops
+    chunks = [line.split()[0] for line in asked.read_text().splitlines() if "--chunk-s" in line]
+    assert chunks == [str(eager)] and "goes on eager" not in second and "recipe exit 1" in second
