@@ -3,8 +3,7 @@
 # `.whl` (scripts/device_carry.py) carried:
 #
 #   MODE=recipe bash scripts/device_lease.sh   # the GPU efficiency recipe's next chunks (scripts/gpu-experiment.sh)
-#                                              # for RECIPE_S seconds (default 540), then its status; a fresh
-#                                              # machine's first call times the pair similarity first
+#                                              # for RECIPE_S seconds (default 540), then its status
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
@@ -18,14 +17,17 @@
 # disk while warm (30 s idle), so a second recipe call right after the first resumes its finished units. What
 # comes back lands in $OUT (at most 8 files): lease.log; for the recipe, recipe.tar.gz (every JSON, JSONL,
 # Markdown, YAML and plot it has written so far, finished or not: a lease that ends first still brings back the
-# teacher's figures, the finished runs' curves and evaluations and each unit's time) and, once it has finished,
+# teacher's figures, the finished runs' curves and evaluations and each unit's time), carry.tar.gz (the runs trained
+# and evaluated so far, for the next lease: below) and, once it has finished,
 # results.json, table.md, metric_vs_samples.png and the reinforced arm's heatmaps.png beside it, or, cut short, the
 # finished runs' partial-results.json and partial-table.md (`train experiment efficiency --partial`); for the
 # suite, its JSON and Markdown.
 #   env: RECIPE (default configs/experiments/gpu-efficiency.yaml; its CPU twin rehearses this script on any machine:
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, INSTALL (default 1; 0: no install, this environment's
-#        cxrdr runs), ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB)
+#        cxrdr runs), ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
+#        CARRY (default docs/results/gpu-recipe-carry.tar.gz: an earlier lease's carry.tar.gz, committed; a fresh
+#        machine's recipe call unpacks its runs first, so they are not trained again: cxrdr/experiments/carry.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${MODE:-recipe}"
@@ -76,6 +78,9 @@ collect() {
   small | tar czf "$OUT/recipe.tar.gz" -T -
   if too_big; then small | grep -v '/heatmaps.png$' | tar czf "$OUT/recipe.tar.gz" -T -; fi
   if too_big; then small | grep -v '\.png$' | tar czf "$OUT/recipe.tar.gz" -T -; fi  # the figures, no plot
+  # the runs finished so far (the carried ones included), for the next lease to go on from
+  python3 -m cxrdr.experiments.carry pack "$recipe_out" "$OUT/carry.tar.gz" --label "lease $(date -u +%FT%TZ)" \
+    || echo "[lease] no carry.tar.gz (above: why)"
   results="$recipe_out/efficiency"
   for f in results.json table.md metric_vs_samples.png; do
     [ -f "$results/$f" ] && cp "$results/$f" "$OUT/"
@@ -103,8 +108,12 @@ yaml.safe_dump(r, open(sys.argv[2], 'w'), sort_keys=False)" "$RECIPE" "$eager_re
 case "$MODE" in
   recipe)
     RECIPE_S="${RECIPE_S:-540}"
-    # a fresh machine's first call also times the pair similarity (~20 s): the loop's figure the recipe waits on
-    [ -d "$recipe_out" ] || pair
+    # (until stop 59 a fresh machine's first call timed the pair similarity first: ~20 s of the lease, measured
+    # alike on two leases; MODE=pair times it alone)
+    CARRY="${CARRY:-docs/results/gpu-recipe-carry.tar.gz}"
+    if [ -f "$CARRY" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
+      python3 -m cxrdr.experiments.carry unpack "$CARRY" "$recipe_out" || exit 1
+    fi
     rc=3
     chunk_log=$(mktemp)
     # a chunk stops before a new unit 90 s before its kill, and the last one is killed before RECIPE_S

@@ -138,7 +138,7 @@ def test_a_recipe_run_gone_non_finite_goes_on_eagerly_once(tmp_path):
     recipe's folder (train.cuda_graphs off), which a later call on the machine reads at once; an eager chunk that
     fails again is not retried. `train` is a stand-in that says what it was asked."""
     root = tmp_path / "runs" / "x"
-    root.mkdir(parents=True)  # an existing recipe folder: no pair similarity benchmark first
+    root.mkdir(parents=True)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"name: x\nout: {root}\nshards: {{dir: {root}/shards}}\ntrain: {{steps: 2}}\n")
     asked, done = tmp_path / "asked.log", tmp_path / "done"
@@ -174,3 +174,33 @@ echo "error (FloatingPointError): non-finite loss at step 1" >&2; exit 1
     second = lease("out2")  # a later call: the eager copy from the start; failing again, it stops
     chunks = [line.split()[0] for line in asked.read_text().splitlines() if "--chunk-s" in line]
     assert chunks == [str(eager)] and "goes on eager" not in second and "recipe exit 1" in second
+
+
+def test_a_lease_brings_back_its_finished_runs_and_the_next_lease_starts_from_them(tmp_path):
+    """MODE=collect packs the runs trained and evaluated into carry.tar.gz; a fresh machine's recipe call given it
+    (CARRY) unpacks them before its first chunk (the stand-in `train` finds the run carried and has nothing left),
+    and brings them back again with its own."""
+    from tests.test_carry import RUN, _finished
+
+    root = tmp_path / "runs" / "x"
+    files = _finished(root, RUN)
+    done = _collect(root, tmp_path / "out", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    carry = tmp_path / "out" / "carry.tar.gz"
+    assert _members(carry, Path("/")) == {"carried-runs.json", *files}
+
+    fresh = tmp_path / "runs" / "y"
+    recipe = tmp_path / "recipe-y.yaml"
+    recipe.write_text(f"name: y\nout: {fresh}\nshards: {{dir: {fresh}/shards}}\n")
+    fake = tmp_path / "fake-train"
+    fake.write_text(f"#!/usr/bin/env bash\n[ -f {fresh}/{RUN}/carried.json ] && exit 0 || exit 3\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "MODE": "recipe", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(tmp_path / "out2"),
+           "TRAIN": str(fake), "RECIPE_S": "200", "COPIES": "1", "CARRY": str(carry),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "carried 1 run(s)" in run.stdout and "recipe exit 0" in run.stdout, run.stdout
+    # carried on again, with where it was trained
+    assert _members(tmp_path / "out2" / "carry.tar.gz", Path("/")) == {"carried-runs.json", f"{RUN}/carried.json",
+                                                                       *files}

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import typer
 
+from cxrdr.experiments.carry import carried_from, carried_note
 from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.efficiency_report import (BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency,
                                                   plot_per_seed)
@@ -184,7 +185,8 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
         results = evaluate_run(recipe, run_dir, shards, recipe.get("isolated_efficiency", False),
                                efficiency=first)  # cost is the architecture's: one seed
         record = {"seed": seed, "train_config": cfg.to_dict(), "train_summary": summary,
-                  "curve": eval_curve(run_dir, per_step), "final": results["summary"]}
+                  "curve": eval_curve(run_dir, per_step), "final": results["summary"],
+                  "carried": carried_from(run_dir)}  # trained on an earlier GPU lease (carry.py), or None
         return result_row(name, summary, results, per_step), record, eval_hit_blocks(results)
 
     def busy(run_dir: Path) -> None:
@@ -407,6 +409,8 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
                              curve_metric, final_metric, steps_ratio, comparisons)
     if partial:
         md = [f"**Partial results**: {partial['note']}", ""] + md
+    carried = carried_note(result["runs"])
+    md = ([carried, ""] if carried else []) + md
     md += image_only_markdown(image_only) if image_only else []
     md += margins_markdown(result["margins_over_train_prior"])
     (out_dir / "table.md").write_text("\n".join(md))

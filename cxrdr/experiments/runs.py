@@ -3,8 +3,9 @@
 Finished runs (RUN/summary.json + RUN/last.pt with the same config) and evaluations (same request on the
 same checkpoint) are reused, so an interrupted experiment continues where it stopped; an unfinished run
 continues from its last.pt when the caller asks (``run_training(resume=True)``, recipe key ``resume_runs``),
-else it restarts. Where a unit's real work starts, ``chunks.begin`` may stop a chunked command
-(cxrdr/experiments/chunks.py). A run folder is
+else it restarts. A run carried from an earlier GPU lease (``carry.py``: its text files and ``carried.json``, no
+checkpoint) counts as finished when its config is the same, and its evaluation is reused as it is. Where a
+unit's real work starts, ``chunks.begin`` may stop a chunked command (cxrdr/experiments/chunks.py). A run folder is
 claimed (its folder lock) for its training and evaluation, so two copies of an experiment never work on
 one run: the other copy waits for it, or does another run first (``claim_run(wait=False)``).
 """
@@ -22,7 +23,9 @@ import typer
 import yaml
 
 from cxrdr.common.augment import AugConfig
+from cxrdr.common.errors import UserError
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
+from cxrdr.experiments.carry import carried_from, is_carried
 from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.repro import code_version, note_other_code
 from cxrdr.reinforce.build import BuildOptions, build
@@ -205,11 +208,17 @@ def run_state(run_dir: Path, cfg: TrainConfig) -> str:
 
 def unfinished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
     """RUN holds an interrupted run of this very config (config.yaml and a last.pt, no summary.json)."""
-    return not (run_dir / "summary.json").is_file() and _saved_alike(run_dir, cfg)
+    return (not (run_dir / "summary.json").is_file() and (run_dir / "last.pt").is_file()
+            and _saved_alike(run_dir, cfg))
+
+
+def has_weights(run_dir: Path) -> bool:
+    """RUN's last checkpoint is here, or the run was carried from a machine that kept it (``carry.py``)."""
+    return (Path(run_dir) / "last.pt").is_file() or is_carried(run_dir)
 
 
 def _saved_alike(run_dir: Path, cfg: TrainConfig) -> bool:
-    if not all((run_dir / f).is_file() for f in ("last.pt", "config.yaml")):
+    if not ((run_dir / "config.yaml").is_file() and has_weights(run_dir)):
         return False
     try:
         previous = TrainConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), warn=False)
@@ -300,6 +309,10 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     previous = _previous_evaluation(eval_dir, ckpt, request)
     if previous is not None:
         return previous
+    if not ckpt.is_file() and is_carried(run_dir):
+        raise UserError(f"{run_dir} was carried from {(carried_from(run_dir) or {}).get('from')!r} without its "
+                        f"weights, and its evaluation there ({eval_dir}) was not made for this recipe's request: "
+                        "remove the folder to train the run again")
     begin(f"evaluate {run_dir}")
     use_subprocess = measure and isolated and not torch.cuda.is_available()
     device = evaluation_device(recipe, opts)
@@ -320,12 +333,15 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
 
 
 def _previous_evaluation(eval_dir: Path, ckpt: Path, request: dict) -> dict | None:
-    """The eval.json of an identical earlier request on this very checkpoint (a reused run), else None."""
+    """The eval.json of an identical earlier request on this very checkpoint (a reused run; a carried run's, made
+    on the machine that kept the checkpoint), else None."""
     done, asked = eval_dir / "eval.json", eval_dir / "eval_request.json"
-    if not (done.is_file() and asked.is_file() and ckpt.is_file()):
+    carried = not ckpt.is_file() and is_carried(ckpt.parent)
+    if not (done.is_file() and asked.is_file() and (ckpt.is_file() or carried)):
         return None
     try:  # a command killed while writing them leaves a file that does not parse: evaluate again
-        if done.stat().st_mtime < ckpt.stat().st_mtime or json.loads(asked.read_text()) != jsonable(request):
+        if (not carried and done.stat().st_mtime < ckpt.stat().st_mtime) \
+                or json.loads(asked.read_text()) != jsonable(request):
             return None
         return json.loads(done.read_text())
     except json.JSONDecodeError:

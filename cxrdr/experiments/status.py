@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cxrdr.experiments.carry import carried_from
 from cxrdr.experiments.efficiency import arm_plan, runs_in_turn
-from cxrdr.experiments.runs import evaluation_done, evaluation_request, run_state
+from cxrdr.experiments.runs import evaluation_done, evaluation_request, has_weights, run_state
 from cxrdr.experiments.teacher_prep import teacher_eval_dir, teacher_eval_done, teacher_plans, teacher_seconds
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.runfolder import complete_lines
@@ -71,10 +72,12 @@ def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
     if state == "done":
         summary = _json(run_dir / "summary.json") or {}
         train_s = summary.get("train_time_s")
+        carried = carried_from(run_dir)
+        where = f" (carried from {carried.get('from')!r})" if carried else ""
         return _unit(name, "done", None if train_s is None else float(train_s) + eval_s,
                      f"{summary.get('steps')} steps x {cfg.batch_size * cfg.accum_steps}: training "
                      f"{train_s} s, mean step {summary.get('mean_step_ms')} ms; {len(passes)} validation "
-                     f"passes {eval_s:.1f} s{split}")
+                     f"passes {eval_s:.1f} s{split}{where}")
     if state == "partial":
         step = max((int(r.get("step", 0)) for r in evals), default=0)
         how = "the next command continues it" if resume else "restarts: the recipe does not set resume_runs"
@@ -111,8 +114,7 @@ def efficiency_status(recipe: dict, out_dir: Path) -> list[dict]:
     for name, seed, cfg, first in runs_in_turn(arm_runs):  # in the order the runs are trained
         run_dir = Path(cfg.out)
         units.append({**run_unit(f"{name} seed {seed}: training", cfg, resume), "kind": "run", "run": run_dir})
-        done = (run_dir / "last.pt").is_file() and evaluation_done(recipe, run_dir, shards, isolated,
-                                                                   efficiency=first)
+        done = has_weights(run_dir) and evaluation_done(recipe, run_dir, shards, isolated, efficiency=first)
         eval_dir = evaluation_request(recipe, run_dir, shards, isolated, build=False)[0]
         eval_files.append(eval_dir / "eval.json")
         seconds, phases = _evaluation(eval_dir) if done else (None, "")
