@@ -176,31 +176,27 @@ echo "error (FloatingPointError): non-finite loss at step 1" >&2; exit 1
     assert chunks == [str(eager)] and "goes on eager" not in second and "recipe exit 1" in second
 
 
-def test_a_lease_brings_back_its_finished_runs_and_the_next_lease_starts_from_them(tmp_path):
-    """MODE=collect packs the runs trained and evaluated into carry.tar.gz; a fresh machine's recipe call given it
-    (CARRY) unpacks them before its first chunk (the stand-in `train` finds the run carried and has nothing left),
-    and brings them back again with its own."""
+def test_a_lease_starts_from_the_runs_an_earlier_lease_finished_and_brings_them_back_with_its_own(tmp_path):
+    """A fresh machine's recipe call given an earlier lease's carry.tar.gz (CARRY) unpacks its runs before the first
+    chunk (the stand-in `train` finds the run carried and has nothing left), and its collect packs them again, each
+    still naming the lease that trained it."""
+    from cxrdr.experiments.carry import pack_runs
     from tests.test_carry import RUN, _finished
 
-    root = tmp_path / "runs" / "x"
-    files = _finished(root, RUN)
-    done = _collect(root, tmp_path / "out", tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    carry = tmp_path / "out" / "carry.tar.gz"
-    assert _members(carry, Path("/")) == {"carried-runs.json", *files}
-
+    files = _finished(tmp_path / "earlier", RUN)
+    carry = tmp_path / "carry.tar.gz"
+    assert pack_runs(tmp_path / "earlier", carry, "lease one") == [RUN]
     fresh = tmp_path / "runs" / "y"
     recipe = tmp_path / "recipe-y.yaml"
     recipe.write_text(f"name: y\nout: {fresh}\nshards: {{dir: {fresh}/shards}}\n")
     fake = tmp_path / "fake-train"
     fake.write_text(f"#!/usr/bin/env bash\n[ -f {fresh}/{RUN}/carried.json ] && exit 0 || exit 3\n")
     fake.chmod(0o755)
-    env = {**os.environ, "MODE": "recipe", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(tmp_path / "out2"),
+    env = {**os.environ, "MODE": "recipe", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(tmp_path / "out"),
            "TRAIN": str(fake), "RECIPE_S": "200", "COPIES": "1", "CARRY": str(carry),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0 and "carried 1 run(s)" in run.stdout and "recipe exit 0" in run.stdout, run.stdout
-    # carried on again, with where it was trained
-    assert _members(tmp_path / "out2" / "carry.tar.gz", Path("/")) == {"carried-runs.json", f"{RUN}/carried.json",
-                                                                       *files}
+    assert _members(tmp_path / "out" / "carry.tar.gz", Path("/")) == {"carried-runs.json", f"{RUN}/carried.json",
+                                                                      *files}

@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pack":
             names = pack_runs(args.recipe_out, args.archive, args.label)
-            print(f"[carry] packed {len(names)} finished run(s) into {args.archive}: {', '.join(names) or 'none'}")
+            print(f"[carry] packed {len(names)} finished run(s) into {args.archive}: {', '.join(names)}" if names
+                  else f"[carry] no run of {args.recipe_out} is trained and evaluated yet: no {args.archive}")
         else:
             names = unpack_runs(args.archive, args.recipe_out)
             print(f"[carry] carried {len(names)} run(s) into {args.recipe_out}: {', '.join(names) or 'none'}")
