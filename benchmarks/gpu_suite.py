@@ -167,10 +167,13 @@ def settings(tiny: bool, device: str) -> dict:
 
 
 def _free_device_memory() -> None:
+    """Between sections on a GPU: what the last one left in reference cycles, and the allocator's cache, given back.
+    On the CPU (the tiny suite) there is no device memory, and a full collection of this process's heap took ~0.4 s
+    a call (8.7 s of the tiny suite's test)."""
     import torch
 
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -64,7 +64,7 @@ pair() {
 RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
 read -r -a TRAIN_CMD <<< "${TRAIN:-train}"  # an array of its own: TRAIN stays exported to the chunks
 recipe_folder() {  # the recipe's out folder, as train experiment reads it
-  python3 -c "import sys; from cxrdr.experiments.recipe import load_recipe, recipe_out
+  python3 -c "import sys; from cxrdr.experiments.recipe_file import load_recipe, recipe_out
 print(recipe_out(load_recipe(sys.argv[1])))" "$RECIPE"
 }
 

@@ -28,7 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cxrdr.experiments.recipe import recipe_out  # noqa: E402
+from cxrdr.experiments.recipe_file import recipe_out  # noqa: E402
 
 GPU = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
 TWIN = ROOT / "configs" / "experiments" / "gpu-efficiency-twin.yaml"

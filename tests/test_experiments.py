@@ -311,7 +311,7 @@ def test_the_controls_recipe_changes_only_the_text_tower_of_plain_minilm():
     from pathlib import Path
 
     from cxrdr.experiments.efficiency import arm_plan, comparison_pairs
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
     from cxrdr.train.models.config import StudentConfig
 
     recipe, demo = load_recipe("configs/experiments/cpu-demo-controls.yaml"), load_recipe("cpu-demo")
@@ -364,7 +364,7 @@ def test_curve_plot_marks_where_each_arm_reaches_plain_and_the_samples_limit(tmp
 
 
 def test_recipe_errors_are_one_line(tmp_path):
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("shards: {dir: x}\nbogus: 1\n")
@@ -634,7 +634,7 @@ def test_every_shipped_recipe_names_a_selection_set_apart_from_its_report_set():
     """The protocol lives in the recipes (docs/protocol.md): settings are chosen on val, figures read a set
     no choice reads — the test split, or an evaluation set of its own."""
     from cxrdr.common.configs import config_dir
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
 
     recipes = [p for p in sorted(config_dir("experiments").glob("*.yaml"))
                if {"efficiency", "ablation"} & set(yaml.safe_load(p.read_text()))]

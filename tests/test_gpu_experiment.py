@@ -40,7 +40,7 @@ def _plain_runs(recipe):
 
 
 def test_the_gpu_recipe_has_the_issues_structure():
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
     from cxrdr.experiments.teacher_prep import teacher_plans
     from cxrdr.train.models.config import StudentConfig
 
@@ -131,7 +131,7 @@ def test_the_rehearsal_is_the_twin_with_the_gpu_recipes_models_and_image_sizes(t
     from typer.testing import CliRunner
 
     from cxrdr.cli import train_app as app
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
 
     script = load_script("scripts/rehearse_gpu_recipe.py")
     out = tmp_path / "rehearsal"

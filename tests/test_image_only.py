@@ -47,7 +47,7 @@ def test_hidden_reports_are_the_same_train_studies_in_every_mode():
 
 
 def test_the_recipe_has_the_issues_arms_and_the_twin_its_keys():
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
 
     recipe = load_recipe(RECIPE)
     spec = recipe["efficiency"]
@@ -97,7 +97,7 @@ def test_the_nih_variant_differs_from_the_nih_recipe_only_in_its_captions():
     """Issue 39 part 4 (configs/experiments/nih-retrieved.yaml): nih.yaml's teacher, students and settings;
     the retrieved arm's shards are the recipe's build but for the build teacher (the NIH-trained one, which
     the captioner needs) and IU train-report captions; fresh seeds."""
-    from cxrdr.experiments.recipe import load_recipe
+    from cxrdr.experiments.recipe_file import load_recipe
 
     configs = ROOT / "configs" / "experiments"
     nih, variant = load_recipe(configs / "nih.yaml"), load_recipe(configs / "nih-retrieved.yaml")

@@ -10,7 +10,7 @@ from PIL import Image
 
 from cxrdr.common.augment import full_image_params
 from cxrdr.common.nih import canonical_finding, chexpert_labels
-from cxrdr.experiments.recipe import expand_env
+from cxrdr.experiments.recipe_file import expand_env
 from cxrdr.reinforce.captions.from_labels import compose_report, report_from_labels
 from cxrdr.reinforce.card import dataset_card
 from cxrdr.reinforce.sources import open_source

@@ -33,7 +33,7 @@ import json, sys
 from pathlib import Path
 import cxrdr
 from cxrdr.common.configs import available, config_root
-from cxrdr.experiments.recipe import load_recipe
+from cxrdr.experiments.recipe_file import load_recipe
 from cxrdr.train.models.factory import create_student
 
 site = Path(sys.argv[1]).resolve()

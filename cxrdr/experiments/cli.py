@@ -6,8 +6,9 @@ ablation: students A-E trained alike and evaluated alike plus a k_ratio sweep (c
 reinforcement: K stored views, B_syn, caption source, 1 vs 2 teachers, lambda; equal samples, over seeds
   (cxrdr/experiments/reinforcement.py).
 
-The recipe (cxrdr/experiments/recipe.py; every key documented in configs/experiments/cpu-demo.yaml) names
-the shards, built when missing; finished runs and evaluations are reused (cxrdr/experiments/runs.py).
+The recipe (read by cxrdr/experiments/recipe_file.py, its runs' configs made by recipe.py; every key documented in
+configs/experiments/cpu-demo.yaml) names the shards, built when missing; finished runs and evaluations are reused
+(cxrdr/experiments/runs.py).
 In chunks (a GPU lent for a few minutes per command): ``--chunk-s N`` stops between units of work after N
 seconds (exit 3: rerun to continue), ``--status`` lists what is done and what is left (efficiency;
 cxrdr/experiments/chunks.py, status.py; scripts/gpu-experiment.sh runs both).
@@ -25,7 +26,7 @@ from cxrdr.experiments.ablation import ablation_experiment
 from cxrdr.experiments.chunks import ChunkTimeUp, start_chunk
 from cxrdr.experiments.efficiency import efficiency_experiment
 from cxrdr.experiments.partial import partial_results
-from cxrdr.experiments.recipe import load_recipe, recipe_out
+from cxrdr.experiments.recipe_file import load_recipe, recipe_out
 from cxrdr.experiments.reinforcement import reinforcement_experiment
 from cxrdr.experiments.status import efficiency_status, format_status, left
 

@@ -7,6 +7,8 @@ open_clip), 64-d joint space. Its embeddings mean nothing; dataset.json labels i
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import TeacherError
@@ -31,8 +33,16 @@ def build_tiny_clip(seed: int = SEED):
     with _seeded(seed):
         model = open_clip.CLIP(embed_dim=TINY["embed_dim"], vision_cfg=vision, text_cfg=text)
     open_clip.set_model_preprocess_cfg(model, PreprocessCfg(size=TINY["image_size"]).__dict__)
-    tokenizer = open_clip.SimpleTokenizer(context_length=TINY["context_length"])
-    return model, tokenizer
+    return model, _tokenizer()
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    """open_clip's SimpleTokenizer at the tiny context: one a process (reading its BPE merges takes ~0.13 s, and the
+    tests build this teacher dozens of times); it keeps no state but its cache of encoded words."""
+    import open_clip
+
+    return open_clip.SimpleTokenizer(context_length=TINY["context_length"])
 
 
 def load_random_teacher(arg: str, spec: str, device: str = "cpu", model_cache: str | None = None,

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -81,7 +82,8 @@ overlie ray shows regions hemithoraces active unremarkable
 """.split()
 
 
-def _vocab_tokens() -> list[str]:
+@functools.lru_cache(maxsize=1)  # ~3 ms to make, asked twice for every tiny text tower built
+def _vocab_tokens() -> tuple[str, ...]:
     """Deterministic vocabulary: specials, characters (+ '##' continuations), then words and '##' suffixes."""
     chars = list(string.ascii_lowercase + string.digits + string.punctuation)
     suffixes = ["s", "es", "ed", "ing", "ly", "al", "ic", "ity", "ion", "ions", "ment", "ness", "er", "ers",
@@ -94,7 +96,7 @@ def _vocab_tokens() -> list[str]:
     tokens = SPECIALS + chars + ["##" + c for c in string.ascii_lowercase + string.digits]
     tokens += ["##" + s for s in suffixes]
     tokens += [w for w in words if w not in tokens]
-    return list(dict.fromkeys(tokens))
+    return tuple(dict.fromkeys(tokens))
 
 
 def tiny_vocab_file() -> Path:
