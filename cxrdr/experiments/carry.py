@@ -9,10 +9,11 @@ for the checkpoint the earlier machine kept: the run counts as finished when its
 (``runs.run_state``), and its evaluation is reused when its request is the recipe's, never redone (there are no
 weights to redo it from; ``runs.evaluate_run`` says so should the request differ). Everything else (shards, the
 teacher, runs not carried) the next lease makes again from the same recipe and seeds; so a carried reinforced run
-distilled from the earlier lease's teacher, trained alike, whose report-set figures that lease's files keep.
+distilled from the earlier lease's teacher, trained alike but not bit for bit (that lease's files keep its figures).
 
 Only run folders (``<experiment>/runs/<arm>/seed-<n>/``) travel, each complete or not at all; an archive member
-anywhere else, or not a plain file, is refused by name. A run this machine already holds weights for stays as it is.
+anywhere else, or not a plain file, is refused by name, and members are read and written as bytes, never extracted
+(no link, device or mode from an archive reaches the disk). A run this machine holds weights for stays as it is.
 """
 from __future__ import annotations
 
