@@ -90,6 +90,7 @@ def _archive(path: Path, runs_named: list[str], members: dict[str, bytes], link:
 
 @pytest.mark.parametrize("runs_named, members, link, named", [
     ([RUN], {f"{RUN}/../../../../evil.json": b"x"}, None, "evil.json"),
+    ([RUN], {f"/{RUN}/summary.json": b"{}"}, None, f"'/{RUN}/summary.json'"),  # absolute
     ([RUN], {"shards/dataset.json": b"{}"}, None, "shards/dataset.json"),  # a finished build it is not
     ([RUN], {"efficiency/runs/plain/seed-11/summary.json": b"{}"}, None, "seed-11"),  # not a packed run
     ([RUN], {f"{RUN}0/summary.json": b"{}"}, None, "seed-100"),

@@ -112,10 +112,10 @@ def pack_runs(recipe_out: Path, archive: Path, label: str) -> list[str]:
 
 
 def _run_of(member: tarfile.TarInfo, runs: set[str]) -> str:
-    """The run folder a member belongs to; refuses anything else (absolute, '..', links, other folders)."""
+    """The run folder a member belongs to; refuses anything else (links, '..', other folders; an absolute name does
+    not match RUN_PATTERN, whose first part has no '/')."""
     match = RUN_PATTERN.match(member.name)
-    if (not member.isfile() or member.name.startswith("/") or ".." in Path(member.name).parts or match is None
-            or match.group(1) not in runs):
+    if not member.isfile() or ".." in Path(member.name).parts or match is None or match.group(1) not in runs:
         raise CarryError(f"{member.name!r} is not a file of a packed run folder {sorted(runs)}")
     return match.group(1)
 
