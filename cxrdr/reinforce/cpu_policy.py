@@ -16,7 +16,7 @@ import sys
 import torch
 
 from cxrdr.common.heap import frozen_heap
-from cxrdr.common.host_threads import available_cores
+from cxrdr.common.host_threads import available_cores, threads_beside
 
 
 def every_core(cores: int, cap: int) -> int:
@@ -104,11 +104,12 @@ class CpuPolicy:
 
     def _leave_workers_their_cores(self) -> None:
         """A GPU teacher's build process does little CPU work of its own (regrouping the workers' chunks,
-        copies, the writer's encoding): its intra-op threads keep to the cores the workers leave, as a CPU
-        teacher's do (``teacher_threads``), instead of one spinning thread a core beside them. On the H100 the
-        12 workers of a 16-core build took 13.8 ms of wall time a sample at 0ef6026, with torch's default threads
-        here; 9.7 ms at 48c40d0 with 4, for 6.5 ms of their CPU (docs/gpu.md, "Third H100 session")."""
-        threads, _ = teacher_threads(1.0, 0.0, self.cores, self.workers, self.cap)  # no CPU forward to share
+        copies, the writer's encoding): its intra-op threads keep to the cores the workers leave, as every process
+        beside loader workers with its model on a GPU does (``cxrdr.common.host_threads.threads_beside``), instead of
+        one spinning thread a core beside them. On the H100 the 12 workers of a 16-core build took 13.8 ms of wall
+        time a sample at 0ef6026, with torch's default threads here; 9.7 ms at 48c40d0 with 4, for 6.5 ms of their
+        CPU (docs/gpu.md, "Third H100 session")."""
+        threads = threads_beside(self.workers, self.cap)
         torch.set_num_threads(threads)
         self.choice = {"teacher_threads": threads, "workers": self.workers, "workers_used": self.workers,
                        "cores": self.cores, "line": f"cpu threads: the build's process {threads}, {self.workers} "
