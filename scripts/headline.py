@@ -42,6 +42,9 @@ IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
 NIH = RESULTS / "nih-efficiency.json"
 GPU_EFFICIENCY = RESULTS / "gpu-efficiency.json"  # issue 36: the GPU recipe's results.json, once a GPU has run it
+# until then, the latest lease's `train experiment efficiency --partial` results.json (which lease: GPU_PARTIAL_LEASE)
+GPU_EFFICIENCY_PARTIAL = RESULTS / "gpu-efficiency-partial.json"
+GPU_PARTIAL_LEASE = "one H200 lease at 3d7b1bb, 2026-11-27 (docs/gpu.md, \"Eighth GPU session\")"
 NIH_TABLES = RESULTS / "nih-tables.md"
 CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
 FIRST = RESULTS / "superseded" / "cpu-demo-efficiency-00389eb.json"
@@ -110,6 +113,11 @@ def _load(path: Path) -> dict:
 # --------------------------------------------------------------------------- phantom efficiency
 
 
+def _upper(ci: list) -> str:
+    """A crossing ratio's upper bound: null with a lower bound means some resamples never cross ('inf')."""
+    return "inf" if ci[1] is None and ci[0] is not None else _num(ci[1])
+
+
 def efficiency(res: dict, config: str = "configs/experiments/cpu-demo.yaml") -> list[str]:
     arms, cost = res["arms"], res.get("cost") or {}
     lines = [f"**Efficiency** (`train experiment efficiency --config {config}`; report "
@@ -122,35 +130,60 @@ def efficiency(res: dict, config: str = "configs/experiments/cpu-demo.yaml") -> 
         ci = c.get("ratio_ci") or [None, None]
         lines.append(f"| {name} | {len(arm.get('final_mean_recall') or [])} | {_ci(arm.get('final_mean_recall'))} | "
                      f"{_ci(_final(arm, 'mean_recall_findings'))} | {_ci(_final(arm, 'probe_auc'))} | "
-                     f"{_num(c.get('samples'), 0)} | {_num(c.get('ratio'))} [{_num(ci[0])}, {_num(ci[1])}] |")
+                     f"{_num(c.get('samples'), 0)} | {_num(c.get('ratio'))} [{_num(ci[0])}, {_upper(ci)}] |")
     plain = arms.get("plain", {}).get("final") or {}
     lines += ["", f"Chance mean R {_num(plain.get('chance_mean_recall'))}; the findings oracle's strict mean R "
                   f"(its ceiling) {_num(plain.get('oracle_mean_recall'))}. The teacher trained on "
                   f"{cost.get('teacher_train_samples')} samples of images the students never see: with them the "
                   f"reinforced arm's samples ratio is {_num(cost.get('reinforced_ratio_with_teacher'))}.", ""]
-    lines += [f"- {b['bar']}: {_num(b.get('value'))}" + (f" [{_num(b['ci'][0])}, {_num(b['ci'][1])}]"
+    lines += [f"- {b['bar']}: {_num(b.get('value'))}" + (f" [{_num(b['ci'][0])}, {_upper(b['ci'])}]"
                                                           if b.get("ci") else "") + f" — {_verdict(b.get('met'))}"
               for b in res.get("bars") or []]
     return lines
 
 
 def gpu_efficiency() -> list[str]:
-    """The GPU recipe's figures (issue 36) once its results.json is committed as docs/results/gpu-efficiency.json:
-    the efficiency table and bars, and each teacher on the report set beside chance and the train-box prior."""
-    if not GPU_EFFICIENCY.is_file():
+    """The GPU recipe's figures (issue 36) once its results.json is committed as docs/results/gpu-efficiency.json
+    (until then the latest lease's partial results, said so first): the efficiency table and bars, and each
+    teacher on the report set beside chance and the train-box prior."""
+    if GPU_EFFICIENCY.is_file():
+        res, lines = _load(GPU_EFFICIENCY), []
+    elif GPU_EFFICIENCY_PARTIAL.is_file():
+        res = _load(GPU_EFFICIENCY_PARTIAL)
+        lines = [gpu_partial_lead(res["partial"]), ""]
+    else:
         return ["*Not measured yet:* no GPU has run the recipe to the end, so `docs/results/gpu-efficiency.json` (its "
                 "`results.json`) does not exist; once a GPU session commits it, `python scripts/headline.py --write` "
                 "puts its table, bars and teacher here."]
-    res = _load(GPU_EFFICIENCY)
-    lines = efficiency(res, config="configs/experiments/gpu-efficiency.yaml") + [""]
+    lines += efficiency(res, config="configs/experiments/gpu-efficiency.yaml") + [""]
+    students = [run.get("final") or {} for runs in (res.get("runs") or {}).values() for run in runs]
     for name, teacher in (res.get("teachers") or {}).items():
         rep = teacher.get("report") or {}
         lines.append(f"- teacher {name} ({teacher.get('model')}, {teacher.get('steps')} steps) on the report set: "
                      f"mean R {_num(rep.get('mean_recall'))} (chance {_num(rep.get('chance_mean_recall'))}); "
-                     f"PG z {_num(rep.get('pointing_z'))} (train-box prior {_num(rep.get('train_prior_pointing_z'))}); "
-                     f"PG attention {_num(rep.get('pointing_attn'))} "
-                     f"(train-box prior {_num(rep.get('train_prior_pointing_attn'))})")
+                     f"PG z {_num(rep.get('pointing_z'))} (train-box prior "
+                     f"{_train_prior(rep, students, 'train_prior_pointing_z')}); PG attention "
+                     f"{_num(rep.get('pointing_attn'))} (train-box prior "
+                     f"{_train_prior(rep, students, 'train_prior_pointing_attn')})")
     return lines
+
+
+def gpu_partial_lead(partial: dict) -> str:
+    """The first line of partial GPU results: which lease, which runs, and what they may be read as."""
+    from cxrdr.experiments.partial import partial_caveat
+
+    runs = "; ".join(f"{arm} seeds {', '.join(map(str, seeds)) or 'none'}" for arm, seeds in partial["finished"].items())
+    return (f"*Partial results* (`train experiment efficiency --partial` after {GPU_PARTIAL_LEASE}: "
+            f"`docs/results/gpu-efficiency-partial.json`). Finished runs: {runs}. {partial_caveat(partial['left'])}")
+
+
+def _train_prior(teacher_report: dict, students: list[dict], key: str) -> str:
+    """A teacher's train-box prior on the report set: its own, else the students' (the same report images and
+    boxes, the prior from the students' train split), said so."""
+    if teacher_report.get(key) is not None:
+        return _num(teacher_report[key])
+    values = {s.get(key) for s in students} - {None}
+    return f"{_num(values.pop())}, the students'" if len(values) == 1 else "–"
 
 
 def _bar(res: dict, start: str) -> dict:

@@ -133,6 +133,7 @@ def test_the_gpu_recipes_block_says_not_measured_until_its_results_exist(headlin
     """docs/experiments.md's gpu-efficiency block: a line saying no GPU has run the recipe while
     docs/results/gpu-efficiency.json is absent; its table, bars and teacher once it is there."""
     monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "gpu-efficiency.json")
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY_PARTIAL", tmp_path / "gpu-efficiency-partial.json")
     assert headline.gpu_efficiency()[0].startswith("*Not measured yet:*")
     final = {"final_mean_recall": [0.2, 0.3], "final": {"mean_recall_findings_seeds": [0.5, 0.6],
                                                         "probe_auc_seeds": [0.8, 0.9], "chance_mean_recall": 0.01}}
@@ -150,3 +151,28 @@ def test_the_gpu_recipes_block_says_not_measured_until_its_results_exist(headlin
     assert "| reinforced | 2 | 0.250 ± " in text and "0.200 [0.100, 0.300]" in text
     assert "- a bar: 0.200 — **MET**" in text
     assert "teacher lite2-s1 (teacher-lite2-gpu-D, 120 steps)" in text and "PG z 0.800 (train-box prior 0.500)" in text
+
+
+def test_the_gpu_recipes_block_shows_a_leases_partial_results_until_the_recipe_finishes(headline, tmp_path,
+                                                                                          monkeypatch):
+    """Without results.json, the latest lease's --partial results, said so first; a teacher without its own
+    train-box prior is shown beside the students' (the same report set), an open crossing bound as 'inf'."""
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "gpu-efficiency.json")
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY_PARTIAL", tmp_path / "gpu-efficiency-partial.json")
+    final = {"final_mean_recall": [0.019, 0.021], "final": {"chance_mean_recall": 0.005}}
+    student = {"final": {"train_prior_pointing_z": 0.505, "train_prior_pointing_attn": 0.588}}
+    res = {"protocol": {"report_shards": "report"}, "seeds": [10, 11],
+           "arms": {"plain": {**final, "crossing": {"samples": 27000, "ratio": 1.0, "ratio_ci": [0.65, None]}}},
+           "bars": [], "runs": {"plain": [student, student]},
+           "partial": {"finished": {"plain": [10, 11]}, "left": {}},
+           "teachers": {"lite2-s1": {"model": "teacher-lite2-gpu-D", "steps": 120,
+                                     "report": {"mean_recall": 0.38, "pointing_z": 0.75, "pointing_attn": 0.81,
+                                                "train_prior_pointing_z": None}}}}
+    (tmp_path / "gpu-efficiency-partial.json").write_text(json.dumps(res))
+    lines = headline.gpu_efficiency()
+    assert lines[0].startswith("*Partial results*") and "Finished runs: plain seeds 10, 11." in lines[0]
+    assert "the step costs and the timed-only arms wait for the step benchmark" in lines[0]
+    text = "\n".join(lines)
+    assert "| plain | 2 | 0.020 ± " in text and "1.000 [0.650, inf]" in text
+    assert "PG z 0.750 (train-box prior 0.505, the students')" in text
+    assert "PG attention 0.810 (train-box prior 0.588, the students')" in text

@@ -5,8 +5,8 @@ finish in one lease would leave nothing to read. This writes to OUT/partial/ the
 over each arm's runs that are trained and evaluated (the arms' seeds are trained in turn, so those are paired:
 ``efficiency.runs_in_turn``). It only reads: every unit before the runs (shards, teachers) must be done, the recipe
 is read with every reuse on and no shard folder rebuilt (``read_only``), only finished runs are passed on, and
-no step is timed (the step benchmark's figures stay empty). The figures rest on fewer seeds than the recipe names;
-the table's first line and the JSON's ``partial`` say which.
+no step is timed (the step benchmark's figures stay empty). While runs are left the figures rest on fewer seeds
+than the recipe names; the table's first line and the JSON's ``partial`` say which.
 """
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ def finished_runs(units: list[dict]) -> set[Path]:
     return {run for run, seen in states.items() if seen == {"done"}}
 
 
+def partial_caveat(left: dict[str, list[int]]) -> str:
+    """What the partial figures may be read as: with runs left they rest on fewer seeds than the recipe names;
+    with every run finished only the step benchmark's figures (step costs, the timed-only arms) are missing."""
+    if left:
+        return "Figures over fewer seeds than the recipe names: not the recipe's result."
+    return ("Every run's figures are final (all the recipe's seeds); the step costs and the timed-only arms wait "
+            "for the step benchmark.")
+
+
 def partial_results(recipe: dict, out_dir: Path) -> dict:
     """results.json, table.md and the plots of the finished runs, in ``out_dir``/partial (module docstring); an
     earlier partial report there is removed first, so a refused one leaves none behind."""
@@ -60,10 +69,11 @@ def partial_results(recipe: dict, out_dir: Path) -> dict:
     done = {name: [r["seed"] for r in t["seeds"]] for name, t in trained.items()}
     planned = {name: [seed for seed, _ in rs] for name, rs in arm_runs.items()}
     left = {name: [s for s in seeds if s not in done.get(name, [])] for name, seeds in planned.items()}
+    left = {n: s for n, s in left.items() if s}
     note = (f"{len(finished)} of {sum(map(len, planned.values()))} runs finished (" + "; ".join(
         f"{name} seeds {', '.join(map(str, done.get(name, []))) or 'none'}" for name in planned)
-            + "); no step benchmark. Figures over fewer seeds than the recipe names: not the recipe's result.")
-    partial = {"note": note, "finished": done, "left": {n: s for n, s in left.items() if s}}
+            + "); no step benchmark. " + partial_caveat(left))
+    partial = {"note": note, "finished": done, "left": left}
     seeds = sorted({s for seeds in done.values() for s in seeds})
     # the arms that are only timed (online) have no row without the step benchmark
     return _results(recipe, out_dir / "partial", shards, teachers, spec, seeds, trained, runs, [], partial)
