@@ -114,17 +114,21 @@ case "$MODE" in
     if [ -f "$CARRY" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
       python3 -m cxrdr.experiments.carry unpack "$CARRY" "$recipe_out" || exit 1
     fi
-    rc=3
+    rc=3 chunks=0
     chunk_log=$(mktemp)
     # a chunk stops before a new unit 90 s before its kill, and the last one is killed before RECIPE_S
     while [ "$rc" -eq 3 ] && [ $(( RECIPE_S - $(elapsed) )) -gt 150 ]; do
       hard=$(( RECIPE_S - $(elapsed) - 30 ))
       # the chunk's own output read back whole (lease.log's tee may not have written its last lines yet)
       CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE" 2>&1 \
-        | tee "$chunk_log"; rc=${PIPESTATUS[0]}
+        | tee "$chunk_log"; rc=${PIPESTATUS[0]}; chunks=$(( chunks + 1 ))
       if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ] && [ "$RECIPE" != "$eager_recipe" ] \
          && grep -q "non-finite loss" "$chunk_log" && go_eager; then rc=3; fi
     done
+    if [ "$chunks" -eq 0 ]; then  # not one chunk ran: say why, not just "work left"
+      echo "[lease] RECIPE_S=$RECIPE_S leaves no chunk room: a chunk starts only while more than 150 s of it are" \
+           "left (it stops new units 90 s before its kill, 30 s before RECIPE_S); nothing of the recipe ran"
+    fi
     collect  # first what is there, should the partial report below outlast the call
     left_s=$(( RECIPE_S + 30 - $(elapsed) ))
     if [ "$rc" -eq 3 ] && [ "$left_s" -gt 20 ]; then  # cut short: the finished runs' results (it only reads)

@@ -200,3 +200,23 @@ def test_a_lease_starts_from_the_runs_an_earlier_lease_finished_and_brings_them_
     assert run.returncode == 0 and "carried 1 run(s)" in run.stdout and "recipe exit 0" in run.stdout, run.stdout
     assert _members(tmp_path / "out" / "carry.tar.gz", Path("/")) == {"carried-runs.json", f"{RUN}/carried.json",
                                                                       *files}
+
+
+def test_a_recipe_call_too_short_for_a_chunk_says_so_and_runs_none(tmp_path):
+    """RECIPE_S under the script's chunk room (a chunk needs more than 150 s of the call) runs no chunk and says why
+    in place of a bare 'work left' (a lease's short last call once ran nothing without a word)."""
+    root = tmp_path / "runs" / "x"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: x\nout: {root}\nshards: {{dir: {root}/shards}}\n")
+    asked = tmp_path / "asked.log"
+    fake = tmp_path / "fake-train"
+    fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {asked}\nexit 3\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "MODE": "recipe", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(tmp_path / "out"),
+           "TRAIN": str(fake), "RECIPE_S": "100", "COPIES": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "RECIPE_S=100 leaves no chunk room" in run.stdout and "recipe exit 3" in run.stdout, run.stdout
+    assert not asked.exists() or "--chunk-s" not in asked.read_text()
