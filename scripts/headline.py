@@ -120,9 +120,12 @@ def _upper(ci: list) -> str:
 
 def efficiency(res: dict, config: str = "configs/experiments/cpu-demo.yaml") -> list[str]:
     arms, cost = res["arms"], res.get("cost") or {}
+    # the arms trained over fewer seeds than the recipe's list name their own (plain-more-data, online, ...)
+    own = [name for name, arm in arms.items() if len(arm.get("final_mean_recall") or []) not in (0, len(res["seeds"]))]
     lines = [f"**Efficiency** (`train experiment efficiency --config {config}`; report "
-             f"set `{res['protocol']['report_shards']}`; seeds {res['seeds']}, online and plain-more-data "
-             f"on their own seed lists):", "",
+             f"set `{res['protocol']['report_shards']}`; seeds {res['seeds']}"
+             + (f", {' and '.join(own)} on {'their own seed lists' if len(own) > 1 else 'its own seed list'}"
+                if own else "") + "):", "",
              "| arm | seeds | mean R | same-findings R | probe AUC | samples to plain's final | ratio [95 %] |",
              "|---|---|---|---|---|---|---|"]
     for name, arm in arms.items():

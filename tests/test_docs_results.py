@@ -147,7 +147,7 @@ def test_the_gpu_recipes_block_says_not_measured_until_its_results_exist(headlin
                                                 "train_prior_pointing_attn": 0.55}}}}
     (tmp_path / "gpu-efficiency.json").write_text(json.dumps(res))
     text = "\n".join(headline.gpu_efficiency())
-    assert "--config configs/experiments/gpu-efficiency.yaml" in text
+    assert "--config configs/experiments/gpu-efficiency.yaml" in text and "seeds [10, 11]):" in text
     assert "| reinforced | 2 | 0.250 ± " in text and "0.200 [0.100, 0.300]" in text
     assert "- a bar: 0.200 — **MET**" in text
     assert "teacher lite2-s1 (teacher-lite2-gpu-D, 120 steps)" in text and "PG z 0.800 (train-box prior 0.500)" in text
@@ -162,7 +162,8 @@ def test_the_gpu_recipes_block_shows_a_leases_partial_results_until_the_recipe_f
     final = {"final_mean_recall": [0.019, 0.021], "final": {"chance_mean_recall": 0.005}}
     student = {"final": {"train_prior_pointing_z": 0.505, "train_prior_pointing_attn": 0.588}}
     res = {"protocol": {"report_shards": "report"}, "seeds": [10, 11],
-           "arms": {"plain": {**final, "crossing": {"samples": 27000, "ratio": 1.0, "ratio_ci": [0.65, None]}}},
+           "arms": {"plain": {**final, "crossing": {"samples": 27000, "ratio": 1.0, "ratio_ci": [0.65, None]}},
+                    "plain-total-samples": {"final_mean_recall": [0.04], "crossing": {}}},
            "bars": [], "runs": {"plain": [student, student]},
            "partial": {"finished": {"plain": [10, 11]}, "left": {}},
            "teachers": {"lite2-s1": {"model": "teacher-lite2-gpu-D", "steps": 120,
@@ -174,5 +175,6 @@ def test_the_gpu_recipes_block_shows_a_leases_partial_results_until_the_recipe_f
     assert "the step costs and the timed-only arms wait for the step benchmark" in lines[0]
     text = "\n".join(lines)
     assert "| plain | 2 | 0.020 ± " in text and "1.000 [0.650, inf]" in text
+    assert "seeds [10, 11], plain-total-samples on its own seed list)" in text  # the arms with fewer seeds, named
     assert "PG z 0.750 (train-box prior 0.505, the students')" in text
     assert "PG attention 0.810 (train-box prior 0.588, the students')" in text
