@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 from scipy.stats import t as student_t
 
+from cxrdr.experiments.partial_note import partial_caveat, seeds_by_arm
 from cxrdr.experiments.stats import gap_interval, t_interval, welch_half_width
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,11 +174,9 @@ def gpu_efficiency() -> list[str]:
 
 def gpu_partial_lead(partial: dict) -> str:
     """The first line of partial GPU results: which lease, which runs, and what they may be read as."""
-    from cxrdr.experiments.partial import partial_caveat
-
-    runs = "; ".join(f"{arm} seeds {', '.join(map(str, seeds)) or 'none'}" for arm, seeds in partial["finished"].items())
     return (f"*Partial results* (`train experiment efficiency --partial` after {GPU_PARTIAL_LEASE}: "
-            f"`docs/results/gpu-efficiency-partial.json`). Finished runs: {runs}. {partial_caveat(partial['left'])}")
+            f"`docs/results/gpu-efficiency-partial.json`). Finished runs: {seeds_by_arm(partial['finished'])}. "
+            f"{partial_caveat(partial['left'])}")
 
 
 def _train_prior(teacher_report: dict, students: list[dict], key: str) -> str:

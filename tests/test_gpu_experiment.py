@@ -226,8 +226,8 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert re.search(r"plain seed 10: training .* validation passes [\d.]+ s \(embed [\d.]+ s, retrieval [\d.]+ s\)",
                      step.output), step.output
     # and the evaluation's phases (a GPU host's evaluation that outlasted its chunk said nothing of them)
-    assert re.search(r"done     plain seed 10: evaluation +[\d.]+ s +load [\d.]+ s, embed [\d.]+ s, retrieval", step.output), \
-        step.output
+    assert re.search(r"done     plain seed 10: evaluation +[\d.]+ s +load [\d.]+ s, embed [\d.]+ s, retrieval",
+                     step.output), step.output
     import cxrdr.experiments.runs as runs_module
     import cxrdr.experiments.teacher_prep as teacher_module
 
@@ -250,7 +250,8 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert partial["partial"]["left"] == {"reinforced": [10], "plain-total-samples": [10]}
     assert list(partial["arms"]) == ["plain"] and partial["bench_step_ms"] == {}
     assert (out / "partial" / "table.md").read_text().startswith("**Partial results**: 1 of 3 runs finished")
-    assert partial["partial"]["note"].endswith("Figures over fewer seeds than the recipe names: not the recipe's result.")
+    assert partial["partial"]["note"].endswith(
+        "Figures over fewer seeds than the recipe names: not the recipe's result.")
     assert not (out / "runs" / "reinforced" / "seed-10" / "last.pt").exists()  # nothing trained for it
     assert not (out / "results.json").exists()
 
@@ -373,7 +374,7 @@ def test_the_chunk_script_runs_copies_side_by_side_and_fails_with_a_failing_copy
 
 
 def test_a_partial_report_with_every_run_finished_says_only_the_step_benchmark_is_missing():
-    from cxrdr.experiments.partial import partial_caveat
+    from cxrdr.experiments.partial_note import partial_caveat
 
     every_run = partial_caveat({})
     assert "fewer seeds" not in every_run and "final" in every_run and "step benchmark" in every_run

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cxrdr.common.errors import UserError
 from cxrdr.experiments.efficiency import _results, _train_arms, arm_plan
+from cxrdr.experiments.partial_note import partial_caveat, seeds_by_arm
 from cxrdr.experiments.status import efficiency_status
 from cxrdr.experiments.teacher_prep import prepare_teachers
 
@@ -36,15 +37,6 @@ def finished_runs(units: list[dict]) -> set[Path]:
         if unit["kind"] == "run":
             states.setdefault(unit["run"], set()).add(unit["state"])
     return {run for run, seen in states.items() if seen == {"done"}}
-
-
-def partial_caveat(left: dict[str, list[int]]) -> str:
-    """What the partial figures may be read as: with runs left they rest on fewer seeds than the recipe names;
-    with every run finished only the step benchmark's figures (step costs, the timed-only arms) are missing."""
-    if left:
-        return "Figures over fewer seeds than the recipe names: not the recipe's result."
-    return ("Every run's figures are final (all the recipe's seeds); the step costs and the timed-only arms wait "
-            "for the step benchmark.")
 
 
 def partial_results(recipe: dict, out_dir: Path) -> dict:
@@ -70,9 +62,9 @@ def partial_results(recipe: dict, out_dir: Path) -> dict:
     planned = {name: [seed for seed, _ in rs] for name, rs in arm_runs.items()}
     left = {name: [s for s in seeds if s not in done.get(name, [])] for name, seeds in planned.items()}
     left = {n: s for n, s in left.items() if s}
-    note = (f"{len(finished)} of {sum(map(len, planned.values()))} runs finished (" + "; ".join(
-        f"{name} seeds {', '.join(map(str, done.get(name, []))) or 'none'}" for name in planned)
-            + "); no step benchmark. " + partial_caveat(left))
+    note = (f"{len(finished)} of {sum(map(len, planned.values()))} runs finished ("
+            + seeds_by_arm({name: done.get(name, []) for name in planned}) + "); no step benchmark. "
+            + partial_caveat(left))
     partial = {"note": note, "finished": done, "left": left}
     seeds = sorted({s for seeds in done.values() for s in seeds})
     # the arms that are only timed (online) have no row without the step benchmark

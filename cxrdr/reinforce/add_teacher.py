@@ -47,9 +47,9 @@ from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_p
 class ShardBatches(torch.utils.data.IterableDataset):
     """The shards to rewrite, read in ``--workers`` loader workers (or here with none): each worker takes whole
     shards and hands on, shard by shard, batches of (key, sample members, metadata, prepared entry) in the shard's
-    order, the last batch of a shard marked. Reading the tar, decoding the image and replaying its views on the CPU are most of
-    add-teacher's work (on an H200 it rewrote 20,000 samples in 63 s on one process, ~3 ms of host time a sample,
-    with the teacher's forwards a small part): the workers take that, this process embeds and writes."""
+    order, the last batch of a shard marked. Reading the tar, decoding the image and replaying its views on the CPU
+    are most of add-teacher's work (on an H200 it rewrote 20,000 samples in 63 s on one process, ~3 ms of host time a
+    sample, with the teacher's forwards a small part): the workers take that, this process embeds and writes."""
 
     def __init__(self, shards_dir: Path, shards: list[dict], info: dict, sizes: list[int], replay: str,
                  batch_size: int):
