@@ -451,9 +451,9 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     plan = []
     for v in lp["graphed"]:
         plan += [(v, pattern.format(v=v), None),
-                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on"}),
+                 (GRAPHED.format(v=v), pattern.format(v=v), None, {"cuda_graphs": "on", "cuda_graphs_text": "off"}),
                  (GRAPHED_TEXT.format(v=v), pattern.format(v=v), None,
-                  {"cuda_graphs": "on", "cuda_graphs_text": True})]
+                  {"cuda_graphs": "on", "cuda_graphs_text": "on"})]
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
     graphed_names = {n.format(v=v) for v in lp["graphed"] for n in (GRAPHED, GRAPHED_TEXT)}
@@ -497,7 +497,8 @@ def _compiled_twin(variant: str, scope: str) -> tuple[str, dict]:
     """The row a compiled configuration is timed beside, and its TrainConfig fields: eager, or for blocks+graphs the
     blocks graphed uncompiled (what compiling them adds to the graphs)."""
     if _graphed(scope):
-        return GRAPHED.format(v=variant), {"cuda_graphs": "on"}
+        # the blocks alone, as the compiled blocks+graphs have them (text graphs do not go with --compile)
+        return GRAPHED.format(v=variant), {"cuda_graphs": "on", "cuda_graphs_text": "off"}
     return f"{variant} eager", {"cuda_graphs": "off"}
 
 

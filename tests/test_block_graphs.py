@@ -196,11 +196,17 @@ def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache
     with pytest.raises(ValueError, match=r"cuda_graphs must be one of \('auto', 'on', 'off'\), got 'yes'"):
         TrainConfig.load(None, shards="s", cuda_graphs="yes")
     for flags in ({"cuda_graphs": "off"}, {"pack_text": False}):
-        with pytest.raises(ValueError, match="--cuda-graphs-text .* needs --cuda-graphs auto or on, and --pack-text"):
-            TrainConfig.load(None, shards="s", cuda_graphs_text=True, **flags)
-    with pytest.raises(ValueError, match="--cuda-graphs-text does not go with --compile: compiled text layers"):
-        TrainConfig.load(None, shards="s", cuda_graphs="on", cuda_graphs_text=True, compile=True,
+        with pytest.raises(ValueError, match="--cuda-graphs-text on .* needs --cuda-graphs auto or on, and --pack-"):
+            TrainConfig.load(None, shards="s", cuda_graphs_text=True, **flags)  # a config.yaml's true: on
+        assert not TrainConfig.load(None, shards="s", **flags).text_graphs()  # auto just leaves them off
+    with pytest.raises(ValueError, match="--cuda-graphs-text on does not go with --compile: compiled text layers"):
+        TrainConfig.load(None, shards="s", cuda_graphs="on", cuda_graphs_text="on", compile=True,
                          compile_scope="blocks")
+    assert not TrainConfig.load(None, shards="s", cuda_graphs="on", compile=True, compile_scope="blocks").text_graphs()
+    # the text layers join the blocks' graphs by default (timed on an H200: docs/gpu.md, "Ninth GPU session")
+    default = TrainConfig.load(None, shards="s")
+    assert default.cuda_graphs_text == "auto" and default.text_graphs()
+    assert not TrainConfig.load(None, shards="s", cuda_graphs_text=False).text_graphs()
     with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
     with autocast(torch.device("cpu"), torch.bfloat16):
@@ -216,12 +222,13 @@ def test_auto_graphs_where_they_apply_and_nowhere_else(phantom_shards, tmp_path,
                               batch_size=4, workers=0, progress=False, device="cpu", eval_every=0))
     assert run.cfg.cuda_graphs == "auto" and run.block_graphs is None and not recwarn.list  # CPU: silently eager
     run.device = torch.device("cuda")
-    graphs = run._block_graphs()
-    assert isinstance(graphs, BlockGraphs) and run.student.text_tower.block_graphs is None
-    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text=True)  # the text tower shares the image tower's
-    graphs = run._block_graphs()
+    graphs = run._block_graphs()  # auto: the text tower shares the image tower's
+    assert isinstance(graphs, BlockGraphs) and not recwarn.list
     assert run.student.text_tower.block_graphs is graphs is run.student.image_tower.block_graphs
-    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text=False)
+    run.student.text_tower.block_graphs = None
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text="off")
+    assert isinstance(run._block_graphs(), BlockGraphs) and run.student.text_tower.block_graphs is None
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text="auto")
     for setting in ({"cuda_graphs": "off"}, {"compile": True}, {"compile": True, "compile_scope": "blocks"},
                     {"grad_checkpointing": True}, {"accum_steps": 2}):
         run.cfg = dataclasses.replace(run.cfg, **setting)

@@ -2,6 +2,7 @@
 and that the experiment then takes a carried run as finished and its evaluation as made, training nothing."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -134,6 +135,10 @@ def test_a_carried_run_is_finished_and_its_evaluation_reused_where_the_recipe_as
     monkeypatch.setattr(runs, "train", refuse)
     monkeypatch.setattr(runs, "evaluate", refuse)
     assert runs.run_state(run_dir, cfg) == "done" and not runs.unfinished_alike(run_dir, cfg)
+    # the CUDA graphs replay the eager step: a run trained with them is the run asked for without them, and back
+    for graphs in ({"cuda_graphs": "off"}, {"cuda_graphs_text": "off"}, {"cuda_graphs": "on", "cuda_graphs_text": "on"}):
+        assert runs.run_state(run_dir, dataclasses.replace(cfg, **graphs)) == "done", graphs
+    assert runs.run_state(run_dir, dataclasses.replace(cfg, steps=3)) == "todo"  # what is trained still counts
     assert runs.run_training(cfg, reuse=True, resume=True)["reused"] is True
     assert runs.evaluation_done(recipe, run_dir, phantom_shards, False)
     assert runs.evaluate_run(recipe, run_dir, phantom_shards, False)["summary"]["mean_recall"] == 0.5

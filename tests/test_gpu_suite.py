@@ -312,8 +312,9 @@ def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_jud
     monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "blocks+graphs"), ("D", "blocks+graphs")))
     cfg = gpu_suite.settings(tiny=True, device="cpu")
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), Clock(), "shards", reserve_after=0)
-    assert plans == [[("A CUDA graphs", None, {"cuda_graphs": "on"}), ("A compiled blocks+graphs", "blocks+graphs")],
-                     [("D CUDA graphs", None, {"cuda_graphs": "on"}), ("D compiled blocks+graphs", "blocks+graphs")]]
+    blocks_alone = {"cuda_graphs": "on", "cuda_graphs_text": "off"}  # as compiled blocks have them: no text graphs
+    assert plans == [[("A CUDA graphs", None, blocks_alone), ("A compiled blocks+graphs", "blocks+graphs")],
+                     [("D CUDA graphs", None, blocks_alone), ("D compiled blocks+graphs", "blocks+graphs")]]
     assert gpu_suite.COMPILE_SETTINGS["blocks+graphs"] == {"compile": True, "compile_scope": "blocks",
                                                            "cuda_graphs": "on"}
     assert list(section["by_scope"]) == ["blocks+graphs"]
@@ -668,5 +669,5 @@ def test_compiled_and_graphed_configurations_share_their_eager_twins_flop_count(
         return train_step.eager_twin_key(TrainConfig.load(None, shards="s", model="D", **fields))
 
     eager = key(cuda_graphs="off")
-    assert key(cuda_graphs="on") == key(cuda_graphs="on", cuda_graphs_text=True) == key(compile=True) == eager
+    assert key(cuda_graphs="on") == key(cuda_graphs="on", cuda_graphs_text="on") == key(compile=True) == eager
     assert key(cuda_graphs="off", pack_text=False) != eager

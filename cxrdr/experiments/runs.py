@@ -228,10 +228,11 @@ def _saved_alike(run_dir: Path, cfg: TrainConfig) -> bool:
 
 
 def _as_saved(cfg: TrainConfig) -> dict:
-    # neither changes what is trained: a resumed run saves its config with resume: true, and `--quiet`
-    # (progress off) must not make a status listing or a later command take a finished run for another
-    return yaml.safe_load(yaml.safe_dump(dataclasses.replace(cfg, resume=False, progress=True).to_dict(),
-                                         sort_keys=False))
+    # none changes what is trained: a resumed run saves its config with resume: true, `--quiet` (progress off)
+    # must not make a status listing or a later command take a finished run for another, and the CUDA graphs replay
+    # the eager step (tested equal: models/block_graphs.py), so a run trained with or without them is the same run
+    same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto")
+    return yaml.safe_load(yaml.safe_dump(same.to_dict(), sort_keys=False))
 
 
 def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:

@@ -161,7 +161,8 @@ class Trainer:
             return None
         if cfg.compile and cfg.cuda_graphs == "auto":  # compiled blocks as graphs: only where asked (untimed)
             return None
-        return enable_block_graphs(self.student, text=cfg.cuda_graphs_text, warn=cfg.cuda_graphs == "on")
+        return enable_block_graphs(self.student, text=cfg.text_graphs(), warn=cfg.cuda_graphs == "on",
+                                   warn_text=cfg.cuda_graphs_text == "on")
 
     def _read_data_description(self) -> None:
         cfg = self.cfg

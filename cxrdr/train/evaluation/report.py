@@ -357,7 +357,9 @@ def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(values)), 3.2))
     names = list(values)
     heights = [np.nan if values[n] is None else values[n] for n in names]
-    bars = ax.bar(names, heights, color="tab:blue")
+    bars = ax.bar(range(len(names)), heights, color="tab:blue")
+    # long run names ("plain-total-samples") broken at their hyphens, or neighbouring labels run into each other
+    ax.set_xticks(range(len(names)), [n.replace("-", "-\n") if len(n) > 12 else n for n in names], fontsize=8)
     for b, h in zip(bars, heights):
         if np.isfinite(h):
             ax.annotate(f"{h:.1f}", (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom", fontsize=7)

@@ -209,12 +209,12 @@ class BlockGraphs:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def enable_block_graphs(student: nn.Module, text: bool = False, warn: bool = True,
+def enable_block_graphs(student: nn.Module, text: bool = False, warn: bool = True, warn_text: bool = True,
                         **kwargs) -> BlockGraphs | None:
     """Give the student's image tower (and with ``text`` its packed text tower) one BlockGraphs (``kwargs``:
     BlockGraphs'); None where the image tower has no transformer blocks to run (a CNN or hybrid tower), with a
-    warning if ``warn`` (graphs asked for, not taken wherever they apply). A text tower asked for that cannot run
-    packed (not BERT-layout) stays eager, with a warning."""
+    warning if ``warn`` (graphs asked for, not taken wherever they apply). A text tower that cannot run packed (not
+    BERT-layout) stays eager, with a warning if ``warn_text``."""
     tower = student.image_tower
     if not hasattr(tower, "run_blocks"):
         if warn:
@@ -225,7 +225,7 @@ def enable_block_graphs(student: nn.Module, text: bool = False, warn: bool = Tru
     if text:
         if getattr(student.text_tower, "pack", False):
             student.text_tower.block_graphs = tower.block_graphs
-        else:
+        elif warn_text:
             warnings.warn(f"--cuda-graphs-text: the text tower {type(student.text_tower).__name__} does not run "
                           "packed; it runs eagerly", RuntimeWarning, stacklevel=2)
     return tower.block_graphs
