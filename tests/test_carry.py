@@ -136,7 +136,8 @@ def test_a_carried_run_is_finished_and_its_evaluation_reused_where_the_recipe_as
     monkeypatch.setattr(runs, "evaluate", refuse)
     assert runs.run_state(run_dir, cfg) == "done" and not runs.unfinished_alike(run_dir, cfg)
     # the CUDA graphs replay the eager step: a run trained with them is the run asked for without them, and back
-    for graphs in ({"cuda_graphs": "off"}, {"cuda_graphs_text": "off"}, {"cuda_graphs": "on", "cuda_graphs_text": "on"}):
+    for graphs in ({"cuda_graphs": "off"}, {"cuda_graphs_text": "off"},
+                   {"cuda_graphs": "on", "cuda_graphs_text": "on"}):
         assert runs.run_state(run_dir, dataclasses.replace(cfg, **graphs)) == "done", graphs
     assert runs.run_state(run_dir, dataclasses.replace(cfg, steps=3)) == "todo"  # what is trained still counts
     assert runs.run_training(cfg, reuse=True, resume=True)["reused"] is True

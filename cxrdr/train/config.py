@@ -107,12 +107,12 @@ class TrainConfig:
                                        "compiled block per tower shared by all: about a block's compile time).")
     cuda_graphs: str = _opt("auto", "Replay the ViT image tower's transformer blocks as CUDA graphs, forward and "
                                     "backward, once E's keep-rate warm-up is over: the host stops issuing their "
-                                    "operators one by one (cxrdr/train/models/block_graphs.py; +22-31 % img/s for "
+                                    "operators one by one (cxrdr/train/models/block_graphs.py; +22-47 % img/s for "
                                     "A, D and E on an H200). auto: where they apply (CUDA, one process, no "
-                                    "--compile, --grad-checkpointing or --accum-steps > 1); on: asked for, also "
-                                    "around blocks compiled by --compile-scope blocks (not yet timed on a GPU; "
-                                    "refused with --compile-scope model, --grad-checkpointing and --accum-steps > 1, "
-                                    "a warning off CUDA); off: eager.")
+                                    "--compile-scope model, --grad-checkpointing or --accum-steps > 1), around blocks "
+                                    "compiled by --compile-scope blocks too (1.09-1.30x the graphs alone on an H200; "
+                                    "compiled blocks without them ran 0.82-0.96x eager); on: asked for (refused "
+                                    "where auto leaves them off, a warning off CUDA); off: eager.")
     cuda_graphs_text: str = _opt("auto", "Replay the packed text tower's layers as CUDA graphs too (BERT-family "
                                          "towers on FlashAttention): the packed tokens padded to a bucket, a graph per "
                                          "bucket (cxrdr/train/models/packed_text.py; on an H200 +11 % img/s for A, "
@@ -188,7 +188,7 @@ class TrainConfig:
         """The settings CUDA graphs of the blocks cannot go with (``--cuda-graphs on`` refuses them, auto leaves the
         graphs off with them). Blocks compiled one by one (``--compile-scope blocks``) can be captured: a graph replays
         their compiled kernels, fused and without the host (the combination ``torch.compile``'s "reduce-overhead" mode
-        makes); auto leaves that combination off until a GPU has timed it."""
+        makes); auto takes it (timed on an H200 at 7067ab4: docs/gpu.md, "Ninth GPU session")."""
         whole = self.compile and self.compile_scope == "model"
         return [flag for flag, on in (("--compile with --compile-scope model (blocks can be graphed)", whole),
                                       ("--grad-checkpointing", self.grad_checkpointing),

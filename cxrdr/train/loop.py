@@ -159,8 +159,6 @@ class Trainer:
             return None
         if cfg.cuda_graph_conflicts():  # only auto gets here with any ("on" is refused by the config)
             return None
-        if cfg.compile and cfg.cuda_graphs == "auto":  # compiled blocks as graphs: only where asked (untimed)
-            return None
         return enable_block_graphs(self.student, text=cfg.text_graphs(), warn=cfg.cuda_graphs == "on",
                                    warn_text=cfg.cuda_graphs_text == "on")
 
