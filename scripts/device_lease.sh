@@ -8,6 +8,8 @@
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
+#   MODE=graphs bash scripts/device_lease.sh   # benchmarks/graphs_real_run.py: a real run with the default CUDA
+#                                              # graphs beside the same run eager (~1-2 min)
 #   MODE=collect bash scripts/device_lease.sh  # gather what earlier recipe calls wrote (below) into $OUT again,
 #                                              # running nothing of the recipe
 #
@@ -24,7 +26,8 @@
 # suite, its JSON and Markdown.
 #   env: RECIPE (default configs/experiments/gpu-efficiency.yaml; its CPU twin rehearses this script on any machine:
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
-#        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, INSTALL (default 1; 0: no install, this environment's
+#        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, SUITE_PREFIX (default 1; 0: the suite alone, without
+#        the pair similarity, text attention and compiled blocks' checks first, ~65 s on an H200), INSTALL (default 1; 0: no install, this environment's
 #        cxrdr runs), ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
 #        CARRY (default docs/results/gpu-recipe-carry.tar.gz: an earlier lease's carry.tar.gz, committed; a fresh
 #        machine's recipe call unpacks its runs first, so they are not trained again: cxrdr/experiments/carry.py)
@@ -140,15 +143,19 @@ case "$MODE" in
          "recipe.tar.gz holds $(tar tzf "$OUT/recipe.tar.gz" | wc -l) files"
     ;;
   suite)
-    pair
-    python3 benchmarks/text_attention.py --device cuda
-    # the compiled blocks as graphs (the compiled loop's first rows) replay what the compiled blocks compute?
-    timeout 120 python3 benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks
+    if [ "${SUITE_PREFIX:-1}" = 1 ]; then
+      pair
+      python3 benchmarks/text_attention.py --device cuda
+      # the compiled blocks as graphs (the compiled loop's first rows) replay what the compiled blocks compute?
+      timeout 120 python3 benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks
+    fi
     python3 benchmarks/gpu_suite.py --device cuda --budget "${SUITE_S:-380}" --out-dir /tmp/suite-out ${SUITE_ARGS:-}
     cp /tmp/suite-out/*.json /tmp/suite-out/*.md "$OUT/"
     echo "[lease] suite done after $(elapsed) s"
     ;;
   collect) collect ;;  # what an earlier recipe call left, again
   pair) pair ;;
-  *) echo "MODE must be recipe, suite, collect or pair, got '$MODE'"; exit 2 ;;
+  graphs) python3 benchmarks/graphs_real_run.py --device "${GRAPHS_DEVICE:-cuda}" --workers 8 \
+            --json-out "$OUT/graphs-real-run.json" ${GRAPHS_ARGS:-} ;;
+  *) echo "MODE must be recipe, suite, collect, pair or graphs, got '$MODE'"; exit 2 ;;
 esac
