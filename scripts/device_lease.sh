@@ -28,7 +28,8 @@
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, SUITE_PREFIX (default 1; 0: the suite alone, without
 #        the pair similarity, text attention and compiled blocks' checks first, ~65 s on an H200), GRAPHS_DEVICE
-#        (default cuda), GRAPHS_ARGS (MODE=graphs), INSTALL (default 1; 0: no install, this environment's cxrdr runs), ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
+#        (default cuda), GRAPHS_ARGS (MODE=graphs), INSTALL (default 1; 0: no install, this environment's cxrdr runs),
+#        ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
 #        CARRY (default docs/results/gpu-recipe-carry.tar.gz: an earlier lease's carry.tar.gz, committed; a fresh
 #        machine's recipe call unpacks its runs first, so they are not trained again: cxrdr/experiments/carry.py)
 set -uo pipefail
