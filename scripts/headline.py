@@ -31,6 +31,7 @@ import yaml
 from scipy.stats import t as student_t
 
 from cxrdr.experiments.partial_note import partial_caveat, seeds_by_arm
+from cxrdr.experiments.recipe_file import load_recipe
 from cxrdr.experiments.stats import gap_interval, t_interval, welch_half_width
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,7 @@ GPU_EFFICIENCY = RESULTS / "gpu-efficiency.json"  # issue 36: the GPU recipe's r
 # until then, the latest lease's `train experiment efficiency --partial` results.json (which lease: GPU_PARTIAL_LEASE)
 GPU_EFFICIENCY_PARTIAL = RESULTS / "gpu-efficiency-partial.json"
 GPU_PARTIAL_LEASE = "one H200 lease at 3d7b1bb, 2026-11-27 (docs/gpu.md, \"Eighth GPU session\")"
+GPU_RECIPE = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
 NIH_TABLES = RESULTS / "nih-tables.md"
 CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
 FIRST = RESULTS / "superseded" / "cpu-demo-efficiency-00389eb.json"
@@ -159,6 +161,10 @@ def gpu_efficiency() -> list[str]:
         return ["*Not measured yet:* no GPU has run the recipe to the end, so `docs/results/gpu-efficiency.json` (its "
                 "`results.json`) does not exist; once a GPU session commits it, `python scripts/headline.py --write` "
                 "puts its table, bars and teacher here."]
+    drift = recipe_drift(res["recipe"], load_recipe(GPU_RECIPE)) if res.get("recipe") else ""
+    if drift:  # the recipe changed since it ran: its figures are the earlier version's, said before them
+        lines += [f"*Run at an earlier version of the recipe:* {drift}. The recipe as it stands has not run on a GPU.",
+                  ""]
     lines += efficiency(res, config="configs/experiments/gpu-efficiency.yaml") + [""]
     students = [run.get("final") or {} for runs in (res.get("runs") or {}).values() for run in runs]
     for name, teacher in (res.get("teachers") or {}).items():
@@ -170,6 +176,22 @@ def gpu_efficiency() -> list[str]:
                      f"{_num(rep.get('pointing_attn'))} (train-box prior "
                      f"{_train_prior(rep, students, 'train_prior_pointing_attn')})")
     return lines
+
+
+def recipe_drift(ran: dict, now: dict) -> str:
+    """The recipe keys whose value differs between the recipe a results.json ran (``ran``) and the file now
+    (``now``), each as "`key` ran (now value)", comma-joined; empty when they agree. Where the file was read from
+    (``load_recipe``'s ``_path``) is no part of the recipe."""
+    def leaves(tree: dict, prefix: str = ""):
+        for key, value in tree.items():
+            if isinstance(value, dict) and value:
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    before, after = ({k: v for k, v in leaves(tree) if not k.startswith("_")} for tree in (ran, now))
+    return ", ".join(f"`{key}` {before.get(key, '–')} (now {after.get(key, '–')})"
+                     for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key))
 
 
 def gpu_partial_lead(partial: dict) -> str:

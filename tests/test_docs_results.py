@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.script_loader import load_script
 
@@ -151,6 +152,26 @@ def test_the_gpu_recipes_block_says_not_measured_until_its_results_exist(headlin
     assert "| reinforced | 2 | 0.250 ± " in text and "0.200 [0.100, 0.300]" in text
     assert "- a bar: 0.200 — **MET**" in text
     assert "teacher lite2-s1 (teacher-lite2-gpu-D, 120 steps)" in text and "PG z 0.800 (train-box prior 0.500)" in text
+    assert "earlier version" not in text  # no recipe in these results: nothing to compare
+
+
+def test_results_of_an_earlier_recipe_version_say_which_keys_differ(headline, tmp_path, monkeypatch):
+    """Figures of a recipe run before its file changed are said to be the earlier version's, naming each key that
+    differs (the value it ran, the value now); the same recipe says nothing."""
+    now = {"_path": "here.yaml", "name": "r", "train": {"steps": 400, "lr": 0.001}, "efficiency": {"seeds": [10]}}
+    monkeypatch.setattr(headline, "load_recipe", lambda path: now if path == headline.GPU_RECIPE else None)
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "gpu-efficiency.json")
+    ran = {"_path": "elsewhere.yaml", "name": "r", "train": {"steps": 120, "lr": 0.001},
+           "efficiency": {"seeds": [10]}, "gone": True}
+    res = {"protocol": {"report_shards": "report"}, "seeds": [10], "arms": {}, "bars": [], "recipe": ran}
+    (tmp_path / "gpu-efficiency.json").write_text(json.dumps(res))
+    assert headline.gpu_efficiency()[0] == (
+        "*Run at an earlier version of the recipe:* `gone` True (now –), `train.steps` 120 (now 400). "
+        "The recipe as it stands has not run on a GPU.")
+    res["recipe"] = {**now, "_path": "elsewhere.yaml"}  # where it was read from is no part of the recipe
+    (tmp_path / "same.json").write_text(json.dumps(res))  # a file of its own: results are read once a path
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "same.json")
+    assert "earlier version" not in "\n".join(headline.gpu_efficiency())
 
 
 def test_the_gpu_recipes_block_shows_a_leases_partial_results_until_the_recipe_finishes(headline, tmp_path,
