@@ -312,14 +312,14 @@ def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_jud
     monkeypatch.setattr(gpu_suite, "COMPILED_ORDER", (("A", "blocks+graphs"), ("D", "blocks+graphs")))
     cfg = gpu_suite.settings(tiny=True, device="cpu")
     section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), Clock(), "shards", reserve_after=0)
-    blocks_alone = {"cuda_graphs": "on", "cuda_graphs_text": "off"}  # as compiled blocks have them: no text graphs
-    assert plans == [[("A CUDA graphs", None, blocks_alone), ("A compiled blocks+graphs", "blocks+graphs")],
-                     [("D CUDA graphs", None, blocks_alone), ("D compiled blocks+graphs", "blocks+graphs")]]
+    graphed = {"cuda_graphs": "on", "cuda_graphs_text": "on"}  # the blocks and the text layers, as compiled blocks
+    assert plans == [[("A CUDA graphs + text", None, graphed), ("A compiled blocks+graphs", "blocks+graphs")],
+                     [("D CUDA graphs + text", None, graphed), ("D compiled blocks+graphs", "blocks+graphs")]]
     assert gpu_suite.COMPILE_SETTINGS["blocks+graphs"] == {"compile": True, "compile_scope": "blocks",
                                                            "cuda_graphs": "on"}
     assert list(section["by_scope"]) == ["blocks+graphs"]
     assert section["by_scope"]["blocks+graphs"]["compiled_over_twin_img_per_s"] == {"A": 1.25, "D": 1.25}
-    assert section["by_scope"]["blocks+graphs"]["twins"] == {"A": "A CUDA graphs", "D": "D CUDA graphs"}
+    assert section["by_scope"]["blocks+graphs"]["twins"] == {"A": "A CUDA graphs + text", "D": "D CUDA graphs + text"}
     assert all(r["graphs_captured"] == 2 and r["graphs_failed"] is None for r in section["rows"])
     targets = gpu_suite.evaluate_targets({"loop_compiled": section}, cfg, tiny=True)
     labels = {t["name"]: t["value"] for t in targets if "compiled" in t["name"]}

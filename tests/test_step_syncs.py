@@ -363,3 +363,28 @@ def test_the_step_marks_its_phases_for_the_profiler(phantom_shards, tmp_path):
     assert sorted({e.name for e in ranges}) == sorted(PHASES.values())
     forward, backward = (next(e for e in ranges if e.name == PHASES[k]) for k in ("forward", "backward"))
     assert forward.time_range.end <= backward.time_range.start  # one after the other, not nested
+
+
+def test_blocks_compiled_for_the_text_graphs_leave_the_text_tower_eager():
+    """compile_blocks(text=False), what the Trainer does where the packed text layers go into CUDA graphs: the image
+    tower's blocks are compiled in place, the text tower's layers and its packed layer stay as they are (a graph
+    replays them on FlashAttention); with text=True both towers' are compiled."""
+    from cxrdr.train.compiling import compile_blocks, repeated_blocks
+    from cxrdr.train.models import build_student
+
+    def compiled(module) -> bool:  # nn.Module.compile keeps the module and sets its compiled call
+        return getattr(module, "_compiled_call_impl", None) is not None
+
+    student = build_student("tiny-E")
+    packed = student.text_tower.packed_layer
+    assert repeated_blocks(student, text=False) == list(student.image_tower.trunk.blocks)
+    assert compile_blocks(student, "aot_eager", text=False) == len(student.image_tower.trunk.blocks)
+    assert all(compiled(b) for b in student.image_tower.trunk.blocks)
+    assert not any(compiled(layer) for layer in student.text_tower.model.encoder.layer)
+    assert student.text_tower.packed_layer is packed
+    other = build_student("tiny-E")
+    eager_packed = other.text_tower.packed_layer
+    assert compile_blocks(other, "aot_eager") == len(repeated_blocks(other))
+    assert all(compiled(layer) for layer in other.text_tower.model.encoder.layer)
+    assert other.text_tower.packed_layer is not eager_packed  # torch.compile's wrapper in its place
+    torch._dynamo.reset()

@@ -23,16 +23,16 @@ import torch.nn as nn
 SCOPES = ("model", "blocks")
 
 
-def repeated_blocks(student: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of the student's towers: a timm ViT's ``blocks`` and a BERT-family text
-    tower's encoder layers (a CNN or hybrid image tower has none: its stages differ from each other)."""
+def repeated_blocks(student: nn.Module, text: bool = True) -> list[nn.Module]:
+    """The repeated transformer blocks of the student's towers: a timm ViT's ``blocks`` and (``text``) a BERT-family
+    text tower's encoder layers (a CNN or hybrid image tower has none: its stages differ from each other)."""
     blocks: list[nn.Module] = []
     trunk = getattr(student.image_tower, "trunk", None)
     if hasattr(student.image_tower, "depth") and hasattr(trunk, "blocks") and hasattr(trunk, "patch_embed") \
             and hasattr(trunk, "_pos_embed"):
         blocks += list(trunk.blocks)
     encoder = getattr(getattr(student.text_tower, "model", None), "encoder", None)
-    if encoder is not None and hasattr(encoder, "layer"):
+    if text and encoder is not None and hasattr(encoder, "layer"):
         blocks += list(encoder.layer)
     return blocks
 
@@ -83,16 +83,17 @@ def compile_model(module: nn.Module, backend: str = "inductor") -> nn.Module:
     return torch.compile(module, backend=backend)
 
 
-def compile_blocks(student: nn.Module, backend: str = "inductor") -> int:
+def compile_blocks(student: nn.Module, backend: str = "inductor", text: bool = True) -> int:
     """Compile each repeated block in place (``nn.Module.compile``: the state dict keeps its names, so
-    checkpoints are the eager model's); returns how many were compiled."""
+    checkpoints are the eager model's); returns how many were compiled. ``text`` False: the image tower's only, the
+    text tower's layers left eager (for its CUDA graphs, which replay the packed layers on FlashAttention)."""
     _allow_second_backward()
-    blocks = repeated_blocks(student)
+    blocks = repeated_blocks(student, text=text)
     _rates_as_tensors(blocks)
     for block in blocks:
         block.compile(backend=backend)
-    text = getattr(student, "text_tower", None)
-    if getattr(text, "pack", False):  # the packed text layers (packed_text) bypass the layers' own forward;
+    text_tower = getattr(student, "text_tower", None)
+    if text and getattr(text_tower, "pack", False):  # the packed text layers (packed_text) bypass the layers' forward;
         # their token count changes every batch: compiled for any shape at once, not per shape first
-        text.packed_layer = torch.compile(text.packed_layer, backend=backend, dynamic=True)
+        text_tower.packed_layer = torch.compile(text_tower.packed_layer, backend=backend, dynamic=True)
     return len(blocks)

@@ -117,8 +117,10 @@ class TrainConfig:
                                          "towers on FlashAttention): the packed tokens padded to a bucket, a graph per "
                                          "bucket (cxrdr/train/models/packed_text.py; on an H200 +11 % img/s for A, "
                                          "+7 % D, +37 % E over the blocks' graphs alone). auto: wherever the blocks' "
-                                         "graphs run and the text runs packed, without --compile; on: asked for "
-                                         "(refused with --cuda-graphs off, --no-pack-text or --compile); off: eager.")
+                                         "graphs run and the text runs packed, not with --compile-scope model (with "
+                                         "--compile-scope blocks the text layers stay eager, graphed, the image "
+                                         "blocks compiled); on: asked for (refused with --cuda-graphs off, "
+                                         "--no-pack-text or --compile-scope model); off: eager.")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int = _opt(2, "DataLoader workers per rank.")
@@ -174,9 +176,10 @@ class TrainConfig:
         if self.cuda_graphs_text == "on" and (self.cuda_graphs == "off" or not self.pack_text):
             raise ValueError("--cuda-graphs-text on replays the packed text tower with the image tower's graphs: it "
                              "needs --cuda-graphs auto or on, and --pack-text")
-        if self.cuda_graphs_text == "on" and self.compile:
-            raise ValueError("--cuda-graphs-text on does not go with --compile: compiled text layers attend on the "
-                             "padded grid, not on FlashAttention's packed tokens that the text graphs replay")
+        if self.cuda_graphs_text == "on" and self.compile and self.compile_scope == "model":
+            raise ValueError("--cuda-graphs-text on does not go with --compile-scope model: the compiled model's text "
+                             "layers attend on the padded grid, not on FlashAttention's packed tokens that the text "
+                             "graphs replay (--compile-scope blocks leaves them eager for the graphs)")
         if self.cuda_graphs == "on":
             conflicts = self.cuda_graph_conflicts()
             if conflicts:
@@ -196,9 +199,10 @@ class TrainConfig:
 
     def text_graphs(self) -> bool:
         """Whether the text tower's layers join the image tower's CUDA graphs (``cuda_graphs_text``): asked for, or
-        auto where they apply (the blocks' graphs not off, the text packed, nothing compiled)."""
+        auto where they apply (the blocks' graphs not off, the text packed, not compiled as one model: with
+        ``--compile-scope blocks`` the image blocks are compiled and the text layers stay eager for the graphs)."""
         if self.cuda_graphs_text == "auto":
-            return self.cuda_graphs != "off" and self.pack_text and not self.compile
+            return self.cuda_graphs != "off" and self.pack_text and not (self.compile and self.compile_scope == "model")
         return self.cuda_graphs_text == "on"
 
     def to_dict(self) -> dict:
