@@ -27,8 +27,10 @@ SETTINGS = {"graphs": {"cuda_graphs": "auto", "cuda_graphs_text": "auto"},
 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
-    """Step -> total loss of each training record in RUN/metrics.jsonl."""
-    rows = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip())
+    """Step -> total loss of each training record in RUN/metrics.jsonl (a stopped run's unfinished line left out)."""
+    from cxrdr.train.runfolder import complete_lines
+
+    rows = (json.loads(line) for line in complete_lines((run_dir / "metrics.jsonl").read_text()))
     return {row["step"]: row["loss"] for row in rows if row.get("kind") == "train"}
 
 

@@ -182,14 +182,7 @@ def recipe_drift(ran: dict, now: dict) -> str:
     """The recipe keys whose value differs between the recipe a results.json ran (``ran``) and the file now
     (``now``), each as "`key` ran (now value)", comma-joined; empty when they agree. Where the file was read from
     (``load_recipe``'s ``_path``) is no part of the recipe."""
-    def leaves(tree: dict, prefix: str = ""):
-        for key, value in tree.items():
-            if isinstance(value, dict) and value:
-                yield from leaves(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    before, after = ({k: v for k, v in leaves(tree) if not k.startswith("_")} for tree in (ran, now))
+    before, after = ({k: v for k, v in _leaves(tree) if not k.startswith("_")} for tree in (ran, now))
     return ", ".join(f"`{key}` {before.get(key, '–')} (now {after.get(key, '–')})"
                      for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key))
 

@@ -414,3 +414,29 @@ def test_the_capture_quiets_the_side_stream_warning_and_restores_it_on_failure(m
     monkeypatch.delattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch")
     with quiet_side_stream_gradients():  # a PyTorch without the warning
         pass
+
+
+def test_with_text_graphs_the_trainer_compiles_the_image_blocks_and_leaves_the_text_layers_eager(phantom_shards,
+                                                                                               tmp_path, monkeypatch):
+    """--compile-scope blocks where the text graphs take the packed text tower (the graphs stood in on the CPU):
+    the image blocks are compiled, the text layers and the packed layer are left as they are for the graphs to
+    replay; where no graph takes the text tower, its layers are compiled as before."""
+    from cxrdr.train.loop import Trainer
+
+    def compiled(module) -> bool:
+        return getattr(module, "_compiled_call_impl", None) is not None
+
+    def trainer(name: str) -> Trainer:
+        return Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-E", out=str(tmp_path / name), steps=2,
+                                   batch_size=4, workers=0, progress=False, device="cpu", eval_every=0, compile=True,
+                                   compile_scope="blocks", compile_backend="aot_eager"))
+
+    monkeypatch.setattr(Trainer, "_block_graphs", lambda self: enable_block_graphs(self.student, text=True))
+    graphed = trainer("graphed")
+    assert graphed.student.text_tower.block_graphs is graphed.block_graphs is not None
+    assert all(compiled(b) for b in graphed.student.image_tower.trunk.blocks)
+    assert not any(compiled(layer) for layer in graphed.student.text_tower.model.encoder.layer)
+    monkeypatch.setattr(Trainer, "_block_graphs", lambda self: None)  # the CPU's own answer: no graphs
+    eager = trainer("eager")
+    assert all(compiled(layer) for layer in eager.student.text_tower.model.encoder.layer)
+    torch._dynamo.reset()

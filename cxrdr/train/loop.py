@@ -140,11 +140,12 @@ class Trainer:
         text_tower = getattr(self.student, "text_tower", None)
         if text_tower is not None and not cfg.pack_text:
             text_tower.pack = False
+        self.block_graphs = self._block_graphs()  # --cuda-graphs (captured at a later step, compiled blocks too)
         if cfg.compile and cfg.compile_scope == "blocks":  # in place, once: dynamo guards see stage changes
-            # the text layers stay eager where the text graphs take them (a graph replays the packed layers as they
-            # run on FlashAttention); the image blocks are captured compiled
-            compile_blocks(self.student, cfg.compile_backend, text=not (self._graphs_run_here() and cfg.text_graphs()))
-        self.block_graphs = self._block_graphs()  # --cuda-graphs
+            # the text layers stay eager where the text graphs took them (a graph replays the packed layers as they
+            # run on FlashAttention)
+            compile_blocks(self.student, cfg.compile_backend,
+                           text=getattr(text_tower, "block_graphs", None) is None)
         self.finite = FiniteWatch()  # non-finite losses, read at log and save steps only
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -152,20 +153,17 @@ class Trainer:
         """The image tower's CUDA graphs (TrainConfig.cuda_graphs): "on" where asked (the config refuses what they
         cannot go with), "auto" wherever they apply, silently eager elsewhere."""
         cfg = self.cfg
-        if cfg.cuda_graphs == "on" and (self.device.type != "cuda" or self.ddp):
-            warnings.warn(f"--cuda-graphs needs one CUDA process (here: {self.device}, {self.world} "
-                          "process(es)); the blocks run eagerly", RuntimeWarning, stacklevel=2)
-        if not self._graphs_run_here():
+        if cfg.cuda_graphs == "off":
+            return None
+        if self.device.type != "cuda" or self.ddp:
+            if cfg.cuda_graphs == "on":
+                warnings.warn(f"--cuda-graphs needs one CUDA process (here: {self.device}, {self.world} "
+                              "process(es)); the blocks run eagerly", RuntimeWarning, stacklevel=2)
+            return None
+        if cfg.cuda_graph_conflicts():  # only auto gets here with any ("on" is refused by the config)
             return None
         return enable_block_graphs(self.student, text=cfg.text_graphs(), warn=cfg.cuda_graphs == "on",
                                    warn_text=cfg.cuda_graphs_text == "on")
-
-    def _graphs_run_here(self) -> bool:
-        """Whether the image tower's CUDA graphs run in this process: not off, one CUDA process, none of the
-        settings they cannot go with (auto leaves them off there; "on" is refused by the config)."""
-        cfg = self.cfg
-        return (cfg.cuda_graphs != "off" and self.device.type == "cuda" and not self.ddp
-                and not cfg.cuda_graph_conflicts())
 
     def _read_data_description(self) -> None:
         cfg = self.cfg
