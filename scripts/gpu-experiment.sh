@@ -10,7 +10,9 @@
 # Every unit (a shard build, the teacher's training, its evaluations, add-teacher, each run, each evaluation, the
 # step benchmark) is reused when done and resumed when interrupted (cxrdr/experiments/chunks.py): the chunk stops
 # cleanly before the next unit after CHUNK_S seconds, and is killed at HARD_S; a killed chunk loses at most a
-# shard, a run's steps since its last save, or one evaluation.
+# shard, a run's steps since its last save, or one evaluation. A run's evaluation right after its training is not
+# stopped at CHUNK_S, and a run the chunk's own measured times say would not finish with its evaluation by HARD_S
+# does not start (a trained run without its evaluation does not travel to the next lease).
 #   env: CHUNK_S (default 390), HARD_S (default 480), TRAIN (the `train` command, e.g. "python -m cxrdr.cli"),
 #        COPIES (default 1): copies of the chunk run side by side on the one GPU; they split the runs (each holds
 #        its run's folder lock), wait for each other on shared units (builds, the teacher), and one of them times
@@ -39,7 +41,8 @@ start=$(date +%s)
 pids=()
 for _ in $(seq 1 "$COPIES"); do
   # timeout signals the whole process group (data-loader workers too); no unit is left half-written as done
-  timeout --kill-after=15 "$HARD_S" "${TRAIN[@]}" experiment efficiency --config "$RECIPE" --quiet --chunk-s "$CHUNK_S" &
+  timeout --kill-after=15 "$HARD_S" "${TRAIN[@]}" experiment efficiency --config "$RECIPE" --quiet --chunk-s "$CHUNK_S" \
+    --chunk-hard-s "$HARD_S" &
   pids+=($!)
 done
 failed=0

@@ -46,7 +46,7 @@ NIH = RESULTS / "nih-efficiency.json"
 GPU_EFFICIENCY = RESULTS / "gpu-efficiency.json"  # issue 36: the GPU recipe's results.json, once a GPU has run it
 # until then, the latest lease's `train experiment efficiency --partial` results.json (which lease: GPU_PARTIAL_LEASE)
 GPU_EFFICIENCY_PARTIAL = RESULTS / "gpu-efficiency-partial.json"
-GPU_PARTIAL_LEASE = "one H200 lease at 3d7b1bb, 2026-11-27 (docs/gpu.md, \"Eighth GPU session\")"
+GPU_PARTIAL_LEASE = "one H200 lease at 355812b, 2026-11-27 (docs/gpu.md, \"Tenth GPU session\")"
 GPU_RECIPE = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
 NIH_TABLES = RESULTS / "nih-tables.md"
 CHECKS = RESULTS / "cpu-demo-efficiency-checks.json"
@@ -149,21 +149,37 @@ def efficiency(res: dict, config: str = "configs/experiments/cpu-demo.yaml") -> 
 
 
 def gpu_efficiency() -> list[str]:
-    """The GPU recipe's figures (issue 36) once its results.json is committed as docs/results/gpu-efficiency.json
-    (until then the latest lease's partial results, said so first): the efficiency table and bars, and each
-    teacher on the report set beside chance and the train-box prior."""
-    if GPU_EFFICIENCY.is_file():
-        res, lines = _load(GPU_EFFICIENCY), []
-    elif GPU_EFFICIENCY_PARTIAL.is_file():
-        res = _load(GPU_EFFICIENCY_PARTIAL)
-        lines = [gpu_partial_lead(res["partial"]), ""]
-    else:
+    """The GPU recipe's figures (issue 36) once its results.json is committed as docs/results/gpu-efficiency.json,
+    each teacher on the report set beside chance and the train-box prior. A lease's partial results
+    (docs/results/gpu-efficiency-partial.json, said so first) stand in while that file is absent, and come first
+    when they ran the recipe as it stands and the whole results an earlier version of it."""
+    whole = _load(GPU_EFFICIENCY) if GPU_EFFICIENCY.is_file() else None
+    partial = _load(GPU_EFFICIENCY_PARTIAL) if GPU_EFFICIENCY_PARTIAL.is_file() else None
+    if whole is None and partial is None:
         return ["*Not measured yet:* no GPU has run the recipe to the end, so `docs/results/gpu-efficiency.json` (its "
                 "`results.json`) does not exist; once a GPU session commits it, `python scripts/headline.py --write` "
                 "puts its table, bars and teacher here."]
-    drift = recipe_drift(res["recipe"], load_recipe(GPU_RECIPE)) if res.get("recipe") else ""
+    lines: list[str] = []
+    if partial is not None and (whole is None or (_drift(whole) and not _drift(partial))):
+        lines += [gpu_partial_lead(partial["partial"]), ""] + _gpu_block(partial)
+        if whole is not None:
+            lines += ["", "**The whole recipe, at an earlier version:**", ""]
+    if whole is not None:
+        lines += _gpu_block(whole)
+    return lines
+
+
+def _drift(res: dict) -> str:
+    return recipe_drift(res["recipe"], load_recipe(GPU_RECIPE)) if res.get("recipe") else ""
+
+
+def _gpu_block(res: dict) -> list[str]:
+    """One GPU results file: the recipe keys it ran differently (if any), its efficiency table and bars, and
+    its teachers."""
+    lines = []
+    drift = _drift(res)
     if drift:  # the recipe changed since it ran: its figures are the earlier version's, said before them
-        lines += [f"*Run at an earlier version of the recipe:* {drift}. The recipe as it stands has not run on a GPU.",
+        lines += [f"*Run at an earlier version of the recipe:* {drift}. The recipe as it stands has not run to its end on a GPU.",
                   ""]
     lines += efficiency(res, config="configs/experiments/gpu-efficiency.yaml") + [""]
     students = [run.get("final") or {} for runs in (res.get("runs") or {}).values() for run in runs]

@@ -167,7 +167,7 @@ def test_results_of_an_earlier_recipe_version_say_which_keys_differ(headline, tm
     (tmp_path / "gpu-efficiency.json").write_text(json.dumps(res))
     assert headline.gpu_efficiency()[0] == (
         "*Run at an earlier version of the recipe:* `gone` True (now –), `train.steps` 120 (now 400). "
-        "The recipe as it stands has not run on a GPU.")
+        "The recipe as it stands has not run to its end on a GPU.")
     res["recipe"] = {**now, "_path": "elsewhere.yaml"}  # where it was read from is no part of the recipe
     (tmp_path / "same.json").write_text(json.dumps(res))  # a file of its own: results are read once a path
     monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "same.json")
@@ -199,3 +199,28 @@ def test_the_gpu_recipes_block_shows_a_leases_partial_results_until_the_recipe_f
     assert "seeds [10, 11], plain-total-samples on its own seed list)" in text  # the arms with fewer seeds, named
     assert "PG z 0.750 (train-box prior 0.505, the students')" in text
     assert "PG attention 0.810 (train-box prior 0.588, the students')" in text
+
+
+def test_partial_results_of_the_recipe_as_it_stands_come_before_whole_results_of_an_earlier_version(
+        headline, tmp_path, monkeypatch):
+    """Whole results of an earlier recipe and a lease's partial results of the recipe now: the partial block first
+    (said partial), then the whole one under its drift note; partial results of an earlier recipe stay hidden."""
+    now = {"name": "r", "train": {"steps": 400}}
+    monkeypatch.setattr(headline, "load_recipe", lambda path: now)
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "gpu-efficiency.json")
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY_PARTIAL", tmp_path / "gpu-efficiency-partial.json")
+    base = {"protocol": {"report_shards": "report"}, "arms": {}, "bars": []}
+    (tmp_path / "gpu-efficiency.json").write_text(json.dumps(
+        {**base, "seeds": [10, 11, 12], "recipe": {"name": "r", "train": {"steps": 120}}}))
+    partial = {"note": "", "finished": {"plain": [10]}, "left": {"plain": [11]}}
+    (tmp_path / "gpu-efficiency-partial.json").write_text(json.dumps(
+        {**base, "seeds": [10], "recipe": now, "partial": partial}))
+    text = "\n".join(headline.gpu_efficiency())
+    assert text.startswith("*Partial results*") and "Finished runs: plain seeds 10" in text
+    assert text.index("seeds [10])") < text.index("**The whole recipe, at an earlier version:**") \
+        < text.index("`train.steps` 120 (now 400)") < text.index("seeds [10, 11, 12])")
+    (tmp_path / "older-partial.json").write_text(json.dumps(  # an older lease's partial: left out
+        {**base, "seeds": [10], "recipe": {"name": "r", "train": {"steps": 60}}, "partial": partial}))
+    monkeypatch.setattr(headline, "GPU_EFFICIENCY_PARTIAL", tmp_path / "older-partial.json")  # (read once a path)
+    text = "\n".join(headline.gpu_efficiency())
+    assert "Partial results" not in text and text.startswith("*Run at an earlier version of the recipe:*")

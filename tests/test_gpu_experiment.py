@@ -219,8 +219,11 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     for _ in range(12):  # one unit a command, until plain's first seed is trained and evaluated
         step = invoke("--chunk-s", "0")
         assert step.exit_code == 3, step.output + repr(step.exception)
-        if "done     plain seed 10: evaluation" in step.output:
+        if "done     plain seed 10: training" in step.output:
             break
+    # the command that trained it evaluated it too, past its time (a trained run without its evaluation would not
+    # travel to the next lease)
+    assert "done     plain seed 10: evaluation" in step.output, step.output
     assert "todo     reinforced seed 10: training" in step.output  # the arms' seeds in turn: reinforced next
     # where the validation passes spent their time (no probe in the recipe's passes)
     assert re.search(r"plain seed 10: training .* validation passes [\d.]+ s \(embed [\d.]+ s, retrieval [\d.]+ s\)",

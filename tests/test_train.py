@@ -86,6 +86,27 @@ def test_resume_after_interruption_reaches_same_final_step(phantom_shards, tmp_p
     lr_full = [r["lr"] for r in _metrics(tmp_path / "full") if r["kind"] == "train"]
     lr_cut = [r["lr"] for r in _metrics(tmp_path / "cut") if r["kind"] == "train"]
     assert lr_cut[-4:] == pytest.approx(lr_full[-4:])
+    # the command it continues is in its wall (up to the save), and its steps in the mean step
+    assert resumed["earlier_wall_s"] > 0 and resumed["mean_step_ms"] > 0
+
+
+def test_a_resumed_runs_mean_step_counts_the_earlier_processes_laps():
+    """Each process's first lap (start-up) is left out, and a run resumed near its end is timed by the laps of the
+    processes it continues, not by its start-up lap alone (a GPU lease's run resumed 10 steps before its end read
+    761 ms a step against 141 ms)."""
+    from cxrdr.train.loop import StepTimer
+
+    first = StepTimer(torch.device("cpu"), 0)
+    first.laps = [(10.0, 1), (2.0, 20), (2.0, 20)]  # start-up, then 100 ms a step
+    assert first.counted() == (4.0, 40) and first.mean_step_ms() == 100.0
+    resumed = StepTimer(torch.device("cpu"), 390, before=first.counted())
+    resumed.laps = [(7.6, 10)]  # only its start-up lap: left out, the earlier laps stand
+    assert resumed.mean_step_ms() == 100.0 and resumed.counted() == (4.0, 40)
+    resumed.laps.append((3.0, 20))
+    assert resumed.mean_step_ms() == round(7000 / 60, 3)
+    alone = StepTimer(torch.device("cpu"), 0)
+    alone.laps = [(1.5, 10)]  # nothing but a start-up lap anywhere: that is the figure
+    assert alone.mean_step_ms() == 150.0
 
 
 def test_tiny_e_runs_with_staged_training_and_accumulation(phantom_shards, tmp_path):

@@ -10,6 +10,12 @@ evaluation.
 reuse) call :func:`begin`, which raises :class:`ChunkTimeUp` once N seconds have passed since the command
 started. A command always does at least one unit, so every command makes progress whatever N is (0: one
 unit per command). Without ``--chunk-s``, :func:`begin` never stops anything.
+
+Two rules keep a lease's work from being lost at its end (a lease's finished runs travel to the next one only
+once evaluated, cxrdr/experiments/carry.py; a trained run without its evaluation is lost with the machine's disk):
+a run's evaluation right after this command trained it is never stopped (``follows_on``), and with
+``--chunk-hard-s`` (when the caller kills the command) a run whose training and evaluation would outlast the kill,
+by this command's own measured step and evaluation times (:func:`expected_training_s`), does not start.
 """
 from __future__ import annotations
 
@@ -19,28 +25,66 @@ import time
 class ChunkTimeUp(Exception):
     """The chunk's time is up before ``unit`` started; rerun the command to continue there."""
 
-    def __init__(self, unit: str, units_done: int):
-        super().__init__(f"chunk time up after {units_done} unit(s), before: {unit}")
+    def __init__(self, unit: str, units_done: int, why: str = ""):
+        super().__init__(f"chunk time up after {units_done} unit(s), before: {unit}{why}")
         self.unit, self.units_done = unit, units_done
+
+
+# A training unit's expected seconds are this command's slowest measured per-step time (start-up, validation
+# passes and saves included) times its steps, times this margin for the other copy's load and the spread of a
+# shared GPU, plus the slowest evaluation; the GPU recipe's runs of one lease varied by ~20 % (docs/gpu.md).
+EXPECTED_MARGIN = 1.25
 
 
 class _Clock:
     deadline: float | None = None
+    hard: float | None = None  # when the caller kills the command (--chunk-hard-s)
     units = 0
+    per_step_s: float | None = None  # the slowest training second per step this command measured
+    evaluation_s: float | None = None  # and its slowest evaluation
 
 
 _CLOCK = _Clock()
 
 
-def start_chunk(seconds: float | None) -> None:
-    """Start this command's chunk: :func:`begin` stops new units after ``seconds`` (None: never)."""
-    _CLOCK.deadline = None if seconds is None else time.monotonic() + float(seconds)
+def start_chunk(seconds: float | None, hard_seconds: float | None = None) -> None:
+    """Start this command's chunk: :func:`begin` stops new units after ``seconds`` (None: never), and a unit
+    expected to run past ``hard_seconds`` (when the caller kills the command; None: not known) does not start."""
+    now = time.monotonic()
+    _CLOCK.deadline = None if seconds is None else now + float(seconds)
+    _CLOCK.hard = None if seconds is None or hard_seconds is None else now + float(hard_seconds)
     _CLOCK.units = 0
+    _CLOCK.per_step_s = _CLOCK.evaluation_s = None
 
 
-def begin(unit: str) -> None:
-    """A unit of work is about to start: raise ChunkTimeUp when the chunk's time is up and this command
-    already did a unit; else count it."""
-    if _CLOCK.deadline is not None and _CLOCK.units and time.monotonic() >= _CLOCK.deadline:
-        raise ChunkTimeUp(unit, _CLOCK.units)
+def begin(unit: str, expected_s: float | None = None, follows_on: bool = False) -> None:
+    """A unit of work is about to start: raise ChunkTimeUp when this command already did a unit and the chunk's
+    time is up, or the unit is expected to take ``expected_s`` seconds and would outlast the hard limit; else
+    count it. ``follows_on``: the unit completes the one this command just did (a run's evaluation after its
+    training), and is never stopped."""
+    if _CLOCK.deadline is not None and _CLOCK.units and not follows_on:
+        now = time.monotonic()
+        if now >= _CLOCK.deadline:
+            raise ChunkTimeUp(unit, _CLOCK.units)
+        if expected_s is not None and _CLOCK.hard is not None and now + expected_s > _CLOCK.hard:
+            raise ChunkTimeUp(unit, _CLOCK.units, f" (expected to take {expected_s:.0f} s, "
+                                                  f"{_CLOCK.hard - now:.0f} s left before the command is killed)")
     _CLOCK.units += 1
+
+
+def measured_training(seconds: float, steps: int) -> None:
+    """A run this command trained took ``seconds`` for ``steps`` steps."""
+    if steps > 0:
+        _CLOCK.per_step_s = max(_CLOCK.per_step_s or 0.0, seconds / steps)
+
+
+def measured_evaluation(seconds: float) -> None:
+    _CLOCK.evaluation_s = max(_CLOCK.evaluation_s or 0.0, seconds)
+
+
+def expected_training_s(steps: int) -> float | None:
+    """Seconds a run of ``steps`` steps and its evaluation are expected to take, by what this command measured
+    (None before it trained a run)."""
+    if _CLOCK.per_step_s is None:
+        return None
+    return EXPECTED_MARGIN * _CLOCK.per_step_s * steps + (_CLOCK.evaluation_s or 0.0)

@@ -49,6 +49,10 @@ def cli_experiment(
         help="Stop cleanly before the next unit of work (shard build, teacher, add-teacher, run, evaluation, "
              "step benchmark) once this many seconds have passed; at least one unit runs. Exit 3 when work is "
              "left: rerun to continue (interrupted runs continue from their last.pt with resume_runs: true).")] = None,
+    chunk_hard_s: Annotated[Optional[float], typer.Option(
+        help="With --chunk-s: when the caller kills the command (scripts/gpu-experiment.sh: HARD_S). A run whose "
+             "training and evaluation would outlast it, by this command's own measured step and evaluation "
+             "times, does not start.")] = None,
     status: Annotated[bool, typer.Option(help="Only list the units done and left (efficiency), with what the done "
                                               "ones measured; exit 0 when nothing is left, 3 otherwise.")] = False,
     partial: Annotated[bool, typer.Option(help="Only write the results of the runs finished so far to OUT/partial/ "
@@ -82,7 +86,7 @@ def cli_experiment(
         typer.echo(f"{name}: {result['partial']['note']} Wrote {out_dir}/partial/results.json, table.md and plots")
         return
     started = time.perf_counter()
-    start_chunk(chunk_s)
+    start_chunk(chunk_s, chunk_hard_s)
     try:
         EXPERIMENTS[name](recipe, out_dir, progress=not quiet)
     except ChunkTimeUp as stop:

@@ -183,7 +183,8 @@ def _train_arms(recipe: dict, shards: Path, arm_runs: dict[str, list[tuple[int, 
         summary = run_training(cfg, recipe.get("reuse_runs", True), lock=lock,
                                resume=recipe.get("resume_runs", False))
         results = evaluate_run(recipe, run_dir, shards, recipe.get("isolated_efficiency", False),
-                               efficiency=first)  # cost is the architecture's: one seed
+                               efficiency=first,  # cost is the architecture's: one seed
+                               after_training=not summary.get("reused"))
         record = {"seed": seed, "train_config": cfg.to_dict(), "train_summary": summary,
                   "curve": eval_curve(run_dir, per_step), "final": results["summary"],
                   "carried": carried_from(run_dir)}  # trained on an earlier GPU lease (carry.py), or None

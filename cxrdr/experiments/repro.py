@@ -32,7 +32,7 @@ from pathlib import Path
 # per-seed suffixes the summaries add (``wall_s_seeds``, ``step_ms_sd`` ...).
 TIMING_KEYS = frozenset({
     # training loop summaries, teacher records, table rows
-    "wall_s", "train_time_s", "mean_step_ms", "eval_time_s", "step_ms", "train_img_per_s",
+    "wall_s", "earlier_wall_s", "train_time_s", "mean_step_ms", "eval_time_s", "step_ms", "train_img_per_s",
     "train_wall_s", "train_step_ms", "add_teacher_seconds",
     # the interleaved step benchmark and the break-even built on it
     "bench_step_ms", "online_step_ms", "stored_step_ms", "saving_per_run_s", "break_even_runs",

@@ -26,7 +26,7 @@ from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
 from cxrdr.experiments.carry import carried_from, is_carried
-from cxrdr.experiments.chunks import begin
+from cxrdr.experiments.chunks import begin, expected_training_s, measured_evaluation, measured_training
 from cxrdr.experiments.repro import code_version, note_other_code
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.train.config import TrainConfig
@@ -159,8 +159,8 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
     """Train (or reuse a finished identical run); returns the loop summary plus wall seconds. ``lock``:
     the run folder's lock if the caller holds it (``claim_run``); else it is claimed here, waiting.
     ``resume``: an unfinished run of this config continues from its last.pt (the loop's exact resume:
-    the same run as one never interrupted; its ``wall_s`` is then this command's part only) instead of
-    restarting."""
+    the same run as one never interrupted; its ``wall_s`` then adds the earlier commands' wall up to the save
+    it resumed from, their work lost after it left out) instead of restarting."""
     run_dir = Path(cfg.out)
     own = claim_run(run_dir) if lock is None else None
     try:
@@ -173,13 +173,16 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
             note_other_code(f"run {run_dir}", summary.get("code"))
             return summary
         go_on = resume and reuse and unfinished_alike(run_dir, cfg)
-        begin(f"{'resume' if go_on else 'train'} {run_dir}")
+        from_step = logged_step(run_dir) if go_on else 0
+        begin(f"{'resume' if go_on else 'train'} {run_dir}", expected_s=expected_training_s(cfg.steps - from_step))
         if not go_on:
             _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
         code = code_version()  # asked before training: a commit made meanwhile is not the code that trains
         started = time.perf_counter()
         summary = train(dataclasses.replace(cfg, resume=True) if go_on else cfg, lock=own or lock)
-        summary["wall_s"] = round(time.perf_counter() - started, 2)
+        this_command = time.perf_counter() - started
+        summary["wall_s"] = round(summary.get("earlier_wall_s", 0.0) + this_command, 2)
+        measured_training(this_command, summary["steps"] - summary.get("start_step", 0))
         summary["code"] = code  # which code trained it: reuse does not check it, results show it
         # CPU intra-op threads change reductions' rounding (recipe `threads`; reuse does not check it either)
         summary["torch_threads"] = torch.get_num_threads()
@@ -210,6 +213,14 @@ def unfinished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
     """RUN holds an interrupted run of this very config (config.yaml and a last.pt, no summary.json)."""
     return (not (run_dir / "summary.json").is_file() and (run_dir / "last.pt").is_file()
             and _saved_alike(run_dir, cfg))
+
+
+def logged_step(run_dir: Path) -> int:
+    """The last step RUN's metrics.jsonl logged (0: none); a killed command may have left its last line
+    half-written."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in complete_lines(metrics.read_text())] if metrics.is_file() else []
+    return max((int(r.get("step", 0)) for r in records), default=0)
 
 
 def has_weights(run_dir: Path) -> bool:
@@ -298,10 +309,12 @@ def evaluation_done(recipe: dict, run_dir: Path, shards: Path, isolated: bool, e
     return _previous_evaluation(eval_dir, run_dir / "last.pt", request) is not None
 
 
-def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True) -> dict:
+def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, efficiency: bool = True,
+                 after_training: bool = False) -> dict:
     """Full evaluation of RUN/last.pt on the recipe's report set (``report_set``; the linear probe is
     fitted on the training shards' train split). Cost is measured in a fresh process on CPU, and only
-    when ``efficiency`` and the recipe's eval options allow it."""
+    when ``efficiency`` and the recipe's eval options allow it. ``after_training``: this command just trained
+    the run, so a chunk whose time is up evaluates it all the same (``chunks.begin``'s ``follows_on``)."""
     eval_dir, request, opts = evaluation_request(recipe, run_dir, shards, isolated, efficiency)
     report_shards = Path(request.get("report_shards") or shards)
     split, eff_batch, measure = request["split"], request["efficiency_batch"], request["efficiency"]
@@ -314,7 +327,8 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
         raise UserError(f"{run_dir} was carried from {(carried_from(run_dir) or {}).get('from')!r} without its "
                         f"weights, and its evaluation there ({eval_dir}) was not made for this recipe's request: "
                         "remove the folder to train the run again")
-    begin(f"evaluate {run_dir}")
+    begin(f"evaluate {run_dir}", follows_on=after_training)
+    started = time.perf_counter()
     use_subprocess = measure and isolated and not torch.cuda.is_available()
     device = evaluation_device(recipe, opts)
     results = evaluate(str(ckpt), report_shards, split, eval_dir, progress=False, quiet=True,
@@ -330,6 +344,7 @@ def evaluate_run(recipe: dict, run_dir: Path, shards: Path, isolated: bool, effi
     if use_subprocess or benchmark:
         write_json(results, eval_dir / "eval.json")
     write_json(request, eval_dir / "eval_request.json")
+    measured_evaluation(time.perf_counter() - started)
     return results
 
 

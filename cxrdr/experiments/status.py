@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cxrdr.experiments.carry import carried_from
 from cxrdr.experiments.efficiency import arm_plan, runs_in_turn
-from cxrdr.experiments.runs import evaluation_done, evaluation_request, has_weights, run_state
+from cxrdr.experiments.runs import evaluation_done, evaluation_request, has_weights, logged_step, run_state
 from cxrdr.experiments.teacher_prep import teacher_eval_dir, teacher_eval_done, teacher_plans, teacher_seconds
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.runfolder import complete_lines
@@ -79,7 +79,7 @@ def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
                      f"{train_s} s, mean step {summary.get('mean_step_ms')} ms; {len(passes)} validation "
                      f"passes {eval_s:.1f} s{split}{where}")
     if state == "partial":
-        step = max((int(r.get("step", 0)) for r in evals), default=0)
+        step = logged_step(run_dir)
         how = "the next command continues it" if resume else "restarts: the recipe does not set resume_runs"
         return _unit(name, "partial", None, f"interrupted near step {step} of {cfg.steps} ({how})")
     return _unit(name, "todo", None, f"{cfg.steps} steps x {cfg.batch_size * cfg.accum_steps} ({cfg.mode})")

@@ -68,11 +68,14 @@ PHASES = {name: f"cxrdr.{name}" for name in ("data", "forward", "backward", "opt
 class StepTimer:
     """Wall seconds per training step, measured between points where the loop waits for the device
     anyway (logging, saving, evaluating), so that timing adds no sync of its own. ``mean_step_ms``
-    leaves out the process's first lap (its first step pays start-up costs: workers, allocator,
-    compilation), unless it is the only one."""
+    leaves out each process's first lap (its first step pays start-up costs: workers, allocator,
+    compilation, graph capture), unless nothing else was timed, and counts the laps of the processes a
+    resumed run continues (``before``: their counted seconds and steps up to the save it resumed from), so
+    a run resumed near its end is not timed by its start-up lap alone."""
 
-    def __init__(self, device: torch.device, step: int):
+    def __init__(self, device: torch.device, step: int, before: tuple[float, int] = (0.0, 0)):
         self.device = device
+        self.before = (float(before[0]), int(before[1]))
         self.laps: list[tuple[float, int]] = []  # (seconds, steps)
         self.restart(step)
 
@@ -96,10 +99,17 @@ class StepTimer:
         self.start_step, self.t0 = step, now
         return lap
 
+    def counted(self) -> tuple[float, int]:
+        """Seconds and steps of every lap ``mean_step_ms`` counts: the earlier processes' and this one's
+        after its first."""
+        laps = self.laps[1:]
+        return self.before[0] + sum(s for s, _ in laps), self.before[1] + sum(n for _, n in laps)
+
     def mean_step_ms(self) -> float | None:
-        laps = self.laps[1:] or self.laps
-        steps = sum(n for _, n in laps)
-        return round(1000 * sum(s for s, _ in laps) / steps, 3) if steps else None
+        seconds, steps = self.counted()
+        if not steps:  # only the start-up lap was timed
+            seconds, steps = sum(s for s, _ in self.laps), sum(n for _, n in self.laps)
+        return round(1000 * seconds / steps, 3) if steps else None
 
 
 class Trainer:
@@ -127,6 +137,10 @@ class Trainer:
         self.best_score, self.best_step, self.evals_since_best = -math.inf, -1, 0
         self.last_eval: dict = {}
         self.train_time = 0.0
+        # a resumed run's earlier processes, up to the save it resumed from: their timed laps (StepTimer) and wall
+        self.timed_before, self.wall_before = (0.0, 0), 0.0
+        self.timer: StepTimer | None = None
+        self.started = time.perf_counter()
         if self.main:
             check_run_folder(self.out, cfg.resume, cfg.overwrite)
         resumed = self._maybe_resume()
@@ -273,6 +287,8 @@ class Trainer:
         self.best_step = int(loop_state.get("best_step", -1))
         self.evals_since_best = int(loop_state.get("evals_since_best", 0))
         self.train_time = float(loop_state.get("train_time", 0.0))
+        seconds, steps = loop_state.get("step_timing", (0.0, 0))
+        self.timed_before, self.wall_before = (float(seconds), int(steps)), float(loop_state.get("wall_time", 0.0))
         self.best_score = float(state.get("best_score", -math.inf))
         self.last_eval = state.get("metrics") or {}
         rng = state.get("rng") or {}
@@ -290,7 +306,9 @@ class Trainer:
             "train_config": self.cfg.to_dict(), "metrics": self.last_eval, "best_score": self.best_score,
             "loop": {"data_epoch": self.data_epoch, "samples_seen": self.samples_seen,
                      "best_step": self.best_step, "evals_since_best": self.evals_since_best,
-                     "train_time": self.train_time},
+                     "train_time": self.train_time,
+                     "step_timing": list(self.timer.counted() if self.timer is not None else self.timed_before),
+                     "wall_time": self.wall_before + time.perf_counter() - self.started},
             "data": {**self.data_source, "world": self.world,
                      "streams": {str(r): s for r, s in enumerate(streams)}},
         }
@@ -485,6 +503,8 @@ class Trainer:
             "samples_seen": self.samples_seen, "epochs": round(self.samples_seen / self.n_train, 3),
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "mean_step_ms": timing.mean_step_ms(), "train_time_s": round(self.train_time, 3),
+            # the wall of the commands a resumed run continues, up to the save it resumed from (runs.run_training)
+            "earlier_wall_s": round(self.wall_before, 2),
             "best_score": None if self.best_score == -math.inf else self.best_score,
             "best_step": self.best_step, "final_eval": self.last_eval,
             "skipped_corrupt": count_skipped(self.out / SKIP_LOG),
@@ -500,7 +520,7 @@ class Trainer:
         steps since the previous such point. Other steps queue work and go on."""
         cfg, batches = self.cfg, self._batches()
         losses: list[float] = []
-        timing = StepTimer(self.device, self.step)
+        timing = self.timer = StepTimer(self.device, self.step, self.timed_before)
         while self.step < cfg.steps:
             log_now = self.step == 0 or (self.step + 1) % cfg.log_every == 0 or self.step == cfg.steps - 1
             result = self.train_step(batches, log_balance=log_now)

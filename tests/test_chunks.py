@@ -1,0 +1,41 @@
+"""A chunk's stopping rules (cxrdr/experiments/chunks.py): after its time, before a unit expected to outlast the
+kill, never between a run's training and its evaluation; the first unit always runs."""
+import pytest
+
+from cxrdr.experiments import chunks
+
+
+@pytest.fixture(autouse=True)
+def no_chunk_after():
+    yield
+    chunks.start_chunk(None)
+
+
+def test_a_chunk_stops_new_units_after_its_time_but_not_a_runs_evaluation_after_its_training():
+    chunks.start_chunk(0)
+    chunks.begin("train run")  # the first unit always runs
+    with pytest.raises(chunks.ChunkTimeUp, match=r"after 1 unit\(s\), before: train next"):
+        chunks.begin("train next")
+    chunks.begin("evaluate run", follows_on=True)  # the run just trained is evaluated all the same
+
+
+def test_a_run_expected_to_outlast_the_kill_does_not_start():
+    chunks.start_chunk(1000, hard_seconds=90)
+    assert chunks.expected_training_s(400) is None  # nothing measured yet: the first run is not judged
+    chunks.begin("train a", expected_s=None)
+    chunks.measured_training(60.0, 400)
+    chunks.measured_training(30.0, 400)  # the slowest per-step time counts
+    chunks.measured_evaluation(20.0)
+    assert chunks.expected_training_s(400) == pytest.approx(chunks.EXPECTED_MARGIN * 60.0 + 20.0)
+    assert chunks.expected_training_s(40) == pytest.approx(chunks.EXPECTED_MARGIN * 6.0 + 20.0)
+    chunks.begin("resume b", expected_s=chunks.expected_training_s(40))  # 27.5 s fits the 90 s
+    with pytest.raises(chunks.ChunkTimeUp, match=r"before: train c \(expected to take 95 s, (89|90) s left"):
+        chunks.begin("train c", expected_s=chunks.expected_training_s(400))
+
+
+def test_without_a_chunk_nothing_stops():
+    chunks.start_chunk(None, hard_seconds=1)
+    for unit in ("a", "b"):
+        chunks.begin(unit, expected_s=10**6)
+    chunks.measured_training(1.0, 0)  # a reused run trained no step: nothing to learn from it
+    assert chunks.expected_training_s(10) is None
