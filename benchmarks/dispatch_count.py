@@ -8,6 +8,8 @@ measurable on any machine:
     python benchmarks/dispatch_count.py D D:blocks E E:blocks      # full-size students, batch 2, CPU
     python benchmarks/dispatch_count.py --size tiny A A:blocks
     python benchmarks/dispatch_count.py A E --by-function 3 --inference-casts
+    python benchmarks/dispatch_count.py D --mode plain --by-function 12   # beside --mode reinforced: what the
+                                                                          # stored teacher's losses add
 
 ``--by-function N`` also splits the operators by the project's function that issued them and counts the image
 tower's blocks alone (forward + backward: what ``--cuda-graphs`` replays as two launches); ``--inference-casts``
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled configurations")
     parser.add_argument("--by-function", type=int, default=0, metavar="N",
                         help="also print the N cxrdr functions that issue the most operators (eager configurations)")
+    parser.add_argument("--mode", choices=("plain", "reinforced"), default=None,
+                        help="the training mode (default: the benchmark config's, reinforced with the stored teacher)")
     parser.add_argument("--inference-casts", action="store_true",
                         help="also count the bf16 casts of a validation pass's first and later batches")
     args = parser.parse_args(argv)
@@ -156,7 +160,9 @@ def main(argv=None) -> int:
     for i, spec in enumerate(args.configs):
         variant, _, scope = spec.partition(":")
         extra = {"compile": True, "compile_scope": scope, "compile_backend": args.backend} if scope else {}
-        base = {**train_step.bench_config(shards, args.batch_size, 0, "cpu"), "out": f"{tmp.name}/run{i}", **extra}
+        mode = {"mode": args.mode} if args.mode else {}
+        base = {**train_step.bench_config(shards, args.batch_size, 0, "cpu"), "out": f"{tmp.name}/run{i}", **extra,
+                **mode}
         trainer, batches = train_step.make_trainer(base, model=f"{prefix}{variant}")
         graphs_before = counters["stats"].get("unique_graphs", 0)
         seconds = []
