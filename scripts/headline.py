@@ -159,25 +159,23 @@ def gpu_efficiency() -> list[str]:
         return ["*Not measured yet:* no GPU has run the recipe to the end, so `docs/results/gpu-efficiency.json` (its "
                 "`results.json`) does not exist; once a GPU session commits it, `python scripts/headline.py --write` "
                 "puts its table, bars and teacher here."]
+    now = load_recipe(GPU_RECIPE)
+    whole_drift, partial_drift = (recipe_drift(res["recipe"], now) if res and res.get("recipe") else ""
+                                  for res in (whole, partial))
     lines: list[str] = []
-    if partial is not None and (whole is None or (_drift(whole) and not _drift(partial))):
-        lines += [gpu_partial_lead(partial["partial"]), ""] + _gpu_block(partial)
+    if partial is not None and (whole is None or (whole_drift and not partial_drift)):
+        lines += [gpu_partial_lead(partial["partial"]), ""] + _gpu_block(partial, partial_drift)
         if whole is not None:
             lines += ["", "**The whole recipe, at an earlier version:**", ""]
     if whole is not None:
-        lines += _gpu_block(whole)
+        lines += _gpu_block(whole, whole_drift)
     return lines
 
 
-def _drift(res: dict) -> str:
-    return recipe_drift(res["recipe"], load_recipe(GPU_RECIPE)) if res.get("recipe") else ""
-
-
-def _gpu_block(res: dict) -> list[str]:
-    """One GPU results file: the recipe keys it ran differently (if any), its efficiency table and bars, and
-    its teachers."""
+def _gpu_block(res: dict, drift: str) -> list[str]:
+    """One GPU results file: the recipe keys it ran differently (``drift``, from ``recipe_drift``; empty: none),
+    its efficiency table and bars, and its teachers."""
     lines = []
-    drift = _drift(res)
     if drift:  # the recipe changed since it ran: its figures are the earlier version's, said before them
         lines += [f"*Run at an earlier version of the recipe:* {drift}. The recipe as it stands has not run to its end on a GPU.",
                   ""]

@@ -173,7 +173,7 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
             note_other_code(f"run {run_dir}", summary.get("code"))
             return summary
         go_on = resume and reuse and unfinished_alike(run_dir, cfg)
-        from_step = logged_step(run_dir) if go_on else 0
+        from_step = logged_step(metrics_records(run_dir)) if go_on else 0
         begin(f"{'resume' if go_on else 'train'} {run_dir}", expected_s=expected_training_s(cfg.steps - from_step))
         if not go_on:
             _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
@@ -215,11 +215,14 @@ def unfinished_alike(run_dir: Path, cfg: TrainConfig) -> bool:
             and _saved_alike(run_dir, cfg))
 
 
-def logged_step(run_dir: Path) -> int:
-    """The last step RUN's metrics.jsonl logged (0: none); a killed command may have left its last line
-    half-written."""
-    metrics = Path(run_dir) / "metrics.jsonl"
-    records = [json.loads(line) for line in complete_lines(metrics.read_text())] if metrics.is_file() else []
+def metrics_records(run_dir: Path) -> list[dict]:
+    """RUN/metrics.jsonl's records ([] without one), less a last line a killed command left half-written."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in complete_lines(path.read_text())] if path.is_file() else []
+
+
+def logged_step(records: list[dict]) -> int:
+    """The last step a run's metrics records (``metrics_records``) logged; 0: none."""
     return max((int(r.get("step", 0)) for r in records), default=0)
 
 
@@ -248,16 +251,9 @@ def _as_saved(cfg: TrainConfig) -> dict:
 
 def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:
     """The loop's validation records as points of metric vs samples seen."""
-    path = Path(run_dir) / "metrics.jsonl"
-    points = []
-    if not path.is_file():
-        return points
-    for line in complete_lines(path.read_text()):  # a run killed mid-write leaves its last line unfinished
-        rec = json.loads(line)
-        if rec.get("kind") == "eval":
-            points.append({"step": rec["step"], "samples_seen": rec["step"] * samples_per_step,
-                           **{k: rec.get(k) for k in CURVE_METRICS}})
-    return points
+    return [{"step": rec["step"], "samples_seen": rec["step"] * samples_per_step,
+             **{k: rec.get(k) for k in CURVE_METRICS}}
+            for rec in metrics_records(run_dir) if rec.get("kind") == "eval"]
 
 
 def report_set(recipe: dict, progress: bool = True, build: bool = True) -> tuple[Path, str]:

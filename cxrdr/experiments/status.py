@@ -14,10 +14,10 @@ from pathlib import Path
 
 from cxrdr.experiments.carry import carried_from
 from cxrdr.experiments.efficiency import arm_plan, runs_in_turn
-from cxrdr.experiments.runs import evaluation_done, evaluation_request, has_weights, logged_step, run_state
+from cxrdr.experiments.runs import (evaluation_done, evaluation_request, has_weights, logged_step, metrics_records,
+                                   run_state)
 from cxrdr.experiments.teacher_prep import teacher_eval_dir, teacher_eval_done, teacher_plans, teacher_seconds
 from cxrdr.train.config import TrainConfig
-from cxrdr.train.runfolder import complete_lines
 
 
 def _json(path: Path) -> dict | None:
@@ -60,8 +60,7 @@ def shard_unit(name: str, spec: dict) -> dict:
 def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
     run_dir = Path(cfg.out)
     state = run_state(run_dir, cfg)
-    metrics = run_dir / "metrics.jsonl"  # of a run a killed chunk may have left mid-write
-    evals = [json.loads(line) for line in complete_lines(metrics.read_text())] if metrics.is_file() else []
+    evals = metrics_records(run_dir)  # of a run a killed chunk may have left mid-write
     passes = [r for r in evals if r.get("kind") == "eval"]
     eval_s = sum(float(r.get("eval_time_s") or 0) for r in passes)
     phases: dict[str, float] = {}  # where the passes spent it (the loop's eval_phase_s)
@@ -79,7 +78,7 @@ def run_unit(name: str, cfg: TrainConfig, resume: bool) -> dict:
                      f"{train_s} s, mean step {summary.get('mean_step_ms')} ms; {len(passes)} validation "
                      f"passes {eval_s:.1f} s{split}{where}")
     if state == "partial":
-        step = logged_step(run_dir)
+        step = logged_step(evals)
         how = "the next command continues it" if resume else "restarts: the recipe does not set resume_runs"
         return _unit(name, "partial", None, f"interrupted near step {step} of {cfg.steps} ({how})")
     return _unit(name, "todo", None, f"{cfg.steps} steps x {cfg.batch_size * cfg.accum_steps} ({cfg.mode})")
