@@ -176,7 +176,7 @@ class TrainConfig:
         if self.cuda_graphs_text == "on" and (self.cuda_graphs == "off" or not self.pack_text):
             raise ValueError("--cuda-graphs-text on replays the packed text tower with the image tower's graphs: it "
                              "needs --cuda-graphs auto or on, and --pack-text")
-        if self.cuda_graphs_text == "on" and self.compile and self.compile_scope == "model":
+        if self.cuda_graphs_text == "on" and self.compiles_whole_model():
             raise ValueError("--cuda-graphs-text on does not go with --compile-scope model: the compiled model's text "
                              "layers attend on the padded grid, not on FlashAttention's packed tokens that the text "
                              "graphs replay (--compile-scope blocks leaves them eager for the graphs)")
@@ -192,17 +192,21 @@ class TrainConfig:
         graphs off with them). Blocks compiled one by one (``--compile-scope blocks``) can be captured: a graph replays
         their compiled kernels, fused and without the host (the combination ``torch.compile``'s "reduce-overhead" mode
         makes); auto takes it (timed on an H200 at 7067ab4: docs/gpu.md, "Ninth GPU session")."""
-        whole = self.compile and self.compile_scope == "model"
-        return [flag for flag, on in (("--compile with --compile-scope model (blocks can be graphed)", whole),
+        return [flag for flag, on in (("--compile with --compile-scope model (blocks can be graphed)",
+                                       self.compiles_whole_model()),
                                       ("--grad-checkpointing", self.grad_checkpointing),
                                       ("--accum-steps > 1", self.accum_steps > 1)) if on]
+
+    def compiles_whole_model(self) -> bool:
+        """--compile with --compile-scope model: one compiled graph, which neither tower's CUDA graphs can capture."""
+        return self.compile and self.compile_scope == "model"
 
     def text_graphs(self) -> bool:
         """Whether the text tower's layers join the image tower's CUDA graphs (``cuda_graphs_text``): asked for, or
         auto where they apply (the blocks' graphs not off, the text packed, not compiled as one model: with
         ``--compile-scope blocks`` the image blocks are compiled and the text layers stay eager for the graphs)."""
         if self.cuda_graphs_text == "auto":
-            return self.cuda_graphs != "off" and self.pack_text and not (self.compile and self.compile_scope == "model")
+            return self.cuda_graphs != "off" and self.pack_text and not self.compiles_whole_model()
         return self.cuda_graphs_text == "on"
 
     def to_dict(self) -> dict:

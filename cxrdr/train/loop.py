@@ -359,7 +359,7 @@ class Trainer:
 
     @property
     def _compiles_model(self) -> bool:
-        return self.cfg.compile and self.cfg.compile_scope == "model"
+        return self.cfg.compiles_whole_model()
 
     def _compiled_now(self) -> torch.nn.Module | None:
         """The compiled forward once the student's step schedules (k-ratio annealing, keep-rate warm-up)
