@@ -192,8 +192,8 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
 
     first = invoke("--status")
     assert first.exit_code == 3 and " 0 of " in first.output and "todo     students' shards" in first.output
-    # a chunk with no time does one unit, then stops cleanly with work left
-    chunk = invoke("--chunk-s", "0")
+    # a chunk with no time does one unit, then stops cleanly with work left (its first unit runs whatever the kill)
+    chunk = invoke("--chunk-s", "0", "--chunk-hard-s", "0")
     assert chunk.exit_code == 3, chunk.output + repr(chunk.exception)
     assert "done     students' shards" in chunk.output and " 1 of " in chunk.output
     students = Path(recipe["shards"]["dir"]) / "dataset.json"
@@ -353,7 +353,8 @@ def test_the_chunk_script_runs_a_chunk_only_while_work_is_left(tmp_path):
     assert call().returncode == 3  # status: left -> one chunk -> status: still left
     assert call().returncode == 0  # the second chunk finishes it
     calls = (tmp_path / "log").read_text().splitlines()
-    assert [("--status" in c, "--chunk-s 7" in c) for c in calls] == [(True, False), (False, True), (True, False)] * 2
+    assert [("--status" in c, "--chunk-s 7 --chunk-hard-s 30" in c) for c in calls] == \
+        [(True, False), (False, True), (True, False)] * 2  # the chunk knows when it is killed (HARD_S)
     assert all("experiment efficiency --config some.yaml --quiet" in c for c in calls)
     again = call()  # nothing left: only the status, no chunk
     assert again.returncode == 0 and "nothing left" in again.stdout
