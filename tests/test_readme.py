@@ -69,3 +69,19 @@ def test_every_readme_command_exists():
     for tool, *sub in {tuple(c): c for c in commands}.values():
         result = CliRunner().invoke(apps[tool], [*sub, "--help"])
         assert result.exit_code == 0, f"`{tool} {' '.join(sub)} --help`: {result.output}"
+
+
+def test_the_reinforce_command_starts_without_stage_2_or_the_experiments():
+    """`reinforce` is stage 1's own console script: through the composition root it imported the training side
+    (timm, open_clip, ~4 s of a 2-core box's start-up) before any stage-1 work."""
+    import subprocess
+    import sys
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["reinforce"] == "cxrdr.reinforce.cli:main"
+    code = ("import sys, cxrdr.reinforce.cli; "
+            "print(sorted({m.split('.')[0] if not m.startswith('cxrdr.') else '.'.join(m.split('.')[:2]) "
+            "for m in sys.modules if m.startswith(('cxrdr.train', 'cxrdr.experiments', 'open_clip', 'timm'))}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
