@@ -515,7 +515,7 @@ def test_a_second_copy_waits_for_the_teachers_the_first_prepares(tmp_path):
     timer = threading.Timer(0.5, finish)
     timer.start()
     try:
-        assert prepare_teachers({"teachers": {"dir": str(root), "models": {}}}, tmp_path / "shards") == {}
+        assert prepare_teachers({"teachers": {"dir": str(root), "models": {}}}) == {}
     finally:
         timer.cancel()
     assert released.is_set()  # it returned only after the first copy let go
@@ -546,6 +546,39 @@ def test_a_second_copy_waits_for_a_shard_folder_the_first_builds(tmp_path):
     finally:
         timer.cancel()
     assert released.is_set()
+
+
+def test_a_second_copy_prepares_the_teachers_while_the_first_builds_the_students_shards(tmp_path, monkeypatch):
+    """The set-up split between two copies: the one that finds the students' shards being built makes the teachers'
+    own part meanwhile (here: the call, and what it saw), then waits for the folder; a lone copy builds first."""
+    import threading
+
+    from cxrdr.common.locking import lock_folder
+    from cxrdr.experiments import teacher_prep
+    from cxrdr.experiments.runs import ensure_shards
+
+    out = tmp_path / "shards"
+    recipe = {"shards": {"dir": str(out)}}  # no build options: building here would raise
+    seen = []
+    monkeypatch.setattr(teacher_prep, "prepare_teachers",
+                        lambda r, progress, experiment: seen.append((out / "dataset.json").is_file()) or {"t": 1})
+    first = lock_folder(tmp_path / ".shards.building", "train experiment")  # the first copy, building
+    assert ensure_shards(recipe["shards"], progress=False, wait=False) is None
+
+    def finish():  # the first copy's build completes
+        out.mkdir()
+        (out / "dataset.json").write_text("{}")
+        first.release()
+
+    timer = threading.Timer(0.5, finish)
+    timer.start()
+    try:
+        assert teacher_prep.students_and_teachers(recipe, False, "efficiency") == (out, {"t": 1})
+    finally:
+        timer.cancel()
+    assert seen == [False]  # the teachers were prepared while the students' shards were still being built
+    assert teacher_prep.students_and_teachers(recipe, False, "efficiency") == (out, {"t": 1}) and seen[-1]
+    teacher_prep._refuse_stale(tmp_path / "not-built-yet", "lite2-s1")  # an unbuilt folder holds no teacher
 
 
 def test_a_runs_loss_and_optim_overrides_add_to_the_experiments_and_old_run_configs_still_match(tmp_path):

@@ -47,7 +47,7 @@ from cxrdr.experiments.runs import (claim_results, claimed_in_turn, ensure_shard
                                    report_set, result_row, run_training)
 from cxrdr.experiments.stats import (crossing_ratio, gap_interval, mean_curve, mean_sd, samples_to_target,
                                     t_interval)
-from cxrdr.experiments.teacher_prep import planned_train_samples, prepare_teachers, teacher_seconds
+from cxrdr.experiments.teacher_prep import planned_train_samples, students_and_teachers, teacher_seconds
 from cxrdr.train.evaluation.report import seed_summary, write_json
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.loop import Trainer
@@ -341,8 +341,7 @@ def pointing_bars(spec: dict | None, margins: dict) -> list[dict]:
 
 def efficiency_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
     set_threads(recipe)
-    shards = ensure_shards(recipe["shards"], progress)
-    teachers = prepare_teachers(recipe, shards, progress, experiment="efficiency")
+    shards, teachers = students_and_teachers(recipe, progress, experiment="efficiency")
     spec = recipe.get("efficiency") or {}
     seeds = recipe_seeds(recipe, spec)
     out_dir.mkdir(parents=True, exist_ok=True)

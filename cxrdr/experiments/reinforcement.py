@@ -24,9 +24,9 @@ from pathlib import Path
 import typer
 
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
-from cxrdr.experiments.runs import claimed_in_turn, ensure_shards, evaluate_run, result_row, run_training
+from cxrdr.experiments.runs import claimed_in_turn, evaluate_run, result_row, run_training
 from cxrdr.experiments.stats import t_interval
-from cxrdr.experiments.teacher_prep import prepare_teachers
+from cxrdr.experiments.teacher_prep import students_and_teachers
 from cxrdr.train.evaluation.report import markdown_table_sd, seed_summary, write_json
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "probe_auc", "zeroshot_auc"]
@@ -59,8 +59,7 @@ def _run_name(recipe: dict, shards: Path, overrides: dict) -> str:
 
 def reinforcement_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> dict:
     set_threads(recipe)
-    shards = ensure_shards(recipe["shards"], progress)
-    teachers = prepare_teachers(recipe, shards, progress, experiment="reinforcement")
+    shards, teachers = students_and_teachers(recipe, progress, experiment="reinforcement")
     spec = recipe.get("reinforcement") or {}
     seeds = recipe_seeds(recipe, spec, default=[0, 1])
     base = {"mode": "reinforced", **(spec.get("train") or {})}

@@ -41,8 +41,9 @@ T = TypeVar("T")
 CURVE_METRICS = ("mean_recall", "i2t_R@1", "t2i_R@1", "probe_mean_auc", "zeroshot_mean_auc")
 
 
-def ensure_shards(spec: dict, progress: bool = True) -> Path:
-    """The recipe's shard folder: reused when complete, else built (or resumed) with its options."""
+def ensure_shards(spec: dict, progress: bool = True, wait: bool = True) -> Path | None:
+    """The recipe's shard folder: reused when complete, else built (or resumed) with its options. While another
+    process builds it: wait for that build (``wait``), or return None so the caller can do other work first."""
     out = Path(spec["dir"])
     if (out / "dataset.json").is_file() and not spec.get("rebuild", False):
         return out
@@ -52,6 +53,8 @@ def ensure_shards(spec: dict, progress: bool = True) -> Path:
     lock = claim_run(building, wait=False)
     waited = lock is None
     if waited:
+        if not wait:
+            return None
         typer.echo(f"another process is building {out}; waiting", err=True)
         lock = claim_run(building)
     try:

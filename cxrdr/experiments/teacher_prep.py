@@ -92,9 +92,22 @@ def planned_train_samples(recipe: dict, experiment: str | None = None, shard_nam
                if shard_names is None or p["shard_name"] in shard_names)
 
 
-def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, experiment: str | None = None) -> dict:
-    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to ``student_shards``; a teacher
-    whose entry lists ``experiments`` is made only for those (e.g. the ensemble's second teacher).
+def students_and_teachers(recipe: dict, progress: bool = True, experiment: str | None = None) -> tuple[Path, dict]:
+    """The students' shard folder (``recipe['shards']``) and the teachers added to it (``prepare_teachers``).
+
+    Two copies of an experiment (scripts/gpu-experiment.sh COPIES=2) split this set-up: while one builds the
+    students' shards, the other makes the teachers' own part (their shards, training and evaluation), then waits
+    for the students' shards to add them. Before, the second copy waited through the whole set-up (141 s of a
+    15-minute GPU lease, of which the teacher's own part was ~54 s)."""
+    shards = ensure_shards(recipe["shards"], progress, wait=False)  # None: another copy is building them
+    teachers = prepare_teachers(recipe, progress, experiment)
+    return shards or ensure_shards(recipe["shards"], progress), teachers
+
+
+def prepare_teachers(recipe: dict, progress: bool = True, experiment: str | None = None) -> dict:
+    """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to the students' shards
+    (``recipe['shards']``, built or waited for only once a teacher needs them); a teacher whose entry lists
+    ``experiments`` is made only for those (e.g. the ensemble's second teacher).
 
     Returns name -> record (shard name, checkpoint, train summary, quality on its test sets,
     add-teacher seconds)."""
@@ -109,12 +122,12 @@ def prepare_teachers(recipe: dict, student_shards: Path, progress: bool = True, 
         typer.echo(f"[teachers] another process is preparing the teachers in {root}; waiting", err=True)
         lock = claim_run(root)
     try:
-        return {name: _prepare_one(recipe, name, plan, student_shards, progress) for name, plan in plans.items()}
+        return {name: _prepare_one(recipe, name, plan, progress) for name, plan in plans.items()}
     finally:
         lock.release()
 
 
-def _prepare_one(recipe: dict, name: str, plan: dict, student_shards: Path, progress: bool) -> dict:
+def _prepare_one(recipe: dict, name: str, plan: dict, progress: bool) -> dict:
     spec = recipe["teachers"]
     build = plan["shards"]["build"]
     shards = ensure_shards(plan["shards"], progress)
@@ -125,23 +138,24 @@ def _prepare_one(recipe: dict, name: str, plan: dict, student_shards: Path, prog
     ckpt = plan["ckpt"]
     last = Path(cfg.out) / "last.pt"
     if not ckpt.is_file() or ckpt.stat().st_mtime < last.stat().st_mtime:
-        _refuse_stale(student_shards, name)
+        _refuse_stale(Path(recipe["shards"]["dir"]), name)
         # through a temporary name: a command killed while copying must not leave a truncated checkpoint
         # newer than last.pt, which the next command would take for the finished copy
         partial = ckpt.with_name(ckpt.name + ".partial")
         shutil.copyfile(last, partial)
         os.replace(partial, ckpt)
-    sets = {"own": lambda: (shards, "test"), "students": lambda: (student_shards, "test"),
+    students = lambda: ensure_shards(recipe["shards"], progress)  # noqa: E731 - built (or waited for) on first need
+    sets = {"own": lambda: (shards, "test"), "students": lambda: (students(), "test"),
             "report": lambda: report_set(recipe, progress)}
     quality = {QUALITY_KEYS[tag]: _quality(recipe, Path(cfg.out), *sets[tag](), tag) for tag in plan["evaluate"]}
-    seconds = add_teacher_once(student_shards, name, ckpt, int(spec.get("add_teacher_batch_size", 64)),
+    seconds = add_teacher_once(students(), name, ckpt, int(spec.get("add_teacher_batch_size", 64)),
                                progress, device=recipe.get("device") or "cpu")
     return {"shard_name": plan["shard_name"], "checkpoint": str(ckpt), "model": cfg.model,
             "source_seed": build["source_options"]["seed"], "steps": cfg.steps,
             "train_samples": summary.get("samples_seen") or cfg.steps * cfg.batch_size * cfg.accum_steps,
             "train_wall_s": summary.get("wall_s"), "train_time_s": summary.get("train_time_s"),
             "train_step_ms": summary.get("mean_step_ms"),
-            "add_teacher_seconds": seconds, "train_images_shared": shared_train_images(shards, student_shards),
+            "add_teacher_seconds": seconds, "train_images_shared": shared_train_images(shards, students()),
             "code": summary.get("code"),  # the code that trained it (None: trained before it was recorded)
             **quality}
 
@@ -213,7 +227,10 @@ def teacher_eval_done(run_dir: Path, tag: str) -> bool:
 
 def _refuse_stale(student_shards: Path, name: str) -> None:
     """A (re)trained teacher whose older embeddings are already in the shards would silently disagree
-    with its checkpoint (online arm, evaluation): refuse, the shards must be rebuilt."""
+    with its checkpoint (online arm, evaluation): refuse, the shards must be rebuilt. Shards not built yet
+    (another copy of the experiment is building them) hold no teacher."""
+    if not (Path(student_shards) / "dataset.json").is_file():
+        return
     info = json.loads((Path(student_shards) / "dataset.json").read_text())
     if teacher_shard_name(name) in {t["name"] for t in info.get("teachers", [])}:
         raise ValueError(f"teacher {name} was retrained but {student_shards} holds embeddings of its earlier "
