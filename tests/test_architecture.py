@@ -173,6 +173,45 @@ def test_cxrdr_imports_at_module_top_outside_cli_modules():
     assert not bad, "cxrdr imports inside functions (move them to module top):\n" + "\n".join(bad)
 
 
+HEAVY_STAGE_2 = ("open_clip", "timm", "torchvision")
+
+
+def top_level_closure(module: str, found: list[Import]) -> set[str]:
+    """The package's modules that importing ``module`` runs: its module-top imports, transitively (each package on
+    the way, whose __init__ runs first, included)."""
+    edges: dict[str, set[str]] = {}
+    for imp in found:
+        if imp.at_top:
+            edges.setdefault(imp.source, set()).add(imp.target)
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        for m in [name, *parents]:
+            if m not in seen:
+                seen.add(m)
+                todo.extend(edges.get(m, ()))
+    return seen
+
+
+def third_party_at_top(module: str, mods: dict[str, Path]) -> set[str]:
+    """Top-level packages outside cxrdr that ``module``'s body imports."""
+    tree = ast.parse(mods[module].read_text())
+    names = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and not n.level and n.module]
+    return {name.split(".")[0] for name in names} - {"cxrdr"}
+
+
+def test_the_reinforce_command_imports_neither_stage_2_nor_its_models():
+    """`reinforce` (cxrdr.reinforce.cli:main) starts without the training side, the experiments or the model
+    libraries they load (timm and torchvision's dynamo, open_clip: ~4 s of a 2-core box before any stage-1 work)."""
+    mods = modules()
+    closure = top_level_closure("cxrdr.reinforce.cli", imports())
+    assert "cxrdr.reinforce.build" in closure  # the walk follows the imports
+    assert not {m for m in closure if layer(m) in ("train", "experiments") or m == "cxrdr.cli"}
+    assert not {(m, pkg) for m in closure if m in mods for pkg in third_party_at_top(m, mods) if pkg in HEAVY_STAGE_2}
+
+
 def test_no_long_functions():
     bad = long_functions()
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(bad)
