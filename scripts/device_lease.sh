@@ -30,8 +30,9 @@
 #        the pair similarity, text attention and compiled blocks' checks first, ~65 s on an H200), GRAPHS_DEVICE
 #        (default cuda), GRAPHS_ARGS (MODE=graphs), INSTALL (default 1; 0: no install, this environment's cxrdr runs),
 #        ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
-#        CARRY (default docs/results/gpu-recipe-carry.tar.gz: an earlier lease's carry.tar.gz, committed; a fresh
-#        machine's recipe call unpacks its runs first, so they are not trained again: cxrdr/experiments/carry.py)
+#        CARRY (default, for gpu-efficiency.yaml only, docs/results/gpu-recipe-carry.tar.gz: an earlier lease's
+#        carry.tar.gz, committed; a fresh machine's recipe call unpacks its runs first, so they are not trained again:
+#        cxrdr/experiments/carry.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${MODE:-recipe}"
@@ -66,6 +67,9 @@ pair() {
 }
 
 RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
+# the committed carry is gpu-efficiency's runs: another recipe (its val probe) starts from none unless CARRY says
+default_carry=""
+[ "$RECIPE" = configs/experiments/gpu-efficiency.yaml ] && default_carry=docs/results/gpu-recipe-carry.tar.gz
 read -r -a TRAIN_CMD <<< "${TRAIN:-train}"  # an array of its own: TRAIN stays exported to the chunks
 recipe_folder() {  # the recipe's out folder, as train experiment reads it
   python3 -c "import sys; from cxrdr.experiments.recipe_file import load_recipe, recipe_out
@@ -114,7 +118,7 @@ case "$MODE" in
     RECIPE_S="${RECIPE_S:-540}"
     # (until stop 59 a fresh machine's first call timed the pair similarity first: ~20 s of the lease, measured
     # alike on two leases; MODE=pair times it alone)
-    CARRY="${CARRY:-docs/results/gpu-recipe-carry.tar.gz}"
+    CARRY="${CARRY:-$default_carry}"
     if [ -f "$CARRY" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
       python3 -m cxrdr.experiments.carry unpack "$CARRY" "$recipe_out" || exit 1
     fi

@@ -374,6 +374,31 @@ def test_recipe_errors_are_one_line(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
 
 
+def test_a_recipe_extends_another_key_by_key(tmp_path):
+    """``extends``: the base recipe with the file's keys laid over; mappings merge, null removes a key, lists
+    replace; name and folder are the file's own; a loop of extends is an error naming it."""
+    from cxrdr.experiments.recipe_file import load_recipe, overlay, recipe_out
+
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"out": "runs/base", "shards": {"dir": "s", "build": {"n_aug": 2, "seed": 0}},
+                                    "efficiency": {"seeds": [10, 11], "runs": {"plain": {"mode": "plain"},
+                                                                               "online": {"mode": "reinforced"}}}}))
+    mid = tmp_path / "mid.yaml"
+    mid.write_text(yaml.safe_dump({"extends": str(base), "shards": {"build": {"n_aug": 4}}}))
+    probe = tmp_path / "probe.yaml"
+    probe.write_text(yaml.safe_dump({"extends": str(mid), "efficiency": {"seeds": [0], "runs": {"online": None}}}))
+    recipe = load_recipe(probe)
+    assert recipe["shards"] == {"dir": "s", "build": {"n_aug": 4, "seed": 0}}
+    assert recipe["efficiency"] == {"seeds": [0], "runs": {"plain": {"mode": "plain"}}}
+    assert recipe["name"] == "probe" and str(recipe_out(recipe)) == "runs/experiments/probe"
+    assert recipe["_extends"] == [str(mid), str(base)] and "extends" not in recipe
+    assert load_recipe(base)["efficiency"]["runs"]["online"] == {"mode": "reinforced"}  # the base is unchanged
+    assert overlay({"a": {"b": 1}}, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}}
+    base.write_text(yaml.safe_dump({"extends": str(probe), "shards": {"dir": "s"}}))
+    with pytest.raises(ValueError, match="comes back to a recipe it extends"):
+        load_recipe(probe)
+
+
 def test_ablation_over_seeds_reports_mean_sd_and_chance_and_reuses_runs(micro_recipe):
     from typer.testing import CliRunner
 
@@ -676,6 +701,12 @@ def test_every_shipped_recipe_names_a_selection_set_apart_from_its_report_set():
         recipe = load_recipe(path)
         assert recipe.get("selection", {}).get("split") == "val", path.name
         report = recipe.get("report") or {}
+        if path.stem.endswith("-probe"):  # a probe chooses a setting: every figure it writes reads val
+            spec = recipe["efficiency"]
+            assert report == {"split": "val"} and spec["curve_split"] == "val", path.name
+            assert (recipe.get("teachers") or {}).get("evaluate", []) == [], path.name
+            assert not set(spec["seeds"]) & set(load_recipe(recipe["_extends"][0])["efficiency"]["seeds"]), path.name
+            continue
         assert report.get("shards") or report.get("split") == "test", path.name
 
 

@@ -21,6 +21,7 @@ from tests.script_loader import load_script
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
 TWIN = ROOT / "configs" / "experiments" / "gpu-efficiency-twin.yaml"
+PROBE = ROOT / "configs" / "experiments" / "gpu-efficiency-probe.yaml"
 SCRIPT = ROOT / "scripts" / "gpu-experiment.sh"
 
 
@@ -290,6 +291,33 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     judged = [b["bar"] for b in data["bars"]]  # issue 36's bars, as the recipe states them
     assert any("<= 1/4 of plain's samples" in b and "<= 0.333" in b for b in judged)
     assert sum("reinforced pointing_" in b and "train-box prior >= 0.15" in b for b in judged) == 2
+
+    # the val probe of the distillation settings (gpu-efficiency-probe.yaml), its own keys laid over the twin: it
+    # reuses the recipe's set-up and reads the students' val split only
+    from cxrdr.experiments.recipe_file import load_recipe
+
+    probe, spec = tmp_path / "twin-probe.yaml", yaml.safe_load(PROBE.read_text())
+    assert spec["extends"] == "gpu-efficiency"
+    probe.write_text(yaml.safe_dump({**spec, "extends": str(TWIN)}, sort_keys=False))
+    arm_runs = _plain_runs(load_recipe(probe))[0]
+    assert list(arm_runs) == ["plain", "reinforced", "reinforced-kl-only", "reinforced-weights-5",
+                              "reinforced-lambda-0.5", "reinforced-lambda-0.5-weights-5"]
+    configs = [cfg for runs in arm_runs.values() for _, cfg in runs]
+    assert {(c.seed, c.eval_split, c.eval_shards) for c in configs} == {(0, "val", None)}
+    assert {(c.loss.lambda_distill, c.loss.w_affinity, c.loss.w_feature) for c in configs if c.mode == "reinforced"} \
+        == {(1.0, 50.0, 50.0), (1.0, 0.0, 0.0), (1.0, 5.0, 5.0), (0.5, 50.0, 50.0), (0.5, 5.0, 5.0)}
+    # run end to end with two of its arms (each arm's run is a run like the recipe's; the test's time is short)
+    spec["efficiency"]["runs"].update(dict.fromkeys(list(arm_runs)[1:-1]))  # null: an arm left out
+    probe.write_text(yaml.safe_dump({**spec, "extends": str(TWIN)}, sort_keys=False))
+    ran = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(probe), "--quiet"])
+    assert ran.exit_code == 0, ran.output + repr(ran.exception)
+    assert json.loads(students.read_text())["build"] == built  # the recipe's shards, teacher and embeddings reused
+    assert json.loads((teacher_run / "summary.json").read_text())["start_step"] == 1
+    probed = json.loads((Path("runs/experiments/twin-probe/efficiency/results.json")).read_text())
+    assert list(probed["runs"]) == ["plain", "reinforced-lambda-0.5-weights-5"]
+    evaluated = {d.name for d in Path("runs/experiments/twin-probe/efficiency/runs").glob("*/seed-0/eval-*")}
+    assert evaluated == {"eval-val"}  # no figure of the probe read the report set
+    assert probed["teachers"]["lite2-s1"].get("report") is None
 
 
 def test_evaluations_run_on_the_recipes_device_unless_eval_names_one(tmp_path, monkeypatch):
