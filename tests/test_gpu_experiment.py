@@ -300,12 +300,13 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert spec["extends"] == "gpu-efficiency"
     probe.write_text(yaml.safe_dump({**spec, "extends": str(TWIN)}, sort_keys=False))
     arm_runs = _plain_runs(load_recipe(probe))[0]
-    assert list(arm_runs) == ["plain", "reinforced", "reinforced-kl-only", "reinforced-weights-5",
-                              "reinforced-lambda-0.5", "reinforced-lambda-0.5-weights-5"]
+    assert list(arm_runs) == ["plain", "reinforced", "plain-lr-0.00025", "plain-lr-0.001", "reinforced-kl-only",
+                              "reinforced-weights-5", "reinforced-lambda-0.5", "reinforced-lambda-0.5-weights-5"]
     configs = [cfg for runs in arm_runs.values() for _, cfg in runs]
     assert {(c.seed, c.eval_split, c.eval_shards) for c in configs} == {(0, "val", None)}
     assert {(c.loss.lambda_distill, c.loss.w_affinity, c.loss.w_feature) for c in configs if c.mode == "reinforced"} \
         == {(1.0, 50.0, 50.0), (1.0, 0.0, 0.0), (1.0, 5.0, 5.0), (0.5, 50.0, 50.0), (0.5, 5.0, 5.0)}
+    assert sorted(c.optim.lr for c in configs if c.mode == "plain") == [0.00025, 0.0005, 0.001]
     # run end to end with two of its arms (each arm's run is a run like the recipe's; the test's time is short)
     spec["efficiency"]["runs"].update(dict.fromkeys(list(arm_runs)[1:-1]))  # null: an arm left out
     probe.write_text(yaml.safe_dump({**spec, "extends": str(TWIN)}, sort_keys=False))
