@@ -412,3 +412,18 @@ def test_a_partial_report_with_every_run_finished_says_only_the_step_benchmark_i
     every_run = partial_caveat({})
     assert "fewer seeds" not in every_run and "final" in every_run and "step benchmark" in every_run
     assert "fewer seeds" in partial_caveat({"reinforced": [14]})
+
+
+def test_the_probes_rule_replaces_a_setting_only_past_its_margin():
+    """scripts/probe_choice.py: within each arm, the best alternative replaces the arm's setting only if it ends
+    above it by more than the margin; results not on val are refused."""
+    choice = load_script("scripts/probe_choice.py")
+    rows = {"plain": 0.300, "plain-lr-0.001": 0.305, "reinforced": 0.250, "reinforced-kl-only": 0.280,
+            "reinforced-weights-5": 0.262}
+    results = {"curve_split": "val", "table": [{"run": k, "mean_recall": v} for k, v in rows.items()]}
+    decided = choice.choices(results, margin=0.010)
+    assert decided["plain"]["best"] == "plain-lr-0.001" and not decided["plain"]["replace"]  # +0.005: within it
+    assert decided["reinforced"]["best"] == "reinforced-kl-only" and decided["reinforced"]["replace"]
+    assert decided["reinforced"]["gain"] == pytest.approx(0.030)
+    with pytest.raises(SystemExit, match="read val only"):
+        choice.choices({**results, "curve_split": "report"}, margin=0.010)
