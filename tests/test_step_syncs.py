@@ -388,3 +388,32 @@ def test_blocks_compiled_for_the_text_graphs_leave_the_text_tower_eager():
     assert all(compiled(layer) for layer in other.text_tower.model.encoder.layer)
     assert other.text_tower.packed_layer is not eager_packed  # torch.compile's wrapper in its place
     torch._dynamo.reset()
+
+
+def test_flops_by_part_benchmark_splits_a_steps_forward_by_the_students_parts(phantom_shards, tmp_path):
+    """benchmarks/flops_by_part.py: the forward's FLOPs split by part, none negative; E's blocks see its kept tokens
+    only, while its text tower costs what D's does (tiny-E's heads read the kept tokens too: default.yaml's E, whose
+    mask picks them, runs D's heads on the whole grid); the step (forward + backward) counts more."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import flops_by_part
+    import train_step
+
+    parts, steps = {}, {}
+    for variant in ("tiny-D", "tiny-E"):
+        base = {**train_step.bench_config(phantom_shards, 2, 0, "cpu"), "out": str(tmp_path / variant)}
+        trainer, batches = train_step.make_trainer(base, model=variant)
+        try:
+            batch = next(batches)
+            parts[variant] = flops_by_part.forward_flops_by_part(trainer, batch)
+            steps[variant] = flops_by_part.step_flops(trainer, batch)
+        finally:
+            batches.close()
+        assert all(p.grad is None for p in trainer.student.parameters())
+        assert all(v >= 0 for v in parts[variant].values()), parts[variant]
+        assert steps[variant] > 2 * sum(parts[variant].values())  # a backward costs about twice a forward
+    d, e = parts["tiny-D"], parts["tiny-E"]
+    assert 0 < e["image blocks"] < d["image blocks"] and d["text tower"] == e["text tower"] > 0
+    assert 0 < e["head convs + mask"] <= d["head convs + mask"] and d["local alignment"] > 0
