@@ -636,3 +636,30 @@ def test_the_train_split_is_read_once_per_folder_state(phantom_shards, tmp_path,
     os.utime(info, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # however coarse the clock
     assert samples_module.train_split_rows(folder, "train", 5) == rows and len(passes) == 2
     assert samples_module.train_split_rows(folder, "no-such-split", 5) == samples_module.TrainSplitRows((), ())
+
+
+def test_full_views_are_decoded_once_per_process_and_embed_as_before(tiny_run, monkeypatch):
+    """Evaluations of several runs on the same images decode and replay them once (``cached_full_views``); the
+    embeddings are those of views decoded batch by batch, bit for bit; other bytes under the same key are decoded
+    anew, and a set over the memory budget is not kept."""
+    from dataclasses import replace
+
+    from cxrdr.train.evaluation import embedding
+    from cxrdr.train.evaluation.samples import iter_samples
+
+    shards, run = tiny_run
+    samples = list(iter_samples(shards, "train"))[:10]
+    model = embedding.as_eval_model(str(run / "best.pt"))
+    decoded = []
+    real_full_view = embedding.full_view
+    monkeypatch.setattr(embedding, "full_view", lambda s, size: decoded.append(s.key) or real_full_view(s, size))
+    monkeypatch.setattr(embedding, "_VIEWS", type(embedding._VIEWS)())
+    first = embedding.embed_images(model, samples, 4, False, "")
+    again = embedding.embed_images(model, samples, 4, False, "")
+    assert len(decoded) == 10 and np.array_equal(first, again)
+    monkeypatch.setattr(embedding, "VIEW_CACHE_MB", 0)  # over the budget: decoded batch by batch, as before
+    assert np.array_equal(embedding.embed_images(model, samples, 4, False, ""), first) and len(decoded) == 20
+    monkeypatch.setattr(embedding, "VIEW_CACHE_MB", 1024)
+    flipped = [replace(s, image_bytes=samples[0].image_bytes) for s in samples[1:2]] + samples[2:]  # new bytes
+    embedding.embed_images(model, [samples[0]] + flipped, 4, False, "")
+    assert len(decoded) == 30  # the same keys with other bytes are another set of images
