@@ -44,27 +44,10 @@ def build_sets(work: Path, size: int, students: int, report: int) -> None:
         build(options(work / "report", f"phantom:{report}", {"size": size, "seed": 103, "split": "test"}, 2, 1))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/cxrdr-evaluation-phases"))
-    parser.add_argument("--model", default="D")
-    parser.add_argument("--size", type=int, default=224, help="image size of the sets and the student")
-    parser.add_argument("--students", type=int, default=1500, help="studies of the students' set (probe: its train)")
-    parser.add_argument("--report", type=int, default=300, help="studies of the report set")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--profile", type=int, default=0, help="print this many costliest functions (cProfile)")
-    args = parser.parse_args(argv)
-
+def time_one_evaluation(args, work: Path, run: Path) -> None:
+    """One evaluation of ``run`` with the recipe's options: its whole and each phase's seconds printed."""
     from cxrdr.train.evaluation.runner import evaluate
-    from cxrdr.train.loop import train
 
-    work = args.work / f"{args.model}-{args.size}-{args.students}-{args.report}"
-    build_sets(work, args.size, args.students, args.report)
-    run = work / "run"
-    if not (run / "last.pt").is_file():
-        train(dict(shards=str(work / "students"), model=args.model, out=str(run), steps=2, batch_size=4, workers=0,
-                   log_every=1, save_every=2, eval_every=0, device="cpu", progress=False, mode="plain",
-                   model_overrides={**RECIPE_HEADS, "image_size": args.size}))
     profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
     if profiler:
@@ -81,6 +64,33 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(meta["phase_s"]))
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/cxrdr-evaluation-phases"))
+    parser.add_argument("--model", default="D")
+    parser.add_argument("--size", type=int, default=224, help="image size of the sets and the student")
+    parser.add_argument("--students", type=int, default=1500, help="studies of the students' set (probe: its train)")
+    parser.add_argument("--report", type=int, default=300, help="studies of the report set")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", type=int, default=0, help="print this many costliest functions (cProfile)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="evaluations in this one process, as a recipe's runs are (the later ones reuse the views "
+                             "the first decoded: cxrdr.train.evaluation.embedding.cached_full_views)")
+    args = parser.parse_args(argv)
+
+    from cxrdr.train.loop import train
+
+    work = args.work / f"{args.model}-{args.size}-{args.students}-{args.report}"
+    build_sets(work, args.size, args.students, args.report)
+    run = work / "run"
+    if not (run / "last.pt").is_file():
+        train(dict(shards=str(work / "students"), model=args.model, out=str(run), steps=2, batch_size=4, workers=0,
+                   log_every=1, save_every=2, eval_every=0, device="cpu", progress=False, mode="plain",
+                   model_overrides={**RECIPE_HEADS, "image_size": args.size}))
+    for _ in range(args.repeat):
+        time_one_evaluation(args, work, run)
     return 0
 
 

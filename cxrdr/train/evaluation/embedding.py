@@ -93,8 +93,9 @@ def full_view(sample: Sample, size: int) -> tuple[torch.Tensor, dict]:
 
 
 # Full views kept for the process, up to this many MB: a recipe evaluates a dozen runs on the same images (the GPU
-# recipe's 2,000 probe rows and 1,000 report images at 224 px, ~600 MB). On the H200 at 355812b each final evaluation
-# decoded and replayed the 2,000 probe rows anew on one host thread: 9.3 s of its 15-23 s ("embed_train").
+# recipe's 2,000 probe rows and 1,000 report images at 224 px, ~600 MB), and each evaluation decoded and replayed
+# them anew on one host thread: ~1.3 ms an image on a 2-core box's core (benchmarks/evaluation_phases.py --repeat 2),
+# ~3.8 s of every later evaluation of that recipe (on the H200 at 355812b its "embed_train" phase took 9.3 s).
 VIEW_CACHE_MB = 1024
 _VIEWS: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
 
