@@ -67,9 +67,6 @@ pair() {
 }
 
 RECIPE="${RECIPE:-configs/experiments/gpu-efficiency.yaml}"
-# the committed carry is gpu-efficiency's runs: another recipe (its val probe) starts from none unless CARRY says
-default_carry=""
-[ "$RECIPE" = configs/experiments/gpu-efficiency.yaml ] && default_carry=docs/results/gpu-recipe-carry.tar.gz
 read -r -a TRAIN_CMD <<< "${TRAIN:-train}"  # an array of its own: TRAIN stays exported to the chunks
 recipe_folder() {  # the recipe's out folder, as train experiment reads it
   python3 -c "import sys; from cxrdr.experiments.recipe_file import load_recipe, recipe_out
@@ -118,6 +115,9 @@ case "$MODE" in
     RECIPE_S="${RECIPE_S:-540}"
     # (until stop 59 a fresh machine's first call timed the pair similarity first: ~20 s of the lease, measured
     # alike on two leases; MODE=pair times it alone)
+    # the committed carry is gpu-efficiency's runs: another recipe (its val probe) starts from none unless CARRY says
+    default_carry=""
+    [ "$(basename "$recipe_out")" = gpu-efficiency ] && default_carry=docs/results/gpu-recipe-carry.tar.gz
     CARRY="${CARRY:-$default_carry}"
     if [ -f "$CARRY" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
       python3 -m cxrdr.experiments.carry unpack "$CARRY" "$recipe_out" || exit 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,26 @@ def test_a_recipe_call_too_short_for_a_chunk_says_so_and_runs_none(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "RECIPE_S=100 leaves no chunk room" in run.stdout and "recipe exit 3" in run.stdout, run.stdout
     assert not asked.exists() or "--chunk-s" not in asked.read_text()
+
+
+def test_the_committed_carry_is_unpacked_by_default_for_gpu_efficiency_only(tmp_path):
+    """Without CARRY, a fresh machine's recipe call unpacks docs/results/gpu-recipe-carry.tar.gz (gpu-efficiency's
+    finished runs) for the recipe whose folder is gpu-efficiency's, and for no other (its val probe, the twin)."""
+    fake = tmp_path / "fake-train"
+    fake.write_text("#!/usr/bin/env bash\nexit 0\n")  # nothing left to run
+    fake.chmod(0o755)
+    said = {}
+    for name in ("gpu-efficiency", "gpu-efficiency-probe"):
+        folder = tmp_path / name / "runs" / "experiments" / name
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(f"name: {name}\nout: {folder}\nshards: {{dir: {folder}/shards}}\n")
+        env = {**os.environ, "MODE": "recipe", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(tmp_path / name),
+               "TRAIN": str(fake), "RECIPE_S": "200", "COPIES": "1",
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        env.pop("CARRY", None)
+        run = subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        said[name] = run.stdout
+    assert re.search(r"carried [1-9]\d* run\(s\)", said["gpu-efficiency"]), said["gpu-efficiency"]
+    assert "carried" not in said["gpu-efficiency-probe"]
