@@ -540,7 +540,7 @@ def test_a_second_copy_waits_for_the_teachers_the_first_prepares(tmp_path):
     timer = threading.Timer(0.5, finish)
     timer.start()
     try:
-        assert prepare_teachers({"teachers": {"dir": str(root), "models": {}}}) == {}
+        assert prepare_teachers({"teachers": {"dir": str(root), "models": {}}}, lambda: tmp_path / "shards") == {}
     finally:
         timer.cancel()
     assert released.is_set()  # it returned only after the first copy let go
@@ -586,7 +586,8 @@ def test_a_second_copy_prepares_the_teachers_while_the_first_builds_the_students
     recipe = {"shards": {"dir": str(out)}}  # no build options: building here would raise
     seen = []
     monkeypatch.setattr(teacher_prep, "prepare_teachers",
-                        lambda r, progress, experiment: seen.append((out / "dataset.json").is_file()) or {"t": 1})
+                        lambda r, students, progress, experiment: seen.append((out / "dataset.json").is_file())
+                        or {"t": 1})
     first = lock_folder(tmp_path / ".shards.building", "train experiment")  # the first copy, building
     assert ensure_shards(recipe["shards"], progress=False, wait=False) is None
 
@@ -604,6 +605,27 @@ def test_a_second_copy_prepares_the_teachers_while_the_first_builds_the_students
     assert seen == [False]  # the teachers were prepared while the students' shards were still being built
     assert teacher_prep.students_and_teachers(recipe, False, "efficiency") == (out, {"t": 1}) and seen[-1]
     teacher_prep._refuse_stale(tmp_path / "not-built-yet", "lite2-s1")  # an unbuilt folder holds no teacher
+
+
+def test_the_set_up_makes_the_students_shards_once_however_often_the_teachers_need_them(tmp_path, monkeypatch):
+    """``shards.rebuild: true`` rebuilds the students' folder once per command: the teachers' steps that need it
+    (their evaluation on it, add-teacher) get the folder made, not a rebuild that would drop an added teacher."""
+    from cxrdr.experiments import runs, teacher_prep
+
+    out = tmp_path / "shards"
+    builds = []
+
+    def fake_build(folder, spec, progress):
+        builds.append(folder)
+        folder.mkdir(exist_ok=True)
+        (folder / "dataset.json").write_text("{}")
+        return folder
+
+    monkeypatch.setattr(runs, "_build_shards", fake_build)
+    monkeypatch.setattr(teacher_prep, "prepare_teachers",
+                        lambda r, students, progress, experiment: {"needs": [students(), students()]})
+    shards, teachers = teacher_prep.students_and_teachers({"shards": {"dir": str(out), "rebuild": True}}, False)
+    assert shards == out and teachers == {"needs": [out, out]} and builds == [out]
 
 
 def test_a_runs_loss_and_optim_overrides_add_to_the_experiments_and_old_run_configs_still_match(tmp_path):

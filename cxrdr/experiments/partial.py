@@ -54,7 +54,7 @@ def partial_results(recipe: dict, out_dir: Path) -> dict:
     finished = finished_runs(units)
     if not finished:
         raise UserError("no partial results yet: no run is trained and evaluated")
-    teachers = prepare_teachers(recipe, progress=False, experiment="efficiency")  # all done: reused
+    teachers = prepare_teachers(recipe, lambda: shards, progress=False, experiment="efficiency")  # all done: reused
     trained = _train_arms(recipe, shards, arm_runs, only=finished)  # finished runs only: each reused as it is
     spec = dict(recipe.get("efficiency") or {})
     spec["comparisons"] = [p for p in spec.get("comparisons") or [] if all(a in trained for a in p)]

@@ -24,10 +24,12 @@ Everything is reused when present: a finished run, the copied checkpoint, a teac
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import typer
 
@@ -98,16 +100,20 @@ def students_and_teachers(recipe: dict, progress: bool = True, experiment: str |
     Two copies of an experiment (scripts/gpu-experiment.sh COPIES=2) split this set-up: while one builds the
     students' shards, the other makes the teachers' own part (their shards, training and evaluation), then waits
     for the students' shards to add them. Before, the second copy waited through the whole set-up (141 s of a
-    15-minute GPU lease, of which the teacher's own part was ~54 s)."""
-    shards = ensure_shards(recipe["shards"], progress, wait=False)  # None: another copy is building them
-    teachers = prepare_teachers(recipe, progress, experiment)
-    return shards or ensure_shards(recipe["shards"], progress), teachers
+    15-minute GPU lease, of which the teacher's own part was ~54 s). The folder is made (or waited for) once: a
+    recipe's ``shards.rebuild`` rebuilds it once, not again at each need."""
+    built = ensure_shards(recipe["shards"], progress, wait=False)  # None: another copy is building them
+    students = functools.cache(lambda: built or ensure_shards(recipe["shards"], progress))
+    teachers = prepare_teachers(recipe, students, progress, experiment)
+    return students(), teachers
 
 
-def prepare_teachers(recipe: dict, progress: bool = True, experiment: str | None = None) -> dict:
+def prepare_teachers(recipe: dict, student_shards: Callable[[], Path], progress: bool = True,
+                     experiment: str | None = None) -> dict:
     """Train (or reuse) every teacher of ``recipe['teachers']`` and add it to the students' shards
-    (``recipe['shards']``, built or waited for only once a teacher needs them); a teacher whose entry lists
-    ``experiments`` is made only for those (e.g. the ensemble's second teacher).
+    (``student_shards()``, their folder, asked for only once a teacher needs it: a caller whose folder another
+    process is building makes the teachers' own part meanwhile); a teacher whose entry lists ``experiments`` is made
+    only for those (e.g. the ensemble's second teacher).
 
     Returns name -> record (shard name, checkpoint, train summary, quality on its test sets,
     add-teacher seconds)."""
@@ -122,12 +128,12 @@ def prepare_teachers(recipe: dict, progress: bool = True, experiment: str | None
         typer.echo(f"[teachers] another process is preparing the teachers in {root}; waiting", err=True)
         lock = claim_run(root)
     try:
-        return {name: _prepare_one(recipe, name, plan, progress) for name, plan in plans.items()}
+        return {name: _prepare_one(recipe, name, plan, student_shards, progress) for name, plan in plans.items()}
     finally:
         lock.release()
 
 
-def _prepare_one(recipe: dict, name: str, plan: dict, progress: bool) -> dict:
+def _prepare_one(recipe: dict, name: str, plan: dict, students: Callable[[], Path], progress: bool) -> dict:
     spec = recipe["teachers"]
     build = plan["shards"]["build"]
     shards = ensure_shards(plan["shards"], progress)
@@ -144,7 +150,6 @@ def _prepare_one(recipe: dict, name: str, plan: dict, progress: bool) -> dict:
         partial = ckpt.with_name(ckpt.name + ".partial")
         shutil.copyfile(last, partial)
         os.replace(partial, ckpt)
-    students = lambda: ensure_shards(recipe["shards"], progress)  # noqa: E731 - built (or waited for) on first need
     sets = {"own": lambda: (shards, "test"), "students": lambda: (students(), "test"),
             "report": lambda: report_set(recipe, progress)}
     quality = {QUALITY_KEYS[tag]: _quality(recipe, Path(cfg.out), *sets[tag](), tag) for tag in plan["evaluate"]}
