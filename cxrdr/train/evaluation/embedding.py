@@ -121,21 +121,26 @@ def cached_full_views(samples, size: int, progress: bool = False, desc: str = ""
     return _VIEWS.get(key)
 
 
-def embed_images(model: EvalModel, samples, batch_size: int, progress: bool, desc: str) -> np.ndarray:
+def view_batches(samples, size: int, batch_size: int, progress: bool = False, desc: str = ""):
+    """Batches (B, 1, size, size) of the full views of ``samples``, in order: sliced from the views kept for the
+    process (``cached_full_views``), or decoded batch by batch where they are not kept."""
     samples = list(samples)
-    views = cached_full_views(samples, model.image_size, progress, desc)
-    if views is not None:  # the same batches as below, from views decoded once
-        out = [model.embed_images(views[i:i + batch_size]) for i in range(0, len(views), batch_size)]
-        return np.concatenate(out) if out else np.zeros((0, 1), np.float32)
-    out = []
+    views = cached_full_views(samples, size, progress, desc)
+    if views is not None:
+        yield from (views[i:i + batch_size] for i in range(0, len(views), batch_size))
+        return
     batch: list[torch.Tensor] = []
     for s in tqdm(samples, desc=desc, disable=not progress, leave=False):
-        batch.append(full_view(s, model.image_size)[0])
+        batch.append(full_view(s, size)[0])
         if len(batch) == batch_size:
-            out.append(model.embed_images(torch.stack(batch)))
+            yield torch.stack(batch)
             batch = []
     if batch:
-        out.append(model.embed_images(torch.stack(batch)))
+        yield torch.stack(batch)
+
+
+def embed_images(model: EvalModel, samples, batch_size: int, progress: bool, desc: str) -> np.ndarray:
+    out = [model.embed_images(batch) for batch in view_batches(samples, model.image_size, batch_size, progress, desc)]
     return np.concatenate(out) if out else np.zeros((0, 1), np.float32)
 
 
