@@ -663,3 +663,35 @@ def test_full_views_are_decoded_once_per_process_and_embed_as_before(tiny_run, m
     flipped = [replace(s, image_bytes=samples[0].image_bytes) for s in samples[1:2]] + samples[2:]  # new bytes
     embedding.embed_images(model, [samples[0]] + flipped, 4, False, "")
     assert len(decoded) == 30  # the same keys with other bytes are another set of images
+
+
+def test_localisation_scores_are_the_same_whatever_the_forwards_batch(tiny_run):
+    """The maps' forwards run ``batch_size`` images a call: every row's heatmaps, pointing hits and faithfulness
+    curves are those of one forward an image (float rounding aside), and the rows come back in order."""
+    from cxrdr.train.evaluation import embedding
+    from cxrdr.train.evaluation.samples import iter_samples, retrieval_text
+    from cxrdr.train.evaluation.student_maps import localisation_and_faithfulness
+
+    shards, run = tiny_run
+    samples = list(iter_samples(shards, "train"))[:14]
+    assert sum(bool(s.meta.get("boxes")) for s in samples) >= 3
+    texts = [retrieval_text(s, "both")[0] for s in samples]
+    model = embedding.as_eval_model(str(run / "best.pt"))
+
+    def run_maps(batch_size):
+        return localisation_and_faithfulness(model, samples, texts, 10, 3, 4, 0.2, 4, 0, False, batch_size=batch_size)
+
+    (loc1, faith1, plots1), (loc5, faith5, plots5) = run_maps(1), run_maps(5)
+    assert loc1["hits"] == loc5["hits"] and plots1["ids"] == plots5["ids"]
+    assert loc1["mask"]["pointing_game"] == loc5["mask"]["pointing_game"]
+    assert loc1["mask"]["image_similarity"] == pytest.approx(loc5["mask"]["image_similarity"], abs=1e-5)
+    assert [p["key"] for p in plots1["heatmaps"]] == [p["key"] for p in plots5["heatmaps"]]
+    for one, five in zip(plots1["heatmaps"], plots5["heatmaps"]):
+        np.testing.assert_allclose(one["z"], five["z"], atol=1e-5)
+        for (label1, heat1), (label5, heat5) in zip(one["attn"], five["attn"]):
+            assert label1 == label5
+            np.testing.assert_allclose(heat1, heat5, atol=1e-5)
+    assert sum(len(p["attn"]) for p in plots1["heatmaps"]) >= 2  # the words' maps are compared too
+    assert faith1["n_images"] == faith5["n_images"] == 3
+    np.testing.assert_allclose(faith1["curves"]["deletion"], faith5["curves"]["deletion"], atol=1e-5)
+    assert faith1["cross_view_jaccard"] == pytest.approx(faith5["cross_view_jaccard"], abs=1e-9)

@@ -101,7 +101,7 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         if em.is_student:
             localisation, faithfulness, plots = localisation_and_faithfulness(
                 em, samples, texts, n_localisation, n_faithfulness, faith_steps, top_fraction, n_plots,
-                seed, progress, train_boxes=list(train.boxes))
+                seed, progress, train_boxes=list(train.boxes), batch_size=batch_size)
             results["localisation"], results["faithfulness"] = localisation, faithfulness
             ids.update(plots.get("ids", {}))
             clock.lap("localisation")
