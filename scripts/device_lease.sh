@@ -4,6 +4,14 @@
 #
 #   MODE=recipe bash scripts/device_lease.sh   # the GPU efficiency recipe's next chunks (scripts/gpu-experiment.sh)
 #                                              # for RECIPE_S seconds (default 540), then its status
+#   MODE=probe-recipe bash scripts/device_lease.sh  # the recipe's val probe (PROBE, default
+#                                              # configs/experiments/gpu-efficiency-probe.yaml) first; once it is done,
+#                                              # its rule (scripts/probe_choice.py) writes the recipe it leaves, and
+#                                              # that recipe's chunks go on in the time left (RECIPE_S in all): the
+#                                              # probed recipe, its runs whose setting stands reused. Called again
+#                                              # on the warm machine it goes on where it stopped. Brings back what
+#                                              # MODE=recipe does, and probe.tar.gz: the probe's results, table,
+#                                              # plots, the rule's decision (choice.txt) and the recipe it wrote
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
@@ -32,7 +40,8 @@
 #        ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
 #        CARRY (default, for gpu-efficiency.yaml only, docs/results/gpu-recipe-carry.tar.gz: an earlier lease's
 #        carry.tar.gz, committed; a fresh machine's recipe call unpacks its runs first, so they are not trained again:
-#        cxrdr/experiments/carry.py)
+#        cxrdr/experiments/carry.py), PROBE_CARRY (MODE=probe-recipe: an earlier lease's carry.tar.gz of the probe's
+#        runs, where it was cut short)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${MODE:-recipe}"
@@ -101,51 +110,97 @@ collect() {
 case "$MODE" in recipe|collect) recipe_out=$(recipe_folder) || exit 1 ;; esac
 # The runs' CUDA graphs, mended after the sixth lease (logging steps run eager) but not yet run on a GPU in a real
 # run: should a run still go non-finite with them, the recipe goes on eager (train.cuda_graphs off) from a copy in
-# its out folder, which later calls on this machine read too (the finished runs' configs say which way they ran)
-eager_recipe="${recipe_out:-.}/recipe-eager.yaml"
+# its out folder, which later calls on this machine read too (the finished runs' configs say which way they ran).
+# The copy names the recipe's name and folder: a recipe that extends another (a probe) takes them from its file's.
+eager_copy() { echo "$recipe_out/recipe-eager.yaml"; }
 go_eager() {
-  python3 -c "import sys, yaml; r = yaml.safe_load(open(sys.argv[1])); r.setdefault('train', {})['cuda_graphs'] = 'off'
-yaml.safe_dump(r, open(sys.argv[2], 'w'), sort_keys=False)" "$RECIPE" "$eager_recipe" || return 1
-  echo "[lease] a run went non-finite with CUDA graphs: the recipe goes on eager ($eager_recipe)"
-  RECIPE="$eager_recipe"
+  python3 -c "import sys, yaml
+from cxrdr.experiments.recipe_file import load_recipe, recipe_out
+r = yaml.safe_load(open(sys.argv[1])); loaded = load_recipe(sys.argv[1])
+r.update(name=loaded['name'], out=str(recipe_out(loaded))); r.setdefault('train', {})['cuda_graphs'] = 'off'
+yaml.safe_dump(r, open(sys.argv[2], 'w'), sort_keys=False)" "$RECIPE" "$(eager_copy)" || return 1
+  echo "[lease] a run went non-finite with CUDA graphs: the recipe goes on eager ($(eager_copy))"
+  RECIPE="$(eager_copy)"
 }
-[ "$MODE" = recipe ] && [ -f "$eager_recipe" ] && RECIPE="$eager_recipe"
+
+# The next chunks of RECIPE (its folder: recipe_out) until it is done or RECIPE_S is near: rc 0 done, 3 work left.
+# Its carry (CARRY, or the committed one for gpu-efficiency's folder) is unpacked first on a fresh machine.
+recipe_chunks() {
+  [ -f "$(eager_copy)" ] && RECIPE="$(eager_copy)"
+  # (until stop 59 a fresh machine's first call timed the pair similarity first: ~20 s of the lease, measured
+  # alike on two leases; MODE=pair times it alone)
+  # the committed carry is gpu-efficiency's runs: another recipe (its val probe) starts from none unless told
+  local default_carry="" carry="$1"
+  [ "$(basename "$recipe_out")" = gpu-efficiency ] && default_carry=docs/results/gpu-recipe-carry.tar.gz
+  carry="${carry:-$default_carry}"
+  if [ -f "$carry" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
+    python3 -m cxrdr.experiments.carry unpack "$carry" "$recipe_out" || exit 1
+  fi
+  rc=3
+  local chunks=0 chunk_log
+  chunk_log=$(mktemp)
+  # a chunk stops before a new unit 90 s before its kill, and the last one is killed before RECIPE_S
+  while [ "$rc" -eq 3 ] && [ $(( RECIPE_S - $(elapsed) )) -gt 150 ]; do
+    hard=$(( RECIPE_S - $(elapsed) - 30 ))
+    # the chunk's own output read back whole (lease.log's tee may not have written its last lines yet)
+    CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE" 2>&1 \
+      | tee "$chunk_log"; rc=${PIPESTATUS[0]}; chunks=$(( chunks + 1 ))
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ] && [ "$RECIPE" != "$(eager_copy)" ] \
+       && grep -q "non-finite loss" "$chunk_log" && go_eager; then rc=3; fi
+  done
+  if [ "$chunks" -eq 0 ]; then  # not one chunk ran: say why, not just "work left"
+    echo "[lease] RECIPE_S=$RECIPE_S leaves no chunk room: a chunk starts only while more than 150 s of it are" \
+         "left (it stops new units 90 s before its kill, 30 s before RECIPE_S); nothing of $RECIPE ran"
+  fi
+}
+
+# What a recipe call brings back, and a recipe cut short reports of its finished runs
+recipe_report() {
+  collect  # first what is there, should the partial report below outlast the call
+  left_s=$(( RECIPE_S + 30 - $(elapsed) ))
+  if [ "$rc" -eq 3 ] && [ "$left_s" -gt 20 ]; then  # cut short: the finished runs' results (it only reads)
+    timeout "$(( left_s < 120 ? left_s : 120 ))" "${TRAIN_CMD[@]}" experiment efficiency --config "$RECIPE" --quiet \
+      --partial || echo "[lease] no partial results (above: why)"
+    collect
+  fi
+  echo "[lease] recipe exit $rc after $(elapsed) s (0: finished, 3: work left, call again while warm);" \
+       "recipe.tar.gz holds $(tar tzf "$OUT/recipe.tar.gz" | wc -l) files"
+}
+
+# The probe's rule applied to its finished results: the recipe it leaves (scripts/probe_choice.py), written in the
+# probe's folder, and the probe's figures and decision back as probe.tar.gz
+probe_choice() {
+  local probe_out="$recipe_out"
+  python3 scripts/probe_choice.py "$probe_out/efficiency/results.json" --recipe "$RECIPE" \
+    --write-recipe "$probe_out/chosen-recipe.yaml" 2>&1 | tee "$probe_out/choice.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
+  (cd "$probe_out" && find choice.txt chosen-recipe.yaml efficiency -maxdepth 1 -type f \
+     \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.txt' -o -name '*.yaml' \) \
+     | tar czf "$OUT/probe.tar.gz" -T -)
+  RECIPE="$probe_out/chosen-recipe.yaml"
+  recipe_out=$(recipe_folder) || return 1
+}
+
 case "$MODE" in
   recipe)
     RECIPE_S="${RECIPE_S:-540}"
-    # (until stop 59 a fresh machine's first call timed the pair similarity first: ~20 s of the lease, measured
-    # alike on two leases; MODE=pair times it alone)
-    # the committed carry is gpu-efficiency's runs: another recipe (its val probe) starts from none unless CARRY says
-    default_carry=""
-    [ "$(basename "$recipe_out")" = gpu-efficiency ] && default_carry=docs/results/gpu-recipe-carry.tar.gz
-    CARRY="${CARRY:-$default_carry}"
-    if [ -f "$CARRY" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
-      python3 -m cxrdr.experiments.carry unpack "$CARRY" "$recipe_out" || exit 1
+    recipe_chunks "${CARRY:-}"
+    recipe_report
+    ;;
+  probe-recipe)
+    # the val probe first (PROBE; its runs from PROBE_CARRY, if one was brought back), then, in the time left, the
+    # recipe its rule leaves: the probed recipe's folder, its finished runs reused where their setting stands
+    RECIPE_S="${RECIPE_S:-540}"
+    RECIPE="${PROBE:-configs/experiments/gpu-efficiency-probe.yaml}"
+    recipe_out=$(recipe_folder) || exit 1
+    recipe_chunks "${PROBE_CARRY:-}"
+    if [ "$rc" -eq 0 ] && probe_choice; then
+      echo "[lease] probe done after $(elapsed) s; the recipe goes on from $RECIPE"
+      recipe_chunks "${CARRY:-}"
+    elif [ "$rc" -eq 0 ]; then
+      echo "[lease] the probe finished but its rule could not be applied (above: why)"; rc=1
     fi
-    rc=3 chunks=0
-    chunk_log=$(mktemp)
-    # a chunk stops before a new unit 90 s before its kill, and the last one is killed before RECIPE_S
-    while [ "$rc" -eq 3 ] && [ $(( RECIPE_S - $(elapsed) )) -gt 150 ]; do
-      hard=$(( RECIPE_S - $(elapsed) - 30 ))
-      # the chunk's own output read back whole (lease.log's tee may not have written its last lines yet)
-      CHUNK_S=$(( hard - 90 )) HARD_S=$hard COPIES="${COPIES:-2}" bash scripts/gpu-experiment.sh "$RECIPE" 2>&1 \
-        | tee "$chunk_log"; rc=${PIPESTATUS[0]}; chunks=$(( chunks + 1 ))
-      if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ] && [ "$RECIPE" != "$eager_recipe" ] \
-         && grep -q "non-finite loss" "$chunk_log" && go_eager; then rc=3; fi
-    done
-    if [ "$chunks" -eq 0 ]; then  # not one chunk ran: say why, not just "work left"
-      echo "[lease] RECIPE_S=$RECIPE_S leaves no chunk room: a chunk starts only while more than 150 s of it are" \
-           "left (it stops new units 90 s before its kill, 30 s before RECIPE_S); nothing of the recipe ran"
-    fi
-    collect  # first what is there, should the partial report below outlast the call
-    left_s=$(( RECIPE_S + 30 - $(elapsed) ))
-    if [ "$rc" -eq 3 ] && [ "$left_s" -gt 20 ]; then  # cut short: the finished runs' results (it only reads)
-      timeout "$(( left_s < 120 ? left_s : 120 ))" "${TRAIN_CMD[@]}" experiment efficiency --config "$RECIPE" --quiet \
-        --partial || echo "[lease] no partial results (above: why)"
-      collect
-    fi
-    echo "[lease] recipe exit $rc after $(elapsed) s (0: finished, 3: work left, call again while warm);" \
-         "recipe.tar.gz holds $(tar tzf "$OUT/recipe.tar.gz" | wc -l) files"
+    recipe_report
     ;;
   suite)
     if [ "${SUITE_PREFIX:-1}" = 1 ]; then
@@ -162,5 +217,5 @@ case "$MODE" in
   pair) pair ;;
   graphs) python3 benchmarks/graphs_real_run.py --device "${GRAPHS_DEVICE:-cuda}" --workers 8 \
             --json-out "$OUT/graphs-real-run.json" ${GRAPHS_ARGS:-} ;;
-  *) echo "MODE must be recipe, suite, collect, pair or graphs, got '$MODE'"; exit 2 ;;
+  *) echo "MODE must be recipe, probe-recipe, suite, collect, pair or graphs, got '$MODE'"; exit 2 ;;
 esac

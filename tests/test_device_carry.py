@@ -4,6 +4,7 @@ recipe wrote, within what a lease returns."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -244,3 +245,59 @@ def test_the_committed_carry_is_unpacked_by_default_for_gpu_efficiency_only(tmp_
         said[name] = run.stdout
     assert re.search(r"carried [1-9]\d* run\(s\)", said["gpu-efficiency"]), said["gpu-efficiency"]
     assert "carried" not in said["gpu-efficiency-probe"]
+
+
+def test_a_probe_lease_applies_its_rule_and_goes_on_with_the_recipe_it_leaves(tmp_path):
+    """MODE=probe-recipe: the probe's chunks run first; once it is done its rule (scripts/probe_choice.py) writes
+    the recipe it leaves (the probed recipe's name and folder, the winning setting laid over its arm and the runs
+    that share it), whose chunks then go on; probe.tar.gz brings back the decision with the probe's figures.
+    `train` is a stand-in: it finishes the probe with the given val figures and says what it was asked."""
+    base_out, probe_out = tmp_path / "runs" / "base", tmp_path / "runs" / "probe"
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "name": "base", "out": str(base_out), "shards": {"dir": str(base_out / "shards")},
+        "efficiency": {"train": {"loss": {"lambda_distill": 1.0, "w_affinity": 50.0, "w_feature": 50.0}},
+                       "runs": {"plain": {"mode": "plain"}, "reinforced": {"mode": "reinforced"},
+                                "online": {"mode": "reinforced", "online_teacher": "ckpt:t.pt"}}}}))
+    probe = tmp_path / "probe.yaml"
+    probe.write_text(yaml.safe_dump({
+        "extends": str(base), "out": str(probe_out), "efficiency": {"seeds": [0], "curve_split": "val", "runs": {
+            "online": None, "plain-lr-0.001": {"mode": "plain", "optim": {"lr": 0.001}},
+            "reinforced-kl-only": {"mode": "reinforced", "loss": {"w_affinity": 0.0, "w_feature": 0.0}}}}}))
+    finals = {"plain": 0.300, "plain-lr-0.001": 0.305, "reinforced": 0.250, "reinforced-kl-only": 0.280}
+    results = {"curve_split": "val", "table": [{"run": k, "mean_recall": v} for k, v in finals.items()]}
+    (tmp_path / "probe-results.json").write_text(json.dumps(results))
+    asked = tmp_path / "asked.log"
+    fake = tmp_path / "fake-train"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$4 $*" >> {asked}
+case "$4" in
+  {probe})
+    case " $* " in *" --status "*) [ -f {probe_out}/efficiency/results.json ] && exit 0 || exit 3 ;; esac
+    mkdir -p {probe_out}/efficiency && cp {tmp_path}/probe-results.json {probe_out}/efficiency/results.json
+    echo "| run |" > {probe_out}/efficiency/table.md; exit 0 ;;
+  *) exit 0 ;;
+esac
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "MODE": "probe-recipe", "INSTALL": "0", "PROBE": str(probe), "OUT": str(tmp_path / "out"),
+           "TRAIN": str(fake), "RECIPE_S": "200", "COPIES": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(REPO / "scripts" / "device_lease.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "probe done" in run.stdout and "recipe exit 0" in run.stdout, run.stdout
+    chosen = probe_out / "chosen-recipe.yaml"
+    chunks = [line.split()[0] for line in asked.read_text().splitlines() if "--chunk-s" in line]
+    assert chunks == [str(probe)]  # the chosen recipe's stand-in status said done: no chunk of it ran
+    assert [line.split()[0] for line in asked.read_text().splitlines()][-1] == str(chosen)
+    from cxrdr.experiments.recipe_file import load_recipe, recipe_out
+
+    left = load_recipe(chosen)
+    assert left["name"] == "base" and recipe_out(left) == base_out  # the probed recipe's folder: its runs reused
+    assert left["efficiency"]["runs"]["reinforced"] == {"mode": "reinforced",
+                                                        "loss": {"w_affinity": 0.0, "w_feature": 0.0}}
+    assert left["efficiency"]["runs"]["online"]["loss"] == {"w_affinity": 0.0, "w_feature": 0.0}  # the same objective
+    assert left["efficiency"]["runs"]["plain"] == {"mode": "plain"}  # +0.005: within the margin, kept
+    assert "reinforced: replaced by reinforced-kl-only" in chosen.read_text()
+    assert _members(tmp_path / "out" / "probe.tar.gz", Path("/")) == {
+        "choice.txt", "chosen-recipe.yaml", "efficiency/results.json", "efficiency/table.md"}

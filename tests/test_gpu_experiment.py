@@ -320,6 +320,21 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert evaluated == {"eval-val"}  # no figure of the probe read the report set
     assert probed["teachers"]["lite2-s1"].get("report") is None
 
+    # the recipe the probe's rule leaves (scripts/probe_choice.py --write-recipe; MODE=probe-recipe of the lease
+    # script goes on with it), had the rule replaced the reinforced arm's setting: the twin's own folder, where its
+    # plain runs are done as they stand and the reinforced ones are to train anew with the probe's setting
+    decided = {"reinforced": {"replace": True, "best": "reinforced-lambda-0.5-weights-5", "current_value": 0.5,
+                              "best_value": 0.6, "gain": 0.1, "margin": 0.01}}
+    left, header = load_script("scripts/probe_choice.py").chosen_recipe(decided, probe)
+    chosen = tmp_path / "chosen.yaml"
+    chosen.write_text(header + yaml.safe_dump(left, sort_keys=False))
+    assert left["name"] == recipe["name"] and left["out"] == recipe["out"]
+    status = CliRunner().invoke(app, ["experiment", "efficiency", "--config", str(chosen), "--quiet", "--status"])
+    assert status.exit_code == 3, status.output
+    assert re.search(r"done +plain seed 10: training", status.output)
+    assert re.search(r"todo +reinforced seed 10: training", status.output)
+    assert "done     students' shards" in status.output and "done     teacher lite2-s1: training" in status.output
+
 
 def test_evaluations_run_on_the_recipes_device_unless_eval_names_one(tmp_path, monkeypatch):
     from cxrdr.experiments import runs
