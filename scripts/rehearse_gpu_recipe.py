@@ -10,6 +10,12 @@ cores):
 
     python scripts/rehearse_gpu_recipe.py                    # into the checkout's runs/rehearsal/, then runs it
     python scripts/rehearse_gpu_recipe.py --out DIR --write-only
+    python scripts/rehearse_gpu_recipe.py --probe            # then its val probe's eight arms (~170 s more) and
+                                                             # the probe's rule, as MODE=probe-recipe runs them
+
+``--probe`` writes OUT/probe.yaml, the val probe's own keys (configs/experiments/gpu-efficiency-probe.yaml) laid over
+the rehearsal (its runs under OUT/probe/), runs it after the rehearsal and applies its rule (scripts/probe_choice.py
+--write-recipe OUT/probe/chosen-recipe.yaml): every probe setting trains once with the GPU recipe's models.
 
 Exit status: the experiment's (0: every unit ran). Its figures mean nothing (a few steps on a dozen images).
 """
@@ -31,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from cxrdr.experiments.recipe_file import recipe_out  # noqa: E402
 
 GPU = ROOT / "configs" / "experiments" / "gpu-efficiency.yaml"
+PROBE = ROOT / "configs" / "experiments" / "gpu-efficiency-probe.yaml"
 TWIN = ROOT / "configs" / "experiments" / "gpu-efficiency-twin.yaml"
 BUILDS = (("report", "shards", "build"), ("shards", "build"), ("teachers", "build"))
 TRAININGS = (("train",), ("teachers", "train"))
@@ -78,11 +85,18 @@ def rehearsal_recipe(gpu: dict, twin: dict, out: Path) -> dict:
     return recipe
 
 
+def rehearsal_probe(probe: dict, rehearsal: Path) -> dict:
+    """The val probe's own keys laid over the rehearsal recipe (``rehearsal``: its file), writing beside it."""
+    return {**probe, "extends": str(rehearsal), "name": f"{NAME}-probe", "out": str(rehearsal.parent / "probe")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "rehearsal",
                         help="folder (replaced if it holds an earlier rehearsal; refused if it holds anything else)")
     parser.add_argument("--write-only", action="store_true", help="write OUT/recipe.yaml, run nothing")
+    parser.add_argument("--probe", action="store_true",
+                        help="also write OUT/probe.yaml (the val probe over the rehearsal), run it and its rule")
     args = parser.parse_args(argv)
     gpu, twin = (yaml.safe_load(path.read_text()) for path in (GPU, TWIN))
     config = args.out / "recipe.yaml"
@@ -95,12 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(rehearsal_recipe(gpu, twin, args.out.resolve()), sort_keys=False))
     print(f"wrote {config}: the GPU recipe's models, image sizes and workers, the twin's counts")
+    probe = args.out / "probe.yaml"
+    if args.probe:
+        probe.write_text(yaml.safe_dump(rehearsal_probe(yaml.safe_load(PROBE.read_text()), config.resolve()),
+                                        sort_keys=False))
+        print(f"wrote {probe}: the val probe's keys over the rehearsal")
     if args.write_only:
         return 0
-    # `python -m cxrdr.cli` is the `train` command, run from this checkout
-    command = [sys.executable, "-m", "cxrdr.cli", "experiment", "efficiency", "--config", str(config), "--quiet"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.call(command, env=env)
+
+    def experiment(recipe: Path) -> int:  # `python -m cxrdr.cli` is the `train` command, run from this checkout
+        return subprocess.call([sys.executable, "-m", "cxrdr.cli", "experiment", "efficiency", "--config",
+                                str(recipe), "--quiet"], env=env)
+
+    status = experiment(config)
+    if status or not args.probe:
+        return status
+    return experiment(probe) or subprocess.call(
+        [sys.executable, str(ROOT / "scripts" / "probe_choice.py"), str(args.out / "probe" / "efficiency" /
+                                                                          "results.json"),
+         "--recipe", str(probe), "--write-recipe", str(args.out / "probe" / "chosen-recipe.yaml")], env=env)
 
 
 if __name__ == "__main__":

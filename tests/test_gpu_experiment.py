@@ -168,6 +168,12 @@ def test_the_rehearsal_is_the_twin_with_the_gpu_recipes_models_and_image_sizes(t
                                        "--status"])
     assert listing.exit_code == 3, listing.output
     assert sorted(p.name for p in out.iterdir()) == ["recipe.yaml"]
+    # --probe: the val probe's own keys over the rehearsal, its runs beside the rehearsal's
+    assert script.main(["--out", str(out), "--write-only", "--probe"]) == 0
+    probe = load_recipe(out / "probe.yaml")
+    assert probe["_extends"] == [str((out / "recipe.yaml").resolve())] and probe["out"] == str(out / "probe")
+    assert probe["train"]["model"] == "D" and probe["efficiency"]["seeds"] == [0]
+    assert probe["efficiency"]["runs"]["reinforced-kl-only"]["loss"] == {"w_affinity": 0.0, "w_feature": 0.0}
 
 
 class Killed(Exception):
