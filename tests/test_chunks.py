@@ -1,5 +1,8 @@
 """A chunk's stopping rules (cxrdr/experiments/chunks.py): after its time, before a unit expected to outlast the
 kill, never between a run's training and its evaluation; the first unit always runs."""
+import os
+import re
+
 import pytest
 
 from cxrdr.experiments import chunks
@@ -11,12 +14,16 @@ def no_chunk_after():
     chunks.start_chunk(None)
 
 
-def test_a_chunk_stops_new_units_after_its_time_but_not_a_runs_evaluation_after_its_training():
+def test_a_chunk_stops_new_units_after_its_time_but_not_a_runs_evaluation_after_its_training(capsys):
     chunks.start_chunk(0)
     chunks.begin("train run")  # the first unit always runs
     with pytest.raises(chunks.ChunkTimeUp, match=r"after 1 unit\(s\), before: train next"):
         chunks.begin("train next")
     chunks.begin("evaluate run", follows_on=True)  # the run just trained is evaluated all the same
+    # the timeline of the units that started, by process and seconds from the chunk's start (a lease's log)
+    started = re.findall(r"^\[chunk (\d+) \+(\d+\.\d) s\] (.+)$", capsys.readouterr().err, re.M)
+    assert [(int(pid), unit) for pid, _, unit in started] == [(os.getpid(), "train run"), (os.getpid(), "evaluate run")]
+    assert all(0 <= float(t) < 60 for _, t, _ in started)
 
 
 def test_a_run_expected_to_outlast_the_kill_does_not_start():
@@ -33,9 +40,10 @@ def test_a_run_expected_to_outlast_the_kill_does_not_start():
         chunks.begin("train c", expected_s=chunks.expected_training_s(400))
 
 
-def test_without_a_chunk_nothing_stops():
+def test_without_a_chunk_nothing_stops(capsys):
     chunks.start_chunk(None, hard_seconds=1)
     for unit in ("a", "b"):
         chunks.begin(unit, expected_s=10**6)
+    assert "[chunk" not in capsys.readouterr().err  # and prints no timeline
     chunks.measured_training(1.0, 0)  # a reused run trained no step: nothing to learn from it
     assert chunks.expected_training_s(10) is None

@@ -19,6 +19,8 @@ by this command's own measured step and evaluation times (:func:`expected_traini
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 
@@ -37,6 +39,7 @@ EXPECTED_MARGIN = 1.25
 
 
 class _Clock:
+    started: float | None = None  # when this command's chunk started
     deadline: float | None = None
     hard: float | None = None  # when the caller kills the command (--chunk-hard-s)
     units = 0
@@ -51,6 +54,7 @@ def start_chunk(seconds: float | None, hard_seconds: float | None = None) -> Non
     """Start this command's chunk: :func:`begin` stops new units after ``seconds`` (None: never), and a unit
     expected to run past ``hard_seconds`` (when the caller kills the command; None: not known) does not start."""
     now = time.monotonic()
+    _CLOCK.started = None if seconds is None else now
     _CLOCK.deadline = None if seconds is None else now + float(seconds)
     _CLOCK.hard = None if seconds is None or hard_seconds is None else now + float(hard_seconds)
     _CLOCK.units = 0
@@ -70,6 +74,10 @@ def begin(unit: str, expected_s: float | None = None, follows_on: bool = False) 
             raise ChunkTimeUp(unit, _CLOCK.units, f" (expected to take {expected_s:.0f} s, "
                                                   f"{_CLOCK.hard - now:.0f} s left before the command is killed)")
     _CLOCK.units += 1
+    if _CLOCK.started is not None:
+        # a chunk's timeline in the lease's log: each unit's start, by copy (process id), from the chunk's start;
+        # the gaps between them less the units' measured work are what a lease loses to start-up between units
+        print(f"[chunk {os.getpid()} +{time.monotonic() - _CLOCK.started:.1f} s] {unit}", file=sys.stderr, flush=True)
 
 
 def measured_training(seconds: float, steps: int) -> None:
