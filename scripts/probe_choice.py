@@ -65,6 +65,10 @@ def chosen_recipe(decided: dict, probe_path: Path) -> tuple[dict, str]:
     except FileNotFoundError:
         base_ref = str(base_path)
     base_runs, probe_runs = base["efficiency"]["runs"], probe["efficiency"]["runs"]
+    probed = {arm for arm in base_runs if any(name.startswith(arm + "-") for name in probe_runs)}
+    if set(decided) != probed:  # a run that failed or went missing: the rule cannot compare its arm
+        raise SystemExit(f"the probe's results decide {sorted(decided)}, its file probes {sorted(probed)}: each "
+                         "probed arm and an alternative need a final val mean R for the rule to apply")
     runs, lines = {}, []
     for arm, d in decided.items():
         if not d["replace"]:

@@ -331,7 +331,10 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     # plain runs are done as they stand and the reinforced ones are to train anew with the probe's setting
     decided = {"reinforced": {"replace": True, "best": "reinforced-lambda-0.5-weights-5", "current_value": 0.5,
                               "best_value": 0.6, "gain": 0.1, "margin": 0.01}}
-    left, header = load_script("scripts/probe_choice.py").chosen_recipe(decided, probe)
+    choice = load_script("scripts/probe_choice.py")
+    with pytest.raises(SystemExit, match=r"decide \[\], its file probes \['reinforced'\]"):
+        choice.chosen_recipe({}, probe)  # the reinforced arm's runs gave no final figure: no recipe is written
+    left, header = choice.chosen_recipe(decided, probe)
     chosen = tmp_path / "chosen.yaml"
     chosen.write_text(header + yaml.safe_dump(left, sort_keys=False))
     assert left["name"] == recipe["name"] and left["out"] == recipe["out"]
