@@ -192,11 +192,17 @@ def _gpu_block(res: dict, drift: str) -> list[str]:
     return lines
 
 
+# recipe keys that change no figure: how often a run writes last.pt (a run resumed from any save is the run never
+# interrupted; cxrdr.experiments.runs reuses finished runs whatever it was)
+NOT_DRIFT = ("save_every",)
+
+
 def recipe_drift(ran: dict, now: dict) -> str:
     """The recipe keys whose value differs between the recipe a results.json ran (``ran``) and the file now
     (``now``), each as "`key` ran (now value)", comma-joined; empty when they agree. Where the file was read from
-    (``load_recipe``'s ``_path``) is no part of the recipe."""
-    before, after = ({k: v for k, v in _leaves(tree) if not k.startswith("_")} for tree in (ran, now))
+    (``load_recipe``'s ``_path``) is no part of the recipe, nor are the ``NOT_DRIFT`` keys."""
+    before, after = ({k: v for k, v in _leaves(tree) if not k.startswith("_") and k.rsplit(".", 1)[-1] not in NOT_DRIFT}
+                     for tree in (ran, now))
     return ", ".join(f"`{key}` {before.get(key, '–')} (now {after.get(key, '–')})"
                      for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key))
 

@@ -172,6 +172,9 @@ def test_results_of_an_earlier_recipe_version_say_which_keys_differ(headline, tm
     (tmp_path / "same.json").write_text(json.dumps(res))  # a file of its own: results are read once a path
     monkeypatch.setattr(headline, "GPU_EFFICIENCY", tmp_path / "same.json")
     assert "earlier version" not in "\n".join(headline.gpu_efficiency())
+    # how often a run saved changes no figure (a resumed run is the run never interrupted): not a drift
+    assert headline.recipe_drift({**now, "train": {**now["train"], "save_every": 30}},
+                                 {**now, "train": {**now["train"], "save_every": 100}}) == ""
 
 
 def test_the_gpu_recipes_block_shows_a_leases_partial_results_until_the_recipe_finishes(headline, tmp_path,

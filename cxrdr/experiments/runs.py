@@ -247,8 +247,11 @@ def _saved_alike(run_dir: Path, cfg: TrainConfig) -> bool:
 def _as_saved(cfg: TrainConfig) -> dict:
     # none changes what is trained: a resumed run saves its config with resume: true, `--quiet` (progress off)
     # must not make a status listing or a later command take a finished run for another, and the CUDA graphs replay
-    # the eager step (tested equal: models/block_graphs.py), so a run trained with or without them is the same run
-    same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto")
+    # the eager step (tested equal: models/block_graphs.py), so a run trained with or without them is the same run;
+    # nor does how often last.pt is written (a run resumed from any save is the run never interrupted:
+    # tests/test_resume.py), so a recipe may change save_every without its finished runs trained again
+    same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto",
+                               save_every=0)
     return yaml.safe_load(yaml.safe_dump(same.to_dict(), sort_keys=False))
 
 
