@@ -11,7 +11,8 @@
 #                                              # probed recipe, its runs whose setting stands reused. Called again
 #                                              # on the warm machine it goes on where it stopped. Brings back what
 #                                              # MODE=recipe does, and probe.tar.gz: the probe's results, table,
-#                                              # plots, the rule's decision (choice.txt) and the recipe it wrote
+#                                              # plots, the rule's decision (choice.txt), the recipe it wrote and
+#                                              # the probe's carry.tar.gz (for PROBE_CARRY on a fresh machine)
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
@@ -168,14 +169,19 @@ recipe_report() {
 }
 
 # The probe's rule applied to its finished results: the recipe it leaves (scripts/probe_choice.py), written in the
-# probe's folder, and the probe's figures and decision back as probe.tar.gz
+# probe's folder, and the probe's figures and decision back as probe.tar.gz, with the probe's own carry.tar.gz
+# (its finished runs: a fresh machine given it as PROBE_CARRY trains none of them again)
 probe_choice() {
   local probe_out="$recipe_out"
   python3 scripts/probe_choice.py "$probe_out/efficiency/results.json" --recipe "$RECIPE" \
     --write-recipe "$probe_out/chosen-recipe.yaml" 2>&1 | tee "$probe_out/choice.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
-  (cd "$probe_out" && find choice.txt chosen-recipe.yaml efficiency -maxdepth 1 -type f \
-     \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.txt' -o -name '*.yaml' \) \
+  python3 -m cxrdr.experiments.carry pack "$probe_out" "$probe_out/carry.tar.gz" --label "probe $(date -u +%FT%TZ)" \
+    || echo "[lease] no carry of the probe's runs (above: why)"
+  local members=(choice.txt chosen-recipe.yaml)
+  [ -f "$probe_out/carry.tar.gz" ] && members+=(carry.tar.gz)
+  (cd "$probe_out" && find "${members[@]}" efficiency -maxdepth 1 -type f \
+     \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.txt' -o -name '*.yaml' -o -name '*.tar.gz' \) \
      | tar czf "$OUT/probe.tar.gz" -T -)
   RECIPE="$probe_out/chosen-recipe.yaml"
   recipe_out=$(recipe_folder) || return 1

@@ -250,7 +250,8 @@ def test_the_committed_carry_is_unpacked_by_default_for_gpu_efficiency_only(tmp_
 def test_a_probe_lease_applies_its_rule_and_goes_on_with_the_recipe_it_leaves(tmp_path):
     """MODE=probe-recipe: the probe's chunks run first; once it is done its rule (scripts/probe_choice.py) writes
     the recipe it leaves (the probed recipe's name and folder, the winning setting laid over its arm and the runs
-    that share it), whose chunks then go on; probe.tar.gz brings back the decision with the probe's figures.
+    that share it), whose chunks then go on; probe.tar.gz brings back the decision with the probe's figures and its
+    finished runs (carry.tar.gz).
     `train` is a stand-in: it finishes the probe with the given val figures and says what it was asked."""
     base_out, probe_out = tmp_path / "runs" / "base", tmp_path / "runs" / "probe"
     base = tmp_path / "base.yaml"
@@ -280,6 +281,9 @@ case "$4" in
 esac
 """)
     fake.chmod(0o755)
+    from tests.test_carry import RUN, _finished
+
+    _finished(probe_out, RUN)  # a probe run trained and evaluated: the probe's carry brings it back
     env = {**os.environ, "MODE": "probe-recipe", "INSTALL": "0", "PROBE": str(probe), "OUT": str(tmp_path / "out"),
            "TRAIN": str(fake), "RECIPE_S": "200", "COPIES": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -300,4 +304,5 @@ esac
     assert left["efficiency"]["runs"]["plain"] == {"mode": "plain"}  # +0.005: within the margin, kept
     assert "reinforced: replaced by reinforced-kl-only" in chosen.read_text()
     assert _members(tmp_path / "out" / "probe.tar.gz", Path("/")) == {
-        "choice.txt", "chosen-recipe.yaml", "efficiency/results.json", "efficiency/table.md"}
+        "choice.txt", "chosen-recipe.yaml", "carry.tar.gz", "efficiency/results.json", "efficiency/table.md"}
+    assert f"{RUN}/summary.json" in _members(probe_out / "carry.tar.gz", Path("/"))
