@@ -19,6 +19,7 @@ changed has another config, so the recipe trains it anew (``reuse_runs``). ``--r
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -77,7 +78,7 @@ def chosen_recipe(decided: dict, probe_path: Path) -> tuple[dict, str]:
             continue
         setting = {key: value for key, value in probe_runs[d["best"]].items() if key != "mode"}
         changed = [run for run in (arm, *SHARES_SETTING.get(arm, ())) if run in base_runs]
-        runs.update({run: json.loads(json.dumps(setting)) for run in changed})  # a copy each: no YAML anchors
+        runs.update({run: copy.deepcopy(setting) for run in changed})  # a copy each: no YAML anchors
         lines.append(f"{arm}: replaced by {d['best']} ({d['best_value']:.3f} against {d['current_value']:.3f}, gain "
                      f"{d['gain']:+.3f} past the margin {d['margin']:.3f}): {json.dumps(setting)} for "
                      + ", ".join(changed))

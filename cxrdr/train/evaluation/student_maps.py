@@ -106,8 +106,9 @@ def _forwards(model: EvalModel, samples: list[Sample], texts: list[str], rows: l
     """The forwards of ``rows``, ``batch_size`` images a call, in order. One call an image left a GPU waiting on
     the host's Python (~8 s of an H200's evaluation for 200 images); a student's eval forward reads each image
     and text alone, so a row's maps are the same computation either way (float rounding aside)."""
-    for start in range(0, len(rows), max(1, batch_size)):
-        chunk = rows[start:start + max(1, batch_size)]
+    step = max(1, batch_size)
+    for start in range(0, len(rows), step):
+        chunk = rows[start:start + step]
         views, params = zip(*(full_view(samples[i], model.image_size) for i in chunk))
         out, tok = model.forward(torch.stack(views), [texts[i] for i in chunk])
         out = _maps_on_host(out)
