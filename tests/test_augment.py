@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -195,3 +196,34 @@ def test_batched_replay_equals_the_per_sample_cpu_replay_within_1_255(device):
     expected = torch.cat([replay_many(images[1], per_image[1], 64),
                           replay_many(images[1].transpose(Image.Transpose.FLIP_LEFT_RIGHT), per_image[0][:3], 64)])
     assert torch.equal(same, expected)
+
+
+def test_one_view_of_each_image_replayed_together_is_the_per_sample_replay_bit_for_bit():
+    """The training loaders' collate (augment.replay_each): a batch's views, one per image, every
+    photometric op among them; the images of one size replay in one call, another size apart."""
+    from cxrdr.common.augment import replay_each
+
+    images, dims, _, per_image = _mixed_batch()
+    # two images of each of the 4 sizes: 4 groups of 2, each view another image's
+    batch = [im for im in images for _ in range(2)]
+    params = [per_image[i // 2][i % len(per_image[i // 2])] for i in range(len(batch))]
+    got = replay_each(batch, params, 40)
+    expected = torch.stack([replay(im, p, 40) for im, p in zip(batch, params)])
+    assert got.shape == (8, 1, 40, 40) and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda p: p.pop("crop"), "crop must be 4 numbers"),
+    (lambda p: p.update(crop=[0, 0, "64", 64]), "crop must be 4 numbers"),
+    (lambda p: p.update(angle=None), "angle must be a number"),
+    (lambda p: p.update(ops=[["zoom", 3.0]]), "an op must be [name, magnitude]"),
+    (lambda p: p.update(noise_seed=1.5), "noise_seed must be an integer"),
+])
+def test_check_params_names_what_replay_could_not_read(change, needle):
+    from cxrdr.common.augment import check_params
+
+    params = sample_param_sets("rec-1", 240, 200, 1, RICH, seed=3)[0]
+    assert check_params(params) is params
+    change(params)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_params(params)

@@ -147,3 +147,16 @@ def test_multiworker_loader(phantom_shards):
     keys = [k for b in _loader(phantom_shards, "train", workers=2, batch_size=4, drop_last=False)
             for k in b["key"]]
     assert sorted(keys) == sorted(_raw_samples(phantom_shards, "train"))
+
+
+def test_data_path_benchmark_reads_equal_batches_every_way(phantom_shards, capsys, one_thread):
+    """benchmarks/data_path.py: the views replayed one at a time and together in the collate, with and without
+    default_convert, give the same batches (it exits 1 where any differs) and a figure for each."""
+    from tests.script_loader import load_script
+
+    data_path = load_script("benchmarks/data_path.py")
+    assert data_path.main([str(phantom_shards), "--model", "tiny-A", "--batch-size", "4", "--batches", "3",
+                           "--rounds", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "every configuration's batches equal" in out
+    assert all(f"{name}" in out for name in data_path.CONFIGURATIONS) and out.count("ms a batch") == 3

@@ -381,6 +381,31 @@ def test_training_input_names_shard_and_key_then_stops_or_skips(damaged_shards, 
         _read_all(cut)
 
 
+def test_a_sample_whose_view_parameters_replay_cannot_read_is_named_and_skipped(phantom_shards, tmp_path):
+    """The loaders replay a batch's views together in the collate; a sample's unreadable parameters
+    are still found in its own step, where it is named and skipped (or stops the run)."""
+    import shutil
+
+    from cxrdr.train.integrity import CorruptDataError, count_skipped
+
+    shards = tmp_path / "shards"
+    shutil.copytree(phantom_shards, shards)
+    train = [s["name"] for s in json.loads((shards / "dataset.json").read_text())["shards"] if s["split"] == "train"]
+
+    def crop_as_text(data: bytes) -> bytes:
+        meta = json.loads(data)
+        meta["aug"] = [{**params, "crop": "0 0 64 64"} for params in meta["aug"]]
+        return json.dumps(meta).encode()
+
+    key = _rewrite_member(shards / train[1], 0, "json", crop_as_text)
+    with pytest.raises(CorruptDataError, match=f"{train[1]}: key {key}.*crop must be 4 numbers"):
+        _read_all(shards)
+    log = tmp_path / "skipped.jsonl"
+    kept = _read_all(shards, "skip", str(log))
+    assert [s["key"] for s in count_skipped(log)["samples"]] == [key] and key not in kept
+    assert len(kept) == len(_read_all(phantom_shards)) - 1
+
+
 def test_train_run_on_damaged_shards_is_one_line_or_skips_and_counts(damaged_shards, tmp_path):
     result = run_cli("cxrdr.train.cli", "run", "--shards", str(damaged_shards["dir"]), "--model", "tiny-A",
                      "--out", str(tmp_path / "stop"), "--steps", "2", "--batch-size", "4", "--device", "cpu",

@@ -139,6 +139,31 @@ def to_float_image(image) -> torch.Tensor:
     return tensor[:1]
 
 
+def check_params(params) -> dict:
+    """``params`` unchanged when replay can read it (the layout in this module's docstring); else a
+    ValueError saying what is wrong. The training loaders replay a batch's views together in their
+    collate, after each sample's own checks: this is the part of replay that reads one sample's
+    parameters, run where a damaged sample can still be named and skipped."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not isinstance(params, dict):
+        raise ValueError(f"augmentation parameters must be an object, got {type(params).__name__}")
+    crop = params.get("crop")
+    if not (isinstance(crop, (list, tuple)) and len(crop) == 4 and all(map(number, crop))):
+        raise ValueError(f"augmentation parameters: crop must be 4 numbers [x0, y0, w, h], got {crop!r}")
+    for key in ("angle", "brightness", "contrast", "gamma"):
+        if key in params and not number(params[key]):
+            raise ValueError(f"augmentation parameters: {key} must be a number, got {params[key]!r}")
+    if "noise_seed" in params and not (number(params["noise_seed"]) and float(params["noise_seed"]).is_integer()):
+        raise ValueError(f"augmentation parameters: noise_seed must be an integer, got {params['noise_seed']!r}")
+    for op in params.get("ops") or []:
+        if not (isinstance(op, (list, tuple)) and len(op) == 2 and op[0] in RANDAUGMENT_OPS and number(op[1])):
+            raise ValueError(f"augmentation parameters: an op must be [name, magnitude] with a name of "
+                             f"{', '.join(RANDAUGMENT_OPS)}, got {op!r}")
+    return params
+
+
 def view_to_image(params: dict, uv: np.ndarray) -> np.ndarray:
     """Map view coordinates (u, v in [-1, 1], (N, 2)) to stored-image pixel coordinates (N, 2)."""
     x0, y0, w, h = params["crop"]
@@ -187,6 +212,28 @@ def replay_many(image, params_list: list[dict], size: int) -> torch.Tensor:
     if not params_list:
         return torch.empty(0, 1, size, size)
     return replay_batch(to_float_image(image).unsqueeze(0), None, params_list, [0] * len(params_list), size)
+
+
+def replay_each(images: list, params_list: list[dict], size: int) -> torch.Tensor:
+    """One view of each image, ``params_list[i]`` on ``images[i]`` (PIL, array or float tensor):
+    (n, 1, size, size), bit for bit ``torch.stack([replay(im, p, size) ...])``.
+
+    A training batch's views replayed together (the collate calls this): the images of one size go
+    through :func:`replay_batch` at once, which needs no padding for them and so does the per-sample
+    arithmetic; an image of another size is its own group. On the demo's batch of 32 stored 128-px
+    phantoms at 96 px: 4.4 ms against 13.3 ms one view at a time (``benchmarks/data_path.py``)."""
+    if size < 1:
+        raise ValueError(f"replay size must be >= 1 pixel, got {size}")
+    pixels = [to_float_image(image) for image in images]
+    out = torch.empty(len(pixels), 1, size, size)
+    groups: dict[tuple, list[int]] = {}
+    for i, image in enumerate(pixels):
+        groups.setdefault(tuple(image.shape), []).append(i)
+    for members in groups.values():
+        stacked = torch.stack([pixels[i] for i in members])
+        out[members] = replay_batch(stacked, None, [params_list[i] for i in members], list(range(len(members))),
+                                    size)
+    return out
 
 
 def replay_batch(images: torch.Tensor, image_sizes, params_list: list[dict], owners: list[int],

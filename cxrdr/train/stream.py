@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from cxrdr.common.augment import stable_seed
 from cxrdr.common.shards import decode_sample
-from cxrdr.train.data import SampleView, TrainingParts, shuffled_shards
+from cxrdr.train.data import SampleView, TrainingParts, already_collated, shuffled_shards
 from cxrdr.train.integrity import CheckedTarSamples, ChecksumCheck, CorruptPolicy, Guarded
 
 SHUFFLE_INITIAL = 64  # samples the buffer holds before its first output (as the one-pass loader)
@@ -155,6 +155,7 @@ def make_stream_loader(parts: TrainingParts, batch_size: int, state: StreamState
     # A generator of its own: creating the iterator would otherwise draw from the global torch RNG,
     # which a resumed run restores from the checkpoint and must leave as the uninterrupted run does.
     generator = torch.Generator().manual_seed(stable_seed("loader", seed, rank) % (2**63))
-    return DataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=False,
+    return DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=already_collated,
+                      persistent_workers=False,
                       pin_memory=torch.cuda.is_available(), prefetch_factor=2 if workers else None,
                       generator=generator)
