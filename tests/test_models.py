@@ -317,6 +317,30 @@ def test_tiny_tokenizer_is_offline_and_knows_report_words():
     assert not split, sorted(split)
 
 
+def test_tokenizer_keeps_each_texts_ids_and_returns_what_the_hf_call_does(monkeypatch):
+    """TextTokenizer tokenizes a text once per process; its batches are the HF call's with padding to the
+    context (then trimmed to the bucket): texts cut at the context, empty, repeated, met before or not."""
+    from cxrdr.train.models import text_towers
+
+    tok = build_student("tiny-A").tokenizer
+    long = " ".join(["effusion"] * 80)  # cut at the 64-token context
+    batches = [TEXTS, [long, "", TEXTS[0], TEXTS[0]], [TEXTS[1], "new words: émphysema?", long]]
+
+    def hf(texts, tokenizer):
+        enc = tokenizer.tokenizer(texts, padding="max_length", truncation=True, max_length=tokenizer.context_length,
+                                  return_tensors="pt")
+        return text_towers.trim_padding(enc["input_ids"], enc["attention_mask"], tokenizer.bucket)
+
+    monkeypatch.setattr(text_towers, "TOKEN_CACHE", 5)  # the third batch overflows it: the ids start anew
+    for tokenizer in (tok, tok.fixed_length()):
+        for texts in batches + batches:
+            got, (ids, mask) = tokenizer(texts), hf(texts, tokenizer)
+            assert torch.equal(got["input_ids"], ids) and torch.equal(got["attention_mask"], mask), texts
+            assert torch.equal(got["token_index"], text_towers.packing_index(mask))
+            assert len(tokenizer._tokens) <= 5
+    assert tok(batches[1])["input_ids"].shape == (4, 64) and tok(TEXTS)["input_ids"].shape == (2, 16)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None, reason="MiniLM package not installed")
 def test_minilm_text_tower_builds_offline(monkeypatch):
     monkeypatch.delenv("CXRDR_CACHE")  # share the teachers' extracted copy instead of unpacking again
