@@ -504,6 +504,30 @@ def test_efficientnet_lite0_freeze_stages():
         EfficientNetTower(64, pretrained=False, freeze_stages=7)
 
 
+def test_efficientnet_tower_runs_channels_last_with_the_contiguous_values_and_gradients():
+    """The CNN towers run channels_last (oneDNN's depthwise convolutions, cuDNN's tensor cores): the same
+    features and weight gradients as the same weights in the default layout, to float rounding."""
+    import copy
+
+    from cxrdr.train.models.image_towers import EfficientNetTower
+
+    torch.manual_seed(0)
+    tower = EfficientNetTower(64, pretrained=False, stride=16, freeze_stages=2).train()
+    plain = copy.deepcopy(tower)
+    plain.trunk.to(memory_format=torch.contiguous_format)
+    stem = dict(tower.trunk.named_buffers())["conv_stem.weight"]  # (32, 3, 3, 3): the layouts differ
+    assert stem.is_contiguous(memory_format=torch.channels_last) and not stem.is_contiguous()
+    x = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    got, expected = tower(x).patches, plain(x).patches
+    assert got.shape == (3, 16, tower.width)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()  # measured 5e-6 (training-mode BN)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    # as one vector: a BN bias followed by another BN has a gradient of ~0, all rounding (as between thread counts)
+    got, expected = (torch.cat([p.grad.flatten() for p in t.trunk.parameters()]) for t in (tower, plain))
+    assert (got - expected).norm() <= 1e-4 * expected.norm()  # measured 7e-6; one thread against two: 6e-6
+
+
 @needs_effnet_weights
 def test_tiny_cnn_configs_build_pretrained_students():
     names = [n for n in available_configs() if n.startswith("tiny-cnn-")]

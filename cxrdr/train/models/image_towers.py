@@ -199,7 +199,7 @@ class FastViTTower(ImageTower):
         self.std = tuple(cfg.get("std", (1.0, 1.0, 1.0)))
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        return grid_tokens(self.trunk.forward_features(x))
+        return grid_tokens(self.trunk.forward_features(x.contiguous(memory_format=torch.channels_last)))
 
 
     def last_block(self) -> nn.Module:
@@ -252,7 +252,9 @@ class EfficientNetTower(ImageTower):
         if stride < 32:  # unused head parameters upset DDP too
             trunk.blocks = trunk.blocks[:last + 1]
             trunk.conv_head, trunk.bn2 = nn.Identity(), nn.Identity()
-        self.trunk = trunk
+        # channels_last (as timm's train.py --channels-last): oneDNN's depthwise convolutions and their backward
+        # run faster in it; the demo's tiny-cnn-A step 210 -> 168 ms on 2 CPU cores, its losses to float rounding
+        self.trunk = trunk.to(memory_format=torch.channels_last)
         self.stride = stride
         self.grid_size = (image_size // stride, image_size // stride)
         self.width = width
