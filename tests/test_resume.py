@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from tests.forked_cli import python_m
@@ -235,6 +236,9 @@ def test_resume_takes_the_shard_folder_by_content_not_by_spelling(phantom_shards
         train(dict(settings, shards=str(moved), steps=6, resume=True))
     with pytest.raises(ValueError, match="1 rank\\(s\\) x 1 worker.*now 1 x 2"):
         train(dict(settings, shards=str(phantom_shards), steps=6, resume=True, workers=2))
+    # naming no --workers, a resume keeps the run's own (a fresh CPU run's default is 2)
+    assert train(dict(settings, shards=str(phantom_shards), steps=6, resume=True, workers=None))["start_step"] == 5
+    assert yaml.safe_load((run / "config.yaml").read_text())["workers"] == 0
 
 
 def test_metrics_log_resumes_over_a_line_a_killed_writer_left_unfinished(tmp_path):

@@ -30,6 +30,7 @@ from cxrdr.experiments.chunks import begin, expected_training_s, measured_evalua
 from cxrdr.experiments.repro import code_version, note_other_code
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.train.config import TrainConfig
+from cxrdr.train.device import loader_workers
 from cxrdr.train.evaluation.efficiency import measure_in_subprocess
 from cxrdr.train.evaluation.benchmark import run_benchmark
 from cxrdr.train.evaluation.report import jsonable, write_json
@@ -249,9 +250,10 @@ def _as_saved(cfg: TrainConfig) -> dict:
     # must not make a status listing or a later command take a finished run for another, and the CUDA graphs replay
     # the eager step (tested equal: models/block_graphs.py), so a run trained with or without them is the same run;
     # nor does how often last.pt is written (a run resumed from any save is the run never interrupted:
-    # tests/test_resume.py), so a recipe may change save_every without its finished runs trained again
+    # tests/test_resume.py), so a recipe may change save_every without its finished runs trained again; a run's
+    # config.yaml holds the loader workers it ran with, which a recipe naming none gets by default on this host
     same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto",
-                               save_every=0)
+                               save_every=0, workers=loader_workers(cfg.workers, cfg.device))
     return yaml.safe_load(yaml.safe_dump(same.to_dict(), sort_keys=False))
 
 

@@ -123,7 +123,8 @@ class TrainConfig:
                                          "--no-pack-text or --compile-scope model); off: eager.")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
-    workers: int = _opt(2, "DataLoader workers per rank.")
+    workers: int | None = _opt(None, "DataLoader workers per rank (default: 2 on the CPU; on CUDA the host's cores but "
+                                     "two, shared by its ranks, at most 16 a rank). A resumed run keeps its own.")
     seed: int = _opt(0, "Seed of model init, data order and view picks.")
     device: str = _opt("auto", "auto, cpu or cuda.")
     freeze_epochs: float = _opt(0.0, "--freeze-steps in epochs of the train split (used when that is 0).")

@@ -3,10 +3,15 @@ math settings of a training process, and host-to-device copies that do not wait 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
+from cxrdr.common.host_threads import available_cores
 from cxrdr.train import distributed as dist_utils
+
+CPU_WORKERS = 2  # the loader workers' default off a GPU: the model's own threads need the cores
+MAX_GPU_WORKERS = 16  # a rank's default on CUDA at most (the build's cap alike)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -16,6 +21,19 @@ def resolve_device(name: str) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError("--device cuda requested but CUDA is not available")
     return torch.device("cuda", dist_utils.local_rank())
+
+
+def loader_workers(workers: int | None, device: torch.device | str) -> int:
+    """``--workers``, or its default on ``device``: 2 on the CPU; on CUDA this host's cores but two, shared by its ranks
+    (torchrun's LOCAL_WORLD_SIZE), at least 2 and at most 16 a rank. Why so many: at 224 px a worker prepares ~400
+    samples/s (a sample's decode, replay and texts: ``benchmarks/data_path.py``) and a ViT-S/16 D step on one H200
+    trains ~3,000 img/s, so two workers would leave the GPU waiting most of each step."""
+    if workers is not None:
+        return int(workers)
+    if not (str(device).startswith("cuda") or (str(device) == "auto" and torch.cuda.is_available())):
+        return CPU_WORKERS
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(2, min(MAX_GPU_WORKERS, (available_cores() - 2) // ranks))
 
 
 def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:

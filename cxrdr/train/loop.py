@@ -21,6 +21,7 @@ run resumed after a kill at any step ends bit-identical to the run never interru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import shutil
@@ -45,7 +46,7 @@ from cxrdr.train.compiling import compile_blocks, compile_model
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.data import (ReplayedBatches, make_eval_loader, select_teachers, split_shards, teacher_dims,
                               training_parts)
-from cxrdr.train.device import amp_dtype_for, autocast, cuda_math_settings, resolve_device
+from cxrdr.train.device import amp_dtype_for, autocast, cuda_math_settings, loader_workers, resolve_device
 from cxrdr.train.evaluation.zeroshot import load_prompts
 from cxrdr.train.health import FiniteWatch, read_scalars
 from cxrdr.train.integrity import SKIP_LOG, CorruptPolicy, count_skipped
@@ -123,6 +124,9 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
             cuda_math_settings()
+        # the loader workers this host gives a run that names none (a resumed one keeps its own: _maybe_resume)
+        self.workers_chosen = cfg.workers is None
+        cfg = self.cfg = dataclasses.replace(cfg, workers=loader_workers(cfg.workers, self.device))
         self.amp_dtype = amp_dtype_for(cfg.amp, self.device)
         self.out = Path(cfg.out)
         seed_everything(stable_seed("train", cfg.seed, self.rank) % (2**31))
@@ -146,7 +150,7 @@ class Trainer:
         resumed = self._maybe_resume()
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            cfg.save_yaml(self.out / "config.yaml")
+            self.cfg.save_yaml(self.out / "config.yaml")
         self.log = MetricsLog(self.out / "metrics.jsonl", self.main, self.step if resumed else None)
         self._setup_eval()
         self._stage = None  # 'frozen' or 'full': the stage self.task.model was wrapped for
@@ -240,6 +244,9 @@ class Trainer:
             return False
         state = load_training_state(last, map_location="cpu")
         saved_cfg = state.get("train_config") or {}
+        if self.workers_chosen and saved_cfg.get("workers") is not None:  # no --workers: the run's own
+            self.cfg = dataclasses.replace(self.cfg, workers=int(saved_cfg["workers"]))
+            self.stream = StreamState(self.cfg.workers)
         changed = resume_conflicts(saved_cfg, self.cfg.to_dict())
         changed += data_conflicts(state.get("data"), str(saved_cfg.get("shards", "")), self.cfg.shards)
         if changed:
