@@ -199,7 +199,7 @@ class FastViTTower(ImageTower):
         self.std = tuple(cfg.get("std", (1.0, 1.0, 1.0)))
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        return grid_tokens(self.trunk.forward_features(x.contiguous(memory_format=torch.channels_last)))
+        return grid_tokens(self.trunk.forward_features(x))
 
 
     def last_block(self) -> nn.Module:
@@ -273,7 +273,7 @@ class EfficientNetTower(ImageTower):
         return self
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        return grid_tokens(self.trunk.forward_features(x))
+        return grid_tokens(self.trunk.forward_features(x.contiguous(memory_format=torch.channels_last)))
 
 
     def last_block(self) -> nn.Module:
