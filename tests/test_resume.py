@@ -176,6 +176,60 @@ def test_stream_resumed_from_its_state_continues_the_same_batches(phantom_shards
                            policy=CorruptPolicy(), verify_checksums=False)
 
 
+def test_shard_memory_keeps_only_whole_shards_within_its_budget(phantom_shards, tmp_path):
+    from cxrdr.train.integrity import CheckedTarSamples, CorruptDataError, CorruptPolicy
+    from cxrdr.train.stream import ShardMemory
+
+    url = str(sorted(phantom_shards.glob("shard-*.tar.gz"))[0])
+    reader = CheckedTarSamples(CorruptPolicy())
+    disk = list(reader({"url": url} for _ in range(1)))
+    size = sum(len(v) for sample in disk for v in sample.values() if isinstance(v, bytes))
+    small = ShardMemory(size - 1)  # one byte short of the shard: read from disk each time, nothing kept
+    assert list(small.read(url, reader)) == disk and not small._kept and small._bytes == 0
+    memory = ShardMemory(size)
+    assert list(memory.read(url, reader)) == disk == list(memory.read(url, reader)) and memory._bytes == size
+    assert memory._kept[url] is not None
+    cut = tmp_path / Path(url).name  # a shard cut short: the policy's business every round, never kept
+    cut.write_bytes(Path(url).read_bytes()[:len(Path(url).read_bytes()) // 2])
+    skipping = ShardMemory(10 * size)
+    for _ in range(2):
+        list(skipping.read(str(cut), CheckedTarSamples(CorruptPolicy("skip"))))
+    assert not skipping._kept
+    with pytest.raises(CorruptDataError, match="unreadable tar"):
+        list(skipping.read(str(cut), reader))
+
+
+def test_shards_kept_in_memory_give_the_stream_read_from_disk(phantom_shards):
+    """ShardMemory: the later rounds of a stream read its kept shards from memory, the same batches as from disk;
+    a budget too small for a shard keeps none, and a resumed stream (which replays its round) is the same too."""
+    from cxrdr.train.data import training_parts
+    from cxrdr.train.integrity import CorruptPolicy
+    from cxrdr.train.stream import StreamState, make_stream_loader
+    from tests.test_data import fake_tokenize
+
+    parts = training_parts(phantom_shards, "train", None, image_size=32, tokenize=fake_tokenize, seed=5)
+    n = 3 * parts.count // 4 + 2  # three rounds of the split, in batches of 4
+
+    def read(memory_mb, state=None):
+        loader = make_stream_loader(parts, 4, state or StreamState(0), workers=0, seed=5, shuffle_buffer=8, rank=0,
+                                    world=1, policy=CorruptPolicy(), verify_checksums=True,
+                                    shard_memory_mb=memory_mb)
+        got = [batch for _, batch in zip(range(n), loader)]
+        return got, loader.dataset.memory
+
+    disk, none_kept = read(0)
+    kept, memory = read(1)
+    assert not none_kept._kept and sorted(memory._kept) == sorted(parts.urls)  # phantom:40 at 64 px: ~0.1 MB
+    for a, b in zip(disk, kept, strict=True):
+        assert a["key"] == b["key"] and a["stream"] == b["stream"] and torch.equal(a["images"], b["images"])
+        assert all(torch.equal(a["teacher"][t]["syn"], b["teacher"][t]["syn"]) for t in a["teacher"])
+    state = StreamState(0)
+    for batch in kept[:n // 2]:
+        state.consumed(batch["stream"])
+    resumed, _ = read(1, StreamState(**state.to_dict()))
+    assert [b["key"] for b in resumed[:n - n // 2]] == [b["key"] for b in kept[n // 2:]]
+
+
 def _flip_inside_jpeg(data: bytes) -> bytes:
     """One bit of the JPEG's entropy-coded data: the image still decodes, to other pixels."""
     import io

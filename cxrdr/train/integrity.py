@@ -119,14 +119,21 @@ class CheckedTarSamples:
 
     def __call__(self, shards):
         for shard in shards:
-            url, last = shard["url"], None
-            try:
-                for key, parts in iter_tar_samples(Path(url)):
-                    last = key
-                    yield {"__key__": key, "__url__": url, **parts}
-            except (tarfile.TarError, EOFError, OSError) as exc:
-                where = f"(unreadable tar after {last})" if last else "(unreadable tar)"
-                self.policy.handle(url, where, exc)
+            yield from self.read(shard["url"])
+
+    def read(self, url: str):
+        """One shard's raw samples; the generator returns True when it read the shard to its end (False: the
+        policy skipped its damage)."""
+        last = None
+        try:
+            for key, parts in iter_tar_samples(Path(url)):
+                last = key
+                yield {"__key__": key, "__url__": url, **parts}
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            where = f"(unreadable tar after {last})" if last else "(unreadable tar)"
+            self.policy.handle(url, where, exc)
+            return False
+        return True
 
 
 @dataclass

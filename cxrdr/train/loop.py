@@ -341,7 +341,7 @@ class Trainer:
         loader = make_stream_loader(parts, cfg.batch_size, self.stream, workers=cfg.workers, seed=cfg.seed,
                                     shuffle_buffer=cfg.shuffle_buffer, rank=self.rank, world=self.world,
                                     policy=CorruptPolicy(cfg.on_corrupt, str(self.out / SKIP_LOG)),
-                                    verify_checksums=cfg.verify_checksums)
+                                    verify_checksums=cfg.verify_checksums, shard_memory_mb=cfg.shard_memory_mb)
         for batch in loader:
             self.stream.consumed(batch.pop("stream"))
             self.data_epoch = self.stream.epoch
