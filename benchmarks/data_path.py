@@ -3,6 +3,7 @@ with the batch's views replayed one at a time or together in the collate, with t
 ``default_convert`` pass or none, and with the shards read whole kept in memory for later rounds or not.
 
     python benchmarks/data_path.py demo/shards --model cpu-D --batch-size 32 --batches 40 --rounds 3
+    python benchmarks/data_path.py SHARDS --model D --batch-size 256 --workers 14   # a GPU host's loader, samples/s
 
 Each configuration reads the same stream (seed 0, the train split, the shards' teachers) from its start (the
 kept shards fill in its first round: ask more batches than the split has for their gain); the rounds alternate
@@ -41,11 +42,12 @@ CONFIGURATIONS = {
 }
 
 
-def loader(parts, batch_size: int, together: bool, collate_fn, memory_mb: int) -> DataLoader:
+def loader(parts, batch_size: int, together: bool, collate_fn, memory_mb: int, workers: int = 0) -> DataLoader:
     parts = dataclasses.replace(parts, view=dataclasses.replace(parts.view, replay_in_collate=together))
-    stream = TrainStream(parts, batch_size, StreamState(1), seed=0, shuffle_buffer=256, rank=0, world=1,
+    stream = TrainStream(parts, batch_size, StreamState(workers), seed=0, shuffle_buffer=256, rank=0, world=1,
                          policy=CorruptPolicy(), verify_checksums=True, shard_memory_mb=memory_mb)
-    return DataLoader(stream, batch_size=None, num_workers=0, collate_fn=collate_fn)
+    return DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=collate_fn,
+                      prefetch_factor=2 if workers else None)
 
 
 def read(batches, n: int) -> tuple[float, list[dict]]:
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0,
+                        help="loader worker processes (0: the step's own; N: what N workers deliver, e.g. a GPU host's "
+                             "`train run` default, its cores but two)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     student = build_student(StudentConfig.from_yaml(args.model))
@@ -89,7 +94,8 @@ def main(argv=None) -> int:
     first: list[dict] | None = None
     for _ in range(args.rounds):
         for name, (together, collate_fn, memory_mb) in CONFIGURATIONS.items():
-            seconds, batches = read(loader(parts, args.batch_size, together, collate_fn, memory_mb), args.batches)
+            seconds, batches = read(loader(parts, args.batch_size, together, collate_fn, memory_mb, args.workers),
+                                    args.batches)
             times[name].append(seconds / args.batches * 1e3)
             if first is None:
                 first = batches
@@ -97,9 +103,11 @@ def main(argv=None) -> int:
                 print(f"{name}: its batches differ from the first configuration's", file=sys.stderr)
                 return 1
     print(f"{args.shards}, {args.model} at {student.image_size} px, batch {args.batch_size}, {args.batches} batches "
-          f"x {args.rounds} rounds, {args.threads} threads; every configuration's batches equal")
+          f"x {args.rounds} rounds, {args.threads} threads, {args.workers or 'no'} loader workers; every "
+          f"configuration's batches equal")
     for name, values in times.items():
-        print(f"  {name:<48} {statistics.median(values):6.1f} ms a batch (rounds: "
+        ms = statistics.median(values)
+        print(f"  {name:<48} {ms:6.1f} ms a batch, {args.batch_size / ms * 1e3:7.0f} samples/s (rounds: "
               f"{', '.join(f'{v:.1f}' for v in values)})")
     return 0
 

@@ -210,7 +210,7 @@ def test_keep_freed_memory_applies_on_glibc_and_leaves_other_platforms_alone(mon
 
 
 def test_a_run_naming_no_workers_gets_this_hosts_default(monkeypatch):
-    """`train run --shards S` unchanged on a GPU host: its loader has the cores (two workers prepared ~830
+    """`train run --shards S` unchanged on a GPU host: its loader has the cores (two workers prepared ~750
     samples/s at 224 px against a ViT-S/16 step's ~3,000 img/s); on the CPU it keeps 2, where the model needs them."""
     from cxrdr.train import device
     from cxrdr.train.config import TrainConfig
