@@ -24,6 +24,14 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def gpu_host_workers(cores: int, processes: int = 1) -> int:
+    """Loader workers each of ``processes`` alike processes feeding a GPU (DDP ranks on one host) takes by default:
+    the host's ``cores`` but two (its own thread and the OS), shared between them, at least 2 and at most 16 each.
+    The rule of ``reinforce build`` (whose teacher waits on preparation) and of ``train run`` (whose step outruns
+    two workers several times) alike."""
+    return max(2, min(16, (cores - 2) // max(1, processes)))
+
+
 def threads_beside(workers: int, cap: int | None = None, processes: int = 1) -> int:
     """Intra-op threads for each of ``processes`` alike processes (DDP ranks on one host) that leave each one's
     ``workers`` loader workers a core each: at least 1, at most ``cap`` (default: torch's current count, which

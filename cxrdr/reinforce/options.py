@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from cxrdr.common.errors import UserError
+from cxrdr.common.host_threads import gpu_host_workers
 from cxrdr.common.shards import EMB_DTYPES, SHARD_SUFFIXES, TEACHER_NAME_RE
 from cxrdr.reinforce.captioners import parse_captioner_spec
 from cxrdr.reinforce.sources import open_source
@@ -183,7 +184,7 @@ def resolve_workers(workers: int | None, device: str) -> int:
     if workers is not None:
         return workers
     if str(device).startswith("cuda"):
-        return max(2, min(16, (os.cpu_count() or 4) - 2))
+        return gpu_host_workers(os.cpu_count() or 4)
     return 2
 
 

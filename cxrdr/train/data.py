@@ -218,7 +218,6 @@ class SampleView:
             out["boxes"] = meta.get("boxes") or []
         return out
 
-
     def _view(self, image) -> Callable[[dict, int], "torch.Tensor | PendingView"]:
         """(params, size) -> the replayed view now, or with ``replay_in_collate`` the view to replay later."""
         if not self.replay_in_collate:

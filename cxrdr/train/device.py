@@ -7,11 +7,10 @@ import os
 
 import torch
 
-from cxrdr.common.host_threads import available_cores
+from cxrdr.common.host_threads import available_cores, gpu_host_workers
 from cxrdr.train import distributed as dist_utils
 
 CPU_WORKERS = 2  # the loader workers' default off a GPU: the model's own threads need the cores
-MAX_GPU_WORKERS = 16  # a rank's default on CUDA at most (the build's cap alike)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,8 +31,7 @@ def loader_workers(workers: int | None, device: torch.device | str) -> int:
         return int(workers)
     if not (str(device).startswith("cuda") or (str(device) == "auto" and torch.cuda.is_available())):
         return CPU_WORKERS
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(2, min(MAX_GPU_WORKERS, (available_cores() - 2) // ranks))
+    return gpu_host_workers(available_cores(), processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:
