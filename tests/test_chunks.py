@@ -28,16 +28,20 @@ def test_a_chunk_stops_new_units_after_its_time_but_not_a_runs_evaluation_after_
 
 def test_a_run_expected_to_outlast_the_kill_does_not_start():
     chunks.start_chunk(1000, hard_seconds=90)
-    assert chunks.expected_training_s(400) is None  # nothing measured yet: the first run is not judged
+    assert chunks.expected_training_s(400, "student") is None  # nothing measured yet: the first run is not judged
     chunks.begin("train a", expected_s=None)
-    chunks.measured_training(60.0, 400)
-    chunks.measured_training(30.0, 400)  # the slowest per-step time counts
+    chunks.measured_training(60.0, 400, "student")
+    chunks.measured_training(30.0, 400, "student")  # the slowest per-step time counts
     chunks.measured_evaluation(20.0)
-    assert chunks.expected_training_s(400) == pytest.approx(chunks.EXPECTED_MARGIN * 60.0 + 20.0)
-    assert chunks.expected_training_s(40) == pytest.approx(chunks.EXPECTED_MARGIN * 6.0 + 20.0)
-    chunks.begin("resume b", expected_s=chunks.expected_training_s(40))  # 27.5 s fits the 90 s
+    assert chunks.expected_training_s(400, "student") == pytest.approx(chunks.EXPECTED_MARGIN * 60.0 + 20.0)
+    assert chunks.expected_training_s(40, "student") == pytest.approx(chunks.EXPECTED_MARGIN * 6.0 + 20.0)
+    # a teacher's 120 steps with their start-up (0.37 s a step in a lease) say nothing of a student's 400
+    chunks.measured_training(44.4, 120, "teacher")
+    assert chunks.expected_training_s(400, "student") == pytest.approx(chunks.EXPECTED_MARGIN * 60.0 + 20.0)
+    assert chunks.expected_training_s(400, "online student") is None
+    chunks.begin("resume b", expected_s=chunks.expected_training_s(40, "student"))  # 27.5 s fits the 90 s
     with pytest.raises(chunks.ChunkTimeUp, match=r"before: train c \(expected to take 95 s, (89|90) s left"):
-        chunks.begin("train c", expected_s=chunks.expected_training_s(400))
+        chunks.begin("train c", expected_s=chunks.expected_training_s(400, "student"))
 
 
 def test_without_a_chunk_nothing_stops(capsys):
@@ -45,5 +49,20 @@ def test_without_a_chunk_nothing_stops(capsys):
     for unit in ("a", "b"):
         chunks.begin(unit, expected_s=10**6)
     assert "[chunk" not in capsys.readouterr().err  # and prints no timeline
-    chunks.measured_training(1.0, 0)  # a reused run trained no step: nothing to learn from it
-    assert chunks.expected_training_s(10) is None
+    chunks.measured_training(1.0, 0, "student")  # a reused run trained no step: nothing to learn from it
+    assert chunks.expected_training_s(10, "student") is None
+
+
+def test_runs_of_one_model_and_batch_share_a_step_kind_whatever_their_mode_or_losses():
+    import dataclasses
+
+    from cxrdr.experiments.runs import step_kind
+    from cxrdr.train.config import TrainConfig
+
+    student = TrainConfig(model="tiny-D", batch_size=8, mode="plain")
+    reinforced = dataclasses.replace(student, mode="reinforced", loss=dataclasses.replace(student.loss, w_feature=5.0))
+    assert step_kind(reinforced) == step_kind(student)
+    others = [dataclasses.replace(student, model="tiny-A"), dataclasses.replace(student, batch_size=16),
+              dataclasses.replace(reinforced, online_teacher="random:tiny"),
+              dataclasses.replace(student, model_overrides={"image_size": 64})]
+    assert len({step_kind(c) for c in [student, *others]}) == 5

@@ -718,6 +718,7 @@ def test_every_shipped_recipe_names_a_selection_set_apart_from_its_report_set():
     no choice reads — the test split, or an evaluation set of its own."""
     from cxrdr.common.configs import config_dir
     from cxrdr.experiments.recipe_file import load_recipe
+    from cxrdr.experiments.teacher_prep import teacher_plans
 
     recipes = [p for p in sorted(config_dir("experiments").glob("*.yaml"))
                if {"efficiency", "ablation"} & set(yaml.safe_load(p.read_text()))]
@@ -730,6 +731,8 @@ def test_every_shipped_recipe_names_a_selection_set_apart_from_its_report_set():
             spec = recipe["efficiency"]
             assert report == {"split": "val"} and spec["curve_split"] == "val", path.name
             assert (recipe.get("teachers") or {}).get("evaluate", []) == [], path.name
+            # and its plan evaluates no teacher (an empty list once fell back to the defaults: 54 s of a lease)
+            assert all(plan["evaluate"] == [] for plan in teacher_plans(recipe).values()), path.name
             assert not set(spec["seeds"]) & set(load_recipe(recipe["_extends"][0])["efficiency"]["seeds"]), path.name
             continue
         assert report.get("shards") or report.get("split") == "test", path.name

@@ -324,7 +324,10 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert list(probed["runs"]) == ["plain", "reinforced-lambda-0.5-weights-5"]
     evaluated = {d.name for d in Path("runs/experiments/twin-probe/efficiency/runs").glob("*/seed-0/eval-*")}
     assert evaluated == {"eval-val"}  # no figure of the probe read the report set
-    assert probed["teachers"]["lite2-s1"].get("report") is None
+    # nor did it evaluate the teacher (its `evaluate: []`; the recipe's report-set figures are its own)
+    assert {k: probed["teachers"]["lite2-s1"].get(k) for k in ("report", "own_test", "student_test")} \
+        == dict.fromkeys(("report", "own_test", "student_test"))
+    assert not list(teacher_run.glob("eval-own-*")) and not list(teacher_run.glob("eval-students-*"))
 
     # the recipe the probe's rule leaves (scripts/probe_choice.py --write-recipe; MODE=probe-recipe of the lease
     # script goes on with it), had the rule replaced the reinforced arm's setting: the twin's own folder, where its

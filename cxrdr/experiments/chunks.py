@@ -15,7 +15,10 @@ Two rules keep a lease's work from being lost at its end (a lease's finished run
 once evaluated, cxrdr/experiments/carry.py; a trained run without its evaluation is lost with the machine's disk):
 a run's evaluation right after this command trained it is never stopped (``follows_on``), and with
 ``--chunk-hard-s`` (when the caller kills the command) a run whose training and evaluation would outlast the kill,
-by this command's own measured step and evaluation times (:func:`expected_training_s`), does not start.
+by this command's own measured step and evaluation times (:func:`expected_training_s`), does not start. Step
+times are kept per kind of run (its model, batch and online teacher): a 120-step teacher's start-up spread over few
+steps once made a 400-step student look 2x its cost, and the run it refused would have fitted (a lease lost ~110 s
+of one copy).
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ class ChunkTimeUp(Exception):
         self.unit, self.units_done = unit, units_done
 
 
-# A training unit's expected seconds are this command's slowest measured per-step time (start-up, validation
-# passes and saves included) times its steps, times this margin for the other copy's load and the spread of a
+# A training unit's expected seconds are this command's slowest measured per-step time for runs of its kind
+# (start-up, validation passes and saves included) times its steps, times this margin for the other copy's load and the spread of a
 # shared GPU, plus the slowest evaluation; the GPU recipe's runs of one lease varied by ~20 % (docs/gpu.md).
 EXPECTED_MARGIN = 1.25
 
@@ -43,7 +46,7 @@ class _Clock:
     deadline: float | None = None
     hard: float | None = None  # when the caller kills the command (--chunk-hard-s)
     units = 0
-    per_step_s: float | None = None  # the slowest training second per step this command measured
+    per_step_s: dict[str, float] = {}  # kind of run -> the slowest training second per step this command measured
     evaluation_s: float | None = None  # and its slowest evaluation
 
 
@@ -58,7 +61,7 @@ def start_chunk(seconds: float | None, hard_seconds: float | None = None) -> Non
     _CLOCK.deadline = None if seconds is None else now + float(seconds)
     _CLOCK.hard = None if seconds is None or hard_seconds is None else now + float(hard_seconds)
     _CLOCK.units = 0
-    _CLOCK.per_step_s = _CLOCK.evaluation_s = None
+    _CLOCK.per_step_s, _CLOCK.evaluation_s = {}, None
 
 
 def begin(unit: str, expected_s: float | None = None, follows_on: bool = False) -> None:
@@ -80,19 +83,20 @@ def begin(unit: str, expected_s: float | None = None, follows_on: bool = False) 
         print(f"[chunk {os.getpid()} +{time.monotonic() - _CLOCK.started:.1f} s] {unit}", file=sys.stderr, flush=True)
 
 
-def measured_training(seconds: float, steps: int) -> None:
-    """A run this command trained took ``seconds`` for ``steps`` steps."""
+def measured_training(seconds: float, steps: int, kind: str) -> None:
+    """A run of ``kind`` (what its step time depends on: ``runs.step_kind``) this command trained took ``seconds``
+    for ``steps`` steps."""
     if steps > 0:
-        _CLOCK.per_step_s = max(_CLOCK.per_step_s or 0.0, seconds / steps)
+        _CLOCK.per_step_s[kind] = max(_CLOCK.per_step_s.get(kind, 0.0), seconds / steps)
 
 
 def measured_evaluation(seconds: float) -> None:
     _CLOCK.evaluation_s = max(_CLOCK.evaluation_s or 0.0, seconds)
 
 
-def expected_training_s(steps: int) -> float | None:
-    """Seconds a run of ``steps`` steps and its evaluation are expected to take, by what this command measured
-    (None before it trained a run)."""
-    if _CLOCK.per_step_s is None:
+def expected_training_s(steps: int, kind: str) -> float | None:
+    """Seconds a run of ``kind`` and ``steps`` steps and its evaluation are expected to take, by what this command
+    measured (None before it trained a run of that kind)."""
+    if kind not in _CLOCK.per_step_s:
         return None
-    return EXPECTED_MARGIN * _CLOCK.per_step_s * steps + (_CLOCK.evaluation_s or 0.0)
+    return EXPECTED_MARGIN * _CLOCK.per_step_s[kind] * steps + (_CLOCK.evaluation_s or 0.0)

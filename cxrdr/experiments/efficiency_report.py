@@ -73,7 +73,7 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
             ax.axvline(samples_limit, ls="-.", lw=0.8, color="gray", label=limit_label)
     chance = next((a["chance_mean_recall"] for a in arms.values() if a.get("chance_mean_recall")), None)
     if metric == main == "mean_recall" and chance:
-        ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (test)")
+        ax.axhline(chance, ls=":", lw=0.8, color="black", label="chance (the final evaluation's set)")
     _save_samples_plot(plt, fig, ax, ylabel, f"{metric} vs samples seen (mean ± 95% CI over seeds)", path)
 
 

@@ -178,7 +178,8 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
             return summary
         go_on = resume and reuse and unfinished_alike(run_dir, cfg)
         from_step = logged_step(metrics_records(run_dir)) if go_on else 0
-        begin(f"{'resume' if go_on else 'train'} {run_dir}", expected_s=expected_training_s(cfg.steps - from_step))
+        begin(f"{'resume' if go_on else 'train'} {run_dir}",
+              expected_s=expected_training_s(cfg.steps - from_step, step_kind(cfg)))
         if not go_on:
             _clear_run_folder(run_dir)  # a different or unfinished run: start it afresh
         code = code_version()  # asked before training: a commit made meanwhile is not the code that trains
@@ -186,7 +187,7 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
         summary = train(dataclasses.replace(cfg, resume=True) if go_on else cfg, lock=own or lock)
         this_command = time.perf_counter() - started
         summary["wall_s"] = round(summary.get("earlier_wall_s", 0.0) + this_command, 2)
-        measured_training(this_command, summary["steps"] - summary.get("start_step", 0))
+        measured_training(this_command, summary["steps"] - summary.get("start_step", 0), step_kind(cfg))
         summary["code"] = code  # which code trained it: reuse does not check it, results show it
         # CPU intra-op threads change reductions' rounding (recipe `threads`; reuse does not check it either)
         summary["torch_threads"] = torch.get_num_threads()
@@ -195,6 +196,14 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
     finally:
         if own is not None:
             own.release()
+
+
+def step_kind(cfg: TrainConfig) -> str:
+    """What a run's time per step depends on, for a chunk's estimate of a run's length (``chunks``): its model,
+    batch and online teacher. Not its mode or loss weights: a plain and a reinforced step of one model differ by a
+    few per cent (1-8 % on the H200), which the estimate's margin covers."""
+    overrides = json.dumps(cfg.model_overrides, sort_keys=True, default=str)
+    return f"{cfg.model} {overrides} x{cfg.batch_size}x{cfg.accum_steps} online={cfg.online_teacher}"
 
 
 def _finished_alike(run_dir: Path, cfg: TrainConfig) -> bool:

@@ -67,7 +67,9 @@ def teacher_plans(recipe: dict, experiment: str | None = None) -> dict:
     unknown = sorted(set(spec) - TEACHER_KEYS)
     if unknown:
         raise ValueError(f"teachers: unknown key(s) {unknown}; known: {sorted(TEACHER_KEYS)}")
-    evals = list(spec.get("evaluate") or DEFAULT_TEACHER_EVALS)
+    # an empty list evaluates nothing (a probe: the teacher's figures are its recipe's); only a missing key
+    # means the defaults
+    evals = list(DEFAULT_TEACHER_EVALS if spec.get("evaluate") is None else spec["evaluate"])
     if set(evals) - set(TEACHER_EVALS):
         raise ValueError(f"teachers.evaluate: {evals}; known: {list(TEACHER_EVALS)}")
     root = Path(spec["dir"])
