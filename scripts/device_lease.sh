@@ -41,8 +41,9 @@
 #        ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
 #        CARRY (default, for gpu-efficiency.yaml only, docs/results/gpu-recipe-carry.tar.gz: an earlier lease's
 #        carry.tar.gz, committed; a fresh machine's recipe call unpacks its runs first, so they are not trained again:
-#        cxrdr/experiments/carry.py), PROBE_CARRY (MODE=probe-recipe: an earlier lease's carry.tar.gz of the probe's
-#        runs, where it was cut short)
+#        cxrdr/experiments/carry.py), PROBE_CARRY (default, for gpu-efficiency-probe.yaml only,
+#        docs/results/gpu-probe-carry.tar.gz: an earlier lease's carry.tar.gz of the probe's runs, where it was cut
+#        short)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${MODE:-recipe}"
@@ -130,9 +131,12 @@ recipe_chunks() {
   [ -f "$(eager_copy)" ] && RECIPE="$(eager_copy)"
   # (until stop 59 a fresh machine's first call timed the pair similarity first: ~20 s of the lease, measured
   # alike on two leases; MODE=pair times it alone)
-  # the committed carry is gpu-efficiency's runs: another recipe (its val probe) starts from none unless told
+  # the committed carries: gpu-efficiency's runs and its val probe's; another recipe starts from none unless told
   local default_carry="" carry="$1"
-  [ "$(basename "$recipe_out")" = gpu-efficiency ] && default_carry=docs/results/gpu-recipe-carry.tar.gz
+  case "$(basename "$recipe_out")" in
+    gpu-efficiency) default_carry=docs/results/gpu-recipe-carry.tar.gz ;;
+    gpu-efficiency-probe) default_carry=docs/results/gpu-probe-carry.tar.gz ;;
+  esac
   carry="${carry:-$default_carry}"
   if [ -f "$carry" ] && [ ! -d "$recipe_out/efficiency/runs" ]; then  # a fresh machine: an earlier lease's runs
     python3 -m cxrdr.experiments.carry unpack "$carry" "$recipe_out" || exit 1

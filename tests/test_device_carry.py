@@ -224,14 +224,15 @@ def test_a_recipe_call_too_short_for_a_chunk_says_so_and_runs_none(tmp_path):
     assert not asked.exists() or "--chunk-s" not in asked.read_text()
 
 
-def test_the_committed_carry_is_unpacked_by_default_for_gpu_efficiency_only(tmp_path):
+def test_the_committed_carries_are_unpacked_by_default_for_their_own_folders_only(tmp_path):
     """Without CARRY, a fresh machine's recipe call unpacks docs/results/gpu-recipe-carry.tar.gz (gpu-efficiency's
-    finished runs) for the recipe whose folder is gpu-efficiency's, and for no other (its val probe, the twin)."""
+    finished runs) for the recipe whose folder is gpu-efficiency's, docs/results/gpu-probe-carry.tar.gz for its val
+    probe's, and nothing for another (the twin)."""
     fake = tmp_path / "fake-train"
     fake.write_text("#!/usr/bin/env bash\nexit 0\n")  # nothing left to run
     fake.chmod(0o755)
     said = {}
-    for name in ("gpu-efficiency", "gpu-efficiency-probe"):
+    for name in ("gpu-efficiency", "gpu-efficiency-probe", "gpu-efficiency-twin"):
         folder = tmp_path / name / "runs" / "experiments" / name
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(f"name: {name}\nout: {folder}\nshards: {{dir: {folder}/shards}}\n")
@@ -243,8 +244,10 @@ def test_the_committed_carry_is_unpacked_by_default_for_gpu_efficiency_only(tmp_
                              text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
         said[name] = run.stdout
-    assert re.search(r"carried [1-9]\d* run\(s\)", said["gpu-efficiency"]), said["gpu-efficiency"]
-    assert "carried" not in said["gpu-efficiency-probe"]
+    for name in ("gpu-efficiency", "gpu-efficiency-probe"):
+        assert re.search(r"carried [1-9]\d* run\(s\)", said[name]), said[name]
+        assert (tmp_path / name / "runs" / "experiments" / name / "efficiency" / "runs").is_dir(), name
+    assert "carried" not in said["gpu-efficiency-twin"]
 
 
 def test_a_probe_lease_applies_its_rule_and_goes_on_with_the_recipe_it_leaves(tmp_path):
