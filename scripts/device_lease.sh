@@ -17,6 +17,8 @@
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
+#   MODE=layout bash scripts/device_lease.sh   # benchmarks/cnn_layout.py: the recipe's Lite2 teacher tower
+#                                              # channels_last against the default layout, bf16 (~30 s)
 #   MODE=graphs bash scripts/device_lease.sh   # benchmarks/graphs_real_run.py: a real run with the default CUDA
 #                                              # graphs beside the same run eager (~1-2 min)
 #   MODE=collect bash scripts/device_lease.sh  # gather what earlier recipe calls wrote (below) into $OUT again,
@@ -74,6 +76,15 @@ pair() {
     python3 benchmarks/pair_similarity.py --device cuda --batch 256 --amp --shapes 196x512 --rounds 10
   else
     echo "[lease] no CUDA here: the pair similarity benchmark is left out"
+  fi
+}
+# the recipe's teacher tower in both layouts (stop 66: add-teacher slowed on a lease after it went channels_last)
+layout() {
+  if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    timeout 120 python3 benchmarks/cnn_layout.py --model teacher-lite2-gpu-D --device cuda --batch 256 \
+      | tee "$OUT/cnn-layout.md"
+  else
+    echo "[lease] no CUDA here: the layout benchmark is left out"
   fi
 }
 
@@ -218,6 +229,7 @@ case "$MODE" in
       python3 benchmarks/text_attention.py --device cuda
       # the compiled blocks as graphs (the compiled loop's first rows) replay what the compiled blocks compute?
       timeout 120 python3 benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks
+      layout
     fi
     python3 benchmarks/gpu_suite.py --device cuda --budget "${SUITE_S:-380}" --out-dir /tmp/suite-out ${SUITE_ARGS:-}
     cp /tmp/suite-out/*.json /tmp/suite-out/*.md "$OUT/"
@@ -225,7 +237,8 @@ case "$MODE" in
     ;;
   collect) collect ;;  # what an earlier recipe call left, again
   pair) pair ;;
+  layout) layout ;;
   graphs) python3 benchmarks/graphs_real_run.py --device "${GRAPHS_DEVICE:-cuda}" --workers 8 \
             --json-out "$OUT/graphs-real-run.json" ${GRAPHS_ARGS:-} ;;
-  *) echo "MODE must be recipe, probe-recipe, suite, collect, pair or graphs, got '$MODE'"; exit 2 ;;
+  *) echo "MODE must be recipe, probe-recipe, suite, collect, pair, layout or graphs, got '$MODE'"; exit 2 ;;
 esac

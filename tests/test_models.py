@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -513,10 +514,11 @@ def test_efficientnet_tower_runs_channels_last_with_the_contiguous_values_and_gr
 
     torch.manual_seed(0)
     tower = EfficientNetTower(64, pretrained=False, stride=16, freeze_stages=2).train()
-    plain = copy.deepcopy(tower)
-    plain.trunk.to(memory_format=torch.contiguous_format)
-    stem = dict(tower.trunk.named_buffers())["conv_stem.weight"]  # (32, 3, 3, 3): the layouts differ
-    assert stem.is_contiguous(memory_format=torch.channels_last) and not stem.is_contiguous()
+    plain = EfficientNetTower(64, pretrained=False, stride=16, freeze_stages=2, channels_last=False).train()
+    plain.load_state_dict(copy.deepcopy(tower.state_dict()))  # the same weights, each in its tower's layout
+    stems = [dict(t.trunk.named_buffers())["conv_stem.weight"] for t in (tower, plain)]  # (32, 3, 3, 3)
+    assert stems[0].is_contiguous(memory_format=torch.channels_last) and not stems[0].is_contiguous()
+    assert stems[1].is_contiguous() and torch.equal(stems[0], stems[1])
     x = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     got, expected = tower(x).patches, plain(x).patches
     assert got.shape == (3, 16, tower.width)
@@ -526,6 +528,24 @@ def test_efficientnet_tower_runs_channels_last_with_the_contiguous_values_and_gr
     # as one vector: a BN bias followed by another BN has a gradient of ~0, all rounding (as between thread counts)
     got, expected = (torch.cat([p.grad.flatten() for p in t.trunk.parameters()]) for t in (tower, plain))
     assert (got - expected).norm() <= 1e-4 * expected.norm()  # measured 7e-6; one thread against two: 6e-6
+
+
+def test_the_layout_benchmark_times_both_layouts_of_one_tower_and_checks_their_features(capsys):
+    """benchmarks/cnn_layout.py: the model's CNN tower in channels_last and in the default layout, the same
+    weights, both timed; their fp32 features agree (else it exits 1); a ViT tower is refused."""
+    from tests.script_loader import load_script
+
+    layout = load_script("benchmarks/cnn_layout.py")
+    built = layout.towers("tiny-cnn-D", "cpu", pretrained=False)
+    assert [t.memory_format for t in built.values()] == [torch.channels_last, torch.contiguous_format]
+    weights = [t.state_dict() for t in built.values()]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert layout.main(["--batch", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| channels_last \| [\d.]+ \| [\d.]+ \|", out) and "| contiguous |" in out
+    assert "channels_last / contiguous, step:" in out
+    with pytest.raises(SystemExit, match="not a CNN tower"):
+        layout.towers("tiny-D", "cpu", pretrained=False)
 
 
 @needs_effnet_weights

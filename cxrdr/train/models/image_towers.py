@@ -239,7 +239,7 @@ class EfficientNetTower(ImageTower):
     BLOCKS = r"^blocks\.(\d+)"  # a stage per layer (timm's coarse grouping)
 
     def __init__(self, image_size: int, drop_path_rate: float = 0.0, pretrained: bool = True, stride: int = 16,
-                 freeze_stages: int = 0, arch: str = "efficientnet_lite0", **kwargs):
+                 freeze_stages: int = 0, arch: str = "efficientnet_lite0", channels_last: bool = True, **kwargs):
         super().__init__()
         stages = EFFNET_STAGES[arch]
         if stride not in stages:
@@ -253,8 +253,10 @@ class EfficientNetTower(ImageTower):
             trunk.blocks = trunk.blocks[:last + 1]
             trunk.conv_head, trunk.bn2 = nn.Identity(), nn.Identity()
         # channels_last (as timm's train.py --channels-last): oneDNN's depthwise convolutions and their backward
-        # run faster in it; the demo's tiny-cnn-A step 210 -> 168 ms on 2 CPU cores, its losses to float rounding
-        self.trunk = trunk.to(memory_format=torch.channels_last)
+        # run faster in it; the demo's tiny-cnn-A step 210 -> 168 ms on 2 CPU cores, its losses to float rounding.
+        # ``channels_last: false`` keeps the default layout (benchmarks/cnn_layout.py times both, on CUDA too)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.trunk = trunk.to(memory_format=self.memory_format)
         self.stride = stride
         self.grid_size = (image_size // stride, image_size // stride)
         self.width = width
@@ -273,7 +275,7 @@ class EfficientNetTower(ImageTower):
         return self
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        return grid_tokens(self.trunk.forward_features(x.contiguous(memory_format=torch.channels_last)))
+        return grid_tokens(self.trunk.forward_features(x.contiguous(memory_format=self.memory_format)))
 
 
     def last_block(self) -> nn.Module:
