@@ -15,6 +15,7 @@ cxrdr/experiments/chunks.py, status.py; scripts/gpu-experiment.sh runs both).
 """
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -22,16 +23,14 @@ from typing import Annotated, Optional
 import typer
 
 from cxrdr.common.errors import UserError
-from cxrdr.experiments.ablation import ablation_experiment
 from cxrdr.experiments.chunks import ChunkTimeUp, start_chunk
-from cxrdr.experiments.efficiency import efficiency_experiment
-from cxrdr.experiments.partial import partial_results
 from cxrdr.experiments.recipe_file import load_recipe, recipe_out
-from cxrdr.experiments.reinforcement import reinforcement_experiment
-from cxrdr.experiments.status import efficiency_status, format_status, left
 
-EXPERIMENTS = {"efficiency": efficiency_experiment, "ablation": ablation_experiment,
-               "reinforcement": reinforcement_experiment}
+# the experiments' modules import the trainer and the evaluation (torch, timm, transformers: ~5 s on a 2-core box):
+# imported by the command that runs one, not by every `train` command's start (`train --help`, `train run`)
+EXPERIMENTS = {"efficiency": "cxrdr.experiments.efficiency:efficiency_experiment",
+               "ablation": "cxrdr.experiments.ablation:ablation_experiment",
+               "reinforcement": "cxrdr.experiments.reinforcement:reinforcement_experiment"}
 WORK_LEFT = 3  # exit code of a chunk that stopped with work left, and of --status while work is left
 
 
@@ -62,6 +61,11 @@ def cli_experiment(
     """Run an experiment recipe: build shards if missing, train every run, evaluate, write tables and plots."""
     if name not in EXPERIMENTS:
         raise UserError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    from cxrdr.experiments.partial import partial_results
+    from cxrdr.experiments.status import efficiency_status, format_status, left
+
+    module, function = EXPERIMENTS[name].split(":")
+    experiment = getattr(importlib.import_module(module), function)
     try:
         recipe = load_recipe(config)
     except (FileNotFoundError, ValueError) as exc:
@@ -88,7 +92,7 @@ def cli_experiment(
     started = time.perf_counter()
     start_chunk(chunk_s, chunk_hard_s)
     try:
-        EXPERIMENTS[name](recipe, out_dir, progress=not quiet)
+        experiment(recipe, out_dir, progress=not quiet)
     except ChunkTimeUp as stop:
         typer.echo(f"{name}: {stop} ({time.perf_counter() - started:.0f} s); rerun the command to continue", err=True)
         if name == "efficiency":

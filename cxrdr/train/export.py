@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
 
 import open_clip
 import torch
-import typer
 from safetensors.torch import save_file
 
 from cxrdr.common.errors import UserError
@@ -195,25 +193,3 @@ def export_open_clip(checkpoint: str | Path, out_dir: str | Path, check: bool = 
     if check:
         summary["max_embedding_difference"] = check_export(student, out_dir)
     return summary
-
-
-def cli_export(
-    checkpoint: Annotated[Path, typer.Argument(help="Student checkpoint written by `train run` (RUN/best.pt).")],
-    out: Annotated[Path, typer.Option(help="Output folder (an open_clip local-dir model).")],
-    format: Annotated[str, typer.Option("--format", help="Export format: open_clip.")] = "open_clip",
-    check: Annotated[bool, typer.Option(help="Load the export with open_clip and compare embeddings.")] = True,
-) -> None:
-    """Export a student's global CLIP part (towers, projections, logit scale) as an open_clip model."""
-    if format not in FORMATS:
-        raise UserError(f"--format must be one of {', '.join(FORMATS)} (got {format!r})")
-    if not checkpoint.is_file():
-        raise UserError(f"checkpoint not found: {checkpoint}")
-    try:
-        summary = export_open_clip(checkpoint, out, check=check)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
-    typer.echo(f"wrote open_clip model to {out} ({summary['variant']}, {summary['image_tower']} + "
-               f"{summary['text_tower']}, D={summary['embed_dim']})"
-               + (f"; check: max embedding difference {summary['max_embedding_difference']:.1e}" if check else "")
-               + f"\nload it with open_clip.create_model_and_transforms('local-dir:{out.resolve()}') "
-                 f"or as a teacher: --teachers openclip:local-dir:{out.resolve()}")

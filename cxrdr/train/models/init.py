@@ -15,7 +15,6 @@ import logging
 import math
 from pathlib import Path
 
-import open_clip
 import torch
 from timm.layers import resample_abs_pos_embed
 
@@ -39,6 +38,10 @@ def release_open_clip_cache() -> None:
 
 @functools.lru_cache(maxsize=1)
 def _cached_open_clip(spec: str):
+    # imported here: only a student initialised from open_clip weights needs it, and importing it costs every
+    # `train` process ~1.5 s on a 2-core box
+    import open_clip
+
     spec = str(spec)
     if spec.startswith("openclip:"):
         parts = spec.split(":", 2)
