@@ -607,13 +607,18 @@ def test_add_teachers_batches_leave_a_worker_with_one_tensor_of_views_or_pixels(
     import json
 
     from cxrdr.reinforce.add_teacher import ShardBatches, teacher_sizes
+    from cxrdr.reinforce.embed import worker_tokenizers
 
     info = json.loads((fresh / "dataset.json").read_text())
     sizes = teacher_sizes(teachers[:1], info)
-    batches = ShardBatches(fresh, info["shards"][:1], info, sizes, replay, batch_size=3)
+    tokenizers = worker_tokenizers(teachers[:1])
+    batches = ShardBatches(fresh, info["shards"][:1], info, sizes, replay, batch_size=3, tokenizers=tokenizers)
     batch = next(iter(batches))
     entries = [entry for *_, entry in batch["items"]]
     assert len(entries) == 3 and not any(isinstance(v, torch.Tensor) for e in entries for v in e.values())
+    # the texts tokenized where they were read, as the build's workers do (numpy: pickled with the batch)
+    (name, tokenize), = tokenizers
+    assert all(np.array_equal(e["tokens"][name], np.asarray(tokenize(e["texts"]))) for e in entries)
     assert all(e.get("crops", {}) == {} for e in entries)
     views = sum(len(e["aug"]) for e in entries)
     if replay == "cpu":

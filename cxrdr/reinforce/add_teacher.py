@@ -38,7 +38,7 @@ from cxrdr.common.shards import (SCHEMA_VERSION, encode_meta, encode_teacher, it
                                  merge_int8_quality, meta_member, part_of, read_dataset_info, repack_v1_teacher,
                                  shard_compression, shard_index, teacher_ext)
 from cxrdr.reinforce import manifest
-from cxrdr.reinforce.embed import embed_batch
+from cxrdr.reinforce.embed import embed_batch, worker_tokenizers
 from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device, resolve_replay, resolve_workers
 from cxrdr.reinforce.prepare import (collate_prepared, decode_stored_image, json_safe, replay_on_device,
                                      views_or_pixels)
@@ -53,9 +53,13 @@ class ShardBatches(torch.utils.data.IterableDataset):
     sample, with the teacher's forwards a small part): the workers take that, this process embeds and writes."""
 
     def __init__(self, shards_dir: Path, shards: list[dict], info: dict, sizes: list[int], replay: str,
-                 batch_size: int):
+                 batch_size: int, tokenizers: tuple = ()):
         self.shards_dir, self.shards, self.info = shards_dir, shards, info
         self.sizes, self.replay, self.batch_size = sizes, replay, batch_size
+        # (teacher name, its text_tokenizer()): the texts tokenized where they are read, as the build's workers do
+        # (open_clip's BPE tokenizer took 13 % of this process beside the tiny teacher on the 2-core box, whose
+        # cores the workers already fill: no faster there; on a GPU host the workers have cores to spare)
+        self.tokenizers = tokenizers
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
@@ -83,6 +87,8 @@ class ShardBatches(torch.utils.data.IterableDataset):
         """What the teachers take of one sample: its texts and, with image teachers, its views (or pixels)."""
         texts = [sample["txt"].decode("utf-8")] + [c["text"] for c in meta["captions"]]
         entry = {"key": key, "texts": texts, "crops": {}, "aug": meta["aug"], "image_size": None}
+        if self.tokenizers:
+            entry["tokens"] = {name: np.asarray(tokenize(texts)) for name, tokenize in self.tokenizers}
         if self.sizes:
             pixels = np.asarray(decode_stored_image(sample[self.info["image_format"]]))
             entry.update(views_or_pixels(pixels, meta["aug"], self.sizes, self.replay), image_size=pixels.shape[::-1])
@@ -184,7 +190,8 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
     and written here; a shard is replaced once all of it is written, so an interruption loses at most the shards
     in progress. The same bytes whatever ``workers`` is: each shard's samples keep their order. Returns the
     workers used (at most one a shard)."""
-    batches = ShardBatches(shards_dir, shards, info, teacher_sizes(teachers, info), replay, batch_size)
+    batches = ShardBatches(shards_dir, shards, info, teacher_sizes(teachers, info), replay, batch_size,
+                           tokenizers=worker_tokenizers(teachers))
     workers = min(workers, len(shards))
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers, collate_fn=_as_is,
                                          prefetch_factor=2 if workers else None)
