@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -309,3 +310,45 @@ esac
     assert _members(tmp_path / "out" / "probe.tar.gz", Path("/")) == {
         "choice.txt", "chosen-recipe.yaml", "carry.tar.gz", "efficiency/results.json", "efficiency/table.md"}
     assert f"{RUN}/summary.json" in _members(probe_out / "carry.tar.gz", Path("/"))
+
+
+def test_device_tree_hides_what_no_lease_reads_and_restores_it(tmp_path):
+    """scripts/device_tree.sh: `hide` takes the figures and earlier logs out of git's index and ignores them (what a
+    device call sends shrinks; the files stay on disk), `restore` puts the index and the exclude file back; `hide`
+    refuses while changes to them are staged."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "device_tree.sh", repo / "scripts")
+    for path in ("docs/figures/a.png", "docs/results/superseded/b.json", "benchmarks/results/profiles/c.log",
+                 "docs/results/kept.json"):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(path)
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", "-A")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "files")
+    tracked = git("ls-files").split()
+
+    def tree(verb):
+        return subprocess.run(["bash", str(repo / "scripts" / "device_tree.sh"), verb], capture_output=True,
+                              text=True)
+
+    assert tree("hide").returncode == 0
+    assert git("ls-files").split() == ["docs/results/kept.json", "scripts/device_tree.sh"]
+    assert git("status", "--porcelain", "--untracked-files=all").split("\n")[0].startswith("D ")
+    assert "docs/figures/a.png" in git("status", "--porcelain", "--ignored", "--untracked-files=all")  # ignored
+    assert (repo / "docs/figures/a.png").read_text() == "docs/figures/a.png"  # still on disk
+    assert tree("hide").returncode == 0  # twice: the same
+    assert (repo / ".git/info/exclude").read_text().count("/docs/figures/") == 1
+    assert tree("restore").returncode == 0
+    assert git("ls-files").split() == tracked and git("status", "--porcelain") == ""
+    assert "/docs/figures/" not in (repo / ".git/info/exclude").read_text()
+    (repo / "docs/figures/a.png").write_text("changed")
+    git("add", "docs/figures/a.png")
+    refused = tree("hide")
+    assert refused.returncode == 1 and "staged changes" in refused.stderr
+    assert "docs/figures/a.png" in git("ls-files")
