@@ -36,8 +36,9 @@ class ChunkTimeUp(Exception):
 
 
 # A training unit's expected seconds are this command's slowest measured per-step time for runs of its kind
-# (start-up, validation passes and saves included) times its steps, times this margin for the other copy's load and the spread of a
-# shared GPU, plus the slowest evaluation; the GPU recipe's runs of one lease varied by ~20 % (docs/gpu.md).
+# (start-up, validation passes and saves included) times its steps, times this margin for the other copy's load
+# and the spread of a shared GPU, plus the slowest evaluation; the GPU recipe's runs of one lease varied by ~20 %
+# (docs/gpu.md).
 EXPECTED_MARGIN = 1.25
 
 
