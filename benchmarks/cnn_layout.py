@@ -6,9 +6,9 @@
 ``EfficientNetTower`` runs channels_last by default (``image_kwargs: {channels_last: false}`` keeps the default
 layout): on this CPU oneDNN's depthwise convolutions gained from it (the demo's teacher step 210 -> 151 ms), and on
 a GPU cuDNN may or may not (the recipe's add-teacher went 38.9 -> 51.8 s on a lease where other figures slowed too).
-This builds the model config's image tower twice with the same weights, one in each layout, and times, interleaved,
-median of ``--rounds`` after a warm-up: the forward under no_grad (add-teacher's and the online teacher's path) and
-forward + backward of the tower (training). On CUDA both run under bf16 autocast, as the loop and add-teacher do
+This builds the model config's image tower twice with the same weights, one in each layout, and times, interleaved
+(``train_step.time_interleaved``), median of ``--rounds`` after a warm-up: the forward under no_grad (add-teacher's
+and the online teacher's path) and forward + backward of the tower (training). On CUDA both run under bf16 autocast, as the loop and add-teacher do
 (``--no-amp``: fp32). It prints the largest difference of the two layouts' features, and exits 1 where they differ
 beyond float rounding in fp32.
 """
@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from train_step import time_interleaved  # noqa: E402
 
 from cxrdr.train.models.config import StudentConfig  # noqa: E402
 from cxrdr.train.models.factory import build_image_tower  # noqa: E402
@@ -45,16 +46,6 @@ def towers(model: str, device: str, pretrained: bool) -> dict[str, EfficientNetT
         built[name] = build_image_tower(cfg, load_pretrained=pretrained and not built)
     built["contiguous"].load_state_dict(built["channels_last"].state_dict())  # copies keep each tower's layout
     return {name: tower.to(device).train() for name, tower in built.items()}
-
-
-def timed_ms(fn, device: str) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 1000 * (time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
@@ -86,15 +77,12 @@ def main(argv=None) -> int:
         loss.backward()
         tower.zero_grad(set_to_none=True)
 
-    features = {name: forward(tower).float() for name, tower in built.items()}  # also the warm-up
-    for tower in built.values():
-        step(tower)
-    times = {(name, what): [] for name in built for what in ("forward", "step")}
-    for _ in range(args.rounds):  # interleaved: a drifting machine moves both layouts alike
-        for name, tower in built.items():
-            times[name, "forward"].append(timed_ms(lambda: forward(tower), args.device))
-            times[name, "step"].append(timed_ms(lambda: step(tower), args.device))
-    median = {key: statistics.median(values) for key, values in times.items()}
+    features = {name: forward(tower).float() for name, tower in built.items()}
+    calls = {(name, what): (lambda fn=fn, tower=tower: fn(tower))
+             for name, tower in built.items() for what, fn in (("forward", forward), ("step", step))}
+    # interleaved: a drifting machine moves both layouts alike
+    timed = time_interleaved(calls, args.device, timed_steps=args.rounds, warmup=1)
+    median = {key: result["median_ms"] for key, result in timed.items()}
     print(f"{args.model} image tower, batch {args.batch} at {size} px on {args.device}"
           f"{' (bf16 autocast)' if amp else ' (fp32)'}, median of {args.rounds} rounds")
     print("| layout | forward ms (no_grad) | forward + backward ms |")
