@@ -15,7 +15,7 @@ cxrdr/experiments/chunks.py, status.py; scripts/gpu-experiment.sh runs both).
 """
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -64,8 +64,7 @@ def cli_experiment(
     from cxrdr.experiments.partial import partial_results
     from cxrdr.experiments.status import efficiency_status, format_status, left
 
-    module, function = EXPERIMENTS[name].split(":")
-    experiment = getattr(importlib.import_module(module), function)
+    experiment = pkgutil.resolve_name(EXPERIMENTS[name])
     try:
         recipe = load_recipe(config)
     except (FileNotFoundError, ValueError) as exc:
