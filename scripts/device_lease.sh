@@ -71,8 +71,9 @@ if [ "$MODE" != collect ]; then  # what runs here (collect needs cxrdr's recipe 
 fi
 echo "[lease] installed in $(elapsed) s; mode $MODE"
 
+has_cuda() { python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; }
 pair() {
-  if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  if has_cuda; then
     python3 benchmarks/pair_similarity.py --device cuda --batch 256 --amp --shapes 196x512 --rounds 10
   else
     echo "[lease] no CUDA here: the pair similarity benchmark is left out"
@@ -80,7 +81,7 @@ pair() {
 }
 # the recipe's teacher tower in both layouts (stop 66: add-teacher slowed on a lease after it went channels_last)
 layout() {
-  if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  if has_cuda; then
     timeout 120 python3 benchmarks/cnn_layout.py --model teacher-lite2-gpu-D --device cuda --batch 256 \
       | tee "$OUT/cnn-layout.md"
   else
