@@ -96,11 +96,25 @@ recipe_folder() {  # the recipe's out folder, as train experiment reads it
 print(recipe_out(load_recipe(sys.argv[1])))" "$RECIPE"
 }
 
-# The recipe's files worth bringing back (RECIPE's out folder) into $OUT
+# The recipe's set-up folders (shards, teachers, report set) outside its out folder: a probe's are its probed
+# recipe's. Their records (dataset.json: the builds' time split and add-teacher's seconds; the teacher's run) say
+# where a fresh host's set-up went, which the probe's own folder does not.
+setup_folders() {
+  python3 -c "import sys; from pathlib import Path; from cxrdr.experiments.recipe_file import load_recipe, recipe_out
+recipe = load_recipe(sys.argv[1]); out = Path(recipe_out(recipe)).resolve()
+named = [(recipe.get('shards') or {}).get('dir'), (recipe.get('teachers') or {}).get('dir'),
+         ((recipe.get('report') or {}).get('shards') or {}).get('dir')]
+for folder in dict.fromkeys(f for f in named if f):
+    if Path(folder).is_dir() and out not in Path(folder).resolve().parents: print(folder)" "$RECIPE"
+}
+
+# The recipe's files worth bringing back (RECIPE's out folder and its set-up folders) into $OUT
 collect() {
   # what the recipe has written so far, small files only (no shards, checkpoints or parquet); a file comes back
   # at <= 16 MiB, so the runs' heatmaps (~1 MB each at 224 px) stay behind if they would pass that
-  small() { find "$recipe_out" -type f -size -4194304c \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
+  local folders
+  mapfile -t folders < <(echo "$recipe_out"; setup_folders)
+  small() { find "${folders[@]}" -type f -size -4194304c \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
             -o -name '*.yaml' -o -name '*.png' \) | sort; }
   too_big() { [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( ${ARCHIVE_MAX_KB:-15360} * 1024 )) ]; }
   small | tar czf "$OUT/recipe.tar.gz" -T -

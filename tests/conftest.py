@@ -16,9 +16,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # collection order (--dist loadfile --no-loadscope-reorder; xdist's own order, files with the most tests first, left
 # the workers 216 and 194 s of tests, and the shorter one idle at the end; in this order 211 and 205 s). Files not
 # named keep their order after these.
-LONGEST_FIRST = ("test_ray_engine.py", "test_experiments.py", "test_step_syncs.py", "test_packaging.py",
-                 "test_resume.py", "test_build.py", "test_gpu_suite.py", "test_chaos.py", "test_gpu_experiment.py",
-                 "test_train.py", "test_optim.py")
+LONGEST_FIRST = ("test_ray_engine.py", "test_step_syncs.py", "test_build.py", "test_experiments.py", "test_resume.py",
+                 "test_device_carry.py", "test_gpu_experiment.py", "test_chaos.py", "test_train.py",
+                 "test_gpu_suite.py", "test_packaging.py", "test_reproducible.py", "test_faults.py", "test_openclip.py",
+                 "test_block_graphs.py")
 
 
 def pytest_collection_modifyitems(items):

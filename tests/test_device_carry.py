@@ -66,10 +66,11 @@ def test_half_minilm_package_holds_the_same_files_with_float16_weights(tmp_path)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _collect(recipe_out: Path, out: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    """MODE=collect with an archive limit of 1 MiB (15 MiB on a lease: the same logic on smaller files)."""
+def _collect(recipe_out: Path, out: Path, tmp_path: Path, text: str | None = None) -> subprocess.CompletedProcess:
+    """MODE=collect with an archive limit of 1 MiB (15 MiB on a lease: the same logic on smaller files); ``text``:
+    the recipe (default: its shards in its out folder)."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(f"name: x\nout: {recipe_out}\nshards: {{dir: {recipe_out}/shards}}\n")
+    recipe.write_text(text or f"name: x\nout: {recipe_out}\nshards: {{dir: {recipe_out}/shards}}\n")
     env = {**os.environ, "MODE": "collect", "INSTALL": "0", "RECIPE": str(recipe), "OUT": str(out),
            "ARCHIVE_MAX_KB": "1024",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -82,6 +83,28 @@ def _members(archive: Path, root: Path) -> set[str]:
 
     with tarfile.open(archive) as tar:
         return {str(Path("/", name).relative_to(root)) for name in tar.getnames()}
+
+
+def test_a_probes_lease_brings_back_the_records_of_the_set_up_it_shares_with_its_recipe(tmp_path):
+    """A probe's out folder holds only its runs; its shards and teacher are its probed recipe's. Their records
+    (the builds' dataset.json with their time split and add-teacher's seconds, the teacher's run) come back too, so
+    a fresh host's set-up can be read; shards and checkpoints stay."""
+    base, probe = tmp_path / "runs" / "base", tmp_path / "runs" / "probe"
+    files = {probe / "efficiency/runs/plain/seed-0/metrics.jsonl": b"{}\n", base / "shards/dataset.json": b"{}",
+             base / "shards/stats/shard-000000.json": b"{}", base / "teachers/t/run/metrics.jsonl": b"{}\n",
+             base / "teachers/t/shards/dataset.json": b"{}", base / "shards/shard-000000.tar.gz": b"t",
+             base / "teachers/t/run/last.pt": b"w", base / "efficiency/runs/plain/seed-10/metrics.jsonl": b"{}\n"}
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    text = yaml.safe_dump({"name": "probe", "out": str(probe), "shards": {"dir": str(base / "shards")},
+                           "teachers": {"dir": str(base / "teachers")}, "report": {"shards": None}})
+    done = _collect(probe, tmp_path / "out", tmp_path, text)
+    assert done.returncode == 0, done.stdout + done.stderr
+    back = _members(tmp_path / "out" / "recipe.tar.gz", tmp_path)
+    assert back == {"runs/probe/efficiency/runs/plain/seed-0/metrics.jsonl", "runs/base/shards/dataset.json",
+                    "runs/base/shards/stats/shard-000000.json", "runs/base/teachers/t/run/metrics.jsonl",
+                    "runs/base/teachers/t/shards/dataset.json"}  # not the probed recipe's own runs
 
 
 def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatmaps(tmp_path):

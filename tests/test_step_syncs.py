@@ -78,7 +78,7 @@ def test_a_step_that_does_not_log_reads_nothing_from_the_device(phantom_shards, 
     reads = HostReads()
     trainer = Trainer(TrainConfig(shards=str(phantom_shards), model=model, out=str(tmp_path / "run"), steps=8,
                                   batch_size=4, workers=0, progress=False, device="cpu", log_every=4,
-                                  save_every=0, eval_every=0))
+                                  balance_every=4, save_every=0, eval_every=0))  # every logging step its balance
     batches_of = trainer._batches
     train_step = trainer.train_step
     optimizer_step = trainer.optimizer.step

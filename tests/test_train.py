@@ -109,6 +109,26 @@ def test_a_resumed_runs_mean_step_counts_the_earlier_processes_laps():
     assert alone.mean_step_ms() == 150.0
 
 
+def test_the_loss_balance_is_measured_every_balance_every_steps_and_leaves_the_losses_alone(phantom_shards, tmp_path):
+    from cxrdr.train.loop import train
+
+    def run(name: str, balance_every: int) -> list[dict]:
+        train(dict(shards=str(phantom_shards), model="tiny-D", out=str(tmp_path / name), steps=7, batch_size=4,
+                   workers=0, progress=False, device="cpu", log_every=2, balance_every=balance_every, eval_every=0,
+                   save_every=0))
+        return [r for r in _metrics(tmp_path / name) if r["kind"] == "train"]
+
+    measured = run("every-3", 3)
+    balanced = [r["step"] for r in measured if any(k.startswith("grad_norm/") for k in r)]
+    assert balanced == [1, 3, 6, 7]  # the first step, every third, the last
+    assert [r["step"] for r in measured] == [1, 2, 3, 4, 6, 7]  # every second logs, and every step that measures
+    never = run("never", 0)
+    assert [r["step"] for r in never] == [1, 2, 4, 6, 7] and not any("grad_norm/distill" in r for r in never)
+    # the balance's extra backward passes change no step: the same losses at the steps both logged
+    losses = {r["step"]: r["loss"] for r in never}
+    assert {r["step"]: r["loss"] for r in measured if r["step"] in losses} == losses
+
+
 def test_tiny_e_runs_with_staged_training_and_accumulation(phantom_shards, tmp_path):
     run = tmp_path / "e"
     _invoke("--shards", str(phantom_shards), "--model", "tiny-E", "--steps", "6", "--out", str(run),

@@ -41,7 +41,7 @@ RANGES = {
     "eval_max_samples": "[1, inf)", "recall_weight": "[0, 1]", "early_stop_patience": "[0, inf)",
     "accum_steps": "[1, inf)", "aug_limit": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)",
     "freeze_epochs": "[0, inf)", "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
-    "eval_cache_mb": "[0, inf)", "shard_memory_mb": "[0, inf)",
+    "eval_cache_mb": "[0, inf)", "shard_memory_mb": "[0, inf)", "balance_every": "[0, inf)",
 }
 # Settings of the nested configs that `train run` takes as flags: path -> (flag, help). Old aliases
 # of a flag follow it in the tuple.
@@ -136,6 +136,9 @@ class TrainConfig:
                                      "later rounds, up to this many MB (a small split is not parsed again each "
                                      "epoch); 0: off. The batches are the same either way.")
     log_every: int = _opt(10, "Steps between metrics.jsonl records.")
+    balance_every: int = _opt(100, "Steps between measurements of each loss term's gradient norm on the shared "
+                                   "trunk (grad_norm/* in metrics.jsonl; also at the first and the last step): one "
+                                   "extra backward pass per term, and on CUDA an eager step; 0: never.")
     on_corrupt: str = _opt("stop", "A damaged shard or sample: stop (default, naming shard and key) or skip "
                                    "(counted in RUN/skipped.jsonl and summary.json).")
     save_every: int = _opt(100, "Steps between last.pt writes besides evaluations (0: only at evaluations "

@@ -16,7 +16,7 @@ from cxrdr.train.config import TrainConfig
 # grad_checkpointing trades memory for recomputation (the same forward, run again with the RNG
 # state restored): `train run` names it when a batch did not fit, for a --resume.
 RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_max_samples",
-                                "early_stop_patience", "workers", "device", "progress", "log_every",
+                                "early_stop_patience", "workers", "device", "progress", "log_every", "balance_every",
                                 "save_every", "resume", "overwrite", "out", "on_corrupt", "verify_checksums",
                                 "grad_checkpointing", "compile", "compile_backend", "compile_scope", "eval_cache_mb",
                                 "save_at_eval", "pack_text", "eval_probe", "shard_memory_mb"})
