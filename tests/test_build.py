@@ -557,6 +557,10 @@ def test_add_teacher_in_loader_workers_writes_the_same_bytes(teachers, tmp_path)
     parallel = add_teachers(there, "random:tiny", progress=False, teachers=teachers[:1], workers=2, replay="device",
                             batch_size=2)
     assert [s["workers"] for s in (serial, parallel) for s in s["teacher_additions"]] == [0, 2]
+    for addition in (serial["teacher_additions"][-1], parallel["teacher_additions"][-1]):  # where the time went
+        split = addition["time_split_seconds"]
+        assert set(split) == {"loader_wait", "embed", "write"} and min(split.values()) >= 0
+        assert 0 < sum(split.values()) <= addition["seconds"]
     shards = sorted(p.name for p in here.glob("shard-*.tar*"))
     assert len(shards) >= 3 and shards == sorted(p.name for p in there.glob("shard-*.tar*"))
     for name in shards:

@@ -185,17 +185,18 @@ class ShardRewrite:
 
 
 def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, batch_size: int, replay: str = "cpu",
-                   device: str = "cpu", workers: int = 0, progress: bool = False) -> int:
+                   device: str = "cpu", workers: int = 0, progress: bool = False) -> tuple[int, dict]:
     """Add ``teachers`` to each of ``shards``, read and prepared by ``workers`` loader workers (0: here), embedded
     and written here; a shard is replaced once all of it is written, so an interruption loses at most the shards
     in progress. The same bytes whatever ``workers`` is: each shard's samples keep their order. Returns the
-    workers used (at most one a shard)."""
+    workers used (at most one a shard) and where this process spent its time (``TIME_SPLIT``, seconds)."""
     batches = ShardBatches(shards_dir, shards, info, teacher_sizes(teachers, info), replay, batch_size,
                            tokenizers=worker_tokenizers(teachers))
     workers = min(workers, len(shards))
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers, collate_fn=_as_is,
                                          prefetch_factor=2 if workers else None)
     open_shards: dict[str, ShardRewrite] = {}
+    split = dict.fromkeys(TIME_SPLIT, 0.0)
     bar = tqdm(total=len(shards), unit="shard", desc="add-teacher", disable=not progress)
     try:
         # workers fork with this process's heap: a collection in one would touch, and copy, all of its pages; on a
@@ -204,23 +205,41 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
         on_gpu = workers and str(device).startswith("cuda")
         with frozen_heap() if workers else contextlib.nullcontext(), \
                 host_threads(threads_beside(workers) if on_gpu else None):
+            clock = time.perf_counter()
             for batch in loader:
+                clock = _lap(split, "loader_wait", clock)
                 name = batch["shard"]
                 if name not in open_shards:
                     open_shards[name] = ShardRewrite(shards_dir, name, teachers, info)
                 rewrite = open_shards[name]
                 items = batch["items"]  # empty where a shard ended on a full batch
                 if items:
-                    rewrite.add(items, embed_prepared([entry for *_, entry in items], teachers, info, replay, device,
-                                                      crops=batch["crops"], pixels=batch["pixels"]))
+                    embs = embed_prepared([entry for *_, entry in items], teachers, info, replay, device,
+                                          crops=batch["crops"], pixels=batch["pixels"])
+                    clock = _lap(split, "embed", clock)
+                    rewrite.add(items, embs)
                 if batch["last"]:
                     open_shards.pop(name).finish()
                     bar.update(1)
+                clock = _lap(split, "write", clock)
     finally:
         for rewrite in open_shards.values():
             rewrite.abort()
         bar.close()
-    return workers
+    return workers, {k: round(v, 3) for k, v in split.items()}
+
+
+# Where add-teacher's own process spends its time: waiting for the loader (its workers' reading, decoding and
+# replaying), the teachers' forwards (on CUDA up to the rows' copy back) and writing the shards (their members,
+# checksums and deflate). The build records its own split likewise (``time_split_seconds`` in dataset.json).
+TIME_SPLIT = ("loader_wait", "embed", "write")
+
+
+def _lap(split: dict, part: str, since: float) -> float:
+    """Adds the seconds since ``since`` to ``split[part]``; returns now."""
+    now = time.perf_counter()
+    split[part] += now - since
+    return now
 
 
 def add_teacher_workers(workers: int | None, device: str) -> int:
@@ -270,15 +289,15 @@ def _add_teachers(shards_dir: Path, info: dict, specs: str, device: str, model_c
     names = {t.name for t in teachers}
     todo = [s for s in info["shards"]
             if not names <= set(read_shard_stats(shards_dir, shard_index(s["name"])).get("teachers", []))]
-    workers = rewrite_shards(shards_dir, todo, teachers, info, batch_size, replay, device,
-                             workers=add_teacher_workers(workers, device), progress=progress)
+    workers, split = rewrite_shards(shards_dir, todo, teachers, info, batch_size, replay, device,
+                                    workers=add_teacher_workers(workers, device), progress=progress)
     plan["teachers"] = plan["teachers"] + [json_safe(t.describe()) for t in teachers]
     if plan.get("schema_version", 1) < SCHEMA_VERSION:  # rewrite_shard upgraded every shard
         plan.setdefault("upgraded_from_schema_version", plan.get("schema_version", 1))
         plan["schema_version"] = SCHEMA_VERSION
     plan.setdefault("teacher_additions", []).append(
         {"teachers": [t.name for t in teachers], "spec": specs, "shards_rewritten": len(todo), "replay": replay,
-         "workers": workers, "seconds": round(time.perf_counter() - started, 3)})
+         "workers": workers, "seconds": round(time.perf_counter() - started, 3), "time_split_seconds": split})
     write_json_atomic(manifest.plan_path(shards_dir), plan)
     return manifest.merge(shards_dir)
 
@@ -305,5 +324,7 @@ def cli_add_teacher(
         raise UserError(f"--workers must be >= 0 (got {workers})")
     dataset = add_teachers(shards_dir, teachers, device=device, model_cache=model_cache, batch_size=batch_size,
                            replay=replay, workers=workers)
+    addition = dataset["teacher_additions"][-1]
+    split = ", ".join(f"{k} {v:.1f}" for k, v in addition["time_split_seconds"].items())
     typer.echo(f"{shards_dir}: teachers now {[t['name'] for t in dataset['teachers']]}; "
-               f"bytes/sample {dataset['bytes_per_sample']}")
+               f"bytes/sample {dataset['bytes_per_sample']}; {addition['seconds']:.1f} s (this process: {split})")
