@@ -1,8 +1,9 @@
 """`reinforce build --engine ray` on a local Ray instance (2 CPUs): the same shard folder as the
 single-process build, resume by shard, retries, failed shards named, skipped records logged.
 
-Tiny builds: phantom:12, K=2, S=2, 64 px, random:tiny teacher, shards of 4 records. Each Ray build starts
-an actor pool (seconds on two cores), so the tests share builds: three in all.
+Tiny builds: 12 phantom studies written as a jsonl folder (one image unreadable), K=2, S=2, 64 px, random:tiny
+teacher, shards of 4 records. Each Ray build starts an actor pool (~8 s on two cores), so one test makes both:
+a build that fails and its resume, which is compared with the single-process build.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ pytest.importorskip("ray.data")
 
 N = 12
 SOURCE_SEED = 4  # the first 12 studies span train, val and test: shards never mix splits
+UNREADABLE = 5  # the record whose image is damaged: in shard 1, the one that fails and is resumed
 
 
 def options(out, **overrides) -> BuildOptions:
@@ -95,9 +97,25 @@ def local_ray(ray_session):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def damaged_jsonl(tmp_path_factory) -> tuple[Path, str]:
+    """The 12 studies as a jsonl folder, one image damaged (found by the actor that reads it, not the source);
+    (its jsonl, that record's id)."""
+    from cxrdr.reinforce.phantom import write_phantom_dataset
+
+    jsonl = write_phantom_dataset(N, tmp_path_factory.mktemp("data"), seed=SOURCE_SEED, size=64, progress=False)
+    row = json.loads(jsonl.read_text().splitlines()[UNREADABLE])
+    (jsonl.parent / row["image"]).write_bytes(b"\x89PNG not really")
+    return jsonl, row["id"]
+
+
+def jsonl_options(out, jsonl: Path, **overrides) -> BuildOptions:
+    return options(out, source=f"jsonl:{jsonl}", source_options={}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, damaged_jsonl) -> Path:
     out = tmp_path_factory.mktemp("local") / "shards"
-    build(options(out))
+    build(jsonl_options(out, damaged_jsonl[0]))
     return out
 
 
@@ -109,47 +127,37 @@ def assert_same_build(out: Path, ref: Path) -> None:
     assert verify(out)[0] == []
 
 
-def test_a_failing_shard_is_named_the_others_complete_and_resume_retries_only_it(local_ray, reference, tmp_path,
-                                                                               monkeypatch):
+def test_failing_shards_are_named_the_others_complete_and_resume_retries_only_them(local_ray, reference,
+                                                                                 damaged_jsonl, tmp_path, monkeypatch):
+    """The failed build's shards and errors; its resume on two actors (a retried attempt, the damaged record logged
+    with its id and reason); the resumed folder equal to the single-process build, byte for byte."""
+    jsonl, damaged = damaged_jsonl
     out = tmp_path / "failing"
-    monkeypatch.setenv(FAULTS_ENV, "1:5")  # every attempt at shard 1 raises
-    with pytest.raises(UserError, match=r"1 shard\(s\) .* failed after 2 attempt\(s\) \(shard-000001.tar.gz: "
+    monkeypatch.setenv(FAULTS_ENV, "1:5,2:5")  # every attempt at shards 1 and 2 raises
+    with pytest.raises(UserError, match=r"2 shard\(s\) .* failed after 2 attempt\(s\) \(shard-000001.tar.gz: "
                                         r"RuntimeError: injected fault.*--resume"):
-        build(options(out, engine="ray", ray_actors=1, ray_retries=1))
-    assert [is_shard_complete(out, i) for i in range(4)] == [True, False, True, True]
-    assert json.loads(error_path(out, 1).read_text())["attempt"] == 2
+        build(jsonl_options(out, jsonl, engine="ray", ray_actors=1, ray_retries=1))
+    assert [is_shard_complete(out, i) for i in range(4)] == [True, False, False, True]
+    assert [json.loads(error_path(out, i).read_text())["attempt"] for i in (1, 2)] == [2, 2]
     assert not (out / "dataset.json").exists()
-    kept = {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 2, 3)}
+    kept = {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 3)}
 
     with pytest.raises(UserError, match="--resume"):
-        build(options(out, engine="ray"))
+        build(jsonl_options(out, jsonl, engine="ray"))
     monkeypatch.setenv(FAULTS_ENV, "1:1")  # attempts count per run: this run's first attempt raises, Ray retries it
     with_free_cpus()  # --resume is a new process: the failed build's actor pool must not hold the CPUs
-    info = build(options(out, engine="ray", resume=True, ray_actors=1))
+    info = build(jsonl_options(out, jsonl, engine="ray", resume=True, ray_actors=2))
     rank = info["build"]["ranks"][0]
-    assert rank["shards_built"] == 1 and rank["shards_skipped_as_complete"] == 3
-    assert [(s["index"], s["attempts"]) for s in rank["shards"]] == [(1, 2)]
-    assert {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 2, 3)} == kept
-    assert not error_path(out, 1).exists()
-    assert_same_build(out, reference)  # the resumed folder is the single-process build, byte for byte
-
-
-def test_ray_build_equals_the_local_build_and_logs_unreadable_images_with_id_and_reason(local_ray, tmp_path):
-    from cxrdr.reinforce.phantom import write_phantom_dataset
-
-    jsonl = write_phantom_dataset(6, tmp_path / "data", size=64, progress=False)
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    (jsonl.parent / rows[1]["image"]).write_bytes(b"\x89PNG not really")  # found by the actor, not the source
-    kw = dict(source=f"jsonl:{jsonl}", source_options={}, shard_size=3)
-    info = build(options(tmp_path / "ray", engine="ray", ray_actors=2, **kw))
-    build(options(tmp_path / "local", **kw))
+    assert rank["engine"] == "ray" and rank["actors"] == 2
+    assert rank["shards_built"] == 2 and rank["shards_skipped_as_complete"] == 2
+    assert sorted((s["index"], s["attempts"]) for s in rank["shards"]) == [(1, 2), (2, 1)]
+    assert {i: (out / f"shard-{i:06d}.tar.gz").stat().st_mtime_ns for i in (0, 3)} == kept
+    assert not error_path(out, 1).exists() and not error_path(out, 2).exists()
     skipped = {e["id"]: e["reason"] for e in info["skipped"]["build"]["records"]}
-    assert list(skipped) == [rows[1]["id"]] and skipped[rows[1]["id"]].startswith("unreadable image")
-    rank = info["build"]["ranks"][0]
+    assert list(skipped) == [damaged] and skipped[damaged].startswith("unreadable image")
     assert rank["skipped"]["records"] == info["skipped"]["build"]["records"]
-    assert rank["engine"] == "ray" and rank["actors"] == 2 and rank["shards_built"] == 2
-    assert sorted(s["index"] for s in rank["shards"]) == [0, 1] and info["total_samples"] == 5
-    assert_same_build(tmp_path / "ray", tmp_path / "local")
+    assert info["total_samples"] == N - 1
+    assert_same_build(out, reference)  # the resumed folder is the single-process build, byte for byte
 
 
 def test_engine_ray_flags_are_checked_before_any_work(tmp_path):
