@@ -10,7 +10,8 @@ into one member per teacher (same stored values), and a schema-1 or 2 json membe
 schema-3 form (``encode_meta``: same meaning, one type per field).
 
 Loader workers (``--workers``; by default on CUDA) read and prepare whole shards, decoding and replaying there;
-this process embeds and writes, each shard's samples in their order, so the bytes do not depend on the workers.
+this process embeds (a batch's forwards queued before the one before it is waited for) and a thread of it writes
+(``ordered_tasks``), each shard's samples in their order, so the bytes do not depend on the workers.
 
 Resumable: a shard whose stats already list the teacher is skipped; a shard interrupted
 between its rename and its stats update is redone (existing members of the teacher are
@@ -38,7 +39,8 @@ from cxrdr.common.shards import (SCHEMA_VERSION, encode_meta, encode_teacher, it
                                  merge_int8_quality, meta_member, part_of, read_dataset_info, repack_v1_teacher,
                                  shard_compression, shard_index, teacher_ext)
 from cxrdr.reinforce import manifest
-from cxrdr.reinforce.embed import embed_batch, worker_tokenizers
+from cxrdr.reinforce.embed import QueuedBatch, queue_batch, worker_tokenizers
+from cxrdr.reinforce.ordered_tasks import OrderedTasks
 from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device, resolve_replay, resolve_workers
 from cxrdr.reinforce.prepare import (collate_prepared, decode_stored_image, json_safe, replay_on_device,
                                      views_or_pixels)
@@ -50,7 +52,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
     shards and hands on, shard by shard, batches of (key, sample members, metadata, prepared entry) in the shard's
     order, the last batch of a shard marked. Reading the tar, decoding the image and replaying its views on the CPU
     are most of add-teacher's work (on an H200 it rewrote 20,000 samples in 63 s on one process, ~3 ms of host time a
-    sample, with the teacher's forwards a small part): the workers take that, this process embeds and writes."""
+    sample, with the teacher's forwards a small part): the workers take that, this process embeds and its writing thread writes."""
 
     def __init__(self, shards_dir: Path, shards: list[dict], info: dict, sizes: list[int], replay: str,
                  batch_size: int, tokenizers: tuple = ()):
@@ -105,16 +107,16 @@ def teacher_sizes(teachers, info: dict) -> list[int]:
     return sorted({t.image_size for t in teachers if t.has_images}) if info.get("images", True) else []
 
 
-def embed_prepared(prepared: list[dict], teachers, info: dict, replay: str = "cpu", device: str = "cpu",
-                   crops: dict | None = None, pixels: torch.Tensor | None = None) -> list[dict]:
-    """Every teacher's rows of these prepared samples (``ShardBatches.prepare``), whose views or pixels the batch
-    packed (``ShardBatches.batch``): ``crops`` ({size: (B*K, 1, S, S)}, ``replay`` cpu: replayed where they were
-    prepared) or ``pixels`` ((B, 1, H, W) uint8, ``replay`` device: the whole batch's views are replayed at once on
-    ``device`` here), as the build's ``options.resolve_replay``."""
+def queue_prepared(prepared: list[dict], teachers, info: dict, replay: str = "cpu", device: str = "cpu",
+                   crops: dict | None = None, pixels: torch.Tensor | None = None) -> QueuedBatch:
+    """Every teacher's forwards of these prepared samples (``ShardBatches.prepare``), queued (``result()`` waits for
+    their rows), whose views or pixels the batch packed (``ShardBatches.batch``): ``crops`` ({size: (B*K, 1, S, S)},
+    ``replay`` cpu: replayed where they were prepared) or ``pixels`` ((B, 1, H, W) uint8, ``replay`` device: the
+    whole batch's views are replayed at once on ``device`` here), as the build's ``options.resolve_replay``."""
     images, sizes = info.get("images", True), teacher_sizes(teachers, info)
     if replay == "device" and sizes:
-        return embed_batch(teachers, prepared, images, crops=replay_on_device(pixels, prepared, sizes, device))
-    return embed_batch(teachers, prepared, images, crops=crops if sizes else None)
+        return queue_batch(teachers, prepared, images, crops=replay_on_device(pixels, prepared, sizes, device))
+    return queue_batch(teachers, prepared, images, crops=crops if sizes else None)
 
 
 class ShardRewrite:
@@ -187,9 +189,14 @@ class ShardRewrite:
 def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, batch_size: int, replay: str = "cpu",
                    device: str = "cpu", workers: int = 0, progress: bool = False) -> tuple[int, dict]:
     """Add ``teachers`` to each of ``shards``, read and prepared by ``workers`` loader workers (0: here), embedded
-    and written here; a shard is replaced once all of it is written, so an interruption loses at most the shards
-    in progress. The same bytes whatever ``workers`` is: each shard's samples keep their order. Returns the
-    workers used (at most one a shard) and where this process spent its time (``TIME_SPLIT``, seconds)."""
+    here and written on a thread of this process (``OrderedTasks``); a shard is replaced once all of it is written,
+    so an interruption loses at most the shards in progress. The same bytes whatever ``workers`` is: each shard's
+    samples keep their order. Returns the workers used (at most one a shard) and where the time went
+    (``TIME_SPLIT``, seconds).
+
+    As the build does (``pipeline._ShardLoop``), a batch's forwards are queued before the batch before it is
+    waited for and handed to the writing thread: a GPU teacher goes from one batch to the next while this process
+    waits for its loader and the thread writes. Until stop 67 reading, forwards and writing took turns here."""
     batches = ShardBatches(shards_dir, shards, info, teacher_sizes(teachers, info), replay, batch_size,
                            tokenizers=worker_tokenizers(teachers))
     workers = min(workers, len(shards))
@@ -198,6 +205,22 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
     open_shards: dict[str, ShardRewrite] = {}
     split = dict.fromkeys(TIME_SPLIT, 0.0)
     bar = tqdm(total=len(shards), unit="shard", desc="add-teacher", disable=not progress)
+    writing = OrderedTasks(depth=WRITE_QUEUE_BATCHES, name="add-teacher-writer")
+    pending = None  # (shard name, its items, their queued forwards, whether the shard ends with them)
+
+    def complete(batch: tuple) -> None:
+        """Wait for a batch's rows and hand it to the writing thread, and its shard's rename if it ends it."""
+        name, items, queued, last = batch
+        started = time.perf_counter()
+        embs = queued.result() if queued is not None else None
+        split["embed"] += time.perf_counter() - started
+        if items:
+            writing.submit(open_shards[name].add, items, embs)
+        if last:
+            writing.submit(_finish, open_shards[name], bar)
+            del open_shards[name]  # once queued: a shard whose rename was never queued is aborted below
+
+    failed = True
     try:
         # workers fork with this process's heap: a collection in one would touch, and copy, all of its pages; on a
         # GPU this process's threads keep to the cores they leave (cxrdr.common.host_threads: on the H200 14 workers
@@ -211,28 +234,44 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
                 name = batch["shard"]
                 if name not in open_shards:
                     open_shards[name] = ShardRewrite(shards_dir, name, teachers, info)
-                rewrite = open_shards[name]
                 items = batch["items"]  # empty where a shard ended on a full batch
-                if items:
-                    embs = embed_prepared([entry for *_, entry in items], teachers, info, replay, device,
-                                          crops=batch["crops"], pixels=batch["pixels"])
-                    clock = _lap(split, "embed", clock)
-                    rewrite.add(items, embs)
-                if batch["last"]:
-                    open_shards.pop(name).finish()
-                    bar.update(1)
-                clock = _lap(split, "write", clock)
+                queued = queue_prepared([entry for *_, entry in items], teachers, info, replay, device,
+                                        crops=batch["crops"], pixels=batch["pixels"]) if items else None
+                clock = _lap(split, "embed", clock)
+                previous, pending = pending, (name, items, queued, batch["last"])
+                if previous is not None:
+                    complete(previous)
+                clock = time.perf_counter()
+            if pending is not None:
+                complete(pending)
+                pending = None
+        writing.close()
+        failed = False
     finally:
-        for rewrite in open_shards.values():
-            rewrite.abort()
+        if failed:  # what was queued is written (the shards it finishes are kept), the rest left as it was
+            with contextlib.suppress(Exception):
+                if pending is not None:
+                    complete(pending)
+            with contextlib.suppress(Exception):
+                writing.close()
+            for rewrite in open_shards.values():
+                rewrite.abort()
         bar.close()
+    split["write_wait"], split["write"] = writing.wait_seconds, writing.busy_seconds
     return workers, {k: round(v, 3) for k, v in split.items()}
 
 
-# Where add-teacher's own process spends its time: waiting for the loader (its workers' reading, decoding and
-# replaying), the teachers' forwards (on CUDA up to the rows' copy back) and writing the shards (their members,
-# checksums and deflate). The build records its own split likewise (``time_split_seconds`` in dataset.json).
-TIME_SPLIT = ("loader_wait", "embed", "write")
+def _finish(rewrite: "ShardRewrite", bar) -> None:
+    rewrite.finish()
+    bar.update(1)
+
+
+# Where add-teacher's time goes: this process waiting for its loader (the workers' reading, decoding and
+# replaying), queuing the teachers' forwards and waiting for their rows (on CUDA, up to the copy back), and blocked
+# on the writing thread (its queue full, and at the end); and that thread writing the shards (their members,
+# checksums, deflate and rename), beside the rest. The build records its own split likewise (dataset.json).
+TIME_SPLIT = ("loader_wait", "embed", "write_wait", "write")
+WRITE_QUEUE_BATCHES = 4  # batches waiting to be written at most (memory stays flat)
 
 
 def _lap(split: dict, part: str, since: float) -> float:
