@@ -157,3 +157,29 @@ def test_the_results_name_the_carried_runs_and_the_lease_that_trained_them():
                          "reinforced": [{"seed": 10, "carried": {"from": "lease A"}},
                                         {"seed": 11, "carried": {"from": "lease B"}}]})
     assert "plain seed 10, reinforced seed 10 from 'lease A'; reinforced seed 11 from 'lease B'" in note
+
+
+@pytest.mark.parametrize("archive,recipe_file", [("gpu-probe-carry.tar.gz", "gpu-efficiency-probe.yaml"),
+                                                 ("gpu-recipe-carry.tar.gz", "gpu-efficiency.yaml")])
+def test_every_committed_carried_run_is_done_for_its_recipe_as_it_stands(tmp_path, monkeypatch, archive, recipe_file):
+    """The committed carries hold GPU leases' finished runs without their weights: a change to what a run's config
+    holds (a field added, a default moved) or to its evaluation request would turn them into runs to train and
+    evaluate again, minutes of the next lease. Each must still be done, its evaluation reused, for the recipe as it
+    stands (a status listing's view: nothing is built)."""
+    from cxrdr.experiments.carry import unpack_runs
+    from cxrdr.experiments.efficiency import arm_plan, runs_in_turn
+    from cxrdr.experiments.recipe_file import load_recipe, recipe_out
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)  # the recipes' folders are relative: their runs land here
+    recipe = load_recipe(repo / "configs" / "experiments" / recipe_file)
+    out = Path(recipe_out(recipe))
+    carried = unpack_runs(repo / "docs" / "results" / archive, out)
+    shards = Path(recipe["shards"]["dir"])
+    arm_runs, _, _ = arm_plan(recipe, shards, out / "efficiency", build=False)
+    planned = {Path(cfg.out): (cfg, first) for _, _, cfg, first in runs_in_turn(arm_runs)}
+    assert carried and all(out / run in planned for run in carried), (carried, list(planned))
+    for run in carried:
+        cfg, first = planned[out / run]
+        assert runs.run_state(out / run, cfg) == "done", run
+        assert runs.evaluation_done(recipe, out / run, shards, recipe.get("isolated_efficiency", False), first), run
