@@ -572,11 +572,11 @@ def test_add_teacher_in_loader_workers_writes_the_same_bytes(teachers, tmp_path)
     assert verify(there)[0] == []
 
 
-@pytest.mark.parametrize("where", ["teacher", "writer"])
+@pytest.mark.parametrize("where", ["teacher", "rows", "writer"])
 def test_add_teacher_stopped_mid_shard_leaves_it_whole_and_a_rerun_finishes(teachers, tmp_path, monkeypatch, where):
-    """An add-teacher that fails inside a shard (here its second batch: in the teacher's forwards, or in the thread
-    that writes) leaves that shard as it was, keeps the shards it finished, and a second run completes the rest: the
-    same bytes as an add-teacher never stopped."""
+    """An add-teacher that fails inside a shard's second batch (in the teacher's forwards, in waiting for their rows
+    while the shard's closing batch is in hand, or in the thread that writes it) leaves that shard as it was, keeps
+    the shards it finished, and a second run completes the rest: the same bytes as an add-teacher never stopped."""
     import shutil
 
     import cxrdr.reinforce.add_teacher as add_teacher
@@ -586,12 +586,18 @@ def test_add_teacher_stopped_mid_shard_leaves_it_whole_and_a_rerun_finishes(teac
     shutil.copytree(stopped, whole)
     add_teacher.add_teachers(whole, "random:tiny", progress=False, teachers=teachers[:1], batch_size=2)
     before = {p.name: p.read_bytes() for p in stopped.glob("shard-*.tar*")}
-    owner, attribute = (add_teacher, "queue_prepared") if where == "teacher" else (add_teacher.ShardRewrite, "add")
+    owner, attribute = (add_teacher.ShardRewrite, "add") if where == "writer" else (add_teacher, "queue_prepared")
     real, calls = getattr(owner, attribute), []
+
+    class LostRows:  # a batch whose forwards were queued but whose rows never come back
+        def result(self):
+            raise RuntimeError("teacher lost")
 
     def failing(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:  # the second shard's second batch (2 samples a batch, 4 a shard)
+        if len(calls) == 4:  # the second shard's second batch (2 samples a batch, 4 a shard; an empty batch ends it)
+            if where == "rows":
+                return LostRows()
             raise RuntimeError("teacher lost" if where == "teacher" else "disk full")
         return real(*args, **kwargs)
 

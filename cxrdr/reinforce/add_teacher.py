@@ -238,17 +238,20 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
                 queued = queue_prepared([entry for *_, entry in items], teachers, info, replay, device,
                                         crops=batch["crops"], pixels=batch["pixels"]) if items else None
                 clock = _lap(split, "embed", clock)
-                previous, pending = pending, (name, items, queued, batch["last"])
-                if previous is not None:
+                if pending is not None:  # taken out first: a batch whose completion failed is not completed again
+                    previous, pending = pending, None
                     complete(previous)
+                pending = (name, items, queued, batch["last"])  # only once every batch before it was handed on
                 clock = time.perf_counter()
             if pending is not None:
-                complete(pending)
-                pending = None
+                last_batch, pending = pending, None
+                complete(last_batch)
         writing.close()
         failed = False
     finally:
-        if failed:  # what was queued is written (the shards it finishes are kept), the rest left as it was
+        # what was handed on is written (the shards it finishes are kept), then the batch in hand if every batch
+        # before it was handed on; the rest is left as it was (a shard never renamed without one of its batches)
+        if failed:
             with contextlib.suppress(Exception):
                 if pending is not None:
                     complete(pending)
