@@ -58,6 +58,12 @@ def test_same_seed_gives_identical_files_via_cli(tmp_path):
     assert a == b
     assert a["records.jsonl"] != c["records.jsonl"]
     assert any(a[k] != c.get(k) for k in a if k.endswith(".png"))
+    # rendered on threads, in order: each image is the one rendered alone, one at a time
+    from cxrdr.reinforce.phantom.source import PhantomSource, _png, _rendered
+
+    serial = [(r.id, _png(r)) for r in PhantomSource(10, seed=3, size=64)]
+    assert [(r.id, png) for r, png in _rendered(PhantomSource(10, seed=3, size=64), threads=3)] == serial
+    assert all(a[f"images/{key}.png"] == png for key, png in serial)
 
 
 def test_written_rows_match_records(tmp_path):

