@@ -203,6 +203,8 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     chunk = invoke("--chunk-s", "0", "--chunk-hard-s", "0")
     assert chunk.exit_code == 3, chunk.output + repr(chunk.exception)
     assert "done     students' shards" in chunk.output and " 1 of " in chunk.output
+    # the build's throughput and time split in the log (a lease's log comes back where its files may not)
+    assert re.search(r"\[shards\] \S+: throughput [\d.]+ samples/s .*time split \(s\): decode_augment", chunk.output)
     students = Path(recipe["shards"]["dir"]) / "dataset.json"
     built = json.loads(students.read_text())["build"]  # add-teacher rewrites dataset.json, not its build record
 
@@ -223,11 +225,16 @@ def test_the_twin_runs_end_to_end_in_chunks_and_resumes_an_interrupted_run(tmp_p
     assert early.exit_code != 0 and "no partial results yet: 'report set' is not done" in str(early.exception)
     assert not (out / "partial").exists()
 
+    said = []
     for _ in range(12):  # one unit a command, until plain's first seed is trained and evaluated
         step = invoke("--chunk-s", "0")
+        said.append(step.output)
         assert step.exit_code == 3, step.output + repr(step.exception)
         if "done     plain seed 10: training" in step.output:
             break
+    # add-teacher's time and where it went, in the log
+    assert re.search(r"\[teachers\] add-teacher lite2-s1: [\d.]+ s; time split \(s\): loader_wait [\d.]+, embed "
+                     r"[\d.]+, write_wait [\d.]+, write [\d.]+", "".join(said)), said
     # the command that trained it evaluated it too, past its time (a trained run without its evaluation would not
     # travel to the next lease)
     assert "done     plain seed 10: evaluation" in step.output, step.output

@@ -256,6 +256,9 @@ def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: in
         typer.echo(f"[teachers] add-teacher ckpt:{ckpt} -> {student_shards}", err=True)
         info = add_teachers(Path(student_shards), f"ckpt:{ckpt}", device=device, batch_size=batch_size,
                             progress=progress)
+        addition = info["teacher_additions"][-1]
+        split = ", ".join(f"{k} {v}" for k, v in addition["time_split_seconds"].items())
+        typer.echo(f"[teachers] add-teacher {name}: {addition['seconds']} s; time split (s): {split}", err=True)
     return teacher_seconds(info, [shard_name])
 
 
