@@ -272,6 +272,8 @@ def test_the_committed_carries_are_unpacked_by_default_for_their_own_folders_onl
         assert re.search(r"carried [1-9]\d* run\(s\)", said[name]), said[name]
         assert (tmp_path / name / "runs" / "experiments" / name / "efficiency" / "runs").is_dir(), name
     assert "carried" not in said["gpu-efficiency-twin"]
+    # INSTALL=0 runs the caller's environment: no import of torch to report an install that was not made
+    assert not any(line.startswith("torch ") for text in said.values() for line in text.splitlines())
 
 
 def test_a_probe_lease_applies_its_rule_and_goes_on_with_the_recipe_it_leaves(tmp_path):

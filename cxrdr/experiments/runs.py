@@ -29,7 +29,7 @@ from cxrdr.experiments.carry import carried_from, is_carried
 from cxrdr.experiments.chunks import begin, expected_training_s, measured_evaluation, measured_training
 from cxrdr.experiments.repro import code_version, note_other_code
 from cxrdr.reinforce.build import BuildOptions, build
-from cxrdr.reinforce.summary import summary_text
+from cxrdr.reinforce.summary import throughput_text
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.device import loader_workers
 from cxrdr.train.evaluation.efficiency import measure_in_subprocess
@@ -86,7 +86,7 @@ def _build_shards(out: Path, spec: dict, progress: bool) -> Path:
                f"teachers {options.get('teachers', 'random:tiny')})", err=True)
     info = build(BuildOptions(out=out, resume=resume, progress=progress, **options))
     # its throughput and time split in the command's log (a GPU lease's log comes back where its files may not)
-    typer.echo(f"[shards] {out}: {summary_text(info).splitlines()[1]}", err=True)
+    typer.echo(f"[shards] {out}: {throughput_text(info)}", err=True)
     return out
 
 

@@ -39,7 +39,7 @@ from cxrdr.common.shards.members import DATASET_JSON, IMAGE_EXTS
 from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.recipe import make_train_config
 from cxrdr.experiments.runs import claim_run, ensure_shards, evaluation_device, report_set, run_training
-from cxrdr.reinforce.add_teacher import add_teachers
+from cxrdr.reinforce.add_teacher import add_teachers, addition_summary
 from cxrdr.teachers.base import file_safe_name
 from cxrdr.train.config import TrainConfig
 from cxrdr.train.evaluation.runner import evaluate
@@ -256,9 +256,7 @@ def add_teacher_once(student_shards: Path, name: str, ckpt: Path, batch_size: in
         typer.echo(f"[teachers] add-teacher ckpt:{ckpt} -> {student_shards}", err=True)
         info = add_teachers(Path(student_shards), f"ckpt:{ckpt}", device=device, batch_size=batch_size,
                             progress=progress)
-        addition = info["teacher_additions"][-1]
-        split = ", ".join(f"{k} {v}" for k, v in addition["time_split_seconds"].items())
-        typer.echo(f"[teachers] add-teacher {name}: {addition['seconds']} s; time split (s): {split}", err=True)
+        typer.echo(f"[teachers] add-teacher {name}: {addition_summary(info['teacher_additions'][-1])}", err=True)
     return teacher_seconds(info, [shard_name])
 
 

@@ -35,6 +35,7 @@ from cxrdr.common.errors import UserError
 from cxrdr.common.heap import frozen_heap
 from cxrdr.common.host_threads import host_threads, threads_beside
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
+from cxrdr.common.phase_clock import PhaseClock
 from cxrdr.common.shards import (SCHEMA_VERSION, encode_meta, encode_teacher, iter_tar_samples, load_meta,
                                  merge_int8_quality, meta_member, part_of, read_dataset_info, repack_v1_teacher,
                                  shard_compression, shard_index, teacher_ext)
@@ -52,7 +53,8 @@ class ShardBatches(torch.utils.data.IterableDataset):
     shards and hands on, shard by shard, batches of (key, sample members, metadata, prepared entry) in the shard's
     order, the last batch of a shard marked. Reading the tar, decoding the image and replaying its views on the CPU
     are most of add-teacher's work (on an H200 it rewrote 20,000 samples in 63 s on one process, ~3 ms of host time a
-    sample, with the teacher's forwards a small part): the workers take that, this process embeds and its writing thread writes."""
+    sample, with the teacher's forwards a small part): the workers take that, this process embeds and a thread of it
+    writes."""
 
     def __init__(self, shards_dir: Path, shards: list[dict], info: dict, sizes: list[int], replay: str,
                  batch_size: int, tokenizers: tuple = ()):
@@ -203,7 +205,7 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers, collate_fn=_as_is,
                                          prefetch_factor=2 if workers else None)
     open_shards: dict[str, ShardRewrite] = {}
-    split = dict.fromkeys(TIME_SPLIT, 0.0)
+    clock = PhaseClock()
     bar = tqdm(total=len(shards), unit="shard", desc="add-teacher", disable=not progress)
     writing = OrderedTasks(depth=WRITE_QUEUE_BATCHES, name="add-teacher-writer")
     pending = None  # (shard name, its items, their queued forwards, whether the shard ends with them)
@@ -211,9 +213,9 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
     def complete(batch: tuple) -> None:
         """Wait for a batch's rows and hand it to the writing thread, and its shard's rename if it ends it."""
         name, items, queued, last = batch
-        started = time.perf_counter()
+        clock.skip()
         embs = queued.result() if queued is not None else None
-        split["embed"] += time.perf_counter() - started
+        clock.lap("embed")
         if items:
             writing.submit(open_shards[name].add, items, embs)
         if last:
@@ -228,21 +230,22 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
         on_gpu = workers and str(device).startswith("cuda")
         with frozen_heap() if workers else contextlib.nullcontext(), \
                 host_threads(threads_beside(workers) if on_gpu else None):
-            clock = time.perf_counter()
+            clock.skip()
             for batch in loader:
-                clock = _lap(split, "loader_wait", clock)
+                clock.lap("loader_wait")
                 name = batch["shard"]
                 if name not in open_shards:
                     open_shards[name] = ShardRewrite(shards_dir, name, teachers, info)
                 items = batch["items"]  # empty where a shard ended on a full batch
                 queued = queue_prepared([entry for *_, entry in items], teachers, info, replay, device,
                                         crops=batch["crops"], pixels=batch["pixels"]) if items else None
-                clock = _lap(split, "embed", clock)
+                clock.lap("embed")
                 if pending is not None:  # taken out first: a batch whose completion failed is not completed again
                     previous, pending = pending, None
                     complete(previous)
                 pending = (name, items, queued, batch["last"])  # only once every batch before it was handed on
-                clock = time.perf_counter()
+                clock.skip()  # handing the batch on: the writing thread's wait, counted there
+            clock.lap("loader_wait")  # the loader's end
             if pending is not None:
                 last_batch, pending = pending, None
                 complete(last_batch)
@@ -260,8 +263,9 @@ def rewrite_shards(shards_dir: Path, shards: list[dict], teachers, info: dict, b
             for rewrite in open_shards.values():
                 rewrite.abort()
         bar.close()
-    split["write_wait"], split["write"] = writing.wait_seconds, writing.busy_seconds
-    return workers, {k: round(v, 3) for k, v in split.items()}
+    split = {**dict.fromkeys(TIME_SPLIT, 0.0), **clock.seconds,
+             "write_wait": round(writing.wait_seconds, 3), "write": round(writing.busy_seconds, 3)}
+    return workers, split
 
 
 def _finish(rewrite: "ShardRewrite", bar) -> None:
@@ -277,11 +281,10 @@ TIME_SPLIT = ("loader_wait", "embed", "write_wait", "write")
 WRITE_QUEUE_BATCHES = 4  # batches waiting to be written at most (memory stays flat)
 
 
-def _lap(split: dict, part: str, since: float) -> float:
-    """Adds the seconds since ``since`` to ``split[part]``; returns now."""
-    now = time.perf_counter()
-    split[part] += now - since
-    return now
+def addition_summary(addition: dict) -> str:
+    """One ``teacher_additions`` record in a line: its seconds and where they went."""
+    split = ", ".join(f"{k} {v:.1f}" for k, v in addition["time_split_seconds"].items())
+    return f"{addition['seconds']:.1f} s; time split (s): {split}"
 
 
 def add_teacher_workers(workers: int | None, device: str) -> int:
@@ -366,7 +369,5 @@ def cli_add_teacher(
         raise UserError(f"--workers must be >= 0 (got {workers})")
     dataset = add_teachers(shards_dir, teachers, device=device, model_cache=model_cache, batch_size=batch_size,
                            replay=replay, workers=workers)
-    addition = dataset["teacher_additions"][-1]
-    split = ", ".join(f"{k} {v:.1f}" for k, v in addition["time_split_seconds"].items())
     typer.echo(f"{shards_dir}: teachers now {[t['name'] for t in dataset['teachers']]}; "
-               f"bytes/sample {dataset['bytes_per_sample']}; {addition['seconds']:.1f} s (this process: {split})")
+               f"bytes/sample {dataset['bytes_per_sample']}; {addition_summary(dataset['teacher_additions'][-1])}")

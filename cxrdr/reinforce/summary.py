@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 
-def summary_text(dataset: dict) -> str:
+def throughput_text(dataset: dict) -> str:
+    """The build's samples/s and where its time went, in a line."""
     b = dataset.get("build") or {}
     split = b.get("time_split_seconds", {})
+    return (f"throughput {b.get('samples_per_second')} samples/s over {b.get('pipeline_seconds')} s "
+            f"({b.get('wall_seconds')} s with setup); time split (s): "
+            + ", ".join(f"{k} {v}" for k, v in split.items()))
+
+
+def summary_text(dataset: dict) -> str:
     lines = [f"{dataset['total_samples']} samples in {len(dataset['shards'])} shards {dataset['counts']}",
-             f"throughput {b.get('samples_per_second')} samples/s over {b.get('pipeline_seconds')} s "
-             f"({b.get('wall_seconds')} s with setup); time split (s): "
-             + ", ".join(f"{k} {v}" for k, v in split.items()),
+             throughput_text(dataset),
              "bytes/sample: " + ", ".join(f"{k} {v:.0f}" for k, v in dataset["bytes_per_sample"].items())]
     if dataset.get("int8_max_abs_error"):
         lines.append(f"int8 max abs error: {dataset['int8_max_abs_error']}; "
