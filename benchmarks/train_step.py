@@ -15,6 +15,8 @@ storing the teacher's embeddings saves per step (MobileCLIP's argument).
         --batch-size 256 --block 5 [--compile]
     python benchmarks/train_step.py --size full --only A,E --padded-texts   # texts packed vs padded
     python benchmarks/train_step.py --size full --only A,D,E --former-heads --count-flops   # heads: default vs former
+    python benchmarks/train_step.py --shards demo/shards --only D --batch-size 32 --threads 2 --without-memo \
+        --teachers "" --warmup 200 --steps 200 --block 10   # the demo's student with and without its stem's memo
 
 The step is the loop's own (``Trainer.train_step``, non-log steps), timed as a black box with the
 device synchronised only at block edges (``time_interleaved``); beside ms/step it prints the data
@@ -213,6 +215,9 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
         # the timed steps' waits only (the last ones so far): the first warm-up step starts the loader
         waits = batches.waits[-timed[name]["steps"] * cfg.accum_steps:]
         row["data_ms"] = 1000 * sum(waits) / max(1, timed[name]["steps"])
+        memos = [memo.describe() for memo in getattr(trainer, "memos", [])]  # over warm-up and timed steps
+        row["frozen_memo_hit_pct"] = (100.0 * sum(m["hits"] for m in memos) /
+                                      max(1, sum(m["hits"] + m["misses"] for m in memos))) if memos else None
         if figures:
             if count and not compiled and not graphed and key not in flops:
                 flops[key] = gflops(fns[name], grad=True) * 1e9
@@ -249,6 +254,10 @@ def main(argv=None) -> int:
                         help="also time A, E and D with their texts padded (--no-pack-text): what packing buys")
     parser.add_argument("--former-heads", action="store_true",
                         help="also time D and E with default.yaml's former local-alignment heads (FORMER_HEADS)")
+    parser.add_argument("--without-memo", action="store_true",
+                        help="also time D stored with its frozen stem's memo off (--frozen-memo-mb 0; CPU "
+                             "students with a frozen stem: cpu-*). The memo's hits grow with the epochs a run has "
+                             "seen: --warmup sets how many come before the timed steps")
     parser.add_argument("--count-flops", action="store_true",
                         help="count FLOPs per image on CPU too (always where an MFU can be computed; slow on CPU)")
     parser.add_argument("--workers", type=int, default=0)
@@ -288,6 +297,8 @@ def main(argv=None) -> int:
     if args.former_heads:
         plan += [(f"{v} stored, former heads", dict(model=f"{prefix}{v}", model_overrides=heads))
                  for v, heads in (("D", FORMER_HEADS), ("E", FORMER_HEADS_E))]
+    if args.without_memo:
+        plan.append(("D stored, no frozen memo", dict(model=f"{prefix}D", frozen_memo_mb=0)))
     if args.only:
         plan = [(name, overrides) for name, overrides in plan if name.split()[0] in args.only.split(",")]
     trainers = {}
@@ -312,13 +323,14 @@ def main(argv=None) -> int:
           f"{args.size} students, {args.steps} interleaved steps in blocks of {args.block} after {args.warmup} "
           f"warm-up; GPU busy, MFU and host syncs: None off CUDA)")
     print(f"{'configuration':<30} {'ms/step':>9} {'img/s':>8} {'data ms':>8} {'busy %':>7} {'MFU %':>6} "
-          f"{'GFLOPs':>7} {'peak MB':>8} {'syncs':>6} {'x D stored':>10}")
+          f"{'GFLOPs':>7} {'peak MB':>8} {'syncs':>6} {'x D stored':>10} {'memo hit %':>10}")
     for r in results:
         ratio = r["step_ms"] / ref if ref else None
         print(f"{r['name']:<30} {r['step_ms']:9.1f} {r['img_per_s']:8.1f} {r['data_ms']:8.1f} "
               f"{fmt(r.get('gpu_busy_pct'), '7.1f')} {fmt(r.get('mfu_pct'), '6.1f')} "
               f"{fmt(r.get('gflops_per_img'), '7.2f')} {r['peak_memory_mb']:8.0f} "
-              f"{fmt(r.get('host_syncs_per_step'), '6.1f')} {fmt(ratio, '10.2f')}")
+              f"{fmt(r.get('host_syncs_per_step'), '6.1f')} {fmt(ratio, '10.2f')} "
+              f"{fmt(r.get('frozen_memo_hit_pct'), '10.1f')}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     tmp.cleanup()

@@ -15,8 +15,8 @@ mkdir -p "$OUT"
 # idle 2-core box, a student step: 2 threads, no workers 354-360 ms; 2 threads, 2 workers 370 ms;
 # 1 thread, 2 workers (the former setting) 570 ms.
 CORES=$(nproc); export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES < 4 ? CORES : 4 ))}"
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
+step() { printf '\n\033[1m== %s\033[0m  (%d s in)\n' "$*" $(( $(date +%s) - start )); }
 # A rerun into the same folder continues the runs (DEMO_RESUME=1) or replaces them.
 AGAIN="--overwrite"; [ -n "${DEMO_RESUME:-}" ] && AGAIN="--resume"
 

@@ -96,6 +96,18 @@ def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
     assert load_checkpoint(path).embed_dim == model.embed_dim
 
 
+def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path):
+    from cxrdr.train.checkpoint import read_checkpoint
+
+    for name, data in (("dataset.json", b'{"total_samples": 3}'), ("empty.pt", b""), ("image.png", b"\x89PNG\r\n")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name} is not a PyTorch checkpoint"):
+            read_checkpoint(tmp_path / name)
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04" + b"\0" * 40)  # a zip archive cut short: corrupt, said so
+    with pytest.raises(ValueError, match="cut.pt is corrupt or not a torch checkpoint"):
+        read_checkpoint(tmp_path / "cut.pt")
+
+
 # --------------------------------------------------------------------------- 2. one writer per folder
 
 

@@ -264,9 +264,11 @@ def _as_saved(cfg: TrainConfig) -> dict:
     # nor does how often last.pt is written (a run resumed from any save is the run never interrupted:
     # tests/test_resume.py), so a recipe may change save_every without its finished runs trained again; a run's
     # config.yaml holds the loader workers it ran with, which a recipe naming none gets by default on this host;
-    # nor how often the loss balance is measured (gradients taken beside the step's own: the same step)
+    # nor how often the loss balance is measured (gradients taken beside the step's own: the same step), nor the
+    # frozen stem's memo (the outputs it would compute: tests/test_frozen_memo.py)
     same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto",
-                               save_every=0, workers=loader_workers(cfg.workers, cfg.device), balance_every=0)
+                               save_every=0, workers=loader_workers(cfg.workers, cfg.device), balance_every=0,
+                               frozen_memo_mb=0)
     return yaml.safe_load(yaml.safe_dump(same.to_dict(), sort_keys=False))
 
 

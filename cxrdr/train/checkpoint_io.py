@@ -71,6 +71,9 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not _torch_save_format(path):  # a JSON, YAML or image given by mistake: say that, not "refused to load it"
+        raise ValueError(f"checkpoint {path} is not a PyTorch checkpoint (torch.save writes a zip archive); "
+                         f"give a run's best.pt or last.pt")
     try:
         data = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:  # weights_only refused a global: code or foreign objects
@@ -83,6 +86,13 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if not isinstance(data, dict) or "model_config" not in data or "model" not in data:
         raise ValueError(f"checkpoint {path} is not a cxrdr student checkpoint (needs 'model_config' and 'model')")
     return data
+
+
+def _torch_save_format(path: Path) -> bool:
+    """A zip archive (torch.save since 1.6) or a legacy pickle stream (protocol 2+ starts with 0x80)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def load_training_state(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:

@@ -42,6 +42,7 @@ RANGES = {
     "accum_steps": "[1, inf)", "aug_limit": "[1, inf)", "clip_grad": "[0, inf)", "workers": "[0, inf)",
     "freeze_epochs": "[0, inf)", "shuffle_buffer": "[0, inf)", "log_every": "[1, inf)", "save_every": "[0, inf)",
     "eval_cache_mb": "[0, inf)", "shard_memory_mb": "[0, inf)", "balance_every": "[0, inf)",
+    "frozen_memo_mb": "[0, inf)",
 }
 # Settings of the nested configs that `train run` takes as flags: path -> (flag, help). Old aliases
 # of a flag follow it in the tuple.
@@ -136,6 +137,10 @@ class TrainConfig:
                                      "later rounds, up to this many MB (a small split is not parsed again each "
                                      "epoch); 0: off. The batches are the same either way.")
     log_every: int = _opt(10, "Steps between metrics.jsonl records.")
+    frozen_memo_mb: int = _opt(256, "On the CPU, a frozen stem (cpu-* students) remembers its output for each view "
+                                    "it was fed, up to this many MB, and runs only on views not seen before: a "
+                                    "reinforced run replays K stored views per image. The same numbers either way "
+                                    "(cxrdr/train/models/frozen_memo.py); 0: off.")
     balance_every: int = _opt(100, "Steps between measurements of each loss term's gradient norm on the shared "
                                    "trunk (grad_norm/* in metrics.jsonl; also at the first and the last step): one "
                                    "extra backward pass per term, and on CUDA an eager step; 0: never.")

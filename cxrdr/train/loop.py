@@ -53,6 +53,7 @@ from cxrdr.train.integrity import SKIP_LOG, CorruptPolicy, count_skipped
 from cxrdr.train.losses import loss_balance
 from cxrdr.train.models import StudentConfig, build_student
 from cxrdr.train.models.block_graphs import BlockGraphs, enable_block_graphs, shapes_settled
+from cxrdr.train.models.frozen_memo import enable_memos
 from cxrdr.train.optim import apply_stage, build_optimizer, build_scheduler
 from cxrdr.train.quick_eval import quick_evaluate
 from cxrdr.train.rng import preserved_rng, rng_state, seed_everything, set_rng_state
@@ -133,6 +134,9 @@ class Trainer:
         self._read_data_description()
         self.data_source = data_source(cfg.shards)
         self._build_task()
+        # a frozen stem's outputs for the views it has seen (CPU: a CUDA row would be read back to hash it)
+        self.memos = enable_memos(self.student, cfg.frozen_memo_mb) \
+            if self.device.type == "cpu" and cfg.frozen_memo_mb else []
         self.optimizer = build_optimizer(self.student, self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, cfg.steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None
@@ -517,6 +521,8 @@ class Trainer:
             "skipped_corrupt": count_skipped(self.out / SKIP_LOG),
             # None: the blocks ran eagerly (off, not CUDA, ...); else what --cuda-graphs captured
             "cuda_graphs": self.block_graphs.describe() if self.block_graphs is not None else None,
+            # views the frozen stem had seen before (their outputs remembered, not computed again), in this process
+            "frozen_memo": [memo.describe() for memo in self.memos] or None,
         }
 
     def _train_until_done(self, bar) -> tuple[bool, list[float], "StepTimer"]:

@@ -19,7 +19,7 @@ RESUME_OVERRIDABLE = frozenset({"steps", "eval_every", "eval_batch_size", "eval_
                                 "early_stop_patience", "workers", "device", "progress", "log_every", "balance_every",
                                 "save_every", "resume", "overwrite", "out", "on_corrupt", "verify_checksums",
                                 "grad_checkpointing", "compile", "compile_backend", "compile_scope", "eval_cache_mb",
-                                "save_at_eval", "pack_text", "eval_probe", "shard_memory_mb"})
+                                "save_at_eval", "pack_text", "eval_probe", "shard_memory_mb", "frozen_memo_mb"})
 # Compared by what they name, not as typed (see data_conflicts).
 COMPARED_APART = frozenset({"shards"})
 RUN_OUTPUTS = ("last.pt", "best.pt", "metrics.jsonl", "summary.json", "config.yaml", "skipped.jsonl")

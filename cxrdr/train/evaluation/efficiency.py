@@ -44,6 +44,7 @@ from cxrdr.train.checkpoint import load_checkpoint
 from cxrdr.train import device as train_device
 from cxrdr.train.device import amp_dtype_for, autocast
 from cxrdr.train.losses import LossConfig
+from cxrdr.train.models.frozen_memo import suspended
 from cxrdr.train.optim import OptimConfig, build_optimizer
 from cxrdr.train.task import Task
 
@@ -347,8 +348,15 @@ def efficiency_metrics(model, batch_size: int = 32, train_batch_size: int | None
     time on CPU, for a figure only MFU needs).
 
     ``model`` is a PatchIBStudent (needs ``forward``/``tokenize``); the model is restored to its
-    original train/eval mode and parameters are not changed (the optimizer step runs on a copy).
+    original train/eval mode and parameters are not changed (the optimizer step runs on a copy). A frozen stem's
+    memo (``frozen_memo``: the training loop's, on the CPU) is off meanwhile: the figures time the model's compute.
     """
+    with suspended(model):
+        return _efficiency_metrics(model, batch_size, train_batch_size, iters, warmup, step, amp, train_flops)
+
+
+def _efficiency_metrics(model, batch_size: int, train_batch_size: int | None, iters: int, warmup: int, step: int,
+                        amp: str, train_flops: bool | None) -> dict:
     device = model_device(model)
     amp_dtype = amp_dtype_for(amp, device)
     was_training = model.training

@@ -21,6 +21,7 @@ from timm.layers import HybridEmbed
 from timm.models.vision_transformer import VisionTransformer
 
 from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
+from cxrdr.train.models.frozen_memo import RowMemo, weights_context
 from cxrdr.train.models.image_towers import parameters_to_buffers
 from cxrdr.train.models.registry import register_tower
 
@@ -37,6 +38,7 @@ class FrozenStem(nn.Module):
         parameters_to_buffers(stem)
         # channels_last: the depthwise convolutions run ~1.6x faster on CPU (oneDNN), same values
         self.stem = stem.to(memory_format=torch.channels_last)
+        self.output_memo: RowMemo | None = None  # the training loop's (frozen_memo.enable_memos), CPU only
         self.train(False)
 
     def train(self, mode: bool = True) -> "FrozenStem":
@@ -44,7 +46,13 @@ class FrozenStem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.stem(x.contiguous(memory_format=torch.channels_last)).contiguous()
+            if self.output_memo is None or x.device.type != "cpu" or torch.compiler.is_compiling():
+                return self._features(x)
+            autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+            return self.output_memo(self._features, x, (weights_context(self.stem), autocast))
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stem(x.contiguous(memory_format=torch.channels_last)).contiguous()
 
 
 def lite0_stem(stride: int, pretrained: bool, frozen: bool) -> nn.Module:

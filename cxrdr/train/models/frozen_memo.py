@@ -1,0 +1,119 @@
+"""A frozen module's outputs remembered by the exact bytes of each input row (``RowMemo``).
+
+A reinforced run replays the K augmentations stored per image (MobileCLIP's dataset reinforcement),
+so over many epochs a frozen stem is fed the same few thousand views again and again: the CPU
+demo's cpu-D student sees 12,800 views of 1,964 distinct ones in its 400 steps, and its frozen
+Lite0 stem costs ~58 ms of a ~450 ms step on two cores. The memo runs the stem only on the rows it
+has not seen and returns the stored outputs of the others.
+
+It changes no bit: a row's stem output does not depend on the other rows of its batch nor on the
+thread count (tests/test_frozen_memo.py checks both, and that a training run gives the same losses
+with and without it), and a key is a row's whole byte content (BLAKE2b, with its shape, dtype and
+the autocast state), never an id that two different views could share. The memo forgets everything
+when the module's weights change (another tensor, or one written in place: ``Tensor._version``).
+
+CPU only (``FrozenStem`` skips it elsewhere): hashing a CUDA row would read it back to the host, a
+sync per step. Not under ``torch.compile`` (the Python hashing would break the graph). An online
+augmentation (plain runs) never repeats a view: each step then pays only the hashing, ~4 ms a batch of
+32 at 96 px. Timings of the model's own compute (``efficiency_metrics``) run with it ``suspended``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+
+
+class RowMemo:
+    """Least-recently-used outputs of a row-wise pure function, up to ``max_bytes`` of them."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self._context: tuple | None = None
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.bytes = 0
+
+    def __call__(self, fn, x: torch.Tensor, context: tuple) -> torch.Tensor:
+        """``fn(x)``, computed for the rows of ``x`` not remembered under ``context`` (what else decides the
+        output: the weights, the autocast state)."""
+        if context != self._context:
+            self.clear()
+            self._context = context
+        keys = self._keys(x)
+        found = [self.rows.get(key) for key in keys]
+        missing = [i for i, row in enumerate(found) if row is None]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        if len(missing) == len(keys):
+            out = fn(x)
+            self._remember(keys, out)
+            return out
+        for key, row in zip(keys, found):
+            if row is not None:
+                self.rows.move_to_end(key)
+        if missing:
+            computed = fn(x[missing])
+            self._remember([keys[i] for i in missing], computed)
+            rows = iter(computed)
+            found = [row if row is not None else next(rows) for row in found]
+        return torch.stack(found)
+
+    @staticmethod
+    def _keys(x: torch.Tensor) -> list[bytes]:
+        flat = x.detach().contiguous().reshape(len(x), -1).view(torch.uint8).numpy()
+        header = f"{tuple(x.shape[1:])}:{x.dtype}".encode()
+        return [hashlib.blake2b(memoryview(row), digest_size=16).digest() + header
+                for row in flat]
+
+    def _remember(self, keys: list[bytes], out: torch.Tensor) -> None:
+        for key, row in zip(keys, out):
+            row = row.clone()  # its own storage: a view would keep the whole batch alive
+            if key not in self.rows:
+                self.bytes += row.nbytes
+            self.rows[key] = row
+        while self.bytes > self.max_bytes and self.rows:
+            self.bytes -= self.rows.popitem(last=False)[1].nbytes
+
+    def describe(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "rows": len(self.rows),
+                "mb": round(self.bytes / 2**20, 1), "max_mb": round(self.max_bytes / 2**20, 1)}
+
+
+def weights_context(module: nn.Module) -> tuple:
+    """What identifies a module's weights: each tensor's storage and its in-place write count."""
+    return tuple((t.data_ptr(), t._version) for t in (*module.parameters(), *module.buffers()))
+
+
+def memo_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules under ``model`` that can remember their outputs (an ``output_memo`` attribute)."""
+    return [m for m in model.modules() if hasattr(m, "output_memo")]
+
+
+def enable_memos(model: nn.Module, max_mb: float) -> list[RowMemo]:
+    """Give each frozen module under ``model`` a memo of ``max_mb`` MB (shared by none); returns them."""
+    memos = []
+    for module in memo_modules(model):
+        module.output_memo = RowMemo(int(max_mb * 2**20))
+        memos.append(module.output_memo)
+    return memos
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module):
+    """Inside: every memo under ``model`` is off (timings of the model's own compute; copies of the model)."""
+    held = [(m, m.output_memo) for m in memo_modules(model)]
+    for module, _ in held:
+        module.output_memo = None
+    try:
+        yield
+    finally:
+        for module, memo in held:
+            module.output_memo = memo

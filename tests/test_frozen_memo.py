@@ -1,0 +1,88 @@
+"""The frozen stem's memo (cxrdr/train/models/frozen_memo.py): the same outputs, the same training run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cxrdr.train.models.frozen_memo import RowMemo, enable_memos, suspended
+from cxrdr.train.models.hybrid_tower import lite0_stem
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def stem():
+    torch.manual_seed(0)
+    return lite0_stem(8, pretrained=False, frozen=True)
+
+
+def test_a_row_memo_computes_only_new_rows_and_stays_within_its_bytes():
+    calls = []
+
+    def double(x):
+        calls.append(len(x))
+        return x * 2
+
+    x = torch.arange(12.0).reshape(4, 3)
+    memo = RowMemo(max_bytes=3 * 12)  # three rows of 3 floats
+    assert torch.equal(memo(double, x[:2], context=("w", 1)), x[:2] * 2)
+    assert torch.equal(memo(double, x[[1, 3, 0]], context=("w", 1)), x[[1, 3, 0]] * 2)
+    assert calls == [2, 1] and (memo.hits, memo.misses) == (2, 3)
+    memo(double, x[[2]], context=("w", 1))  # a fourth row: the least recently used one (row 1) goes
+    assert len(memo.rows) == 3 and memo.bytes == 36
+    memo(double, x[[1]], context=("w", 1))
+    assert calls[-1] == 1
+    memo(double, x[[1]], context=("w", 2))  # other weights: nothing remembered is used
+    assert calls[-1] == 1 and memo.describe()["rows"] == 1
+    same_bytes_other_shape = x[:2].reshape(2, 1, 3)
+    memo(double, same_bytes_other_shape, context=("w", 2))
+    assert calls[-1] == 2  # a key holds the row's shape, not only its bytes
+
+
+def test_the_stem_gives_the_same_bits_with_its_memo_and_forgets_when_its_weights_change(stem):
+    x = torch.rand(6, 3, 32, 32)
+    with torch.no_grad():
+        direct = stem(x)
+    [memo] = enable_memos(stem, max_mb=16)
+    try:
+        assert torch.equal(stem(x[:4]), direct[:4])
+        assert torch.equal(stem(x[[5, 0, 2, 4]]), direct[[5, 0, 2, 4]])  # partly remembered, partly new
+        assert torch.equal(stem(torch.cat([x, x[:1]])), torch.cat([direct, direct[:1]]))
+        assert (memo.hits, memo.misses) == (2 + 7, 4 + 2)
+        with suspended(stem):
+            assert stem.output_memo is None
+            stem(x)
+        assert memo.hits == 9 and stem.output_memo is memo
+
+        changed = {k: v * 0.5 if v.is_floating_point() else v for k, v in stem.state_dict().items()}
+        stem.load_state_dict(changed)  # written in place: the remembered rows are another stem's
+        with torch.no_grad(), suspended(stem):
+            expected = stem(x)
+        assert not torch.equal(expected, direct)
+        assert torch.equal(stem(x), expected) and memo.misses == 6 + 6
+    finally:
+        stem.output_memo = None
+
+
+def test_a_training_run_is_the_same_with_and_without_the_memo(phantom_shards, tmp_path):
+    """A small hybrid student (the cpu-D recipe, one block) on stored views that repeat: identical metrics."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import train
+
+    small = {"image_size": 32, "image_kwargs": {"stem_stride": 8, "width": 32, "depth": 1, "num_heads": 2,
+                                                "mlp_ratio": 2.0, "freeze_stem": True, "pretrained": False}}
+    common = dict(shards=str(phantom_shards), model="cpu-D", model_overrides=small, steps=12, batch_size=8,
+                  workers=0, progress=False, device="cpu", log_every=1, eval_every=0, balance_every=0)
+    summaries = {mb: train(TrainConfig(out=str(tmp_path / f"memo{mb}"), frozen_memo_mb=mb, **common))
+                 for mb in (0, 64)}
+    assert summaries[0]["frozen_memo"] is None
+    [used] = summaries[64]["frozen_memo"]
+    assert used["hits"] > 0 and used["misses"] > 0
+
+    def numbers(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k and k not in ("samples_per_s", "eval_phase_s")} for r in rows]
+
+    assert numbers("memo0") == numbers("memo64")
