@@ -41,6 +41,20 @@ def test_a_row_memo_computes_only_new_rows_and_stays_within_its_bytes():
     assert calls[-1] == 2  # a key holds the row's shape, not only its bytes
 
 
+def test_rows_in_chunks_give_the_same_bits_whatever_else_their_batch_holds(stem):
+    """On one thread a batch of 1-15 rows through the stem rounds differently from one of 16 or more (oneDNN's choice
+    of kernel); in chunks of 16 a row's output is the same in any batch."""
+    from cxrdr.train.models.frozen_memo import in_chunks
+
+    x = torch.rand(40, 3, 64, 64)
+    with torch.no_grad():
+        whole = in_chunks(stem._features, x)
+        assert whole.shape == (40, *stem._features(x[:1]).shape[1:])
+        for rows in ([3], [7, 1, 30], list(range(5, 22)), list(range(39, -1, -1))):
+            assert torch.equal(in_chunks(stem._features, x[rows]), whole[rows])
+        assert torch.equal(stem(x), whole)  # the stem's own forward on the CPU
+
+
 def test_the_stem_gives_the_same_bits_with_its_memo_and_forgets_when_its_weights_change(stem):
     x = torch.rand(6, 3, 32, 32)
     with torch.no_grad():
@@ -66,14 +80,20 @@ def test_the_stem_gives_the_same_bits_with_its_memo_and_forgets_when_its_weights
         stem.output_memo = None
 
 
-def test_a_training_run_is_the_same_with_and_without_the_memo(phantom_shards, tmp_path):
-    """A small hybrid student (the cpu-D recipe, one block) on stored views that repeat: identical metrics."""
+SMALL = {  # the recipes at 32 px, untrained weights: a hybrid of one block, an EfficientNet with stages 0-3 frozen
+    "cpu-D": {"image_size": 32, "image_kwargs": {"stem_stride": 8, "width": 32, "depth": 1, "num_heads": 2,
+                                                 "mlp_ratio": 2.0, "freeze_stem": True, "pretrained": False}},
+    "tiny-cnn-D": {"image_size": 32, "image_kwargs": {"stride": 16, "freeze_stages": 4, "pretrained": False}},
+}
+
+
+@pytest.mark.parametrize("model", SMALL)
+def test_a_training_run_is_the_same_with_and_without_the_memo(model, phantom_shards, tmp_path):
+    """A student with frozen layers on stored views that repeat: the same metrics at every step."""
     from cxrdr.train.config import TrainConfig
     from cxrdr.train.loop import train
 
-    small = {"image_size": 32, "image_kwargs": {"stem_stride": 8, "width": 32, "depth": 1, "num_heads": 2,
-                                                "mlp_ratio": 2.0, "freeze_stem": True, "pretrained": False}}
-    common = dict(shards=str(phantom_shards), model="cpu-D", model_overrides=small, steps=12, batch_size=8,
+    common = dict(shards=str(phantom_shards), model=model, model_overrides=SMALL[model], steps=12, batch_size=8,
                   workers=0, progress=False, device="cpu", log_every=1, eval_every=0, balance_every=0)
     summaries = {mb: train(TrainConfig(out=str(tmp_path / f"memo{mb}"), frozen_memo_mb=mb, **common))
                  for mb in (0, 64)}

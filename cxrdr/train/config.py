@@ -137,8 +137,8 @@ class TrainConfig:
                                      "later rounds, up to this many MB (a small split is not parsed again each "
                                      "epoch); 0: off. The batches are the same either way.")
     log_every: int = _opt(10, "Steps between metrics.jsonl records.")
-    frozen_memo_mb: int = _opt(256, "On the CPU, a frozen stem (cpu-* students) remembers its output for each view "
-                                    "it was fed, up to this many MB, and runs only on views not seen before: a "
+    frozen_memo_mb: int = _opt(256, "On the CPU, a frozen stem (cpu-*, tiny-cnn-* students) remembers its output for "
+                                    "each view it was fed, up to this many MB, and runs only on views not seen: a "
                                     "reinforced run replays K stored views per image. The same numbers either way "
                                     "(cxrdr/train/models/frozen_memo.py); 0: off.")
     balance_every: int = _opt(100, "Steps between measurements of each loss term's gradient norm on the shared "

@@ -8,16 +8,19 @@ Every tower maps normalised (B, 3, H, W) images to a ``TowerOutput``: a global t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import timm
 import torch
 import torch.nn as nn
+from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch.utils.checkpoint import checkpoint
 
 from cxrdr.common.patch_conv import swap_patch_convs
 from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
 from cxrdr.train.models.block_graphs import BlockGraphs
+from cxrdr.train.models.frozen_memo import RowMemo, in_chunks, weights_context
 from cxrdr.train.models.registry import register_tower
 
 TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
@@ -267,6 +270,9 @@ class EfficientNetTower(ImageTower):
         self.frozen = [trunk.conv_stem, trunk.bn1, *trunk.blocks[:freeze_stages]] if freeze_stages else []
         for module in self.frozen:
             parameters_to_buffers(module)
+        self.freeze_stages = freeze_stages
+        if self.frozen:  # the training loop's memo of the frozen layers' outputs (frozen_memo.enable_memos), CPU only
+            self.output_memo: RowMemo | None = None
 
     def train(self, mode: bool = True) -> "EfficientNetTower":
         super().train(mode)
@@ -275,7 +281,27 @@ class EfficientNetTower(ImageTower):
         return self
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
-        return grid_tokens(self.trunk.forward_features(x.contiguous(memory_format=self.memory_format)))
+        x = x.contiguous(memory_format=self.memory_format)
+        if not self.frozen or x.device.type != "cpu" or torch.compiler.is_compiling():
+            return grid_tokens(self.trunk.forward_features(x))
+        frozen = partial(in_chunks, self._frozen_features)
+        with torch.no_grad():
+            if self.output_memo is None:
+                x = frozen(x)
+            else:
+                autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+                x = self.output_memo(frozen, x, (weights_context(*self.frozen), autocast))
+        return grid_tokens(self._trained_features(x.contiguous(memory_format=self.memory_format)))
+
+    # timm's EfficientNet.forward_features in two parts: the frozen layers (on the CPU 16 rows a call), then the rest
+    def _frozen_features(self, x: torch.Tensor) -> torch.Tensor:
+        trunk = self.trunk
+        return trunk.blocks[:self.freeze_stages](trunk.bn1(trunk.conv_stem(x)))
+
+    def _trained_features(self, x: torch.Tensor) -> torch.Tensor:
+        trunk, blocks = self.trunk, self.trunk.blocks[self.freeze_stages:]
+        x = checkpoint_seq(blocks, x, flatten=True) if trunk.grad_checkpointing else blocks(x)
+        return trunk.bn2(trunk.conv_head(x))
 
 
     def last_block(self) -> nn.Module:
