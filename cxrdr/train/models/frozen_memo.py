@@ -7,10 +7,10 @@ Lite0 stem costs ~58 ms of a ~450 ms step on two cores. The memo runs the stem o
 has not seen and returns the stored outputs of the others. The EfficientNet towers' frozen stages
 (``freeze_stages``: tiny-cnn-*, the CPU efficiency and reinforcement experiments' students) have one too.
 
-It changes no bit: on the CPU the frozen layers take their rows 16 at a time (``in_chunks``), so a row's
-output never depends on the rest of its batch, and a remembered row is the one they would compute again
-(tests/test_frozen_memo.py checks that, and that a training run gives the same losses with and without
-the memo); a key is a row's whole byte content (BLAKE2b, with its shape, dtype and the autocast state),
+It changes no bit: with a memo the frozen layers take their rows 16 at a time (``in_chunks``), so a row's
+output never depends on the rest of its batch and a remembered row is the one they would compute again
+(tests/test_frozen_memo.py checks that, and that a training run logs the same numbers with and without
+the memo: on this CPU 16-row calls round as whole batches of 16 or more do); a key is a row's whole byte content (BLAKE2b, with its shape, dtype and the autocast state),
 never an id that two different views could share. The memo forgets everything
 when the module's weights change (another tensor, or one written in place: ``Tensor._version``).
 
@@ -89,10 +89,11 @@ class RowMemo:
                 "mb": round(self.bytes / 2**20, 1), "max_mb": round(self.max_bytes / 2**20, 1)}
 
 
-# Rows per call of frozen layers on the CPU. A row's output can depend on how many rows its call holds (oneDNN picks
+# Rows per call of frozen layers with a memo. A row's output can depend on how many rows its call holds (oneDNN picks
 # kernels by batch size: on one thread, calls of 1-15 rows round differently from calls of 16 or more), so every call
 # holds exactly this many (the last padded with copies of a row): a remembered row is then the one a later batch
-# would compute. On 2 cores 16-row calls also run ~1.5x faster than one of 32 (cache), the stem's 64 -> 42 ms.
+# would compute, and a resumed run, its memo empty, computes what the run it continues remembered. 16 rows a call
+# round as the whole batch of 16 or more without a memo did here (tests/test_frozen_memo.py).
 CPU_CHUNK_ROWS = 16
 
 

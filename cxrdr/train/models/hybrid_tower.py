@@ -46,10 +46,8 @@ class FrozenStem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            if x.device.type != "cpu" or torch.compiler.is_compiling():
+            if self.output_memo is None or x.device.type != "cpu" or torch.compiler.is_compiling():
                 return self._features(x)
-            if self.output_memo is None:
-                return in_chunks(self._features, x)
             autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
             return self.output_memo(partial(in_chunks, self._features), x, (weights_context(self.stem), autocast))
 

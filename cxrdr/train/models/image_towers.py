@@ -282,18 +282,15 @@ class EfficientNetTower(ImageTower):
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
         x = x.contiguous(memory_format=self.memory_format)
-        if not self.frozen or x.device.type != "cpu" or torch.compiler.is_compiling():
+        memo = getattr(self, "output_memo", None)
+        if memo is None or x.device.type != "cpu" or torch.compiler.is_compiling():
             return grid_tokens(self.trunk.forward_features(x))
-        frozen = partial(in_chunks, self._frozen_features)
+        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
         with torch.no_grad():
-            if self.output_memo is None:
-                x = frozen(x)
-            else:
-                autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
-                x = self.output_memo(frozen, x, (weights_context(*self.frozen), autocast))
+            x = memo(partial(in_chunks, self._frozen_features), x, (weights_context(*self.frozen), autocast))
         return grid_tokens(self._trained_features(x.contiguous(memory_format=self.memory_format)))
 
-    # timm's EfficientNet.forward_features in two parts: the frozen layers (on the CPU 16 rows a call), then the rest
+    # timm's EfficientNet.forward_features in two parts (the memo's path): the frozen layers, then the rest
     def _frozen_features(self, x: torch.Tensor) -> torch.Tensor:
         trunk = self.trunk
         return trunk.blocks[:self.freeze_stages](trunk.bn1(trunk.conv_stem(x)))
