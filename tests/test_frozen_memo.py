@@ -109,3 +109,28 @@ def test_a_training_run_is_the_same_with_and_without_the_memo(model, phantom_sha
         return [{k: v for k, v in r.items() if "time" not in k and k not in ("samples_per_s", "eval_phase_s")} for r in rows]
 
     assert numbers("memo0") == numbers("memo64")
+
+
+def test_a_run_resumed_with_an_empty_memo_logs_what_the_uninterrupted_run_did(phantom_shards, tmp_path):
+    """The resumed process remembers nothing: it computes the rows the uninterrupted one took from its memo."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer, train
+
+    common = dict(shards=str(phantom_shards), model="cpu-D", model_overrides=SMALL["cpu-D"], steps=10, batch_size=16,
+                  workers=0, progress=False, device="cpu", log_every=1, eval_every=0, balance_every=0)
+    train(TrainConfig(out=str(tmp_path / "whole"), **common))
+    cut = Trainer(TrainConfig(out=str(tmp_path / "cut"), **common))
+    batches = cut._batches()
+    for _ in range(6):
+        cut.train_step(batches, log_balance=False)
+    cut.save("last.pt")
+    assert cut.memos[0].hits > 0
+    del cut, batches
+    resumed = train(TrainConfig(out=str(tmp_path / "cut"), resume=True, **common))
+    assert resumed["start_step"] == 6 and resumed["frozen_memo"][0]["misses"] > 0
+
+    def losses(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train" and r["step"] > 6}
+
+    assert losses("cut") == losses("whole") and len(losses("whole")) == 4
