@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from cxrdr.train.models.frozen_memo import RowMemo, enable_memos, suspended
+from cxrdr.train.models.frozen_memo import RowMemo, enable_memos, in_chunks, suspended
 from cxrdr.train.models.hybrid_tower import lite0_stem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,8 +44,6 @@ def test_a_row_memo_computes_only_new_rows_and_stays_within_its_bytes():
 def test_rows_in_chunks_give_the_same_bits_whatever_else_their_batch_holds(stem):
     """On one thread a batch of 1-15 rows through the stem rounds differently from one of 16 or more (oneDNN's choice
     of kernel); in chunks of 16 a row's output is the same in any batch."""
-    from cxrdr.train.models.frozen_memo import in_chunks
-
     x = torch.rand(40, 3, 64, 64)
     with torch.no_grad():
         whole = in_chunks(stem._features, x)
@@ -56,8 +54,6 @@ def test_rows_in_chunks_give_the_same_bits_whatever_else_their_batch_holds(stem)
 
 
 def test_the_stem_gives_the_same_bits_with_its_memo_and_forgets_when_its_weights_change(stem):
-    from cxrdr.train.models.frozen_memo import in_chunks
-
     x = torch.rand(6, 3, 32, 32)
     with torch.no_grad():
         direct = in_chunks(stem._features, x)  # the rows as the memo computes them, 16 a call
@@ -106,7 +102,8 @@ def test_a_training_run_is_the_same_with_and_without_the_memo(model, phantom_sha
 
     def numbers(run):
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if "time" not in k and k not in ("samples_per_s", "eval_phase_s")} for r in rows]
+        timings = ("samples_per_s", "eval_phase_s")
+        return [{k: v for k, v in r.items() if "time" not in k and k not in timings} for r in rows]
 
     assert numbers("memo0") == numbers("memo64")
 

@@ -10,9 +10,10 @@ has not seen and returns the stored outputs of the others. The EfficientNet towe
 It changes no bit: with a memo the frozen layers take their rows 16 at a time (``in_chunks``), so a row's
 output never depends on the rest of its batch and a remembered row is the one they would compute again
 (tests/test_frozen_memo.py checks that, and that a training run logs the same numbers with and without
-the memo: on this CPU 16-row calls round as whole batches of 16 or more do); a key is a row's whole byte content (BLAKE2b, with its shape, dtype and the autocast state),
-never an id that two different views could share. The memo forgets everything
-when the module's weights change (another tensor, or one written in place: ``Tensor._version``).
+the memo: on this CPU 16-row calls round as whole batches of 16 or more do). A key is a row's whole byte
+content (BLAKE2b, with its shape and dtype), never an id that two different views could share. The memo
+forgets everything when the weights change (another tensor, or one written in place: ``Tensor._version``)
+or autocast does.
 
 CPU only (the towers skip it elsewhere): hashing a CUDA row would read it back to the host, a
 sync per step. Not under ``torch.compile`` (the Python hashing would break the graph). An online
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -103,6 +105,18 @@ def in_chunks(fn, x: torch.Tensor, rows: int = CPU_CHUNK_ROWS) -> torch.Tensor:
     if n % rows:
         x = torch.cat([x, x[-1:].expand(rows - n % rows, *x.shape[1:])])
     return torch.cat([fn(part) for part in x.split(rows)])[:n]
+
+
+def memo_applies(memo: RowMemo | None, x: torch.Tensor) -> bool:
+    """Whether a frozen module runs ``x`` through its memo: one is set, on the CPU, outside ``torch.compile``."""
+    return memo is not None and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def through_memo(memo: RowMemo, fn, x: torch.Tensor, *weights: nn.Module) -> torch.Tensor:
+    """``fn(x)`` (the frozen layers of ``weights``) with ``memo``: the unseen rows 16 a call, the others remembered
+    while those modules' weights and the autocast state stay as they were."""
+    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+    return memo(partial(in_chunks, fn), x, (weights_context(*weights), autocast))
 
 
 def weights_context(*modules: nn.Module) -> tuple:

@@ -21,7 +21,7 @@ from timm.layers import HybridEmbed
 from timm.models.vision_transformer import VisionTransformer
 
 from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
-from cxrdr.train.models.frozen_memo import RowMemo, in_chunks, weights_context
+from cxrdr.train.models.frozen_memo import RowMemo, memo_applies, through_memo
 from cxrdr.train.models.image_towers import parameters_to_buffers
 from cxrdr.train.models.registry import register_tower
 
@@ -46,10 +46,9 @@ class FrozenStem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            if self.output_memo is None or x.device.type != "cpu" or torch.compiler.is_compiling():
-                return self._features(x)
-            autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
-            return self.output_memo(partial(in_chunks, self._features), x, (weights_context(self.stem), autocast))
+            if memo_applies(self.output_memo, x):
+                return through_memo(self.output_memo, self._features, x, self.stem)
+            return self._features(x)
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         return self.stem(x.contiguous(memory_format=torch.channels_last)).contiguous()

@@ -8,7 +8,6 @@ Every tower maps normalised (B, 3, H, W) images to a ``TowerOutput``: a global t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import timm
 import torch
@@ -20,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from cxrdr.common.patch_conv import swap_patch_convs
 from cxrdr.common.pretrained import IMAGENET_MEAN, IMAGENET_STD, create_efficientnet_lite
 from cxrdr.train.models.block_graphs import BlockGraphs
-from cxrdr.train.models.frozen_memo import RowMemo, in_chunks, weights_context
+from cxrdr.train.models.frozen_memo import RowMemo, memo_applies, through_memo
 from cxrdr.train.models.registry import register_tower
 
 TIMM_VIT_NAMES = {"vit_tiny_patch16": "vit_tiny_patch16_224", "vit_small_patch16": "vit_small_patch16_224",
@@ -282,12 +281,11 @@ class EfficientNetTower(ImageTower):
 
     def forward(self, x: torch.Tensor, step: int | None = None) -> TowerOutput:
         x = x.contiguous(memory_format=self.memory_format)
-        memo = getattr(self, "output_memo", None)
-        if memo is None or x.device.type != "cpu" or torch.compiler.is_compiling():
+        memo = getattr(self, "output_memo", None)  # only a tower with frozen stages has one
+        if not memo_applies(memo, x):
             return grid_tokens(self.trunk.forward_features(x))
-        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
         with torch.no_grad():
-            x = memo(partial(in_chunks, self._frozen_features), x, (weights_context(*self.frozen), autocast))
+            x = through_memo(memo, self._frozen_features, x, *self.frozen)
         return grid_tokens(self._trained_features(x.contiguous(memory_format=self.memory_format)))
 
     # timm's EfficientNet.forward_features in two parts (the memo's path): the frozen layers, then the rest
