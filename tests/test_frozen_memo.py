@@ -108,6 +108,18 @@ def test_a_training_run_is_the_same_with_and_without_the_memo(model, phantom_sha
     assert numbers("memo0") == numbers("memo64")
 
 
+def test_a_plain_run_whose_views_never_repeat_gets_no_memo(phantom_shards, tmp_path):
+    """--mode plain draws a fresh view each time: a memo would hash every row and find none (only reinforced runs
+    replay their stored views), so the loop gives none; the summary says so."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
+
+    common = dict(shards=str(phantom_shards), model="tiny-cnn-D", model_overrides=SMALL["tiny-cnn-D"], workers=0,
+                  progress=False, device="cpu", frozen_memo_mb=64)
+    assert Trainer(TrainConfig(out=str(tmp_path / "plain"), mode="plain", **common)).memos == []
+    assert len(Trainer(TrainConfig(out=str(tmp_path / "reinforced"), **common)).memos) == 1
+
+
 def test_a_run_resumed_with_an_empty_memo_logs_what_the_uninterrupted_run_did(phantom_shards, tmp_path):
     """The resumed process remembers nothing: it computes the rows the uninterrupted one took from its memo."""
     from cxrdr.train.config import TrainConfig

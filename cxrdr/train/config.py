@@ -139,8 +139,9 @@ class TrainConfig:
     log_every: int = _opt(10, "Steps between metrics.jsonl records.")
     frozen_memo_mb: int = _opt(256, "On the CPU, a frozen stem (cpu-*, tiny-cnn-* students) remembers its output for "
                                     "each view it was fed, up to this many MB, and runs only on views not seen: a "
-                                    "reinforced run replays K stored views per image. Here the same numbers either way "
-                                    "at batches of 16 or more (cxrdr/train/models/frozen_memo.py); 0: off.")
+                                    "reinforced run replays K stored views per image (a plain run's views are fresh: "
+                                    "no memo). Here the same numbers either way at batches of 16 or more "
+                                    "(cxrdr/train/models/frozen_memo.py); 0: off.")
     balance_every: int = _opt(100, "Steps between measurements of each loss term's gradient norm on the shared "
                                    "trunk (grad_norm/* in metrics.jsonl; also at the first and the last step): one "
                                    "extra backward pass per term, and on CUDA an eager step; 0: never.")

@@ -134,9 +134,10 @@ class Trainer:
         self._read_data_description()
         self.data_source = data_source(cfg.shards)
         self._build_task()
-        # a frozen stem's outputs for the views it has seen (CPU: a CUDA row would be read back to hash it)
+        # a frozen stem's outputs for the views it has seen: on the CPU (a CUDA row would be read back to hash it),
+        # where views repeat (the K stored views replayed; a plain run's are fresh: no hit, only hashing, 5-8 % a step)
         self.memos = enable_memos(self.student, cfg.frozen_memo_mb) \
-            if self.device.type == "cpu" and cfg.frozen_memo_mb else []
+            if self.device.type == "cpu" and cfg.frozen_memo_mb and cfg.mode != "plain" else []
         self.optimizer = build_optimizer(self.student, self.optim_cfg)
         self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, cfg.steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == torch.float16 else None

@@ -279,7 +279,11 @@ def _draw_boxes(ax, boxes, colour="lime"):
 
 def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
     """One row per image: image + GT boxes, mask z's scores, attention of each finding's words; each map's
-    peak (what the pointing game scores) is marked with a white cross."""
+    peak (what the pointing game scores) is marked with a white cross.
+
+    Drawn once (~1.0 -> ~0.45 s for 6 rows): fixed margins instead of ``tight_layout`` (another full draw of 30
+    panels), each title a plain text (``set_title`` places itself by every axis' extent at each draw), the PNG
+    compressed at level 1 (~1.25x the bytes, a third of the encoding time)."""
     plt = _plt()
     ncols = 2 + max(1, min(max_attn, max((len(it["attn"]) for it in items), default=0)))
     fig, axes = plt.subplots(len(items), ncols, figsize=(2.2 * ncols, 2.2 * len(items)), squeeze=False)
@@ -303,9 +307,11 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
             elif c == 1:
                 title = "mask z: none"
             _draw_boxes(ax, it["boxes"])
-            ax.set_title(title if c else f"{it['key'][:18]}", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            ax.text(0.5, 1.02, title if c else f"{it['key'][:18]}", transform=ax.transAxes, ha="center",
+                    va="bottom", fontsize=7)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.3 / fig.get_figheight(), wspace=0.08,
+                        hspace=0.15)
+    fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})
     plt.close(fig)
 
 
