@@ -27,9 +27,9 @@ import re
 import sys
 from pathlib import Path
 
-import yaml
 from scipy.stats import t as student_t
 
+from cxrdr.common.yamlio import safe_load
 from cxrdr.experiments.partial_note import partial_caveat, seeds_by_arm
 from cxrdr.experiments.recipe_file import load_recipe
 from cxrdr.experiments.stats import gap_interval, t_interval, welch_half_width
@@ -1192,11 +1192,11 @@ def _leaves(obj, prefix: str = ""):
 
 def recipe_settings() -> dict[str, list[tuple[str, object]]]:
     """recipe file stem -> [(dotted key, value)] for every leaf setting of configs/experiments/*.yaml."""
-    return {p.stem: list(_leaves(yaml.safe_load(p.read_text()) or {})) for p in sorted(RECIPES.glob("*.yaml"))}
+    return {p.stem: list(_leaves(safe_load(p.read_text()) or {})) for p in sorted(RECIPES.glob("*.yaml"))}
 
 
 def provenance_entries() -> list[dict]:
-    return yaml.safe_load(PROVENANCE.read_text())["settings"]
+    return safe_load(PROVENANCE.read_text())["settings"]
 
 
 def provenance_match(recipe: str, key: str, entries: list[dict] | None = None) -> dict | None:

@@ -96,6 +96,24 @@ def test_crafted_checkpoint_is_refused_everywhere(tmp_path, phantom_shards):
     assert load_checkpoint(path).embed_dim == model.embed_dim
 
 
+def test_a_config_that_names_python_code_is_refused_and_runs_nothing(tmp_path):
+    """Configs are read by libyaml's parser where PyYAML has it (cxrdr.common.yamlio.safe_load), with the safe
+    constructor: a python tag is an error naming the file; every shipped config reads as yaml.safe_load reads it."""
+    import yaml
+
+    from cxrdr.common.yamlio import safe_load
+    from cxrdr.train.config import TrainConfig
+
+    marker = tmp_path / "ran"
+    crafted = tmp_path / "train.yaml"
+    crafted.write_text(f"steps: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ValueError, match=r"train.yaml: not valid YAML: .*python/object/apply"):
+        TrainConfig.load(crafted)
+    assert not marker.exists()
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        assert safe_load(path.read_text()) == yaml.safe_load(path.read_text()), path
+
+
 def test_a_file_that_is_no_checkpoint_is_named_as_such(tmp_path):
     from cxrdr.train.checkpoint import read_checkpoint
 

@@ -25,6 +25,7 @@ import yaml
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
+from cxrdr.common.yamlio import safe_load
 from cxrdr.experiments.carry import carried_from, is_carried
 from cxrdr.experiments.chunks import begin, expected_training_s, measured_evaluation, measured_training
 from cxrdr.experiments.repro import code_version, note_other_code
@@ -251,7 +252,7 @@ def _saved_alike(run_dir: Path, cfg: TrainConfig) -> bool:
     if not ((run_dir / "config.yaml").is_file() and has_weights(run_dir)):
         return False
     try:
-        previous = TrainConfig.from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), warn=False)
+        previous = TrainConfig.from_dict(safe_load((run_dir / "config.yaml").read_text()), warn=False)
     except (TypeError, ValueError):  # a field since removed or renamed: not the same run
         return False
     return _as_saved(previous) == _as_saved(cfg)
@@ -269,7 +270,7 @@ def _as_saved(cfg: TrainConfig) -> dict:
     same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto",
                                save_every=0, workers=loader_workers(cfg.workers, cfg.device), balance_every=0,
                                frozen_memo_mb=0)
-    return yaml.safe_load(yaml.safe_dump(same.to_dict(), sort_keys=False))
+    return safe_load(yaml.dump(same.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False))
 
 
 def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:

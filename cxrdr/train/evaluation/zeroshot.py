@@ -15,6 +15,7 @@ import numpy as np
 
 from cxrdr.common.configs import prompts_file
 from cxrdr.common.labels import CHEXPERT14
+from cxrdr.common.yamlio import safe_load
 from cxrdr.train.evaluation.probe import binarise, label_skip_reason, score_label, summarise
 
 CLASSES_5X200 = ("Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleural Effusion")
@@ -22,12 +23,10 @@ CLASSES_5X200 = ("Atelectasis", "Cardiomegaly", "Consolidation", "Edema", "Pleur
 
 def load_prompts(path: str | Path | None = None) -> dict:
     """``{"labels": {name: {"positive": [...], "negative": [...]}}, "multiclass_5x200": [...]}``."""
-    import yaml
-
     path = Path(path) if path else prompts_file()
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = safe_load(path.read_text()) or {}
     labels = data.get("labels")
     if not isinstance(labels, dict) or not labels:
         raise ValueError(f"{path}: expected a non-empty 'labels:' mapping of label -> prompts")
