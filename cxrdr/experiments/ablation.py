@@ -17,7 +17,7 @@ from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, evaluate_run
                                    run_training)
 from cxrdr.experiments.stats import t_interval
 from cxrdr.train.evaluation.report import (COST_COLUMNS, _plt, markdown_table, markdown_table_sd, plot_bars,
-                                           seed_summary, write_json)
+                                           save_figure, seed_summary, write_json)
 
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
 ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall",
@@ -225,9 +225,7 @@ def _plot_sweep(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(label)
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _nan(v):

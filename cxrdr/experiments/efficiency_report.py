@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cxrdr.experiments.stats import mean_curve
-from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_sd, plot_bars
+from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_sd, plot_bars, save_figure
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall", "mean_recall_findings",
            "probe_auc", "zeroshot_auc"]
@@ -84,9 +84,7 @@ def _save_samples_plot(plt, fig, ax, ylabel: str, title: str, path: Path) -> Non
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def efficiency_markdown(recipe, shards, seeds, rows, teachers, cost, measured_bars, arms, protocol=None,

@@ -270,6 +270,16 @@ def _plt():
     return plt
 
 
+def save_figure(fig, path: Path, tight: bool = True) -> None:
+    """Lay ``fig`` out (``tight_layout``: one more draw, to measure its labels), write it as a PNG at 110 dpi and close
+    it. zlib level 1: a third of the default level's encoding time for ~1.25x the bytes (the heatmap figure's PNG:
+    0.20 -> 0.06 s)."""
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})
+    _plt().close(fig)
+
+
 def _draw_boxes(ax, boxes, colour="lime"):
     from matplotlib.patches import Rectangle
 
@@ -283,7 +293,7 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
 
     Drawn once (~1.0 -> ~0.45 s for 6 rows): fixed margins instead of ``tight_layout`` (another full draw of 30
     panels), each title a plain text (``set_title`` places itself by every axis' extent at each draw), the PNG
-    compressed at level 1 (~1.25x the bytes, a third of the encoding time)."""
+    compressed at level 1 (``save_figure``)."""
     plt = _plt()
     ncols = 2 + max(1, min(max_attn, max((len(it["attn"]) for it in items), default=0)))
     fig, axes = plt.subplots(len(items), ncols, figsize=(2.2 * ncols, 2.2 * len(items)), squeeze=False)
@@ -311,8 +321,7 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
                     va="bottom", fontsize=7)
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.3 / fig.get_figheight(), wspace=0.08,
                         hspace=0.15)
-    fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})
-    plt.close(fig)
+    save_figure(fig, path, tight=False)
 
 
 def _mark_peak(ax, heat, size: int) -> None:
@@ -336,9 +345,7 @@ def plot_deletion_insertion(curves: dict, path: Path) -> None:
         ax.set_ylabel("cos(image, own report)")
         ax.set_title(kind)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_series(series: dict, xlabel: str, ylabel: str, title: str, path: Path) -> None:
@@ -353,9 +360,7 @@ def plot_series(series: dict, xlabel: str, ylabel: str, title: str, path: Path) 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
@@ -371,9 +376,7 @@ def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
             ax.annotate(f"{h:.1f}", (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom", fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def localisation_markdown(lo: dict) -> list[str]:
