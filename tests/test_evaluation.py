@@ -427,6 +427,16 @@ def tiny_run(tmp_path_factory):
     return shards, run
 
 
+def test_an_evaluation_of_a_split_the_folder_lacks_names_the_splits_it_has(tiny_run):
+    from cxrdr.train.evaluation.runner import evaluate
+
+    shards, run = tiny_run
+    counts = json.loads((shards / "dataset.json").read_text())["counts"]
+    held = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+    with pytest.raises(ValueError, match=rf"split 'tset' has no samples \(its splits: {held}\)"):
+        evaluate(str(run / "best.pt"), shards, "tset")
+
+
 def test_train_eval_cli_writes_outputs(tiny_run):
     from typer.testing import CliRunner
 

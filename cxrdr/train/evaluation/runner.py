@@ -27,6 +27,7 @@ import torch
 
 from cxrdr.common.host_threads import host_threads
 from cxrdr.common.phase_clock import PhaseClock
+from cxrdr.common.shards import read_dataset_info
 from cxrdr.common.views import one_per_study
 from cxrdr.train.evaluation.efficiency import efficiency_metrics, image_encoder_metrics
 from cxrdr.train.evaluation.embedding import EvalModel, as_eval_model, embed_images, embed_texts
@@ -69,7 +70,10 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         clock = PhaseClock(digits=2)
         samples = load_split(shards_dir, split, max_samples)
         if not samples:
-            raise ValueError(f"{shards_dir}: split {split!r} has no samples")
+            counts = (read_dataset_info(shards_dir).get("counts") or {}) if Path(shards_dir, "dataset.json").is_file() \
+                else {}
+            held = ", ".join(f"{name} {n}" for name, n in counts.items() if n) or "none recorded"
+            raise ValueError(f"{shards_dir}: split {split!r} has no samples (its splits: {held})")
         texts, fallbacks = zip(*(retrieval_text(s, text_section) for s in samples))
         texts = list(texts)
         results: dict = {"meta": {
