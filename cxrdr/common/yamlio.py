@@ -12,6 +12,13 @@ def safe_load(text: str):
     return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
+def yaml_round_trip(obj):
+    """``obj`` as written to YAML and read back (tuples as lists, ...), both ways through libyaml where present."""
+    import yaml
+
+    return safe_load(yaml.dump(obj, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False))
+
+
 def read_yaml_mapping(path: str | Path, what: str) -> dict:
     """Parse ``path`` as a YAML mapping; ``what`` names its contents in error messages."""
     import yaml

@@ -20,12 +20,11 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 import typer
-import yaml
 
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
-from cxrdr.common.yamlio import safe_load
+from cxrdr.common.yamlio import safe_load, yaml_round_trip
 from cxrdr.experiments.carry import carried_from, is_carried
 from cxrdr.experiments.chunks import begin, expected_training_s, measured_evaluation, measured_training
 from cxrdr.experiments.repro import code_version, note_other_code
@@ -270,7 +269,7 @@ def _as_saved(cfg: TrainConfig) -> dict:
     same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto",
                                save_every=0, workers=loader_workers(cfg.workers, cfg.device), balance_every=0,
                                frozen_memo_mb=0)
-    return safe_load(yaml.dump(same.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False))
+    return yaml_round_trip(same.to_dict())
 
 
 def eval_curve(run_dir: Path, samples_per_step: int) -> list[dict]:

@@ -42,6 +42,12 @@ from cxrdr.train.evaluation.zeroshot import (encode_prompts, load_prompts, multi
                                              select_5x200, zeroshot_auc)
 
 
+def _split_counts(shards_dir) -> str:
+    """'train 491, val 52, test 57': the samples of each split a shard folder's dataset.json records."""
+    counts = (read_dataset_info(shards_dir).get("counts") or {}) if Path(shards_dir, "dataset.json").is_file() else {}
+    return ", ".join(f"{name} {n}" for name, n in counts.items() if n) or "none recorded"
+
+
 def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_split: str = "train",
              train_shards=None,
              text_section: str = "both", batch_size: int = 64, max_samples: int | None = None,
@@ -70,10 +76,7 @@ def evaluate(model, shards_dir, split: str = "test", out_dir=None, *, train_spli
         clock = PhaseClock(digits=2)
         samples = load_split(shards_dir, split, max_samples)
         if not samples:
-            counts = (read_dataset_info(shards_dir).get("counts") or {}) if Path(shards_dir, "dataset.json").is_file() \
-                else {}
-            held = ", ".join(f"{name} {n}" for name, n in counts.items() if n) or "none recorded"
-            raise ValueError(f"{shards_dir}: split {split!r} has no samples (its splits: {held})")
+            raise ValueError(f"{shards_dir}: split {split!r} has no samples (its splits: {_split_counts(shards_dir)})")
         texts, fallbacks = zip(*(retrieval_text(s, text_section) for s in samples))
         texts = list(texts)
         results: dict = {"meta": {
