@@ -16,7 +16,7 @@ from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, evaluate_run, report_set, result_row,
                                    run_training)
 from cxrdr.experiments.stats import t_interval
-from cxrdr.train.evaluation.report import (COST_COLUMNS, _plt, markdown_table, markdown_table_sd, plot_bars,
+from cxrdr.train.evaluation.report import (COST_COLUMNS, markdown_table, markdown_table_sd, plot_bars, pyplot,
                                            save_figure, seed_summary, write_json)
 
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
@@ -210,7 +210,7 @@ def _relative_to(rows: list[dict], base: str) -> dict:
 
 
 def _plot_sweep(rows: list[dict], path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     ks = [r["k_ratio"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     cuda = torch.cuda.is_available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cxrdr.experiments.stats import mean_curve
-from cxrdr.train.evaluation.report import _plt, markdown_table, markdown_table_sd, plot_bars, save_figure
+from cxrdr.train.evaluation.report import markdown_table, markdown_table_sd, plot_bars, pyplot, save_figure
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall", "mean_recall_findings",
            "probe_auc", "zeroshot_auc"]
@@ -29,7 +29,7 @@ def plot_efficiency(arms: dict, bench: dict, rows: list[dict], curve_split: str,
 def plot_per_seed(per_seed: dict, metric: str, ylabel: str, path: Path, target: float | None = None) -> None:
     """Every seed's own curve (thin lines, one colour per arm) with the arm's seed mean (thick): the spread
     the mean-and-band plot summarises, and where single seeds cross plain's final."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     for i, (name, curves) in enumerate(per_seed.items()):
         color = f"C{i}"
@@ -52,7 +52,7 @@ def plot_bands(arms: dict, metric: str, ylabel: str, path: Path, samples_limit: 
     """Seed-mean validation curve per arm with its 95 % t-interval band; plain's final mean as a line, where
     each arm reaches it, and the samples bar's limit."""
     main = next((a.get("curve_metric", "mean_recall") for a in arms.values()), "mean_recall")
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     for name, arm in arms.items():
         c = arm["curve_mean"] if metric == main else arm.get(f"curve_{metric}") or {}

@@ -261,7 +261,8 @@ def write_eval_outputs(results: dict, ids: dict, plots: dict, out_dir: Path, qui
 # --------------------------------------------------------------------------- plots
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no screen), imported when a figure is first drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,7 +278,7 @@ def save_figure(fig, path: Path, tight: bool = True) -> None:
     if tight:
         fig.tight_layout()
     fig.savefig(path, dpi=110, pil_kwargs={"compress_level": 1})
-    _plt().close(fig)
+    pyplot().close(fig)
 
 
 def _draw_boxes(ax, boxes, colour="lime"):
@@ -294,7 +295,7 @@ def plot_heatmap_grid(items: list[dict], path: Path, max_attn: int = 3) -> None:
     Drawn once (~1.0 -> ~0.45 s for 6 rows): fixed margins instead of ``tight_layout`` (another full draw of 30
     panels), each title a plain text (``set_title`` places itself by every axis' extent at each draw), the PNG
     compressed at level 1 (``save_figure``)."""
-    plt = _plt()
+    plt = pyplot()
     ncols = 2 + max(1, min(max_attn, max((len(it["attn"]) for it in items), default=0)))
     fig, axes = plt.subplots(len(items), ncols, figsize=(2.2 * ncols, 2.2 * len(items)), squeeze=False)
     for r, it in enumerate(items):
@@ -335,7 +336,7 @@ def _mark_peak(ax, heat, size: int) -> None:
 
 
 def plot_deletion_insertion(curves: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     f = curves["fractions"]
     for ax, kind in zip(axes, ("deletion", "insertion")):
@@ -350,7 +351,7 @@ def plot_deletion_insertion(curves: dict, path: Path) -> None:
 
 def plot_series(series: dict, xlabel: str, ylabel: str, title: str, path: Path) -> None:
     """Lines: {name: (xs, ys)}."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for name, (xs, ys) in series.items():
         ys = [np.nan if y is None else y for y in ys]
@@ -364,7 +365,7 @@ def plot_series(series: dict, xlabel: str, ylabel: str, title: str, path: Path) 
 
 
 def plot_bars(values: dict, ylabel: str, title: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(values)), 3.2))
     names = list(values)
     heights = [np.nan if values[n] is None else values[n] for n in names]
