@@ -143,3 +143,20 @@ def test_a_run_resumed_with_an_empty_memo_logs_what_the_uninterrupted_run_did(ph
         return {r["step"]: r["loss"] for r in rows if r["kind"] == "train" and r["step"] > 6}
 
     assert losses("cut") == losses("whole") and len(losses("whole")) == 4
+
+
+def test_the_memo_ab_benchmark_times_one_run_with_its_memo_on_and_off(phantom_shards, tmp_path):
+    """benchmarks/frozen_memo_ab.py: one trainer, blocks with the memo on and suspended in turn (on, off, off, on)."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
+    from tests.script_loader import load_script
+
+    bench = load_script("benchmarks/frozen_memo_ab.py")
+    assert [bench.memo_on(b) for b in range(8)] == [True, False, False, True] * 2
+    trainer = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-cnn-D", model_overrides=SMALL["tiny-cnn-D"],
+                                  batch_size=16, workers=0, progress=False, device="cpu", out=str(tmp_path / "run")))
+    result = bench.measure(trainer, warmup=1, blocks=4, block=1)
+    assert result["on_ms"] > 0 and result["off_ms"] > 0
+    [memo] = result["memo"]
+    assert memo["hits"] + memo["misses"] == 3 * 16  # the warm-up step and the two blocks on; the off blocks count none
+
