@@ -18,7 +18,7 @@ or autocast does.
 CPU only (the towers skip it elsewhere): hashing a CUDA row would read it back to the host, a
 sync per step. Not under ``torch.compile`` (the Python hashing would break the graph). Not in plain runs:
 their online augmentation never repeats a view, so a memo would only hash (the demo's tiny-cnn-A teacher:
-0 hits in 2,612 rows, 149 -> 156-160 ms a step), and the training loop gives them none. Timings of the
+0 hits in 2,612 rows, 147-149 -> 156-160 ms a step), and the training loop gives them none. Timings of the
 model's own compute (``efficiency_metrics``) run with it ``suspended``.
 """
 from __future__ import annotations
