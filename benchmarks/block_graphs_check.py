@@ -1,5 +1,6 @@
 """Do the image tower's blocks replayed as CUDA graphs (``--cuda-graphs``) compute what the eager blocks compute?
-And the packed text tower's layers (``--cuda-graphs-text``, ``--text``)?
+And the packed text tower's layers (``--cuda-graphs-text``, ``--text``), and the heads on the patch grid
+(``--cuda-graphs-heads``, ``--heads``)?
 
 Runs a student's image tower (the real one, e.g. ViT-S/16 of D or E, stochastic depth off so that two runs agree)
 on a few batches of random images, each step forward and backward, once eagerly and once through
@@ -10,6 +11,7 @@ size. A speed figure says nothing about this; the GPU suite's loop_graphs sectio
     python benchmarks/block_graphs_check.py --device cuda --model E --batch-size 32
     python benchmarks/block_graphs_check.py --device cpu --model tiny-E --stand-in   # the plumbing only (CPU)
     python benchmarks/block_graphs_check.py --device cuda --model E --text           # the text tower
+    python benchmarks/block_graphs_check.py --device cuda --model E --heads          # the heads on the patch grid
     python benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks # compiled blocks as graphs
 
 ``--compile-blocks`` compiles every block first (``--compile-scope blocks``, inductor), so both runs use the compiled
@@ -121,6 +123,46 @@ def compare(model: str = "D", device: str = "cuda", batch_size: int = 32, steps:
             "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
 
 
+def compare_heads(model: str = "E", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
+    """``compare`` for the heads on the patch grid (``--cuda-graphs-heads``: the head convs, then the Patch-IB mask at
+    its final K): their outputs (the convs' patches, z, the soft scores) and the gradients of their parameters and of
+    the patches they read, graphed vs eager, on random patches."""
+    import types
+
+    import torch
+
+    from cxrdr.train.device import autocast
+    from cxrdr.train.models.heads import grid_heads
+
+    student, dev, amp, graphs = _setup(model, device, capture)
+    if student.head_conv is None and student.mask_head is None:
+        raise ValueError(f"{model} has no heads on the patch grid (head convs or a mask) to replay")
+    holder = types.SimpleNamespace(block_graphs=None)  # what _agreement switches between eager and graphed
+    n, width = student.image_tower.num_patches, student.image_tower.width
+    gen = torch.Generator().manual_seed(1)
+
+    def run_step(patches):
+        student.zero_grad(set_to_none=True)
+        x = patches.clone().requires_grad_(True)
+        with autocast(dev, amp, cache=False):
+            out, z, soft = grid_heads(student.head_conv, student.mask_head, x, None, holder.block_graphs)
+            loss = out.float().square().mean()
+            if z is not None:
+                loss = loss + (z.float() * torch.linspace(-1, 1, n, device=dev)).sum() + soft.float().square().sum()
+        loss.backward()
+        grads = {name: q.grad.detach().float().clone() for name, q in student.named_parameters() if q.grad is not None}
+        grads["patches"] = x.grad.detach().float().clone()
+        outputs = [t.detach().float().flatten() for t in (out, z, soft) if t is not None]
+        return torch.cat(outputs), grads
+
+    worst_out, worst_grad = _agreement(holder, graphs, steps,
+                                       lambda: torch.randn(batch_size, n, width, generator=gen).to(dev), run_step,
+                                       ", heads on the grid")
+    return {"model": model, "tower": "heads", "device": str(dev), "batch_size": batch_size, "steps": steps,
+            "graphs_captured": graphs.captured("heads"), "capture_failed": graphs.failed,
+            "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
+
+
 WORDS = ("no", "acute", "left", "right", "pleural", "effusion", "small", "pneumothorax", "heart", "size", "is",
          "normal", "mild", "cardiomegaly", "lungs", "are", "clear", "basilar", "atelectasis", "the", "with", "stable")
 
@@ -171,20 +213,27 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--text", action="store_true", help="the packed text tower's layers (--cuda-graphs-text)")
+    parser.add_argument("--heads", action="store_true",
+                        help="the heads on the patch grid, head convs and mask (--cuda-graphs-heads)")
     parser.add_argument("--stand-in", action="store_true",
                         help="no CUDA graph: the blocks as they are stand in for the capture (checks the plumbing)")
     parser.add_argument("--compile-blocks", nargs="?", const="inductor", metavar="BACKEND",
                         help="compile every block first (default backend inductor): graphed vs not, both compiled")
     args = parser.parse_args(argv)
-    if args.text and args.compile_blocks:
-        parser.error("--compile-blocks checks the image tower's blocks: leave out --text")
+    if (args.text or args.heads) and args.compile_blocks:
+        parser.error("--compile-blocks checks the image tower's blocks: leave out --text and --heads")
+    if args.text and args.heads:
+        parser.error("one check a command: --text or --heads")
     capture = (lambda module, *inputs: module) if args.stand_in else None
     if args.text:
         r = compare_text(args.model, args.device, args.batch_size, args.steps, capture)
+    elif args.heads:
+        r = compare_heads(args.model, args.device, args.batch_size, args.steps, capture)
     else:
         r = compare(args.model, args.device, args.batch_size, args.steps, capture, args.compile_blocks)
     compiled = f" (blocks compiled, {r['compiled_blocks']})" if r.get("compiled_blocks") else ""
-    print(f"{r['model']}{' text tower' if args.text else ''}{compiled} on {r['device']}, batch {r['batch_size']}, "
+    what = " text tower" if args.text else " heads on the patch grid" if args.heads else ""
+    print(f"{r['model']}{what}{compiled} on {r['device']}, batch {r['batch_size']}, "
           f"{r['steps']} steps: {r['graphs_captured']} "
           f"graph(s) captured{'; capture failed: ' + r['capture_failed'] if r['capture_failed'] else ''}; largest "
           f"relative difference to the tower without graphs: output {r['max_rel_diff_output']:.2e}, gradients "

@@ -12,7 +12,8 @@ measurable on any machine:
                                                                           # stored teacher's losses add
 
 ``--by-function N`` also splits the operators by the project's function that issued them and counts the image
-tower's blocks alone (forward + backward: what ``--cuda-graphs`` replays as two launches); ``--inference-casts``
+tower's blocks alone (forward + backward: what ``--cuda-graphs`` replays as two launches) and the heads on the patch
+grid alone (what ``--cuda-graphs-heads`` replays); ``--inference-casts``
 counts the bf16 casts of a validation pass's first batch and of each later one (the weights' are cached).
 
 Each argument is VARIANT[:SCOPE] (SCOPE: a ``TrainConfig.compile_scope``). The count is torch.profiler's
@@ -87,16 +88,11 @@ def ops_by_function(trainer, batches) -> collections.Counter:
     return counts
 
 
-def tower_block_ops(student, batch_size: int) -> int:
-    """Operators below autograd of the image tower's transformer blocks alone, forward + backward, on tokens of the
-    shape they see in training (E: its kept tokens): what ``--cuda-graphs`` replays as two launches."""
-    import torch
+def ops_of_backward(student, loss_of) -> int:
+    """Operators below autograd of ``loss_of()`` and its backward (each once, nested calls not counted again), the
+    student's gradients cleared after."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    tower = student.image_tower
-    n = tower.num_patches
-    tokens = 1 + (tower.num_kept(n) + int(tower.fuse_dropped) if hasattr(tower, "num_kept") else n)
-    x = torch.randn(batch_size, tokens, tower.width, requires_grad=True)
     count = [0]
 
     class Counting(TorchDispatchMode):
@@ -105,9 +101,40 @@ def tower_block_ops(student, batch_size: int) -> int:
             return func(*args, **(kwargs or {}))
 
     with Counting():
-        tower._eager_blocks(x, 0, tower.depth).float().sum().backward()
+        loss_of().backward()
     student.zero_grad(set_to_none=True)
     return count[0]
+
+
+def tower_block_ops(student, batch_size: int) -> int:
+    """Operators below autograd of the image tower's transformer blocks alone, forward + backward, on tokens of the
+    shape they see in training (E: its kept tokens): what ``--cuda-graphs`` replays as two launches."""
+    import torch
+
+    tower = student.image_tower
+    n = tower.num_patches
+    tokens = 1 + (tower.num_kept(n) + int(tower.fuse_dropped) if hasattr(tower, "num_kept") else n)
+    x = torch.randn(batch_size, tokens, tower.width, requires_grad=True)
+    return ops_of_backward(student, lambda: tower._eager_blocks(x, 0, tower.depth).float().sum())
+
+
+def grid_head_ops(student, batch_size: int) -> int:
+    """Operators below autograd of the heads on the patch grid alone (head convs, then the mask at its final K),
+    forward + backward, on the patches they read in training: what ``--cuda-graphs-heads`` replays as two launches.
+    0 for a student without them (A)."""
+    import torch
+
+    from cxrdr.train.models.heads import GridHeads
+
+    if student.head_conv is None and student.mask_head is None:
+        return 0
+    heads = GridHeads(student.head_conv, student.mask_head)
+    tower = student.image_tower
+    n = tower.num_patches
+    if getattr(tower, "num_kept", None) and not student.drops_by_mask and tower.head_layer is None:
+        n = tower.num_kept(n)  # an E whose heads read its kept patches
+    x = torch.randn(batch_size, n, tower.width, requires_grad=True)
+    return ops_of_backward(student, lambda: sum(t.float().sum() for t in heads(x)))
 
 
 def inference_casts(student, batch_size: int, batches: int) -> int:
@@ -183,6 +210,10 @@ def main(argv=None) -> int:
             if hasattr(trainer.student.image_tower, "_eager_blocks"):
                 print(f"  the image tower's blocks alone, forward + backward: "
                       f"{tower_block_ops(trainer.student, args.batch_size)} operators below autograd", flush=True)
+            heads = grid_head_ops(trainer.student, args.batch_size)
+            if heads:
+                print(f"  the heads on the patch grid alone (--cuda-graphs-heads), forward + backward: {heads} "
+                      "operators below autograd", flush=True)
         if args.inference_casts and not scope:
             one, three = (inference_casts(trainer.student, args.batch_size, n) for n in (1, 3))
             print(f"  a validation pass under bf16 autocast: {one} casts for its first batch, {(three - one) / 2:.0f} "

@@ -9,6 +9,7 @@ loss of both, their largest relative difference, and what each run captured (sum
 Off CUDA both runs are eager, so their losses must be equal (the CPU check the tests run).
 
     python benchmarks/graphs_real_run.py --device cuda      # D, 60 steps of 256, phantom:1024 at 256 px, ~1 min
+    python benchmarks/graphs_real_run.py --device cuda --heads --model E   # the heads on the patch grid graphed too
     python benchmarks/graphs_real_run.py --model tiny-E --steps 6 --batch-size 4 --n 48 --store-size 64  # CPU
 
 Exit status 1 when a run logs a non-finite loss, or stops on one.
@@ -38,12 +39,19 @@ def relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
-def run_pair(shards: Path, out: Path, model: str, steps: int, batch_size: int, device: str, workers: int) -> dict:
-    """Train the graphed and the eager run of one seed; their losses, what they captured and how they compare."""
+def run_pair(shards: Path, out: Path, model: str, steps: int, batch_size: int, device: str, workers: int,
+             heads: bool = False) -> dict:
+    """Train the graphed and the eager run of one seed; their losses, what they captured and how they compare.
+    ``heads``: the graphed run replays the heads on the patch grid too (``--cuda-graphs-heads on``), and both runs
+    anneal the Top-K mask over their first quarter (a graph holds the final K only: over the default 2,000 steps'
+    anneal a short run would never capture one)."""
     from cxrdr.train.loop import train
 
     runs = {}
     for name, settings in SETTINGS.items():
+        if heads:
+            settings = {**settings, "cuda_graphs_heads": "on" if name == "graphs" else "off",
+                        "model_overrides": {"k_anneal_steps": max(1, steps // 4)}}
         cfg = {"shards": str(shards), "model": model, "out": str(out / name), "steps": steps,
                "batch_size": batch_size, "seed": 0, "device": device, "workers": workers, "progress": False,
                "log_every": max(1, steps // 6), "eval_every": max(1, steps // 2), "overwrite": True, **settings}
@@ -90,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", help="an existing shard folder instead of a phantom build")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--workers", type=int, default=0, help="the runs' loader workers (and the build's)")
+    parser.add_argument("--heads", action="store_true",
+                        help="the graphed run replays the heads on the patch grid too (--cuda-graphs-heads on)")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="graphs-real-run-") as tmp:
         shards = Path(args.shards) if args.shards else build_phantom(Path(tmp) / "shards", args.n, args.store_size,
                                                                      args.workers)
-        result = run_pair(shards, Path(tmp), args.model, args.steps, args.batch_size, args.device, args.workers)
+        result = run_pair(shards, Path(tmp), args.model, args.steps, args.batch_size, args.device, args.workers,
+                          args.heads)
     print(report(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))

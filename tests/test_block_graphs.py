@@ -18,19 +18,21 @@ from cxrdr.train.device import autocast
 from cxrdr.train.models import StudentConfig, build_student
 from cxrdr.train.models.block_graphs import (MAX_GRAPHS, BlockGraphs, enable_block_graphs,
                                              quiet_side_stream_gradients, shapes_settled, thread_local_capture)
+from cxrdr.train.models.heads import GridHeads
 
 TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
 
 
 class CountingCapture:
-    """Stands in for capture_cuda_graphs: the run's blocks as they are; counts captures and replays."""
+    """Stands in for capture_cuda_graphs: the run's blocks (or the heads on the grid) as they are; counts captures
+    (the number of blocks, or "heads", and the input's shape) and replays."""
 
     def __init__(self):
         self.captured: list[tuple[int, tuple]] = []
         self.replays = 0
 
     def __call__(self, module, *inputs):
-        self.captured.append((len(module), tuple(inputs[0].shape)))
+        self.captured.append(("heads" if isinstance(module, GridHeads) else len(module), tuple(inputs[0].shape)))
 
         def replay(*t):
             self.replays += 1
@@ -52,25 +54,37 @@ def _loss_and_grads(model, images):
     torch.manual_seed(1)
     out = model(images, tok["input_ids"], tok["attention_mask"])
     loss = out.image_emb.square().sum() + out.patch_tokens.square().mean()
-    if out.mask_scores is not None:
-        loss = loss + out.mask_scores.sum()
+    if out.mask_scores is not None:  # the heads on the grid: the soft scores, and z through the masked embedding
+        loss = loss + out.mask_scores.sum() + out.masked_image_emb[:, 0].sum()
+    if out.local_visual is not None:  # the head convs' patches, through the local alignment
+        loss = loss + out.local_visual.square().mean()
     model.zero_grad(set_to_none=True)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.image_tower.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _with_graphs(model, capture):
-    graphs = enable_block_graphs(model, capture=capture, on_device=lambda x: True)
+    graphs = enable_block_graphs(model, capture=capture, on_device=lambda x: True, heads=True)
     graphs.active = True
     return graphs
 
 
+HEADS = ("heads", (2, 64, 64))  # the heads (mask, head convs) on the whole 8x8 grid
+KEPT_HEADS = ("heads", (2, 32, 64))  # on E's kept patches
+
+
 @pytest.mark.parametrize("name, overrides, runs", [
-    ("tiny-D", {}, [(4, (2, 65, 64))]),                                   # one run of the 4 blocks
-    ("tiny-D", {"head_layer": 1}, [(1, (2, 65, 64)), (3, (2, 65, 64))]),  # split at the heads' layer
-    ("tiny-E", {}, [(2, (2, 65, 64)), (2, (2, 33, 64))]),                 # before and after the drop (keep 0.5)
-    ("tiny-E", {"head_layer": 3}, [(2, (2, 65, 64)), (1, (2, 33, 64)), (1, (2, 33, 64))]),
-    ("tiny-E", {"patch_score": "cls_attn"}, [(1, (2, 65, 64)), (1, (2, 65, 64)), (2, (2, 33, 64))]),
+    ("tiny-D", {}, [(4, (2, 65, 64)), HEADS]),                                   # one run of the 4 blocks
+    ("tiny-D", {"head_layer": 1}, [(1, (2, 65, 64)), (3, (2, 65, 64)), HEADS]),  # split at the heads' layer
+    ("tiny-D", {"head_conv_depth": 1}, [(4, (2, 65, 64)), HEADS]),               # head convs and mask, one graph
+    ("tiny-C", {"head_conv_depth": 1}, [(4, (2, 65, 64)), HEADS]),               # the sigmoid mask (z is the scores)
+    ("tiny-B", {"head_conv_depth": 1}, [(4, (2, 65, 64)), HEADS]),               # head convs, no mask
+    ("tiny-E", {}, [(2, (2, 65, 64)), (2, (2, 33, 64)), KEPT_HEADS]),            # before and after the drop (keep 0.5)
+    ("tiny-E", {"head_layer": 3}, [(2, (2, 65, 64)), (1, (2, 33, 64)), (1, (2, 33, 64)), KEPT_HEADS]),
+    ("tiny-E", {"patch_score": "cls_attn"}, [(1, (2, 65, 64)), (1, (2, 65, 64)), (2, (2, 33, 64)), KEPT_HEADS]),
+    # the full-size E's layout: the mask on the embedded grid picks the tokens every block sees
+    ("tiny-E", {"patch_score": "mask", "drop_layer": 0, "head_layer": 0, "head_conv_depth": 1},
+     [HEADS, (4, (2, 33, 64))]),
 ])
 def test_graphed_runs_give_the_eager_towers_outputs_and_gradients(name, overrides, runs):
     eager_loss, eager_grads = _loss_and_grads(_student(name, **overrides), _images())
@@ -84,6 +98,31 @@ def test_graphed_runs_give_the_eager_towers_outputs_and_gradients(name, override
         assert torch.allclose(grad, eager_grads[key], atol=1e-6), key
     _loss_and_grads(model, _images())  # a second step replays what the first captured
     assert len(capture.captured) == len(runs) and capture.replays == 2 * len(runs)
+
+
+def test_the_heads_run_eagerly_unless_their_graphs_are_asked_for():
+    model, capture = _student("tiny-D"), CountingCapture()
+    enable_block_graphs(model, capture=capture, on_device=lambda x: True).active = True
+    eager_loss, _ = _loss_and_grads(_student("tiny-D"), _images())
+    loss, _ = _loss_and_grads(model, _images())
+    assert capture.captured == [(4, (2, 65, 64))] and model.heads_graphs is None
+    assert torch.allclose(loss, eager_loss, atol=1e-6)
+
+
+def test_the_heads_run_eagerly_while_the_top_k_anneals_and_replay_its_final_k_after():
+    """A graph holds one K: while the mask's K anneals (k_ratio_start -> k_ratio) the heads on the grid run eagerly,
+    from the anneal's end one graph replays, with the eager heads' masks."""
+    model, capture = _student("tiny-D", k_ratio_start=0.9, k_anneal_steps=4), CountingCapture()
+    eager = _student("tiny-D", k_ratio_start=0.9, k_anneal_steps=4)
+    _with_graphs(model, capture)
+    tok = model.tokenize(TEXTS)
+    for step in range(7):
+        out, want = (m(_images(), tok["input_ids"], tok["attention_mask"], step=step) for m in (model, eager))
+        assert torch.equal(out.mask, want.mask) and torch.allclose(out.mask_scores, want.mask_scores, atol=1e-6)
+        assert int(out.mask[0].sum()) == [58, 51, 45, 38, 32, 32, 32][step]  # 0.9 -> 0.5 of the 64 patches
+        heads = [c for c in capture.captured if c[0] == "heads"]
+        assert heads == ([] if step < 4 else [("heads", (2, 64, 64))]), step
+        (out.image_emb.sum() + out.mask_scores.sum()).backward()
 
 
 def test_no_graph_outside_training_with_gradients_on_the_graphs_device_while_active():
@@ -103,33 +142,42 @@ def test_no_graph_outside_training_with_gradients_on_the_graphs_device_while_act
 
 
 def test_a_second_call_before_the_backward_runs_eagerly_and_the_backward_releases_the_graph():
-    model, capture = _student("tiny-D"), CountingCapture()
+    model, capture = _student("tiny-D", head_layer=0), CountingCapture()  # heads on the embedded patches
     _with_graphs(model, capture)
     tok = model.tokenize(TEXTS)
     first = model(_images(), tok["input_ids"], tok["attention_mask"])
     with pytest.warns(RuntimeWarning, match="called again before the backward of its last call"):
         second = model(_images(), tok["input_ids"], tok["attention_mask"])  # would overwrite what first's needs
-    assert capture.replays == 1 and torch.allclose(first.image_emb, second.image_emb, atol=1e-6)
-    first.image_emb.sum().backward()
+    assert capture.replays == 2 and torch.allclose(first.image_emb, second.image_emb, atol=1e-6)  # blocks, heads
+    assert torch.equal(first.mask, second.mask) and torch.allclose(first.mask_scores, second.mask_scores, atol=1e-6)
+    first.image_emb.sum().backward(retain_graph=True)  # through the blocks alone: the heads' replay stays live
+    third = model(_images(), tok["input_ids"], tok["attention_mask"])
+    assert capture.replays == 3
+    first.mask_scores.sum().backward()  # one of the heads' outputs reaches the loss: their replay is released
+    third.image_emb.sum().backward()
     model(_images(), tok["input_ids"], tok["attention_mask"])
-    assert capture.replays == 2 and len(capture.captured) == 1
+    assert capture.replays == 5 and len(capture.captured) == 2
 
 
 def test_a_second_backward_through_one_replay_is_refused_and_the_next_forward_replays_again():
     """A CUDA replay's backward reads activations that its first backward overwrites (the capture freed them):
     a second backward through the same replay (retain_graph) raises instead of returning wrong gradients; the
     graph is released by the first, so the next forward replays it."""
-    model, capture = _student("tiny-D"), CountingCapture()
-    _with_graphs(model, capture)
-    tok = model.tokenize(TEXTS)
-    loss = model(_images(), tok["input_ids"], tok["attention_mask"]).image_emb.square().sum()
-    params = [p for p in model.image_tower.parameters() if p.requires_grad]
-    first = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    assert any(g is not None and g.abs().sum() > 0 for g in first)
-    with pytest.raises(RuntimeError, match="second backward through one replay of the image tower's CUDA graph"):
-        torch.autograd.grad(loss, params, allow_unused=True)
-    model(_images(), tok["input_ids"], tok["attention_mask"]).image_emb.sum().backward()  # a new replay: allowed
-    assert capture.replays == 2 and len(capture.captured) == 1
+    for tower in ("image", "heads"):
+        model, capture = _student("tiny-D", head_layer=0), CountingCapture()  # the heads read the embedded patches
+        _with_graphs(model, capture)
+        tok = model.tokenize(TEXTS)
+        out = model(_images(), tok["input_ids"], tok["attention_mask"])
+        loss = out.image_emb.square().sum() if tower == "image" else out.mask.sum()
+        params = [p for p in model.parameters() if p.requires_grad]
+        first = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        assert any(g is not None and g.abs().sum() > 0 for g in first)
+        with pytest.raises(RuntimeError, match="second backward through one replay of " + (
+                "the image tower's CUDA graph" if tower == "image" else "the heads on the patch grid")):
+            torch.autograd.grad(loss, params, allow_unused=True)
+        if tower == "image":
+            model(_images(), tok["input_ids"], tok["attention_mask"]).image_emb.sum().backward()  # a new replay
+            assert capture.replays == 3 and len(capture.captured) == 2  # (the heads' first replay is still live)
 
 
 def test_changing_shapes_stop_at_max_graphs_and_a_failed_capture_leaves_the_tower_eager():
@@ -142,7 +190,8 @@ def test_changing_shapes_stop_at_max_graphs_and_a_failed_capture_leaves_the_towe
                 _loss_and_grads(model, _images(2 * n))
         else:
             _loss_and_grads(model, _images(2 * n))
-    assert len(graphs) == MAX_GRAPHS and len(capture.captured) == MAX_GRAPHS
+    assert graphs.captured("image") == graphs.captured("heads") == MAX_GRAPHS  # each on its own
+    assert len(graphs) == len(capture.captured) == 2 * MAX_GRAPHS
     graphs.clear()
     assert len(graphs) == 0
 
@@ -159,6 +208,7 @@ def test_changing_shapes_stop_at_max_graphs_and_a_failed_capture_leaves_the_towe
     assert graphs.failed == "RuntimeError: operation not permitted when stream is capturing"
     assert not graphs.applies(model.image_tower, torch.zeros(1))
     assert graphs.applies(model.image_tower, torch.zeros(1), "text")  # the text tower's graphs fail on their own
+    assert not graphs.applies(model.image_tower, torch.zeros(1), "heads")  # the heads' capture failed too
     graphs.clear()  # a new training stage tries again
     assert graphs.applies(model.image_tower, torch.zeros(1)) and graphs.failed.startswith("RuntimeError")
 
@@ -168,7 +218,7 @@ def test_a_copied_model_starts_without_graphs_and_cnn_towers_have_none():
     graphs = _with_graphs(model, CountingCapture())
     _loss_and_grads(model, _images())
     twin = copy.deepcopy(model)
-    assert len(graphs) == 1 and isinstance(twin.image_tower.block_graphs, BlockGraphs)
+    assert len(graphs) == 2 and isinstance(twin.image_tower.block_graphs, BlockGraphs)  # the blocks, the heads
     assert len(twin.image_tower.block_graphs) == 0 and not twin.image_tower.block_graphs.active
     with pytest.warns(RuntimeWarning, match="has no transformer blocks to replay"):
         assert enable_block_graphs(_student("tiny-cnn-D")) is None
@@ -208,6 +258,14 @@ def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache
     default = TrainConfig.load(None, shards="s")
     assert default.cuda_graphs_text == "auto" and default.text_graphs()
     assert not TrainConfig.load(None, shards="s", cuda_graphs_text=False).text_graphs()
+    # the heads on the grid: off by default until timed on a GPU; auto and on wherever the blocks' graphs may run
+    assert default.cuda_graphs_heads == "off" and not default.heads_graphs()
+    assert [TrainConfig.load(None, shards="s", cuda_graphs_heads=v).heads_graphs() for v in ("auto", "on", True)] \
+        == [True, True, True]
+    assert not TrainConfig.load(None, shards="s", cuda_graphs="off", cuda_graphs_heads="auto").heads_graphs()
+    with pytest.raises(ValueError, match="--cuda-graphs-heads on replays the heads with the image tower's graphs: it "
+                                         "needs --cuda-graphs auto or on"):
+        TrainConfig.load(None, shards="s", cuda_graphs="off", cuda_graphs_heads="on")
     with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
     with autocast(torch.device("cpu"), torch.bfloat16):
@@ -226,8 +284,12 @@ def test_auto_graphs_where_they_apply_and_nowhere_else(phantom_shards, tmp_path,
     graphs = run._block_graphs()  # auto: the text tower shares the image tower's
     assert isinstance(graphs, BlockGraphs) and not recwarn.list
     assert run.student.text_tower.block_graphs is graphs is run.student.image_tower.block_graphs
+    assert run.student.heads_graphs is None  # the heads' graphs are off by default
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_heads="auto")
+    assert run._block_graphs() is run.student.heads_graphs is run.student.image_tower.block_graphs
+    run.student.heads_graphs = None
     run.student.text_tower.block_graphs = None
-    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text="off")
+    run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text="off", cuda_graphs_heads="off")
     assert isinstance(run._block_graphs(), BlockGraphs) and run.student.text_tower.block_graphs is None
     run.cfg = dataclasses.replace(run.cfg, cuda_graphs_text="auto")
     for setting in ({"cuda_graphs": "off"}, {"compile": True}, {"grad_checkpointing": True}, {"accum_steps": 2}):
@@ -262,20 +324,22 @@ def test_the_trainer_captures_once_es_warm_up_is_over_and_replays_after(phantom_
     run.cfg.cuda_graphs = "on"
     with pytest.warns(RuntimeWarning, match="--cuda-graphs needs one CUDA process"):
         assert run._block_graphs() is None
-    run.block_graphs = enable_block_graphs(run.student, capture=capture, on_device=lambda x: True)
+    run.block_graphs = enable_block_graphs(run.student, capture=capture, on_device=lambda x: True, heads=True)
     batches = run._batches()
     for step in range(5):
         run.train_step(batches, log_balance=False)
-        assert len(capture.captured) == (0 if step < 3 else 2) and capture.replays == max(0, step - 2) * 2
-    assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))]
+        assert len(capture.captured) == (0 if step < 3 else 3) and capture.replays == max(0, step - 2) * 3
+    assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64)), ("heads", (4, 32, 64))]
     # a logging step's loss balance backpropagates each loss term: that step runs eagerly (a CUDA replay takes one
     # backward), its balance finite
     balance = run.train_step(batches, log_balance=True)["balance"]
-    assert capture.replays == 2 * 2 and len(balance) >= 3 and all(math.isfinite(v) for v in balance.values())
+    assert capture.replays == 2 * 3 and len(balance) >= 3 and all(math.isfinite(v) for v in balance.values())
     notes = [line for line in capsys.readouterr().err.splitlines() if "captured as a CUDA graph" in line]
     assert notes == ["note: the image tower's blocks 0-1 captured as a CUDA graph for inputs (4, 65, 64) (0 MB "
                      "reserved); later steps replay it", "note: the image tower's blocks 2-3 captured as a CUDA graph "
-                     "for inputs (4, 33, 64) (0 MB reserved); later steps replay it"]  # said once each, at capture
+                     "for inputs (4, 33, 64) (0 MB reserved); later steps replay it", "note: the heads on the patch "
+                     "grid (K 16) captured as a CUDA graph for inputs (4, 32, 64) (0 MB reserved); later steps replay "
+                     "it"]  # said once each, at capture
 
 
 class CompiledCountingCapture(CountingCapture):
@@ -286,7 +350,8 @@ class CompiledCountingCapture(CountingCapture):
         self.compiled: list[bool] = []
 
     def __call__(self, module, *inputs):
-        self.compiled.append(all(getattr(b, "_compiled_call_impl", None) is not None for b in module))
+        if not isinstance(module, GridHeads):  # a run of blocks (the heads on the grid are not compiled)
+            self.compiled.append(all(getattr(b, "_compiled_call_impl", None) is not None for b in module))
         return super().__call__(module, *inputs)
 
 
@@ -307,14 +372,16 @@ def test_blocks_compiled_one_by_one_are_captured_and_give_the_losses_of_the_same
             trainer = Trainer(config)
         capture = CompiledCountingCapture()
         if graphs:
-            trainer.block_graphs = enable_block_graphs(trainer.student, capture=capture, on_device=lambda x: True)
+            trainer.block_graphs = enable_block_graphs(trainer.student, capture=capture, on_device=lambda x: True,
+                                                       heads=True)
         batches = trainer._batches()
         return [float(trainer.train_step(batches, log_balance=False)["terms"]["total"]) for _ in range(5)], capture
 
     plain, _ = run(graphs=False)
     graphed, capture = run(graphs=True)
-    assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64))] and capture.compiled == [True, True]
-    assert capture.replays == 3 * 2  # steps 2, 3 and 4, both runs of blocks
+    assert capture.captured == [(2, (4, 65, 64)), (2, (4, 33, 64)), ("heads", (4, 32, 64))]
+    assert capture.compiled == [True, True]
+    assert capture.replays == 3 * 3  # steps 2, 3 and 4, both runs of blocks and the heads
     assert graphed == pytest.approx(plain, rel=1e-6, abs=1e-7)
 
 
@@ -332,53 +399,64 @@ def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_sh
                                   cuda_graphs="on", cuda_graphs_text=True,
                                   model_overrides={"keep_rate_warmup_steps": 2}))
     capture = CountingCapture()
-    run.block_graphs = enable_block_graphs(run.student, text=True, capture=capture, on_device=lambda x: True)
+    run.block_graphs = enable_block_graphs(run.student, text=True, heads=True, capture=capture,
+                                           on_device=lambda x: True)
     assert run.student.text_tower.block_graphs is run.block_graphs
     batches = run._batches()
     for step in range(5):
         run.train_step(batches, log_balance=step == 4)  # a logging step (its loss balance) runs eagerly
         assert len(capture.captured) == 0 if step < 2 else run.block_graphs.captured("text") >= 1
-    graphed_runs = run.block_graphs.captured("image") + run.block_graphs.captured("text")
-    assert run.block_graphs.captured("image") == 2 and len(capture.captured) == graphed_runs
-    assert capture.replays >= 2 * 3  # two graphed steps, two image runs and at least one text run each
-    assert run.block_graphs.describe() == {"image": 2, "text": run.block_graphs.captured("text"), "pool_mb": 0.0,
-                                           "failed": None}  # the run summary's "cuda_graphs" (no CUDA memory here)
+    graphs = run.block_graphs
+    assert graphs.captured("image") == 2 and graphs.captured("heads") == 1
+    assert len(capture.captured) == graphs.captured("image") + graphs.captured("text") + 1
+    assert capture.replays >= 2 * 4  # two graphed steps, two image runs, the heads and at least one text run each
+    assert graphs.describe() == {"image": 2, "text": graphs.captured("text"), "heads": 1, "pool_mb": 0.0,
+                                 "failed": None}  # the run summary's "cuda_graphs" (no CUDA memory here)
     assert all(torch.isfinite(p).all() for p in run.student.parameters())
 
 
-def test_the_agreement_check_finds_a_graph_fed_stale_inputs():
-    """benchmarks/block_graphs_check.py, which the GPU suite runs on the card before timing graphs: zero difference
-    with the blocks standing in for the capture, a large one from a 'graph' that replays its capture's input."""
+def _graphs_check():
+    """benchmarks/block_graphs_check.py, which the GPU suite runs on the card before timing graphs."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import block_graphs_check
+    return block_graphs_check
 
-    def stale(module, x):
-        captured = x.detach().clone()
-        return lambda t: module(captured + 0 * t)  # a replay that ignores its new input
 
-    same = block_graphs_check.compare("tiny-E", "cpu", 2, 2, capture=lambda module, x: module)
-    assert same["graphs_captured"] == 2 and same["max_rel_diff_output"] == same["max_rel_diff_grad"] == 0.0
-    wrong = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=stale)
+def _stale_capture(module, x):
+    """A 'graph' that replays its capture's input, whatever it is given."""
+    captured = x.detach().clone()
+    return lambda t: module(captured + 0 * t)
+
+
+@pytest.mark.parametrize("check, model, graphs", [("compare", "tiny-E", 2), ("compare_heads", "tiny-D", 1)])
+def test_the_agreement_check_finds_a_graph_fed_stale_inputs(check, model, graphs):
+    """Zero difference with the blocks (or the heads, ``--heads``) standing in for the capture, a large one in the
+    outputs and the gradients from a 'graph' that replays its capture's input."""
+    compare = getattr(_graphs_check(), check)
+    same = compare(model, "cpu", 2, 2, capture=lambda module, x: module)
+    assert same["graphs_captured"] == graphs and same["max_rel_diff_output"] == same["max_rel_diff_grad"] == 0.0
+    wrong = compare("tiny-D", "cpu", 2, 2, capture=_stale_capture)
     assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01
+
+
+def test_the_agreement_checks_of_compiled_blocks_and_of_a_student_without_heads():
+    block_graphs_check = _graphs_check()
     # --compile-blocks: both runs on the compiled blocks, the graphs around them (what --cuda-graphs on replays there)
-    compiled = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=stale, compile_backend="aot_eager")
+    compiled = block_graphs_check.compare("tiny-D", "cpu", 2, 2, capture=_stale_capture, compile_backend="aot_eager")
     assert compiled["compiled_blocks"] == "aot_eager" and compiled["max_rel_diff_output"] > 0.01
+    with pytest.raises(ValueError, match="tiny-A has no heads on the patch grid"):
+        block_graphs_check.compare_heads("tiny-A", "cpu", 2, 2, capture=lambda module, x: module)
 
 
 def test_the_text_agreement_check_captures_per_bucket_and_finds_stale_inputs(monkeypatch):
     """block_graphs_check.compare_text with FlashAttention's computation stood in on the CPU: the text tower's graphs
     per bucket agree with eager; a 'graph' replaying its capture's tokens is caught."""
-    import sys
-    from pathlib import Path
-
     from tests.varlen_reference import use_reference_varlen
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import block_graphs_check
-
+    block_graphs_check = _graphs_check()
     use_reference_varlen(monkeypatch)
 
     def stale(module, x, offsets):

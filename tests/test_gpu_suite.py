@@ -127,16 +127,16 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert s["loop"]["shards"] == s["build"]["shards"]  # the loop trains on the build's shards
 
     graphs = s["loop_graphs"]  # on CPU the graphed trainers run eagerly, and say so
-    assert [r["name"] for r in graphs["rows"]] == [n.format(v=v) for v in "AED"
-                                                    for n in ("{v}", "{v} CUDA graphs", "{v} CUDA graphs + text")]
+    assert [r["name"] for r in graphs["rows"]] == [n.format(v=v) for v in "AED" for n in (
+        "{v}", "{v} CUDA graphs", "{v} CUDA graphs + text", *(["{v} CUDA graphs + text + heads"] if v != "A" else []))]
     assert all(positive(r["img_per_s"]) for r in graphs["rows"])
     graphed_rows = [r for r in graphs["rows"] if " " in r["name"]]
-    assert len(graphed_rows) == 6
-    assert all(r["graphs_captured"] is None and r["text_graphs_captured"] is None
+    assert len(graphed_rows) == 8
+    assert all(r["graphs_captured"] is None and r["text_graphs_captured"] is None and r["heads_graphs_captured"] is None
                and r["graphs_failed"] == "no graphs: not a CUDA device" for r in graphed_rows)
     # the plumbing only, on CPU: the blocks stand in for the capture; the text tower, without FlashAttention, has none
     assert {v: (a["graphs_captured"], a["max_rel_diff_grad"]) for v, a in graphs["agreement"].items()} == {
-        "D": (1, 0.0), "E": (2, 0.0), "E text": (0, 0.0)}
+        "D": (1, 0.0), "E": (2, 0.0), "E text": (0, 0.0), "D heads": (1, 0.0), "E heads": (1, 0.0)}
     gb = {r["name"]: r for r in graphs["rows"]}
     assert graphs["graphed_over_eager_img_per_s"]["E"] == gb["E CUDA graphs"]["img_per_s"] / gb["E"]["img_per_s"]
     assert graphs["text_graphed_over_graphed_img_per_s"]["A"] == (
@@ -145,6 +145,10 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
         gb["E CUDA graphs"]["img_per_s"] / gb["A CUDA graphs"]["img_per_s"])
     assert graphs["text_graphed_ratios"]["E_over_A_img_per_s"] == (
         gb["E CUDA graphs + text"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
+    assert graphs["heads_graphed_over_text_graphed_img_per_s"]["D"] == (
+        gb["D CUDA graphs + text + heads"]["img_per_s"] / gb["D CUDA graphs + text"]["img_per_s"])
+    assert graphs["heads_graphed_ratios"]["E_over_A_img_per_s"] == (  # A has no heads: its blocks and text
+        gb["E CUDA graphs + text + heads"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
 
     peer = s["peer"]["rows"]
     assert [r["name"] for r in peer] == ["open_clip tiny eager"] and s["peer"]["notes"]
@@ -170,13 +174,18 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert all(set(t) >= TARGET_KEYS for t in targets)
     # no compiled rows in the tiny run: the eager and graphed loops' targets, and the build's steady ratio beside its
     # whole one
-    assert len(targets) == 22
+    assert len(targets) == 28
     graphed_a = next(t for t in targets if t["name"].startswith("A training, real loop, img/s [eager + CUDA graphs of "
                                                                   "the blocks]"))
     assert graphed_a["value"] == gb["A CUDA graphs"]["img_per_s"]
     text_d = next(t for t in targets if t["name"].startswith("D training, real loop, img/s [eager + CUDA graphs of the "
                                                                "blocks and text layers]"))
     assert text_d["value"] == gb["D CUDA graphs + text"]["img_per_s"]
+    heads = {t["name"].split(" [")[0]: t for t in targets if "text layers and heads" in t["name"]}
+    assert heads["A training, real loop, img/s"]["value"] == gb["A CUDA graphs + text"]["img_per_s"]  # no heads
+    assert heads["D training, real loop, img/s"]["value"] == gb["D CUDA graphs + text + heads"]["img_per_s"]
+    assert heads["E / A train img/s, real loop, E at its target keep rate"]["value"] == (
+        gb["E CUDA graphs + text + heads"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
     steady = next(t for t in targets if t["name"].startswith("build / teacher forward [steady"))
     assert steady["value"] == s["build"]["steady_ratio"] and steady["required"] == ">= 0.9"
     by_name = {t["name"].split(" (")[0]: t for t in targets}
@@ -198,6 +207,8 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert "- graphed vs eager tower, E: output 0.0e+00, gradients 0.0e+00 (largest relative difference; 2 graph(s))" \
         in md
     assert "- **A CUDA graphs**: None graph(s) captured; capture failed or off: no graphs: not a CUDA device" in md
+    assert "- graphed vs eager tower, E heads: output 0.0e+00, gradients 0.0e+00 (largest relative difference; 1 " \
+        "graph(s))" in md and "- with the heads on the patch grid too, over the blocks and text layers, img/s: E " in md
     for heading in ("## Targets", "## 1. Build", "## 2. Students", "## 3. Real training loop", "## 3b. Real training",
                     "## 4. Peer",
                     "## 6. Training step", "## 7. Efficiency table", "Tiny CPU run"):
@@ -670,4 +681,5 @@ def test_compiled_and_graphed_configurations_share_their_eager_twins_flop_count(
 
     eager = key(cuda_graphs="off")
     assert key(cuda_graphs="on") == key(cuda_graphs="on", cuda_graphs_text="on") == key(compile=True) == eager
+    assert key(cuda_graphs="on", cuda_graphs_heads="on") == eager
     assert key(cuda_graphs="off", pack_text=False) != eager

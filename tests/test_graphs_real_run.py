@@ -42,3 +42,21 @@ def test_a_run_that_stops_fails_the_check_and_says_why(phantom_shards, tmp_path,
     assert result["runs"]["eager"]["error"] is None and len(result["runs"]["eager"]["losses"]) == 2
     assert "STOPPED: FloatingPointError" in graphs_real_run.report(result)
     assert "FAILED" in graphs_real_run.report(result)
+
+
+def test_heads_replays_the_heads_in_the_graphed_run_and_anneals_both_runs_alike(tmp_path, monkeypatch):
+    """--heads: the graphed run asks for the heads' graphs, and both runs anneal the Top-K mask over a quarter of
+    their steps (a graph holds the final K: the default 2,000 steps' anneal would outlast a short run)."""
+    from cxrdr.train import loop
+
+    seen = {}
+
+    def record(cfg):
+        seen[Path(cfg["out"]).name] = cfg
+        return {}
+
+    monkeypatch.setattr(loop, "train", record)
+    graphs_real_run.run_pair(tmp_path, tmp_path, "tiny-D", 8, 4, "cpu", 0, heads=True)
+    assert (seen["graphs"]["cuda_graphs_heads"], seen["eager"]["cuda_graphs_heads"]) == ("on", "off")
+    assert seen["graphs"]["model_overrides"] == seen["eager"]["model_overrides"] == {"k_anneal_steps": 2}
+    assert "cuda_graphs_heads" not in graphs_real_run.SETTINGS["graphs"]  # without --heads: the default graphs

@@ -295,6 +295,11 @@ def test_dispatch_count_benchmark_counts_a_steps_operators(phantom_shards, tmp_p
     from cxrdr.train.models import StudentConfig, build_student
 
     assert dispatch_count.tower_block_ops(build_student(StudentConfig.from_yaml("tiny-E")), 2) == blocks
+    # the heads on the grid alone (what --cuda-graphs-heads replays): none for A, more with head convs than without
+    assert dispatch_count.grid_head_ops(trainer.student, 2) == 0
+    mask_only, with_convs = (dispatch_count.grid_head_ops(build_student(StudentConfig.from_yaml(
+        "tiny-D", head_conv_depth=depth)), 2) for depth in (0, 1))
+    assert 0 < mask_only < with_convs
 
 
 def test_dispatch_count_benchmark_says_how_many_graphs_a_compiled_configuration_made(phantom_shards, capsys):

@@ -185,8 +185,8 @@ class Trainer:
             return None
         if cfg.cuda_graph_conflicts():  # only auto gets here with any ("on" is refused by the config)
             return None
-        return enable_block_graphs(self.student, text=cfg.text_graphs(), warn=cfg.cuda_graphs == "on",
-                                   warn_text=cfg.cuda_graphs_text == "on")
+        return enable_block_graphs(self.student, text=cfg.text_graphs(), heads=cfg.heads_graphs(),
+                                   warn=cfg.cuda_graphs == "on", warn_text=cfg.cuda_graphs_text == "on")
 
     def _read_data_description(self) -> None:
         cfg = self.cfg

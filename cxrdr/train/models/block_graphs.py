@@ -1,5 +1,6 @@
-"""``--cuda-graphs``: a ViT tower's runs of transformer blocks replayed as CUDA graphs, forward and backward (and
-with ``--cuda-graphs-text`` the packed text tower's layers, ``packed_text``).
+"""``--cuda-graphs``: a ViT tower's runs of transformer blocks replayed as CUDA graphs, forward and backward (with
+``--cuda-graphs-text`` the packed text tower's layers, ``packed_text``; with ``--cuda-graphs-heads`` the heads on the
+patch grid, ``heads.grid_heads``: several outputs, released at the first backward through any of them).
 
 On by default where it applies (``--cuda-graphs auto``: one CUDA process, no compilation, activation checkpointing
 or gradient accumulation): on an H200 at 65e9f61 it made A, D and E train 1.22-1.31x faster, the graphed tower's
@@ -101,8 +102,9 @@ def thread_local_capture():
 
 class BlockGraphs:
     """The graphs of one student's block runs, captured on first use while ``active``: the image tower's (``run``)
-    and, with ``--cuda-graphs-text``, the packed text tower's layers (``run_module``, tag "text"). Each tower
-    (tag) has at most ``MAX_GRAPHS`` and fails on its own: a text capture that fails leaves the image graphs."""
+    and, with ``--cuda-graphs-text``, the packed text tower's layers (``run_module``, tag "text"), with
+    ``--cuda-graphs-heads`` the heads on the patch grid (tag "heads"). Each tower (tag) has at most ``MAX_GRAPHS``
+    and fails on its own: a text capture that fails leaves the image graphs."""
 
     def __init__(self, capture: Callable[..., nn.Module] = capture_cuda_graphs,
                  on_device: Callable[[torch.Tensor], bool] = lambda x: x.is_cuda):
@@ -144,8 +146,8 @@ class BlockGraphs:
     def describe(self) -> dict:
         """What a run's summary says of its graphs: how many each tower holds, the memory their captures reserved,
         and the first failure (None: none failed)."""
-        return {"image": self.captured("image"), "text": self.captured("text"), "pool_mb": round(self.pool_mb, 1),
-                "failed": self.failed}
+        return {"image": self.captured("image"), "text": self.captured("text"), "heads": self.captured("heads"),
+                "pool_mb": round(self.pool_mb, 1), "failed": self.failed}
 
     def run(self, blocks: nn.ModuleList, start: int, stop: int, x: torch.Tensor,
             eager: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -154,9 +156,10 @@ class BlockGraphs:
         return self.run_module("image", (start, stop), lambda: nn.Sequential(*blocks[start:stop]), (x,), eager)
 
     def run_module(self, tag: str, run: tuple, build: Callable[[], nn.Module], inputs: tuple[torch.Tensor, ...],
-                   eager: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """``build()(*inputs)`` (one tensor out) as the graph of ``run`` (what the module computes, e.g. its blocks)
-        and the inputs' shapes, captured now if new; ``eager(*inputs)`` where no graph may run."""
+                   eager: Callable[..., torch.Tensor | tuple]) -> torch.Tensor | tuple:
+        """``build()(*inputs)`` (a tensor, or a tuple of them: the heads') as the graph of ``run`` (what the module
+        computes, e.g. its blocks) and the inputs' shapes, captured now if new; ``eager(*inputs)`` where no graph
+        may run."""
         x = inputs[0]
         device_type = x.device.type
         amp = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -168,7 +171,7 @@ class BlockGraphs:
         graphed = self._graphed.get(key)
         if graphed is None:
             if self.captured(tag) >= MAX_GRAPHS:
-                self._warn(f"full {tag}", f"{MAX_GRAPHS} CUDA graphs of the {tag} tower's block runs are captured "
+                self._warn(f"full {tag}", f"{MAX_GRAPHS} CUDA graphs of {_named(tag, 'block runs')} are captured "
                                           f"already (input shapes that change?); {tuple(x.shape)} runs eagerly")
                 return eager(*inputs)
             reserved = torch.cuda.memory_reserved(x.device) if x.is_cuda else 0
@@ -178,26 +181,30 @@ class BlockGraphs:
                 message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 self.failed = self.failed or message
                 self._failed_tags.add(tag)
-                self._warn(f"failed {tag}", f"capturing the {tag} tower's blocks as a CUDA graph failed ({message}); "
+                self._warn(f"failed {tag}", f"capturing {_named(tag, 'blocks')} as a CUDA graph failed ({message}); "
                                             "they run eagerly")
                 return eager(*inputs)
             self._graphed[key] = graphed
             grown = (torch.cuda.memory_reserved(x.device) - reserved) / 2**20 if x.is_cuda else 0.0
             self.pool_mb += grown
-            what = "layers" if tag == "text" else "blocks"
-            print(f"note: the {tag} tower's {what} {run[0]}-{run[1] - 1} captured as a CUDA graph for inputs "
-                  f"{tuple(x.shape)} ({grown:.0f} MB reserved); later steps replay it", file=sys.stderr)
+            print(f"note: {_what_runs(tag, run)} captured as a CUDA graph for inputs {tuple(x.shape)} ({grown:.0f} "
+                  "MB reserved); later steps replay it", file=sys.stderr)
         out = graphed(*inputs)
-        if out.requires_grad:
+        release = functools.partial(self._release, key, tag, [])
+        if isinstance(out, tuple):
+            if any(t.requires_grad for t in out):
+                self._live.add(key)
+                out = _ReleasedAtBackward.apply(release, *out)
+        elif out.requires_grad:
             self._live.add(key)
-            out.register_hook(functools.partial(self._release, key, tag, []))
+            out.register_hook(release)
         return out
 
     def _release(self, key: tuple, tag: str, backwards: list, grad: torch.Tensor) -> None:
         """The gradient hook on a replay's output: releases the graph at its first backward, refuses a second
         (``backwards`` is this replay's own list of them)."""
         if backwards:
-            raise RuntimeError(f"a second backward through one replay of the {tag} tower's CUDA graph (retain_graph, "
+            raise RuntimeError(f"a second backward through one replay of {_named(tag, 'CUDA graph')} (retain_graph, "
                                "or autograd.grad per loss term): the first one overwrote the activations it reads. "
                                "Run such a step with BlockGraphs.active = False, or train with --cuda-graphs off")
         backwards.append(True)
@@ -209,12 +216,41 @@ class BlockGraphs:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _named(tag: str, what: str) -> str:
+    """A tower's ``what`` in a message ("the image tower's blocks"); the heads on the grid are no tower."""
+    return "the heads on the patch grid" if tag == "heads" else f"the {tag} tower's {what}"
+
+
+def _what_runs(tag: str, run: tuple) -> str:
+    """What a graph of ``run_module`` replays, for its note."""
+    if tag == "heads":
+        return f"{_named(tag, '')} ({run[1]})"
+    return f"{_named(tag, 'layers' if tag == 'text' else 'blocks')} {run[0]}-{run[1] - 1}"
+
+
+class _ReleasedAtBackward(torch.autograd.Function):
+    """The outputs of a replay with several of them, unchanged, and ``release`` called once at each backward through
+    them: a tensor hook on one output would not run where only the others reach the loss."""
+
+    @staticmethod
+    def forward(ctx, release, *outputs):
+        ctx.release = release
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.release(None)
+        return (None, *grads)
+
+
 def enable_block_graphs(student: nn.Module, text: bool = False, warn: bool = True, warn_text: bool = True,
-                        **kwargs) -> BlockGraphs | None:
-    """Give the student's image tower (and with ``text`` its packed text tower) one BlockGraphs (``kwargs``:
-    BlockGraphs'); None where the image tower has no transformer blocks to run (a CNN or hybrid tower), with a
-    warning if ``warn`` (graphs asked for, not taken wherever they apply). A text tower that cannot run packed (not
-    BERT-layout) stays eager, with a warning if ``warn_text``."""
+                        heads: bool = False, **kwargs) -> BlockGraphs | None:
+    """Give the student's image tower (with ``text`` its packed text tower, with ``heads`` its heads on the patch
+    grid: ``heads.grid_heads``) one BlockGraphs (``kwargs``: BlockGraphs'); None where the image tower has no
+    transformer blocks to run (a CNN or hybrid tower), with a warning if ``warn`` (graphs asked for, not taken
+    wherever they apply). A text tower that cannot run packed (not BERT-layout) stays eager, with a warning if
+    ``warn_text``."""
     tower = student.image_tower
     if not hasattr(tower, "run_blocks"):
         if warn:
@@ -222,6 +258,8 @@ def enable_block_graphs(student: nn.Module, text: bool = False, warn: bool = Tru
                           "replay; it runs eagerly", RuntimeWarning, stacklevel=2)
         return None
     tower.block_graphs = BlockGraphs(**kwargs)
+    if heads and hasattr(student, "heads_graphs"):
+        student.heads_graphs = tower.block_graphs
     if text:
         if getattr(student.text_tower, "pack", False):
             student.text_tower.block_graphs = tower.block_graphs

@@ -139,6 +139,48 @@ def build_patch_heads(config, dim: int, grid_size) -> tuple[nn.Module | None, nn
     return head_conv, mask_head
 
 
+class GridHeads(nn.Module):
+    """The heads that read the whole patch grid, the head convs and then the mask head at its final K, as one module:
+    what ``--cuda-graphs-heads`` replays as one graph (``grid_heads``). Returns the outputs that are tensors of their
+    own: the convs' patches (with convs), z (Top-K: the hard mask with the scores' gradient) and the soft scores (for
+    C's sigmoid mask z is the scores)."""
+
+    def __init__(self, head_conv: nn.Module | None, mask_head: nn.Module | None):
+        super().__init__()
+        self.head_conv, self.mask_head = head_conv, mask_head
+
+    def forward(self, patches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = ()
+        if self.head_conv is not None:
+            patches = self.head_conv(patches)
+            outputs = (patches,)
+        if self.mask_head is not None:
+            z, soft = self.mask_head(patches)
+            outputs += (soft,) if z is soft else (z, soft)
+        return outputs
+
+
+def grid_heads(head_conv: nn.Module | None, mask_head: nn.Module | None, patches: torch.Tensor,
+               step: int | None, graphs=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(the heads' patches after ``head_conv``, z, soft scores) of the patch grid (B, N, d); z and soft are None
+    without a mask head. Through ``graphs`` (the student's ``heads_graphs``) as one CUDA graph where it applies once
+    the mask keeps its final K (during a Top-K anneal K changes, and a graph holds one), else eagerly."""
+    n, kept = patches.shape[1], getattr(mask_head, "num_kept", None)
+    module = head_conv if head_conv is not None else mask_head  # whose training mode decides
+    if module is not None and graphs is not None and (kept is None or kept(n, step) == kept(n)) \
+            and graphs.applies(module, patches, tag="heads"):
+        heads = GridHeads(head_conv, mask_head)
+        outputs = graphs.run_module("heads", ("grid", f"K {kept(n)}" if kept else "no Top-K"), lambda: heads,
+                                    (patches,), heads)
+        if head_conv is not None:
+            patches, outputs = outputs[0], outputs[1:]
+        z, soft = (outputs[0], outputs[0]) if len(outputs) == 1 else outputs or (None, None)
+        return patches, z, soft
+    if head_conv is not None:
+        patches = head_conv(patches)
+    return (patches, *mask_head(patches, step)) if mask_head is not None else (patches, None, None)
+
+
 def cosine_to_words(pooled: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """cos(pooled[i, j, k], words[i, k]) over the last dim: (B_text, B_image, L, D) x (B_text, L, D) unit
     words -> (B_text, B_image, L). The dot product over the pooled vector's norm, as F.normalize would

@@ -14,7 +14,8 @@ from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (Projection, TeacherSpaceHeads, batch_idf, build_local_align, build_patch_heads,
-                                      cued_sentence_tokens, init_logit_scale, negated_tokens, sample_token_positions)
+                                      cued_sentence_tokens, grid_heads, init_logit_scale, negated_tokens,
+                                      sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.packed_text import stack_token_batches
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
@@ -101,6 +102,7 @@ class PatchIBStudent(nn.Module):
         self.local_align = build_local_align(config.local_attention, d_txt, d_img, self.embed_dim, config.local_heads,
                                              config.local_attention_temperature) if config.use_local else None
         self.head_conv, self.mask_head = build_patch_heads(config, d_img, self.image_tower.grid_size)
+        self.heads_graphs = None  # --cuda-graphs-heads: the image tower's BlockGraphs (models/block_graphs.py)
         self.teacher_heads = TeacherSpaceHeads(self.embed_dim, config.teacher_dims) if config.teacher_dims else None
         if config.grad_checkpointing:
             self.set_grad_checkpointing(True)
@@ -143,15 +145,11 @@ class PatchIBStudent(nn.Module):
         without a mask head. With ``drops_by_mask`` the mask is computed first and chooses E's tokens."""
         x = self.prepare_images(images)
         if self.drops_by_mask:
-            return mask_selected_forward(self.image_tower, self.head_conv, self.mask_head, x, step)
+            return mask_selected_forward(self.image_tower, self.head_conv, self.mask_head, x, step,
+                                         self.heads_graphs)
         img = self.image_tower(x, step=step)
         patches = img.patches if img.head_patches is None else img.head_patches  # what the heads read
-        if self.head_conv is not None:
-            patches = self.head_conv(patches)
-        z = soft = None
-        if self.mask_head is not None:
-            z, soft = self.mask_head(patches, step)
-        return img, patches, z, soft
+        return (img, *grid_heads(self.head_conv, self.mask_head, patches, step, self.heads_graphs))
 
     def _text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_layer: int | None = None,
               token_index: torch.Tensor | None = None):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from cxrdr.train.models.heads import grid_heads
 from cxrdr.train.models.image_towers import TowerOutput, ViTTower, head_tokens
 
 
@@ -126,16 +127,16 @@ class TokenDroppingViT(ViTTower):
 
 
 def mask_selected_forward(tower: TokenDroppingViT, head_conv: nn.Module | None, mask_head: nn.Module,
-                          x: torch.Tensor, step: int | None = None):
+                          x: torch.Tensor, step: int | None = None, heads_graphs=None):
     """E with patch_score 'mask': the Patch-IB mask, computed on the embedded patches, chooses the tokens
     the blocks see. Returns (tower output, the heads' patches (after ``head_conv``), z, soft scores);
     the output's ``head_patches`` are the embedded patches of the whole grid, as the heads read them.
+    ``heads_graphs``: the BlockGraphs the heads replay through (``heads.grid_heads``), None: eager.
     Shared by the student and its open_clip export, so both drop the same tokens."""
     tokens = tower.embed(x)
     n = tokens.shape[1] - 1
     embedded = head_tokens(tokens, n)
-    patches = embedded if head_conv is None else head_conv(embedded)
-    z, soft = mask_head(patches, step)
+    patches, z, soft = grid_heads(head_conv, mask_head, embedded, step, heads_graphs)
     out = tower.forward_tokens(tokens, step, scores=soft)
     out.head_patches = embedded
     out.head_index = torch.arange(n, device=tokens.device).expand(tokens.shape[0], n)
