@@ -16,6 +16,10 @@
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
+#   MODE=heads  bash scripts/device_lease.sh   # the suite's loop_graphs section alone (~2-3 min on an H200): the
+#                                              # heads on the patch grid graphed (--cuda-graphs-heads) beside the
+#                                              # blocks' and text layers' graphs and eager, and their check on the
+#                                              # card; its JSON and MD come back as heads-<device>.json/.md
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
 #   MODE=layout bash scripts/device_lease.sh   # benchmarks/cnn_layout.py: the recipe's Lite2 teacher tower
 #                                              # channels_last against the default layout, bf16 (~30 s)
@@ -39,7 +43,8 @@
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, SUITE_PREFIX (default 1; 0: the suite alone, without
 #        the pair similarity, text attention and compiled blocks' checks first, ~65 s on an H200), GRAPHS_DEVICE
-#        (default cuda), GRAPHS_ARGS (MODE=graphs), INSTALL (default 1; 0: no install, this environment's cxrdr runs),
+#        (default cuda), GRAPHS_ARGS (MODE=graphs), HEADS_DEVICE (default cuda; MODE=heads rehearsed on the CPU:
+#        HEADS_DEVICE=cpu SUITE_ARGS=--tiny), INSTALL (default 1; 0: no install, this environment's cxrdr runs),
 #        ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
 #        CARRY (default, for gpu-efficiency.yaml only, docs/results/gpu-recipe-carry.tar.gz: an earlier lease's
 #        carry.tar.gz, committed; a fresh machine's recipe call unpacks its runs first, so they are not trained again:
@@ -252,10 +257,17 @@ case "$MODE" in
     cp /tmp/suite-out/*.json /tmp/suite-out/*.md "$OUT/"
     echo "[lease] suite done after $(elapsed) s"
     ;;
+  heads)
+    rm -rf /tmp/heads-out
+    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" --budget "${SUITE_S:-240}" --out-dir /tmp/heads-out \
+      --skip build,students,loop,peer,loop_compiled,train_step,table ${SUITE_ARGS:-}
+    for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
+    echo "[lease] heads done after $(elapsed) s"
+    ;;
   collect) collect ;;  # what an earlier recipe call left, again
   pair) pair ;;
   layout) layout ;;
   graphs) python3 benchmarks/graphs_real_run.py --device "${GRAPHS_DEVICE:-cuda}" --workers 8 \
             --json-out "$OUT/graphs-real-run.json" ${GRAPHS_ARGS:-} ;;
-  *) echo "MODE must be recipe, probe-recipe, suite, collect, pair, layout or graphs, got '$MODE'"; exit 2 ;;
+  *) echo "MODE must be recipe, probe-recipe, suite, heads, collect, pair, layout or graphs, got '$MODE'"; exit 2 ;;
 esac
