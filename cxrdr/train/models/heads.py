@@ -170,12 +170,13 @@ def grid_heads(head_conv: nn.Module | None, mask_head: nn.Module | None, patches
     if module is not None and graphs is not None and (kept is None or kept(n, step) == kept(n)) \
             and graphs.applies(module, patches, tag="heads"):
         heads = GridHeads(head_conv, mask_head)
-        outputs = graphs.run_module("heads", ("grid", f"K {kept(n)}" if kept else "no Top-K"), lambda: heads,
-                                    (patches,), heads)
+        outputs = list(graphs.run_module("heads", ("grid", f"K {kept(n)}" if kept else "no Top-K"), lambda: heads,
+                                         (patches,), heads))
         if head_conv is not None:
-            patches, outputs = outputs[0], outputs[1:]
-        z, soft = (outputs[0], outputs[0]) if len(outputs) == 1 else outputs or (None, None)
-        return patches, z, soft
+            patches = outputs.pop(0)
+        if mask_head is None:
+            return patches, None, None
+        return (patches, outputs[0], outputs[0]) if len(outputs) == 1 else (patches, *outputs)  # C: z is the scores
     if head_conv is not None:
         patches = head_conv(patches)
     return (patches, *mask_head(patches, step)) if mask_head is not None else (patches, None, None)
