@@ -220,6 +220,7 @@ def test_a_copied_model_starts_without_graphs_and_cnn_towers_have_none():
     twin = copy.deepcopy(model)
     assert len(graphs) == 2 and isinstance(twin.image_tower.block_graphs, BlockGraphs)  # the blocks, the heads
     assert len(twin.image_tower.block_graphs) == 0 and not twin.image_tower.block_graphs.active
+    assert twin.heads_graphs is twin.image_tower.block_graphs  # the copy's heads replay through the copy's graphs
     with pytest.warns(RuntimeWarning, match="has no transformer blocks to replay"):
         assert enable_block_graphs(_student("tiny-cnn-D")) is None
 
