@@ -1,6 +1,6 @@
 """Do the image tower's blocks replayed as CUDA graphs (``--cuda-graphs``) compute what the eager blocks compute?
-And the packed text tower's layers (``--cuda-graphs-text``, ``--text``), and the heads on the patch grid
-(``--cuda-graphs-heads``, ``--heads``)?
+And the packed text tower's layers (``--cuda-graphs-text``, ``--text``), the heads on the patch grid
+(``--cuda-graphs-heads``, ``--heads``) and the CLIP and distillation terms (``--cuda-graphs-losses``, ``--losses``)?
 
 Runs a student's image tower (the real one, e.g. ViT-S/16 of D or E, stochastic depth off so that two runs agree)
 on a few batches of random images, each step forward and backward, once eagerly and once through
@@ -12,6 +12,7 @@ size. A speed figure says nothing about this; the GPU suite's loop_graphs sectio
     python benchmarks/block_graphs_check.py --device cpu --model tiny-E --stand-in   # the plumbing only (CPU)
     python benchmarks/block_graphs_check.py --device cuda --model E --text           # the text tower
     python benchmarks/block_graphs_check.py --device cuda --model E --heads          # the heads on the patch grid
+    python benchmarks/block_graphs_check.py --device cuda --model D --losses --batch-size 256   # the loss terms
     python benchmarks/block_graphs_check.py --device cuda --model D --compile-blocks # compiled blocks as graphs
 
 ``--compile-blocks`` compiles every block first (``--compile-scope blocks``, inductor), so both runs use the compiled
@@ -163,6 +164,49 @@ def compare_heads(model: str = "E", device: str = "cuda", batch_size: int = 32, 
             "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
 
 
+def compare_losses(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
+    """``compare`` for the CLIP and distillation terms of B_real and B_syn (``--cuda-graphs-losses``,
+    ``losses.objective.PairTerms``) under the default loss config: the terms and the gradients of the embeddings and
+    the logit scale, graphed vs eager, on random unit embeddings (the student's width) and a random stored teacher's
+    (image, report and caption embeddings)."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    from cxrdr.train.losses import LossConfig, Objective
+
+    student, dev, _, graphs = _setup(model, device, capture)
+    objective = Objective(LossConfig(), student.embed_dim, dev)
+    holder = types.SimpleNamespace(block_graphs=None)  # what _agreement switches between eager and graphed
+    gen = torch.Generator().manual_seed(1)
+    widths = {"img": student.embed_dim, "txt": student.embed_dim, "syn": student.embed_dim,
+              "t_img": 64, "t_txt": 64, "t_syn": 64}
+
+    def make_inputs():
+        return {k: F.normalize(torch.randn(batch_size, w, generator=gen), dim=-1).to(dev) for k, w in widths.items()}
+
+    def run_step(x):
+        img, txt, syn = (x[k].clone().requires_grad_(True) for k in ("img", "txt", "syn"))
+        scale = torch.tensor(14.3, device=dev, requires_grad=True)
+        teachers = {"t": {"img": x["t_img"], "txt": x["t_txt"], "syn": x["t_syn"]}}
+        lam = objective.cfg.lambda_distill
+        objective.graphs = holder.block_graphs
+        terms = None if objective.graphs is None else objective._graphed_pair_terms(
+            img, txt, syn, scale, lam, teachers, None, None, None, 0.0)
+        if terms is None:
+            terms = objective._pair_terms(img, txt, scale, lam, teachers, "txt", None, None, 0.0)
+            terms.update(objective._pair_terms(img, syn, scale, lam, teachers, "syn", None, None, 0.0))
+        torch.stack(list(terms.values())).sum().backward()
+        grads = {"img": img.grad, "txt": txt.grad, "syn": syn.grad, "scale": scale.grad.reshape(1)}
+        return torch.stack([v.detach().float() for v in terms.values()]), {k: g.float() for k, g in grads.items()}
+
+    worst_out, worst_grad = _agreement(holder, graphs, steps, make_inputs, run_step, ", loss terms")
+    return {"model": model, "tower": "losses", "device": str(dev), "batch_size": batch_size, "steps": steps,
+            "graphs_captured": graphs.captured("losses"), "capture_failed": graphs.failed,
+            "max_rel_diff_output": worst_out, "max_rel_diff_grad": worst_grad}
+
+
 WORDS = ("no", "acute", "left", "right", "pleural", "effusion", "small", "pneumothorax", "heart", "size", "is",
          "normal", "mild", "cardiomegaly", "lungs", "are", "clear", "basilar", "atelectasis", "the", "with", "stable")
 
@@ -215,24 +259,29 @@ def main(argv=None) -> int:
     parser.add_argument("--text", action="store_true", help="the packed text tower's layers (--cuda-graphs-text)")
     parser.add_argument("--heads", action="store_true",
                         help="the heads on the patch grid, head convs and mask (--cuda-graphs-heads)")
+    parser.add_argument("--losses", action="store_true",
+                        help="the CLIP and distillation terms (--cuda-graphs-losses)")
     parser.add_argument("--stand-in", action="store_true",
                         help="no CUDA graph: the blocks as they are stand in for the capture (checks the plumbing)")
     parser.add_argument("--compile-blocks", nargs="?", const="inductor", metavar="BACKEND",
                         help="compile every block first (default backend inductor): graphed vs not, both compiled")
     args = parser.parse_args(argv)
-    if (args.text or args.heads) and args.compile_blocks:
-        parser.error("--compile-blocks checks the image tower's blocks: leave out --text and --heads")
-    if args.text and args.heads:
-        parser.error("one check a command: --text or --heads")
+    if (args.text or args.heads or args.losses) and args.compile_blocks:
+        parser.error("--compile-blocks checks the image tower's blocks: leave out --text, --heads and --losses")
+    if args.text + args.heads + args.losses > 1:
+        parser.error("one check a command: --text, --heads or --losses")
     capture = (lambda module, *inputs: module) if args.stand_in else None
     if args.text:
         r = compare_text(args.model, args.device, args.batch_size, args.steps, capture)
     elif args.heads:
         r = compare_heads(args.model, args.device, args.batch_size, args.steps, capture)
+    elif args.losses:
+        r = compare_losses(args.model, args.device, args.batch_size, args.steps, capture)
     else:
         r = compare(args.model, args.device, args.batch_size, args.steps, capture, args.compile_blocks)
     compiled = f" (blocks compiled, {r['compiled_blocks']})" if r.get("compiled_blocks") else ""
-    what = " text tower" if args.text else " heads on the patch grid" if args.heads else ""
+    what = " text tower" if args.text else " heads on the patch grid" if args.heads else \
+        " loss terms" if args.losses else ""
     print(f"{r['model']}{what}{compiled} on {r['device']}, batch {r['batch_size']}, "
           f"{r['steps']} steps: {r['graphs_captured']} "
           f"graph(s) captured{'; capture failed: ' + r['capture_failed'] if r['capture_failed'] else ''}; largest "

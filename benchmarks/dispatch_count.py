@@ -13,7 +13,8 @@ measurable on any machine:
 
 ``--by-function N`` also splits the operators by the project's function that issued them and counts the image
 tower's blocks alone (forward + backward: what ``--cuda-graphs`` replays as two launches) and the heads on the patch
-grid alone (what ``--cuda-graphs-heads`` replays); ``--inference-casts``
+grid alone (what ``--cuda-graphs-heads`` replays) and the CLIP and distillation terms (``--cuda-graphs-losses``);
+``--inference-casts``
 counts the bf16 casts of a validation pass's first batch and of each later one (the weights' are cached).
 
 Each argument is VARIANT[:SCOPE] (SCOPE: a ``TrainConfig.compile_scope``). The count is torch.profiler's
@@ -137,6 +138,27 @@ def grid_head_ops(student, batch_size: int) -> int:
     return ops_of_backward(student, lambda: sum(t.float().sum() for t in heads(x)))
 
 
+def pair_term_ops(trainer, batches) -> int:
+    """Operators below autograd of the CLIP and distillation terms of B_real and B_syn alone (``Objective.
+    _pair_terms``), forward + backward into the embeddings, on the trainer's next batch's teachers and random unit
+    embeddings: what ``--cuda-graphs-losses`` replays as two launches."""
+    import torch
+    import torch.nn.functional as F
+
+    objective, batch = trainer.task.objective, next(batches)
+    teachers = objective._teachers(batch.get("teacher") or {}, torch.device("cpu"))
+    n, width = batch["images"].shape[0], trainer.student.embed_dim
+    img, txt, syn = (F.normalize(torch.randn(n, width), dim=-1).requires_grad_(True) for _ in range(3))
+    scale = torch.tensor(14.3, requires_grad=True)
+    lam = objective.cfg.lambda_distill if teachers else 0.0
+
+    def loss():
+        terms = objective._pair_terms(img, txt, scale, lam, teachers, "txt", None, None, 0.0)
+        terms.update(objective._pair_terms(img, syn, scale, lam, teachers, "syn", None, None, 0.0))
+        return torch.stack(list(terms.values())).sum()
+    return ops_of_backward(trainer.student, loss)
+
+
 def inference_casts(student, batch_size: int, batches: int) -> int:
     """``aten::_to_copy`` events of a validation pass (``quick_eval.collect_embeddings``) of ``batches`` random
     batches under bf16 autocast on the CPU: the casts an inference pass makes, the weights' among them."""
@@ -214,6 +236,8 @@ def main(argv=None) -> int:
             if heads:
                 print(f"  the heads on the patch grid alone (--cuda-graphs-heads), forward + backward: {heads} "
                       "operators below autograd", flush=True)
+            print(f"  the CLIP and distillation terms alone (--cuda-graphs-losses), forward + backward: "
+                  f"{pair_term_ops(trainer, trainer._batches())} operators below autograd", flush=True)
         if args.inference_casts and not scope:
             one, three = (inference_casts(trainer.student, args.batch_size, n) for n in (1, 3))
             print(f"  a validation pass under bf16 autocast: {one} casts for its first batch, {(three - one) / 2:.0f} "

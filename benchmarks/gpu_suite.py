@@ -122,6 +122,8 @@ SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled",
 GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_graphs (models/block_graphs.py)
 GRAPHED_TEXT = "{v} CUDA graphs + text"  # and with TrainConfig.cuda_graphs_text (the packed text tower's layers too)
 GRAPHED_HEADS = "{v} CUDA graphs + text + heads"  # and TrainConfig.cuda_graphs_heads (the heads on the patch grid; B-E)
+GRAPHED_ALL = "{v} all CUDA graphs"  # and TrainConfig.cuda_graphs_losses (the CLIP and distillation terms) too
+ALL_GRAPHS = {"cuda_graphs": "on", "cuda_graphs_text": "on", "cuda_graphs_heads": "on", "cuda_graphs_losses": "on"}
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
 # padded texts, D and E with the former heads: 3 of its 8 configurations, ~35 s) answered the same on three leases
@@ -433,11 +435,12 @@ def section_loop(cfg: dict, work: Path, budget, shards: str) -> dict:
 
 def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     """The real loop's A, E and D with ``--cuda-graphs on`` (the image tower's blocks replayed as CUDA graphs, forward
-    and backward), with ``--cuda-graphs-text`` too (the packed text tower's layers), and for E and D with
-    ``--cuda-graphs-heads`` too (the heads on the patch grid), each interleaved with its eager twin: what taking the blocks' operators off the host buys where the eager step is bound by it (E at 60 %
-    busy on the H100 at 416dba0). A section of its own, after the loop's, so that a capture that fails on the card
-    cannot take the eager figures with it. On CPU the graphed rows run eagerly
-    (the Trainer warns): the tiny run checks the section's code, not graphs."""
+    and backward), with ``--cuda-graphs-text`` too (the packed text tower's layers), for E and D with
+    ``--cuda-graphs-heads`` too (the heads on the patch grid), and with every graph (``--cuda-graphs-losses`` too: the
+    CLIP and distillation terms), each interleaved with its eager twin: what taking the blocks' operators off the
+    host buys where the eager step is bound by it (E at 60 % busy on the H100 at 416dba0). A section of its own,
+    after the loop's, so that a capture that fails on the card cannot take the eager figures with it. On CPU the
+    graphed rows run eagerly (the Trainer warns): the tiny run checks the section's code, not graphs."""
     import block_graphs_check
 
     lp = cfg["loop"]
@@ -448,6 +451,7 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     checks = [(v, block_graphs_check.compare, v, 32) for v in "DE"] + [("E text", block_graphs_check.compare_text,
                                                                         "E", 64)]
     checks += [(f"{v} heads", block_graphs_check.compare_heads, v, 32) for v in "DE"]
+    checks.append(("D losses", block_graphs_check.compare_losses, "D", 256))
     for name, check, v, batch in checks:
         try:
             agreement[name] = check(pattern.format(v=v), cfg["device"], batch if cuda else 2, 3, capture=stand_in)
@@ -462,14 +466,16 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
         if v != "A":  # the heads on the patch grid (A has none)
             plan.append((GRAPHED_HEADS.format(v=v), pattern.format(v=v), None,
                          {"cuda_graphs": "on", "cuda_graphs_text": "on", "cuda_graphs_heads": "on"}))
+        plan.append((GRAPHED_ALL.format(v=v), pattern.format(v=v), None, ALL_GRAPHS))
     trainers = _loop_trainers(cfg, work, shards, plan)
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
-    graphed_names = {n.format(v=v) for v in lp["graphed"] for n in (GRAPHED, GRAPHED_TEXT, GRAPHED_HEADS)}
+    graphed_names = {n.format(v=v) for v in lp["graphed"] for n in (GRAPHED, GRAPHED_TEXT, GRAPHED_HEADS, GRAPHED_ALL)}
     for row in (r for r in rows if r["name"] in graphed_names):  # what the graphed trainers captured, or why not
         graphs = trainers[row["name"]][0].block_graphs
         row.update(graphs_captured=len(graphs) if graphs is not None else None,
                    text_graphs_captured=graphs.captured("text") if graphs is not None else None,
                    heads_graphs_captured=graphs.captured("heads") if graphs is not None else None,
+                   losses_graphs_captured=graphs.captured("losses") if graphs is not None else None,
                    graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
     del trainers
     _free_device_memory()
@@ -487,13 +493,19 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
             "heads_graphed_over_text_graphed_img_per_s": {
                 v: by[GRAPHED_HEADS.format(v=v)]["img_per_s"] / by[GRAPHED_TEXT.format(v=v)]["img_per_s"]
                 for v in with_heads},
+            "all_graphed_over_heads_graphed_img_per_s": {  # A beside its text graphs: it has no heads
+                v: by[GRAPHED_ALL.format(v=v)]["img_per_s"]
+                / by[(GRAPHED_HEADS if v in with_heads else GRAPHED_TEXT).format(v=v)]["img_per_s"]
+                for v in lp["graphed"]},
             "graphed_ratios": _ratios(graphed), "text_graphed_ratios": _ratios(graphed_text),
             "heads_graphed_ratios": _ratios(graphed_heads),
+            "all_graphed_ratios": _ratios([{**by[GRAPHED_ALL.format(v=v)], "name": v} for v in lp["graphed"]]),
             "description": _loop_description(cfg),
             "agreement": agreement, "agreement_note": "benchmarks/block_graphs_check.py: the image tower alone, "
             "stochastic depth off, 3 steps of random images (E text: the text tower alone, dropout off, 3 steps of "
-            "random texts; D heads, E heads: the heads on the patch grid alone, 3 steps of random patches), graphed "
-            "vs eager; the largest differences relative to the largest value"
+            "random texts; D heads, E heads: the heads on the patch grid alone, 3 steps of random patches; D losses: "
+            "the CLIP and distillation terms alone, 3 steps of random embeddings), graphed vs eager; the largest "
+            "differences relative to the largest value"
             + ("" if cuda else "; on CPU the blocks stand in for the capture (plumbing only), and the text tower, "
                "without FlashAttention, captures nothing"),
             "note": f"Trainer.train_step (non-log steps), {lp['compiled_steps']} timed steps per configuration in "
@@ -881,6 +893,8 @@ def evaluate_targets(sections: dict, cfg: dict, tiny: bool) -> list[dict]:
         targets += _loop_targets(sections["loop_graphs"], "eager + CUDA graphs of the blocks, text layers and heads "
                                  "(A: blocks and text layers)", desc,
                                  {GRAPHED_TEXT.format(v="A")} | {GRAPHED_HEADS.format(v=v) for v in VARIANTS})
+        targets += _loop_targets(sections["loop_graphs"], "all CUDA graphs: blocks, text layers, heads and loss "
+                                 "terms", desc, {GRAPHED_ALL.format(v=v) for v in VARIANTS})
     targets.append(_target(f"E / A inference img/s ({family}, image encoder, batch {cfg['students']['batch_size']})",
                            ">=", 2, e_over_a_infer))
     e_over_a_bf16 = (students.get("E_over_A") or {}).get(family, {}).get(BF16_INFERENCE)
@@ -1160,13 +1174,18 @@ def markdown(result: dict) -> str:
                "- with the heads on the patch grid too, over the blocks and text layers, img/s: " + ", ".join(
                    f"{v} {_fmt(x)}x" for v, x in lg.get("heads_graphed_over_text_graphed_img_per_s", {}).items())
                + f"; D step / A step {_fmt(lg.get('heads_graphed_ratios', {}).get('D_over_A_step'))}; E / A img/s "
-                 f"{_fmt(lg.get('heads_graphed_ratios', {}).get('E_over_A_img_per_s'))} (A: blocks and text)"]
+                 f"{_fmt(lg.get('heads_graphed_ratios', {}).get('E_over_A_img_per_s'))} (A: blocks and text)",
+               "- with the loss terms too (all graphs), over the row before (A: its text graphs), img/s: " + ", ".join(
+                   f"{v} {_fmt(x)}x" for v, x in lg.get("all_graphed_over_heads_graphed_img_per_s", {}).items())
+               + f"; D step / A step {_fmt(lg.get('all_graphed_ratios', {}).get('D_over_A_step'))}; E / A img/s "
+                 f"{_fmt(lg.get('all_graphed_ratios', {}).get('E_over_A_img_per_s'))}"]
         md += [f"- graphed vs eager tower, {v}: " + (a["error"] if "error" in a else
                f"output {a['max_rel_diff_output']:.1e}, gradients {a['max_rel_diff_grad']:.1e} (largest relative "
                f"difference; {a['graphs_captured']} graph(s))") for v, a in lg["agreement"].items()]
         md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
                + (f" ({r['text_graphs_captured']} of the text tower)" if r.get("text_graphs_captured") else "")
                + (f" ({r['heads_graphs_captured']} of the heads)" if r.get("heads_graphs_captured") else "")
+               + (f" ({r['losses_graphs_captured']} of the loss terms)" if r.get("losses_graphs_captured") else "")
                + (f", their memory pool {r['graph_pool_mb']:.0f} MB (in its peak MB)" if r.get("graph_pool_mb") else "")
                + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
                for r in lg["rows"] if "graphs_captured" in r] + [""]

@@ -40,11 +40,12 @@ def relative_difference(a: float, b: float) -> float:
 
 
 def run_pair(shards: Path, out: Path, model: str, steps: int, batch_size: int, device: str, workers: int,
-             heads: bool = False) -> dict:
+             heads: bool = False, losses: bool = False) -> dict:
     """Train the graphed and the eager run of one seed; their losses, what they captured and how they compare.
     ``heads``: the graphed run replays the heads on the patch grid too (``--cuda-graphs-heads on``), and both runs
     anneal the Top-K mask over their first quarter (a graph holds the final K only: over the default 2,000 steps'
-    anneal a short run would never capture one)."""
+    anneal a short run would never capture one). ``losses``: the graphed run replays the CLIP and distillation terms
+    too (``--cuda-graphs-losses on``)."""
     from cxrdr.train.loop import train
 
     runs = {}
@@ -52,6 +53,8 @@ def run_pair(shards: Path, out: Path, model: str, steps: int, batch_size: int, d
         if heads:
             settings = {**settings, "cuda_graphs_heads": "on" if name == "graphs" else "off",
                         "model_overrides": {"k_anneal_steps": max(1, steps // 4)}}
+        if losses:
+            settings = {**settings, "cuda_graphs_losses": "on" if name == "graphs" else "off"}
         cfg = {"shards": str(shards), "model": model, "out": str(out / name), "steps": steps,
                "batch_size": batch_size, "seed": 0, "device": device, "workers": workers, "progress": False,
                "log_every": max(1, steps // 6), "eval_every": max(1, steps // 2), "overwrite": True, **settings}
@@ -100,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="the runs' loader workers (and the build's)")
     parser.add_argument("--heads", action="store_true",
                         help="the graphed run replays the heads on the patch grid too (--cuda-graphs-heads on)")
+    parser.add_argument("--losses", action="store_true",
+                        help="the graphed run replays the CLIP and distillation terms too (--cuda-graphs-losses on)")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="graphs-real-run-") as tmp:
         shards = Path(args.shards) if args.shards else build_phantom(Path(tmp) / "shards", args.n, args.store_size,
                                                                      args.workers)
         result = run_pair(shards, Path(tmp), args.model, args.steps, args.batch_size, args.device, args.workers,
-                          args.heads)
+                          args.heads, args.losses)
     print(report(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))

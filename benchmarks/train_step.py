@@ -173,8 +173,8 @@ def eager_twin_key(cfg) -> str:
     """What a configuration's FLOP count depends on: every TrainConfig field but compilation, CUDA graphs and the run
     folder. A compiled or graphed configuration shares it with its eager twin; "A padded texts" or "D former heads"
     do not share A's or D's (model, mode and teacher alone made them share it, and their counts were their twins')."""
-    skip = ("compile", "compile_scope", "compile_backend", "cuda_graphs", "cuda_graphs_text", "cuda_graphs_heads", "out",
-            "overwrite", "resume")
+    skip = ("compile", "compile_scope", "compile_backend", "cuda_graphs", "cuda_graphs_text", "cuda_graphs_heads",
+            "cuda_graphs_losses", "out", "overwrite", "resume")
     fields = {k: v for k, v in cfg.to_dict().items() if k not in skip}
     return json.dumps(fields, sort_keys=True, default=str)
 
@@ -250,6 +250,8 @@ def main(argv=None) -> int:
                         help="and the packed text tower's layers (TrainConfig.cuda_graphs_text; CUDA only)")
     parser.add_argument("--cuda-graphs-heads", action="store_true",
                         help="and the heads on the patch grid (TrainConfig.cuda_graphs_heads; CUDA only)")
+    parser.add_argument("--cuda-graphs-losses", action="store_true",
+                        help="and the CLIP and distillation terms (TrainConfig.cuda_graphs_losses; CUDA only)")
     parser.add_argument("--only", default=None,
                         help="time only these variants (e.g. 'D': D stored, plain and online; default A, E and D)")
     parser.add_argument("--padded-texts", action="store_true",
@@ -285,9 +287,10 @@ def main(argv=None) -> int:
             "out": str(Path(tmp.name) / "run")}
     if args.compile:
         base.update(compile=True, compile_scope=args.compile_scope)
-    if args.cuda_graphs or args.cuda_graphs_text or args.cuda_graphs_heads:
+    if args.cuda_graphs or args.cuda_graphs_text or args.cuda_graphs_heads or args.cuda_graphs_losses:
         base.update(cuda_graphs="on", cuda_graphs_text=args.cuda_graphs_text,
-                    cuda_graphs_heads="on" if args.cuda_graphs_heads else "off")
+                    cuda_graphs_heads="on" if args.cuda_graphs_heads else "off",
+                    cuda_graphs_losses="on" if args.cuda_graphs_losses else "off")
 
     plan = [("A stored", dict(model=f"{prefix}A")),
             ("E stored", dict(model=f"{prefix}E")),

@@ -17,9 +17,10 @@
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
 #   MODE=heads  bash scripts/device_lease.sh   # the suite's loop_graphs section alone (~2-3 min on an H200): the
-#                                              # heads on the patch grid graphed (--cuda-graphs-heads) beside the
-#                                              # blocks' and text layers' graphs and eager, and their check on the
-#                                              # card; its JSON and MD come back as heads-<device>.json/.md
+#                                              # heads on the patch grid and the loss terms graphed
+#                                              # (--cuda-graphs-heads, --cuda-graphs-losses) beside the blocks' and
+#                                              # text layers' graphs and eager, and their checks on the card; its
+#                                              # JSON and MD come back as heads-<device>.json/.md
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
 #   MODE=layout bash scripts/device_lease.sh   # benchmarks/cnn_layout.py: the recipe's Lite2 teacher tower
 #                                              # channels_last against the default layout, bf16 (~30 s)

@@ -18,6 +18,7 @@ from cxrdr.train.device import autocast
 from cxrdr.train.models import StudentConfig, build_student
 from cxrdr.train.models.block_graphs import (MAX_GRAPHS, BlockGraphs, enable_block_graphs,
                                              quiet_side_stream_gradients, shapes_settled, thread_local_capture)
+from cxrdr.train.losses.objective import PairTerms
 from cxrdr.train.models.heads import GridHeads
 
 TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
@@ -32,7 +33,8 @@ class CountingCapture:
         self.replays = 0
 
     def __call__(self, module, *inputs):
-        self.captured.append(("heads" if isinstance(module, GridHeads) else len(module), tuple(inputs[0].shape)))
+        name = "heads" if isinstance(module, GridHeads) else "losses" if isinstance(module, PairTerms) else len(module)
+        self.captured.append((name, tuple(inputs[0].shape)))
 
         def replay(*t):
             self.replays += 1
@@ -267,6 +269,12 @@ def test_the_trainer_settings_that_graphs_exclude_and_the_autocast_without_cache
     with pytest.raises(ValueError, match="--cuda-graphs-heads on replays the heads with the image tower's graphs: it "
                                          "needs --cuda-graphs auto or on"):
         TrainConfig.load(None, shards="s", cuda_graphs="off", cuda_graphs_heads="on")
+    # the loss terms alike
+    assert default.cuda_graphs_losses == "off" and not default.losses_graphs()
+    assert TrainConfig.load(None, shards="s", cuda_graphs_losses="auto").losses_graphs()
+    assert not TrainConfig.load(None, shards="s", cuda_graphs="off", cuda_graphs_losses="auto").losses_graphs()
+    with pytest.raises(ValueError, match="--cuda-graphs-losses on replays the loss terms with the image tower's"):
+        TrainConfig.load(None, shards="s", cuda_graphs="off", cuda_graphs_losses="on")
     with autocast(torch.device("cpu"), torch.bfloat16, cache=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
     with autocast(torch.device("cpu"), torch.bfloat16):
@@ -351,7 +359,7 @@ class CompiledCountingCapture(CountingCapture):
         self.compiled: list[bool] = []
 
     def __call__(self, module, *inputs):
-        if not isinstance(module, GridHeads):  # a run of blocks (the heads on the grid are not compiled)
+        if not isinstance(module, (GridHeads, PairTerms)):  # a run of blocks (the rest is not compiled)
             self.compiled.append(all(getattr(b, "_compiled_call_impl", None) is not None for b in module))
         return super().__call__(module, *inputs)
 
@@ -402,18 +410,68 @@ def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_sh
     capture = CountingCapture()
     run.block_graphs = enable_block_graphs(run.student, text=True, heads=True, capture=capture,
                                            on_device=lambda x: True)
+    run.task.objective.graphs = run.block_graphs  # --cuda-graphs-losses
     assert run.student.text_tower.block_graphs is run.block_graphs
     batches = run._batches()
     for step in range(5):
         run.train_step(batches, log_balance=step == 4)  # a logging step (its loss balance) runs eagerly
         assert len(capture.captured) == 0 if step < 2 else run.block_graphs.captured("text") >= 1
     graphs = run.block_graphs
-    assert graphs.captured("image") == 2 and graphs.captured("heads") == 1
-    assert len(capture.captured) == graphs.captured("image") + graphs.captured("text") + 1
-    assert capture.replays >= 2 * 4  # two graphed steps, two image runs, the heads and at least one text run each
-    assert graphs.describe() == {"image": 2, "text": graphs.captured("text"), "heads": 1, "pool_mb": 0.0,
+    assert graphs.captured("image") == 2 and graphs.captured("heads") == graphs.captured("losses") == 1
+    assert len(capture.captured) == graphs.captured("image") + graphs.captured("text") + 2
+    assert capture.replays >= 2 * 5  # two graphed steps: two image runs, the heads, the losses, a text run or more
+    assert graphs.describe() == {"image": 2, "text": graphs.captured("text"), "heads": 1, "losses": 1, "pool_mb": 0.0,
                                  "failed": None}  # the run summary's "cuda_graphs" (no CUDA memory here)
     assert all(torch.isfinite(p).all() for p in run.student.parameters())
+
+
+def _trainer_terms(shards, out, model: str, graphed: bool, steps: int = 3, **fields):
+    """The loss terms of ``steps`` training steps, with the CLIP and distillation terms through (stand-in) graphs
+    (--cuda-graphs-losses) or eager; and the capture's record."""
+    from cxrdr.train.loop import Trainer
+
+    trainer = Trainer(TrainConfig(shards=str(shards), model=model, out=str(out), steps=6, batch_size=4, workers=0,
+                                  progress=False, device="cpu", eval_every=0, **fields))
+    capture = CountingCapture()
+    if graphed:
+        trainer.block_graphs = enable_block_graphs(trainer.student, capture=capture, on_device=lambda x: True)
+        trainer.task.objective.graphs = trainer.block_graphs
+    batches = trainer._batches()
+    terms = [{k: float(v) for k, v in trainer.train_step(batches, log_balance=False)["terms"].items()}
+             for _ in range(steps)]
+    return terms, capture
+
+
+@pytest.mark.parametrize("model", ["tiny-A", "tiny-D"])
+def test_the_loss_terms_graphed_give_the_eager_terms_step_after_step(phantom_shards, tmp_path, model):
+    """--cuda-graphs-losses (the capture stood in for): the CLIP and distillation terms of B_real and B_syn, the
+    stored teacher's among them, go through one graph and every term of every step equals the eager run's (the
+    gradients too: later steps start from the weights they made)."""
+    eager, _ = _trainer_terms(phantom_shards, tmp_path / "eager", model, graphed=False)
+    graphed, capture = _trainer_terms(phantom_shards, tmp_path / "graphed", model, graphed=True)
+    assert graphed == eager
+    assert {"clip", "distill", "clip_syn", "distill_syn"} <= set(eager[0])
+    assert [c for c in capture.captured if c[0] == "losses"] == [("losses", (4, 64))] and capture.replays >= 3
+
+
+def test_the_trainer_hands_its_graphs_to_the_objective_only_where_asked(phantom_shards, tmp_path, monkeypatch):
+    from cxrdr.train.loop import Trainer
+
+    monkeypatch.setattr(Trainer, "_block_graphs", lambda self: enable_block_graphs(
+        self.student, capture=CountingCapture(), on_device=lambda x: True))
+    for setting, wired in (("off", False), ("auto", True)):
+        run = Trainer(TrainConfig(shards=str(phantom_shards), model="tiny-D", out=str(tmp_path / setting), steps=2,
+                                  batch_size=4, workers=0, progress=False, device="cpu", eval_every=0,
+                                  cuda_graphs_losses=setting))
+        assert (run.task.objective.graphs is run.block_graphs is not None) == wired, setting
+        assert run.task.objective.graphs is None or wired
+
+
+def test_the_loss_terms_run_eagerly_where_a_graph_would_hold_a_changing_input(phantom_shards, tmp_path):
+    """A hard-negative beta that rises every step and a text queue (its contents change) keep the terms eager."""
+    for name, loss in (("beta", {"beta_max": 0.5}), ("queue", {"queue_size": 8})):
+        _, capture = _trainer_terms(phantom_shards, tmp_path / name, "tiny-D", graphed=True, steps=2, loss=loss)
+        assert [c for c in capture.captured if c[0] == "losses"] == [], name
 
 
 def _graphs_check():
@@ -426,18 +484,19 @@ def _graphs_check():
     return block_graphs_check
 
 
-def _stale_capture(module, x):
-    """A 'graph' that replays its capture's input, whatever it is given."""
-    captured = x.detach().clone()
-    return lambda t: module(captured + 0 * t)
+def _stale_capture(module, *inputs):
+    """A 'graph' that replays its capture's inputs, whatever it is given."""
+    captured = [x.detach().clone() for x in inputs]
+    return lambda *given: module(*(c + 0 * t for c, t in zip(captured, given)))
 
 
-@pytest.mark.parametrize("check, model, graphs", [("compare", "tiny-E", 2), ("compare_heads", "tiny-D", 1)])
+@pytest.mark.parametrize("check, model, graphs", [("compare", "tiny-E", 2), ("compare_heads", "tiny-D", 1),
+                                                   ("compare_losses", "tiny-D", 1)])
 def test_the_agreement_check_finds_a_graph_fed_stale_inputs(check, model, graphs):
-    """Zero difference with the blocks (or the heads, ``--heads``) standing in for the capture, a large one in the
-    outputs and the gradients from a 'graph' that replays its capture's input."""
+    """Zero difference with the blocks (the heads: ``--heads``; the loss terms: ``--losses``) standing in for the
+    capture, a large one in the outputs and the gradients from a 'graph' that replays its capture's inputs."""
     compare = getattr(_graphs_check(), check)
-    same = compare(model, "cpu", 2, 2, capture=lambda module, x: module)
+    same = compare(model, "cpu", 2, 2, capture=lambda module, *inputs: module)
     assert same["graphs_captured"] == graphs and same["max_rel_diff_output"] == same["max_rel_diff_grad"] == 0.0
     wrong = compare("tiny-D", "cpu", 2, 2, capture=_stale_capture)
     assert wrong["max_rel_diff_output"] > 0.01 and wrong["max_rel_diff_grad"] > 0.01

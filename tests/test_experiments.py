@@ -662,7 +662,8 @@ def test_a_runs_loss_and_optim_overrides_add_to_the_experiments_and_old_run_conf
                                              "efficiency"))
     # nor the heads' CUDA graphs (they replay the eager heads; a carried run saved before the setting existed)
     assert _finished_alike(run, train_config(recipe, tmp_path / "shards", run,
-                                             {"mode": "plain", "cuda_graphs_heads": "auto"}, "efficiency"))
+                                             {"mode": "plain", "cuda_graphs_heads": "auto",
+                                              "cuda_graphs_losses": "on"}, "efficiency"))
     saved["loss"]["w_gone"] = 1.0  # a field this version does not know: not the same run
     (run / "config.yaml").write_text(yaml.safe_dump(saved))
     assert not _finished_alike(run, plain)

@@ -128,15 +128,18 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
 
     graphs = s["loop_graphs"]  # on CPU the graphed trainers run eagerly, and say so
     assert [r["name"] for r in graphs["rows"]] == [n.format(v=v) for v in "AED" for n in (
-        "{v}", "{v} CUDA graphs", "{v} CUDA graphs + text", *(["{v} CUDA graphs + text + heads"] if v != "A" else []))]
+        "{v}", "{v} CUDA graphs", "{v} CUDA graphs + text", *(["{v} CUDA graphs + text + heads"] if v != "A" else []),
+        "{v} all CUDA graphs")]
     assert all(positive(r["img_per_s"]) for r in graphs["rows"])
     graphed_rows = [r for r in graphs["rows"] if " " in r["name"]]
-    assert len(graphed_rows) == 8
+    assert len(graphed_rows) == 11
     assert all(r["graphs_captured"] is None and r["text_graphs_captured"] is None and r["heads_graphs_captured"] is None
-               and r["graphs_failed"] == "no graphs: not a CUDA device" for r in graphed_rows)
+               and r["losses_graphs_captured"] is None and r["graphs_failed"] == "no graphs: not a CUDA device"
+               for r in graphed_rows)
     # the plumbing only, on CPU: the blocks stand in for the capture; the text tower, without FlashAttention, has none
     assert {v: (a["graphs_captured"], a["max_rel_diff_grad"]) for v, a in graphs["agreement"].items()} == {
-        "D": (1, 0.0), "E": (2, 0.0), "E text": (0, 0.0), "D heads": (1, 0.0), "E heads": (1, 0.0)}
+        "D": (1, 0.0), "E": (2, 0.0), "E text": (0, 0.0), "D heads": (1, 0.0), "E heads": (1, 0.0),
+        "D losses": (1, 0.0)}
     gb = {r["name"]: r for r in graphs["rows"]}
     assert graphs["graphed_over_eager_img_per_s"]["E"] == gb["E CUDA graphs"]["img_per_s"] / gb["E"]["img_per_s"]
     assert graphs["text_graphed_over_graphed_img_per_s"]["A"] == (
@@ -149,6 +152,10 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
         gb["D CUDA graphs + text + heads"]["img_per_s"] / gb["D CUDA graphs + text"]["img_per_s"])
     assert graphs["heads_graphed_ratios"]["E_over_A_img_per_s"] == (  # A has no heads: its blocks and text
         gb["E CUDA graphs + text + heads"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
+    assert graphs["all_graphed_over_heads_graphed_img_per_s"]["A"] == (
+        gb["A all CUDA graphs"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
+    assert graphs["all_graphed_ratios"]["E_over_A_img_per_s"] == (
+        gb["E all CUDA graphs"]["img_per_s"] / gb["A all CUDA graphs"]["img_per_s"])
 
     peer = s["peer"]["rows"]
     assert [r["name"] for r in peer] == ["open_clip tiny eager"] and s["peer"]["notes"]
@@ -174,7 +181,7 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     assert all(set(t) >= TARGET_KEYS for t in targets)
     # no compiled rows in the tiny run: the eager and graphed loops' targets, and the build's steady ratio beside its
     # whole one
-    assert len(targets) == 28
+    assert len(targets) == 34
     graphed_a = next(t for t in targets if t["name"].startswith("A training, real loop, img/s [eager + CUDA graphs of "
                                                                   "the blocks]"))
     assert graphed_a["value"] == gb["A CUDA graphs"]["img_per_s"]
@@ -184,6 +191,8 @@ def test_tiny_suite_measures_every_section(tmp_path, capsys):
     heads = {t["name"].split(" [")[0]: t for t in targets if "text layers and heads" in t["name"]}
     assert heads["A training, real loop, img/s"]["value"] == gb["A CUDA graphs + text"]["img_per_s"]  # no heads
     assert heads["D training, real loop, img/s"]["value"] == gb["D CUDA graphs + text + heads"]["img_per_s"]
+    every = {t["name"].split(" [")[0]: t for t in targets if "all CUDA graphs" in t["name"]}
+    assert every["A training, real loop, img/s"]["value"] == gb["A all CUDA graphs"]["img_per_s"]
     assert heads["E / A train img/s, real loop, E at its target keep rate"]["value"] == (
         gb["E CUDA graphs + text + heads"]["img_per_s"] / gb["A CUDA graphs + text"]["img_per_s"])
     steady = next(t for t in targets if t["name"].startswith("build / teacher forward [steady"))
@@ -681,5 +690,5 @@ def test_compiled_and_graphed_configurations_share_their_eager_twins_flop_count(
 
     eager = key(cuda_graphs="off")
     assert key(cuda_graphs="on") == key(cuda_graphs="on", cuda_graphs_text="on") == key(compile=True) == eager
-    assert key(cuda_graphs="on", cuda_graphs_heads="on") == eager
+    assert key(cuda_graphs="on", cuda_graphs_heads="on", cuda_graphs_losses="on") == eager
     assert key(cuda_graphs="off", pack_text=False) != eager

@@ -56,7 +56,8 @@ def test_heads_replays_the_heads_in_the_graphed_run_and_anneals_both_runs_alike(
         return {}
 
     monkeypatch.setattr(loop, "train", record)
-    graphs_real_run.run_pair(tmp_path, tmp_path, "tiny-D", 8, 4, "cpu", 0, heads=True)
+    graphs_real_run.run_pair(tmp_path, tmp_path, "tiny-D", 8, 4, "cpu", 0, heads=True, losses=True)
     assert (seen["graphs"]["cuda_graphs_heads"], seen["eager"]["cuda_graphs_heads"]) == ("on", "off")
+    assert (seen["graphs"]["cuda_graphs_losses"], seen["eager"]["cuda_graphs_losses"]) == ("on", "off")
     assert seen["graphs"]["model_overrides"] == seen["eager"]["model_overrides"] == {"k_anneal_steps": 2}
     assert "cuda_graphs_heads" not in graphs_real_run.SETTINGS["graphs"]  # without --heads: the default graphs

@@ -267,7 +267,7 @@ def _as_saved(cfg: TrainConfig) -> dict:
     # nor how often the loss balance is measured (gradients taken beside the step's own: the same step), nor the
     # frozen stem's memo (the outputs it would compute: tests/test_frozen_memo.py)
     same = dataclasses.replace(cfg, resume=False, progress=True, cuda_graphs="auto", cuda_graphs_text="auto",
-                               cuda_graphs_heads="off",
+                               cuda_graphs_heads="off", cuda_graphs_losses="off",
                                save_every=0, workers=loader_workers(cfg.workers, cfg.device), balance_every=0,
                                frozen_memo_mb=0)
     return yaml_round_trip(same.to_dict())

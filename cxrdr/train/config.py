@@ -35,7 +35,7 @@ CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 CHOICES = {"mode": ("reinforced", "plain"), "amp": AMP_CHOICES, "device": DEVICE_CHOICES,
            "pick": ("random", "sequential"), "on_corrupt": ("stop", "skip"), "compile_scope": COMPILE_SCOPES,
            "cuda_graphs": CUDA_GRAPHS_CHOICES, "cuda_graphs_text": CUDA_GRAPHS_CHOICES,
-           "cuda_graphs_heads": CUDA_GRAPHS_CHOICES}
+           "cuda_graphs_heads": CUDA_GRAPHS_CHOICES, "cuda_graphs_losses": CUDA_GRAPHS_CHOICES}
 # Allowed values of numeric fields (cxrdr.common.yamlio.validate_fields checks types and these).
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "eval_every": "[0, inf)", "eval_batch_size": "[1, inf)",
@@ -129,6 +129,13 @@ class TrainConfig:
                                          "operators a step, forward and backward). Not yet timed on a GPU, so off by "
                                          "default; auto: wherever the blocks' graphs run; on: asked for (refused "
                                          "with --cuda-graphs off).")
+    cuda_graphs_losses: str = _opt("off", "Replay the CLIP and distillation terms of the step (B_real and B_syn) "
+                                          "as one CUDA graph too: fixed shapes at a fixed batch (losses/objective.py: "
+                                          "PairTerms; on the CPU ~300 operators a step, forward and backward). Not "
+                                          "with a text queue, feature distillation, a hard-negative beta schedule or "
+                                          "DDP (eager there). Not yet timed on a GPU, so off by default; auto: "
+                                          "wherever the blocks' graphs run; on: asked for (refused with "
+                                          "--cuda-graphs off).")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int | None = _opt(None, "DataLoader workers per rank (default: 2 on the CPU; on CUDA the host's cores but "
@@ -172,8 +179,8 @@ class TrainConfig:
                                           "also score the zero-shot mean AUC of its labels (zeroshot_mean_auc).")
 
     def __post_init__(self) -> None:
-        for name in ("cuda_graphs", "cuda_graphs_text", "cuda_graphs_heads"):  # YAML reads on / off as booleans;
-            if isinstance(getattr(self, name), bool):  # config.yaml files from before "auto" hold true / false
+        for name in ("cuda_graphs", "cuda_graphs_text", "cuda_graphs_heads", "cuda_graphs_losses"):  # YAML: on / off
+            if isinstance(getattr(self, name), bool):  # are booleans; config.yaml files before "auto" hold them
                 setattr(self, name, "on" if getattr(self, name) else "off")
         for name, cls in NESTED.items():  # a mapping (YAML, keyword) becomes the typed config
             value = getattr(self, name)
@@ -200,9 +207,10 @@ class TrainConfig:
             raise ValueError("--cuda-graphs-text on does not go with --compile-scope model: the compiled model's text "
                              "layers attend on the padded grid, not on FlashAttention's packed tokens that the text "
                              "graphs replay (--compile-scope blocks leaves them eager for the graphs)")
-        if self.cuda_graphs_heads == "on" and self.cuda_graphs == "off":
-            raise ValueError("--cuda-graphs-heads on replays the heads with the image tower's graphs: it needs "
-                             "--cuda-graphs auto or on")
+        for flag, what in (("heads", "the heads"), ("losses", "the loss terms")):
+            if getattr(self, f"cuda_graphs_{flag}") == "on" and self.cuda_graphs == "off":
+                raise ValueError(f"--cuda-graphs-{flag} on replays {what} with the image tower's graphs: it needs "
+                                 "--cuda-graphs auto or on")
         if self.cuda_graphs == "on":
             conflicts = self.cuda_graph_conflicts()
             if conflicts:
@@ -235,9 +243,14 @@ class TrainConfig:
     def heads_graphs(self) -> bool:
         """Whether the heads on the patch grid join the image tower's CUDA graphs (``cuda_graphs_heads``): asked for,
         or auto wherever the blocks' graphs are not off."""
-        if self.cuda_graphs_heads == "auto":
-            return self.cuda_graphs != "off"
-        return self.cuda_graphs_heads == "on"
+        return self._joins_graphs(self.cuda_graphs_heads)
+
+    def losses_graphs(self) -> bool:
+        """Whether the CLIP and distillation terms join the image tower's CUDA graphs (``cuda_graphs_losses``)."""
+        return self._joins_graphs(self.cuda_graphs_losses)
+
+    def _joins_graphs(self, setting: str) -> bool:
+        return self.cuda_graphs != "off" if setting == "auto" else setting == "on"
 
     def to_dict(self) -> dict:
         """Plain nested dict (lists, no tuples): what RUN/config.yaml and checkpoints hold."""

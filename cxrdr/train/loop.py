@@ -164,6 +164,8 @@ class Trainer:
         if text_tower is not None and not cfg.pack_text:
             text_tower.pack = False
         self.block_graphs = self._block_graphs()  # --cuda-graphs (captured at a later step, compiled blocks too)
+        if cfg.losses_graphs():  # --cuda-graphs-losses: the loss terms replay through the same graphs
+            self.task.objective.graphs = self.block_graphs
         if cfg.compile and cfg.compile_scope == "blocks":  # in place, once: dynamo guards see stage changes
             # the text layers stay eager where the text graphs took them (a graph replays the packed layers as they
             # run on FlashAttention)

@@ -13,6 +13,7 @@ value equals the single-process value on the global batch, and the loop backward
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -58,6 +59,8 @@ class Objective(nn.Module):
                                cfg.local_entropy, cfg.local_mask_shared_words)
         self.queue = (TextQueue(cfg.queue_size, embed_dim, device)
                       if cfg.queue_size > 0 and embed_dim is not None else None)
+        self.graphs = None  # --cuda-graphs-losses: the student's BlockGraphs (train/models/block_graphs.py)
+        self._pair_modules: dict[tuple, PairTerms] = {}  # one per layout of the pair terms' tensors
 
     # ---- gathering (once per feature) ---------------------------------------------------------------
     def _features(self, x):
@@ -134,12 +137,19 @@ class Objective(nn.Module):
         space = self._teacher_space(out.teacher_space) if cfg.w_feature and teachers else None
         positives, soft = self._positives(batch, "report_text", device), self._soft_targets(batch, device)
         extra = self.queue.get() if self.queue is not None else None
-        terms = self._pair_terms(img, txt, scale, lam, teachers, "txt", positives, soft, beta, extra, space)
+        syn_txt = positives_syn = None
         if cfg.use_syn and syn_text_emb is not None:
             syn_txt = self._features(syn_text_emb.float())
-            terms.update(self._pair_terms(img, syn_txt, scale, lam, teachers, "syn",
-                                          self._positives(batch, "caption_text", device), soft, beta,
-                                          teacher_space=space))
+            positives_syn = self._positives(batch, "caption_text", device)
+        terms = None
+        if self.graphs is not None and self.queue is None and space is None and not self.gather:
+            terms = self._graphed_pair_terms(img, txt, syn_txt, scale, lam, teachers, positives, positives_syn, soft,
+                                             beta)
+        if terms is None:
+            terms = self._pair_terms(img, txt, scale, lam, teachers, "txt", positives, soft, beta, extra, space)
+            if syn_txt is not None:
+                terms.update(self._pair_terms(img, syn_txt, scale, lam, teachers, "syn", positives_syn, soft, beta,
+                                              teacher_space=space))
         local = {"img": out.image_emb, "txt": out.text_emb, "masked_img": out.masked_image_emb, "mask": out.mask}
         global_ = {"txt": txt, "masked_img": self._features(out.masked_image_emb)}
         terms.update(self.patch_ib(local, global_, scale, positives=positives, soft_targets=soft))
@@ -151,6 +161,53 @@ class Objective(nn.Module):
         if self.queue is not None and update_queue:
             self.queue.enqueue(txt.detach())
         return terms
+
+
+    def _graphed_pair_terms(self, img, txt, syn_txt, scale, lam, teachers, positives, positives_syn, soft,
+                            beta) -> dict | None:
+        """The pair terms of B_real and B_syn (``_pair_terms``) through ``graphs`` as one CUDA graph, or None where
+        none applies (see ``graphs.applies``; a hard-negative beta that changes every step, which a graph would
+        hold fixed; the caller leaves out a text queue, feature distillation and DDP). Their tensors go in by a
+        layout of names; each layout has its graph."""
+        if self.cfg.beta_min != self.cfg.beta_max or not self.graphs.applies(self, img, tag="losses"):
+            return None
+        named = {"img": img, "txt": txt, "scale": scale, "syn_txt": syn_txt, "positives": positives,
+                 "positives_syn": positives_syn, "soft": soft}
+        for name in sorted(teachers):
+            named.update({("teacher", name, part): t for part, t in (teachers[name] or {}).items()})
+        layout = tuple(k for k, v in named.items() if v is not None)
+        absent = tuple(k for k, v in named.items() if v is None and isinstance(k, tuple))
+        key = (layout, absent, lam, beta)
+        module = self._pair_modules.setdefault(key, PairTerms(self, lam, beta, layout, absent))
+        outputs = self.graphs.run_module("losses", ("pair terms", f"{len(layout)} inputs"), lambda: module,
+                                         tuple(named[k] for k in layout), module)
+        return dict(zip(module.keys, outputs))
+
+
+class PairTerms(nn.Module):
+    """``Objective._pair_terms`` of B_real and (with captions) B_syn on a flat tuple of tensors, named by ``layout``
+    (teachers' parts as ("teacher", name, part); ``absent`` those the batch holds as None): what
+    ``--cuda-graphs-losses`` replays as one CUDA graph. Returns the terms' values in the eager order; ``keys`` names
+    them (set at its first run, which the capture makes)."""
+
+    def __init__(self, objective: Objective, lam: float, beta: float, layout: tuple, absent: tuple):
+        super().__init__()
+        object.__setattr__(self, "objective", objective)  # not a submodule: its state stays the objective's
+        self.lam, self.beta, self.layout, self.absent = lam, beta, layout, absent
+        self.keys: tuple[str, ...] = ()
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        named = dict(zip(self.layout, tensors))
+        teachers: dict[str, dict] = {}
+        for key in sorted([k for k in self.layout if isinstance(k, tuple)] + list(self.absent)):
+            teachers.setdefault(key[1], {})[key[2]] = named.get(key)
+        pair = functools.partial(self.objective._pair_terms, named["img"], scale=named["scale"], lam=self.lam,
+                                 teachers=teachers, soft=named.get("soft"), beta=self.beta)
+        terms = pair(named["txt"], part="txt", positives=named.get("positives"))
+        if "syn_txt" in named:
+            terms.update(pair(named["syn_txt"], part="syn", positives=named.get("positives_syn")))
+        self.keys = tuple(terms)
+        return tuple(terms.values())
 
 
 def loss_balance(terms: dict[str, torch.Tensor], params: Sequence[torch.nn.Parameter]) -> dict[str, float]:

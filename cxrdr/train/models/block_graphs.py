@@ -1,6 +1,7 @@
 """``--cuda-graphs``: a ViT tower's runs of transformer blocks replayed as CUDA graphs, forward and backward (with
 ``--cuda-graphs-text`` the packed text tower's layers, ``packed_text``; with ``--cuda-graphs-heads`` the heads on the
-patch grid, ``heads.grid_heads``: several outputs, released at the first backward through any of them).
+patch grid, ``heads.grid_heads``: several outputs, released at the first backward through any of them; with
+``--cuda-graphs-losses`` the CLIP and distillation terms, ``losses.objective.PairTerms``).
 
 On by default where it applies (``--cuda-graphs auto``: one CUDA process, no compilation, activation checkpointing
 or gradient accumulation): on an H200 at 65e9f61 it made A, D and E train 1.22-1.31x faster, the graphed tower's
@@ -103,7 +104,8 @@ def thread_local_capture():
 class BlockGraphs:
     """The graphs of one student's block runs, captured on first use while ``active``: the image tower's (``run``)
     and, with ``--cuda-graphs-text``, the packed text tower's layers (``run_module``, tag "text"), with
-    ``--cuda-graphs-heads`` the heads on the patch grid (tag "heads"). Each tower (tag) has at most ``MAX_GRAPHS``
+    ``--cuda-graphs-heads`` the heads on the patch grid (tag "heads"), with ``--cuda-graphs-losses`` the CLIP and
+    distillation terms (tag "losses"). Each tower (tag) has at most ``MAX_GRAPHS``
     and fails on its own: a text capture that fails leaves the image graphs."""
 
     def __init__(self, capture: Callable[..., nn.Module] = capture_cuda_graphs,
@@ -147,7 +149,7 @@ class BlockGraphs:
         """What a run's summary says of its graphs: how many each tower holds, the memory their captures reserved,
         and the first failure (None: none failed)."""
         return {"image": self.captured("image"), "text": self.captured("text"), "heads": self.captured("heads"),
-                "pool_mb": round(self.pool_mb, 1), "failed": self.failed}
+                "losses": self.captured("losses"), "pool_mb": round(self.pool_mb, 1), "failed": self.failed}
 
     def run(self, blocks: nn.ModuleList, start: int, stop: int, x: torch.Tensor,
             eager: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -216,14 +218,18 @@ class BlockGraphs:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+# what the graphs of tags that are no tower replay, in messages
+NOT_TOWERS = {"heads": "the heads on the patch grid", "losses": "the CLIP and distillation terms"}
+
+
 def _named(tag: str, what: str) -> str:
-    """A tower's ``what`` in a message ("the image tower's blocks"); the heads on the grid are no tower."""
-    return "the heads on the patch grid" if tag == "heads" else f"the {tag} tower's {what}"
+    """A tower's ``what`` in a message ("the image tower's blocks"), or what a tag that is no tower replays."""
+    return NOT_TOWERS.get(tag) or f"the {tag} tower's {what}"
 
 
 def _what_runs(tag: str, run: tuple) -> str:
     """What a graph of ``run_module`` replays, for its note."""
-    if tag == "heads":
+    if tag in NOT_TOWERS:
         return f"{_named(tag, '')} ({run[1]})"
     return f"{_named(tag, 'layers' if tag == 'text' else 'blocks')} {run[0]}-{run[1] - 1}"
 
