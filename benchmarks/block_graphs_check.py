@@ -1,6 +1,7 @@
 """Do the image tower's blocks replayed as CUDA graphs (``--cuda-graphs``) compute what the eager blocks compute?
 And the packed text tower's layers (``--cuda-graphs-text``, ``--text``), the heads on the patch grid
-(``--cuda-graphs-heads``, ``--heads``) and the CLIP and distillation terms (``--cuda-graphs-losses``, ``--losses``)?
+(``--cuda-graphs-heads``, ``--heads``) and the loss terms on the global embeddings (``--cuda-graphs-losses``,
+``--losses``)?
 
 Runs a student's image tower (the real one, e.g. ViT-S/16 of D or E, stochastic depth off so that two runs agree)
 on a few batches of random images, each step forward and backward, once eagerly and once through
@@ -165,10 +166,11 @@ def compare_heads(model: str = "E", device: str = "cuda", batch_size: int = 32, 
 
 
 def compare_losses(model: str = "D", device: str = "cuda", batch_size: int = 32, steps: int = 3, capture=None) -> dict:
-    """``compare`` for the CLIP and distillation terms of B_real and B_syn (``--cuda-graphs-losses``,
-    ``losses.objective.PairTerms``) under the default loss config: the terms and the gradients of the embeddings and
-    the logit scale, graphed vs eager, on random unit embeddings (the student's width) and a random stored teacher's
-    (image, report and caption embeddings)."""
+    """``compare`` for the loss terms on the global embeddings (``--cuda-graphs-losses``,
+    ``losses.objective.GlobalTerms``: CLIP and distillation of B_real and B_syn, Patch-IB's) under the default loss
+    config: the terms and the gradients of the embeddings, the mask and the logit scale, graphed vs eager, on random
+    unit embeddings (the student's width), a random mask over the student's grid and a random stored teacher's
+    embeddings (image, report, caption)."""
     import types
 
     import torch
@@ -180,25 +182,31 @@ def compare_losses(model: str = "D", device: str = "cuda", batch_size: int = 32,
     objective = Objective(LossConfig(), student.embed_dim, dev)
     holder = types.SimpleNamespace(block_graphs=None)  # what _agreement switches between eager and graphed
     gen = torch.Generator().manual_seed(1)
-    widths = {"img": student.embed_dim, "txt": student.embed_dim, "syn": student.embed_dim,
-              "t_img": 64, "t_txt": 64, "t_syn": 64}
+    d, n = student.embed_dim, student.image_tower.num_patches
+    widths = {"img": d, "txt": d, "syn": d, "masked": d, "t_img": 64, "t_txt": 64, "t_syn": 64}
 
     def make_inputs():
-        return {k: F.normalize(torch.randn(batch_size, w, generator=gen), dim=-1).to(dev) for k, w in widths.items()}
+        x = {k: F.normalize(torch.randn(batch_size, w, generator=gen), dim=-1) for k, w in widths.items()}
+        return {**x, "mask": torch.rand(batch_size, n, generator=gen)}
 
     def run_step(x):
-        img, txt, syn = (x[k].clone().requires_grad_(True) for k in ("img", "txt", "syn"))
+        img, txt, syn, masked, mask = (x[k].to(dev).clone().requires_grad_(True)  # leaves of this run's own
+                                       for k in ("img", "txt", "syn", "masked", "mask"))
         scale = torch.tensor(14.3, device=dev, requires_grad=True)
-        teachers = {"t": {"img": x["t_img"], "txt": x["t_txt"], "syn": x["t_syn"]}}
+        teachers = {"t": {"img": x["t_img"].to(dev), "txt": x["t_txt"].to(dev), "syn": x["t_syn"].to(dev)}}
+        out = types.SimpleNamespace(image_emb=img, text_emb=txt, masked_image_emb=masked, mask=mask)
         lam = objective.cfg.lambda_distill
         objective.graphs = holder.block_graphs
-        terms = None if objective.graphs is None else objective._graphed_pair_terms(
-            img, txt, syn, scale, lam, teachers, None, None, None, 0.0)
+        terms = None if objective.graphs is None else objective._graphed_global_terms(
+            out, img, txt, syn, scale, lam, teachers, None, None, None, 0.0)
         if terms is None:
             terms = objective._pair_terms(img, txt, scale, lam, teachers, "txt", None, None, 0.0)
             terms.update(objective._pair_terms(img, syn, scale, lam, teachers, "syn", None, None, 0.0))
+            terms.update(objective.patch_ib({"img": img, "txt": txt, "masked_img": masked, "mask": mask},
+                                            {"txt": txt, "masked_img": masked}, scale))
         torch.stack(list(terms.values())).sum().backward()
-        grads = {"img": img.grad, "txt": txt.grad, "syn": syn.grad, "scale": scale.grad.reshape(1)}
+        grads = {"img": img.grad, "txt": txt.grad, "syn": syn.grad, "masked": masked.grad, "mask": mask.grad,
+                 "scale": scale.grad.reshape(1)}
         return torch.stack([v.detach().float() for v in terms.values()]), {k: g.float() for k, g in grads.items()}
 
     worst_out, worst_grad = _agreement(holder, graphs, steps, make_inputs, run_step, ", loss terms")
@@ -260,7 +268,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", action="store_true",
                         help="the heads on the patch grid, head convs and mask (--cuda-graphs-heads)")
     parser.add_argument("--losses", action="store_true",
-                        help="the CLIP and distillation terms (--cuda-graphs-losses)")
+                        help="the loss terms on the global embeddings (--cuda-graphs-losses)")
     parser.add_argument("--stand-in", action="store_true",
                         help="no CUDA graph: the blocks as they are stand in for the capture (checks the plumbing)")
     parser.add_argument("--compile-blocks", nargs="?", const="inductor", metavar="BACKEND",

@@ -13,7 +13,8 @@ measurable on any machine:
 
 ``--by-function N`` also splits the operators by the project's function that issued them and counts the image
 tower's blocks alone (forward + backward: what ``--cuda-graphs`` replays as two launches) and the heads on the patch
-grid alone (what ``--cuda-graphs-heads`` replays) and the CLIP and distillation terms (``--cuda-graphs-losses``);
+grid alone (what ``--cuda-graphs-heads`` replays) and the loss terms on the global embeddings
+(``--cuda-graphs-losses``);
 ``--inference-casts``
 counts the bf16 casts of a validation pass's first batch and of each later one (the weights' are cached).
 
@@ -138,25 +139,30 @@ def grid_head_ops(student, batch_size: int) -> int:
     return ops_of_backward(student, lambda: sum(t.float().sum() for t in heads(x)))
 
 
-def pair_term_ops(trainer, batches) -> int:
-    """Operators below autograd of the CLIP and distillation terms of B_real and B_syn alone (``Objective.
-    _pair_terms``), forward + backward into the embeddings, on the trainer's next batch's teachers and random unit
-    embeddings: what ``--cuda-graphs-losses`` replays as two launches."""
+def global_term_ops(trainer, batches) -> int:
+    """Operators below autograd of the loss terms on the global embeddings alone (``Objective._pair_terms`` of B_real
+    and B_syn, and with a mask head Patch-IB's), forward + backward into the embeddings, on the trainer's next batch's
+    teachers and random unit embeddings (and mask): what ``--cuda-graphs-losses`` replays as two launches."""
     import torch
     import torch.nn.functional as F
 
-    objective, batch = trainer.task.objective, next(batches)
+    objective, batch, student = trainer.task.objective, next(batches), trainer.student
     teachers = objective._teachers(batch.get("teacher") or {}, torch.device("cpu"))
-    n, width = batch["images"].shape[0], trainer.student.embed_dim
-    img, txt, syn = (F.normalize(torch.randn(n, width), dim=-1).requires_grad_(True) for _ in range(3))
+    n = batch["images"].shape[0]
+    img, txt, syn, masked = (F.normalize(torch.randn(n, student.embed_dim), dim=-1).requires_grad_(True)
+                             for _ in range(4))
+    mask = torch.rand(n, student.image_tower.num_patches, requires_grad=True)
     scale = torch.tensor(14.3, requires_grad=True)
     lam = objective.cfg.lambda_distill if teachers else 0.0
 
     def loss():
         terms = objective._pair_terms(img, txt, scale, lam, teachers, "txt", None, None, 0.0)
         terms.update(objective._pair_terms(img, syn, scale, lam, teachers, "syn", None, None, 0.0))
+        if student.mask_head is not None:
+            terms.update(objective.patch_ib({"img": img, "txt": txt, "masked_img": masked, "mask": mask},
+                                            {"txt": txt, "masked_img": masked}, scale))
         return torch.stack(list(terms.values())).sum()
-    return ops_of_backward(trainer.student, loss)
+    return ops_of_backward(student, loss)
 
 
 def inference_casts(student, batch_size: int, batches: int) -> int:
@@ -236,8 +242,8 @@ def main(argv=None) -> int:
             if heads:
                 print(f"  the heads on the patch grid alone (--cuda-graphs-heads), forward + backward: {heads} "
                       "operators below autograd", flush=True)
-            print(f"  the CLIP and distillation terms alone (--cuda-graphs-losses), forward + backward: "
-                  f"{pair_term_ops(trainer, trainer._batches())} operators below autograd", flush=True)
+            print(f"  the loss terms on the global embeddings alone (--cuda-graphs-losses), forward + backward: "
+                  f"{global_term_ops(trainer, trainer._batches())} operators below autograd", flush=True)
         if args.inference_casts and not scope:
             one, three = (inference_casts(trainer.student, args.batch_size, n) for n in (1, 3))
             print(f"  a validation pass under bf16 autocast: {one} casts for its first batch, {(three - one) / 2:.0f} "

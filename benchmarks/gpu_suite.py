@@ -122,7 +122,7 @@ SECTIONS = ("build", "students", "loop", "loop_graphs", "peer", "loop_compiled",
 GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_graphs (models/block_graphs.py)
 GRAPHED_TEXT = "{v} CUDA graphs + text"  # and with TrainConfig.cuda_graphs_text (the packed text tower's layers too)
 GRAPHED_HEADS = "{v} CUDA graphs + text + heads"  # and TrainConfig.cuda_graphs_heads (the heads on the patch grid; B-E)
-GRAPHED_ALL = "{v} all CUDA graphs"  # and TrainConfig.cuda_graphs_losses (the CLIP and distillation terms) too
+GRAPHED_ALL = "{v} all CUDA graphs"  # and TrainConfig.cuda_graphs_losses (the global loss terms) too
 ALL_GRAPHS = {"cuda_graphs": "on", "cuda_graphs_text": "on", "cuda_graphs_heads": "on", "cuda_graphs_losses": "on"}
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
@@ -437,7 +437,7 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     """The real loop's A, E and D with ``--cuda-graphs on`` (the image tower's blocks replayed as CUDA graphs, forward
     and backward), with ``--cuda-graphs-text`` too (the packed text tower's layers), for E and D with
     ``--cuda-graphs-heads`` too (the heads on the patch grid), and with every graph (``--cuda-graphs-losses`` too: the
-    CLIP and distillation terms), each interleaved with its eager twin: what taking the blocks' operators off the
+    global loss terms), each interleaved with its eager twin: what taking the blocks' operators off the
     host buys where the eager step is bound by it (E at 60 % busy on the H100 at 416dba0). A section of its own,
     after the loop's, so that a capture that fails on the card cannot take the eager figures with it. On CPU the
     graphed rows run eagerly (the Trainer warns): the tiny run checks the section's code, not graphs."""
@@ -504,7 +504,7 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
             "agreement": agreement, "agreement_note": "benchmarks/block_graphs_check.py: the image tower alone, "
             "stochastic depth off, 3 steps of random images (E text: the text tower alone, dropout off, 3 steps of "
             "random texts; D heads, E heads: the heads on the patch grid alone, 3 steps of random patches; D losses: "
-            "the CLIP and distillation terms alone, 3 steps of random embeddings), graphed vs eager; the largest "
+            "the global loss terms alone, 3 steps of random embeddings and masks), graphed vs eager; the largest "
             "differences relative to the largest value"
             + ("" if cuda else "; on CPU the blocks stand in for the capture (plumbing only), and the text tower, "
                "without FlashAttention, captures nothing"),

@@ -17,7 +17,7 @@
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
 #   MODE=heads  bash scripts/device_lease.sh   # the suite's loop_graphs section alone (~2-3 min on an H200): the
-#                                              # heads on the patch grid and the loss terms graphed
+#                                              # heads on the patch grid and the global loss terms graphed
 #                                              # (--cuda-graphs-heads, --cuda-graphs-losses) beside the blocks' and
 #                                              # text layers' graphs and eager, and their checks on the card; its
 #                                              # JSON and MD come back as heads-<device>.json/.md
@@ -260,7 +260,8 @@ case "$MODE" in
     ;;
   heads)
     rm -rf /tmp/heads-out
-    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" --budget "${SUITE_S:-240}" --out-dir /tmp/heads-out \
+    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" --budget "${SUITE_S:-240}" \
+      --out-dir /tmp/heads-out \
       --skip build,students,loop,peer,loop_compiled,train_step,table ${SUITE_ARGS:-}
     for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
     echo "[lease] heads done after $(elapsed) s"

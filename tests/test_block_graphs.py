@@ -18,7 +18,7 @@ from cxrdr.train.device import autocast
 from cxrdr.train.models import StudentConfig, build_student
 from cxrdr.train.models.block_graphs import (MAX_GRAPHS, BlockGraphs, enable_block_graphs,
                                              quiet_side_stream_gradients, shapes_settled, thread_local_capture)
-from cxrdr.train.losses.objective import PairTerms
+from cxrdr.train.losses.objective import GlobalTerms
 from cxrdr.train.models.heads import GridHeads
 
 TEXTS = ["left pleural effusion, no pneumothorax.", "heart size is normal. no focal consolidation."]
@@ -33,7 +33,8 @@ class CountingCapture:
         self.replays = 0
 
     def __call__(self, module, *inputs):
-        name = "heads" if isinstance(module, GridHeads) else "losses" if isinstance(module, PairTerms) else len(module)
+        name = ("heads" if isinstance(module, GridHeads) else "losses" if isinstance(module, GlobalTerms)
+                else len(module))
         self.captured.append((name, tuple(inputs[0].shape)))
 
         def replay(*t):
@@ -359,7 +360,7 @@ class CompiledCountingCapture(CountingCapture):
         self.compiled: list[bool] = []
 
     def __call__(self, module, *inputs):
-        if not isinstance(module, (GridHeads, PairTerms)):  # a run of blocks (the rest is not compiled)
+        if not isinstance(module, (GridHeads, GlobalTerms)):  # a run of blocks (the rest is not compiled)
             self.compiled.append(all(getattr(b, "_compiled_call_impl", None) is not None for b in module))
         return super().__call__(module, *inputs)
 

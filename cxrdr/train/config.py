@@ -129,13 +129,13 @@ class TrainConfig:
                                          "operators a step, forward and backward). Not yet timed on a GPU, so off by "
                                          "default; auto: wherever the blocks' graphs run; on: asked for (refused "
                                          "with --cuda-graphs off).")
-    cuda_graphs_losses: str = _opt("off", "Replay the CLIP and distillation terms of the step (B_real and B_syn) "
-                                          "as one CUDA graph too: fixed shapes at a fixed batch (losses/objective.py: "
-                                          "PairTerms; on the CPU ~300 operators a step, forward and backward). Not "
-                                          "with a text queue, feature distillation, a hard-negative beta schedule or "
-                                          "DDP (eager there). Not yet timed on a GPU, so off by default; auto: "
-                                          "wherever the blocks' graphs run; on: asked for (refused with "
-                                          "--cuda-graphs off).")
+    cuda_graphs_losses: str = _opt("off", "Replay the step's terms on its global embeddings (CLIP and distillation "
+                                          "of B_real and B_syn, Patch-IB's) as one CUDA graph too: fixed shapes at a "
+                                          "fixed batch (losses/objective.py: GlobalTerms; on the CPU 328 operators a "
+                                          "step of A, ~440 of D and E, forward and backward). Not with a text queue, "
+                                          "feature distillation, a hard-negative beta schedule or DDP (eager there). "
+                                          "Not yet timed on a GPU, so off by default; auto: wherever the blocks' "
+                                          "graphs run; on: asked for (refused with --cuda-graphs off).")
     pack_text: bool = _opt(True, "Run the text tower on the texts' real tokens only, skipping their padding "
                                  "(cxrdr/train/models/packed_text.py; BERT-family towers). --no-pack-text: padded.")
     workers: int | None = _opt(None, "DataLoader workers per rank (default: 2 on the CPU; on CUDA the host's cores but "
@@ -246,7 +246,8 @@ class TrainConfig:
         return self._joins_graphs(self.cuda_graphs_heads)
 
     def losses_graphs(self) -> bool:
-        """Whether the CLIP and distillation terms join the image tower's CUDA graphs (``cuda_graphs_losses``)."""
+        """Whether the loss terms on the global embeddings join the image tower's CUDA graphs
+        (``cuda_graphs_losses``)."""
         return self._joins_graphs(self.cuda_graphs_losses)
 
     def _joins_graphs(self, setting: str) -> bool:

@@ -60,7 +60,7 @@ class Objective(nn.Module):
         self.queue = (TextQueue(cfg.queue_size, embed_dim, device)
                       if cfg.queue_size > 0 and embed_dim is not None else None)
         self.graphs = None  # --cuda-graphs-losses: the student's BlockGraphs (train/models/block_graphs.py)
-        self._pair_modules: dict[tuple, PairTerms] = {}  # one per layout of the pair terms' tensors
+        self._global_modules: dict[tuple, GlobalTerms] = {}  # one per layout of the global terms' tensors
 
     # ---- gathering (once per feature) ---------------------------------------------------------------
     def _features(self, x):
@@ -143,16 +143,16 @@ class Objective(nn.Module):
             positives_syn = self._positives(batch, "caption_text", device)
         terms = None
         if self.graphs is not None and self.queue is None and space is None and not self.gather:
-            terms = self._graphed_pair_terms(img, txt, syn_txt, scale, lam, teachers, positives, positives_syn, soft,
-                                             beta)
+            terms = self._graphed_global_terms(out, img, txt, syn_txt, scale, lam, teachers, positives, positives_syn,
+                                               soft, beta)
         if terms is None:
             terms = self._pair_terms(img, txt, scale, lam, teachers, "txt", positives, soft, beta, extra, space)
             if syn_txt is not None:
                 terms.update(self._pair_terms(img, syn_txt, scale, lam, teachers, "syn", positives_syn, soft, beta,
                                               teacher_space=space))
-        local = {"img": out.image_emb, "txt": out.text_emb, "masked_img": out.masked_image_emb, "mask": out.mask}
-        global_ = {"txt": txt, "masked_img": self._features(out.masked_image_emb)}
-        terms.update(self.patch_ib(local, global_, scale, positives=positives, soft_targets=soft))
+            local = {"img": out.image_emb, "txt": out.text_emb, "masked_img": out.masked_image_emb, "mask": out.mask}
+            global_ = {"txt": txt, "masked_img": self._features(out.masked_image_emb)}
+            terms.update(self.patch_ib(local, global_, scale, positives=positives, soft_targets=soft))
         terms.update(self.mask_words(out))
         terms.update(self.local(out))
         if not terms:
@@ -163,30 +163,32 @@ class Objective(nn.Module):
         return terms
 
 
-    def _graphed_pair_terms(self, img, txt, syn_txt, scale, lam, teachers, positives, positives_syn, soft,
-                            beta) -> dict | None:
-        """The pair terms of B_real and B_syn (``_pair_terms``) through ``graphs`` as one CUDA graph, or None where
-        none applies (see ``graphs.applies``; a hard-negative beta that changes every step, which a graph would
-        hold fixed; the caller leaves out a text queue, feature distillation and DDP). Their tensors go in by a
-        layout of names; each layout has its graph."""
+    def _graphed_global_terms(self, out, img, txt, syn_txt, scale, lam, teachers, positives, positives_syn, soft,
+                              beta) -> dict | None:
+        """The pair terms of B_real and B_syn (``_pair_terms``) and the Patch-IB terms through ``graphs`` as one CUDA
+        graph, or None where none applies (see ``graphs.applies``; a hard-negative beta that changes every step,
+        which a graph would hold fixed; the caller leaves out a text queue, feature distillation and DDP). Their
+        tensors go in by a layout of names; each layout has its graph."""
         if self.cfg.beta_min != self.cfg.beta_max or not self.graphs.applies(self, img, tag="losses"):
             return None
         named = {"img": img, "txt": txt, "scale": scale, "syn_txt": syn_txt, "positives": positives,
-                 "positives_syn": positives_syn, "soft": soft}
+                 "positives_syn": positives_syn, "soft": soft, "local_img": out.image_emb, "local_txt": out.text_emb,
+                 "masked_img": out.masked_image_emb, "mask": out.mask}
         for name in sorted(teachers):
             named.update({("teacher", name, part): t for part, t in (teachers[name] or {}).items()})
         layout = tuple(k for k, v in named.items() if v is not None)
         absent = tuple(k for k, v in named.items() if v is None and isinstance(k, tuple))
         key = (layout, absent, lam, beta)
-        module = self._pair_modules.setdefault(key, PairTerms(self, lam, beta, layout, absent))
-        outputs = self.graphs.run_module("losses", ("pair terms", f"{len(layout)} inputs"), lambda: module,
+        module = self._global_modules.setdefault(key, GlobalTerms(self, lam, beta, layout, absent))
+        outputs = self.graphs.run_module("losses", ("global terms", f"{len(layout)} inputs"), lambda: module,
                                          tuple(named[k] for k in layout), module)
         return dict(zip(module.keys, outputs))
 
 
-class PairTerms(nn.Module):
-    """``Objective._pair_terms`` of B_real and (with captions) B_syn on a flat tuple of tensors, named by ``layout``
-    (teachers' parts as ("teacher", name, part); ``absent`` those the batch holds as None): what
+class GlobalTerms(nn.Module):
+    """The objective's terms on the batch's global embeddings and mask, on a flat tuple of tensors named by
+    ``layout`` (teachers' parts as ("teacher", name, part); ``absent`` those the batch holds as None): the CLIP and
+    distillation terms of B_real and (with captions) B_syn (``Objective._pair_terms``) and the Patch-IB terms, what
     ``--cuda-graphs-losses`` replays as one CUDA graph. Returns the terms' values in the eager order; ``keys`` names
     them (set at its first run, which the capture makes)."""
 
@@ -206,6 +208,11 @@ class PairTerms(nn.Module):
         terms = pair(named["txt"], part="txt", positives=named.get("positives"))
         if "syn_txt" in named:
             terms.update(pair(named["syn_txt"], part="syn", positives=named.get("positives_syn")))
+        local = {"img": named["local_img"], "txt": named["local_txt"], "masked_img": named.get("masked_img"),
+                 "mask": named.get("mask")}
+        terms.update(self.objective.patch_ib(local, {"txt": named["txt"], "masked_img": named.get("masked_img")},
+                                             named["scale"], positives=named.get("positives"),
+                                             soft_targets=named.get("soft")))
         self.keys = tuple(terms)
         return tuple(terms.values())
 

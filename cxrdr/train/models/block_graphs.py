@@ -1,7 +1,7 @@
 """``--cuda-graphs``: a ViT tower's runs of transformer blocks replayed as CUDA graphs, forward and backward (with
 ``--cuda-graphs-text`` the packed text tower's layers, ``packed_text``; with ``--cuda-graphs-heads`` the heads on the
 patch grid, ``heads.grid_heads``: several outputs, released at the first backward through any of them; with
-``--cuda-graphs-losses`` the CLIP and distillation terms, ``losses.objective.PairTerms``).
+``--cuda-graphs-losses`` the loss terms on the global embeddings, ``losses.objective.GlobalTerms``).
 
 On by default where it applies (``--cuda-graphs auto``: one CUDA process, no compilation, activation checkpointing
 or gradient accumulation): on an H200 at 65e9f61 it made A, D and E train 1.22-1.31x faster, the graphed tower's
@@ -104,8 +104,8 @@ def thread_local_capture():
 class BlockGraphs:
     """The graphs of one student's block runs, captured on first use while ``active``: the image tower's (``run``)
     and, with ``--cuda-graphs-text``, the packed text tower's layers (``run_module``, tag "text"), with
-    ``--cuda-graphs-heads`` the heads on the patch grid (tag "heads"), with ``--cuda-graphs-losses`` the CLIP and
-    distillation terms (tag "losses"). Each tower (tag) has at most ``MAX_GRAPHS``
+    ``--cuda-graphs-heads`` the heads on the patch grid (tag "heads"), with ``--cuda-graphs-losses`` the loss terms on
+    the global embeddings (tag "losses"). Each tower (tag) has at most ``MAX_GRAPHS``
     and fails on its own: a text capture that fails leaves the image graphs."""
 
     def __init__(self, capture: Callable[..., nn.Module] = capture_cuda_graphs,
@@ -219,7 +219,7 @@ class BlockGraphs:
 
 
 # what the graphs of tags that are no tower replay, in messages
-NOT_TOWERS = {"heads": "the heads on the patch grid", "losses": "the CLIP and distillation terms"}
+NOT_TOWERS = {"heads": "the heads on the patch grid", "losses": "the loss terms on the global embeddings"}
 
 
 def _named(tag: str, what: str) -> str:
