@@ -162,7 +162,6 @@ class Objective(nn.Module):
             self.queue.enqueue(txt.detach())
         return terms
 
-
     def _graphed_global_terms(self, out, img, txt, syn_txt, scale, lam, teachers, positives, positives_syn, soft,
                               beta) -> dict | None:
         """The pair terms of B_real and B_syn (``_pair_terms``) and the Patch-IB terms through ``graphs`` as one CUDA
