@@ -9,6 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -426,21 +427,57 @@ def test_the_trainer_with_text_graphs_captures_both_towers_and_trains(phantom_sh
     assert all(torch.isfinite(p).all() for p in run.student.parameters())
 
 
-def _trainer_terms(shards, out, model: str, graphed: bool, steps: int = 3, **fields):
-    """The loss terms of ``steps`` training steps, with the CLIP and distillation terms through (stand-in) graphs
-    (--cuda-graphs-losses) or eager; and the capture's record."""
+def _trainer_terms(shards, out, model: str, graphed: bool, steps: int = 3, capture=None, **fields):
+    """The loss terms of ``steps`` training steps, with the blocks, the heads and the global loss terms through
+    (stand-in) graphs (--cuda-graphs-losses) or eager; and the capture (default: a CountingCapture)."""
     from cxrdr.train.loop import Trainer
 
     trainer = Trainer(TrainConfig(shards=str(shards), model=model, out=str(out), steps=6, batch_size=4, workers=0,
                                   progress=False, device="cpu", eval_every=0, **fields))
-    capture = CountingCapture()
+    capture = capture or CountingCapture()
     if graphed:
-        trainer.block_graphs = enable_block_graphs(trainer.student, capture=capture, on_device=lambda x: True)
+        trainer.block_graphs = enable_block_graphs(trainer.student, capture=capture, on_device=lambda x: True,
+                                                   heads=True)
         trainer.task.objective.graphs = trainer.block_graphs
     batches = trainer._batches()
     terms = [{k: float(v) for k, v in trainer.train_step(batches, log_balance=False)["terms"].items()}
              for _ in range(steps)]
     return terms, capture
+
+
+def make_graphed_callables_warm_up(module, sample, allow_unused_input=False, capture_error_mode="global"):
+    """torch.cuda.make_graphed_callables on the CPU up to its capture: its warm-up backward (which refuses an input
+    without a gradient path unless ``allow_unused_input``), then the module as it is."""
+    outputs = [o for o in torch.utils._pytree.tree_leaves(module(*sample)) if o.requires_grad]
+    surface = [x for x in sample if x.requires_grad] + [p for p in module.parameters() if p.requires_grad]
+    torch.autograd.grad(outputs, surface, grad_outputs=[torch.ones_like(o) for o in outputs],
+                        allow_unused=allow_unused_input)
+    return module
+
+
+def test_every_graph_of_a_step_passes_the_captures_warm_up_backward(phantom_shards, tmp_path):
+    """capture_cuda_graphs as it calls make_graphed_callables, up to the capture: D's blocks, heads and loss terms
+    pass its warm-up backward (the loss terms read the full image's embedding detached, which it refuses unless told
+    to allow unused inputs) and give the eager terms."""
+    from cxrdr.train.models.block_graphs import capture_cuda_graphs
+
+    captured = []
+
+    def capture(module, *inputs):
+        captured.append((module, tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)))
+        return capture_cuda_graphs(module, *inputs, make=make_graphed_callables_warm_up)
+
+    eager, _ = _trainer_terms(phantom_shards, tmp_path / "eager", "tiny-D", graphed=False, steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed, _ = _trainer_terms(phantom_shards, tmp_path / "graphed", "tiny-D", graphed=True, steps=2,
+                                    capture=capture)
+    assert not [w for w in caught if "as a CUDA graph failed" in str(w.message)]  # every capture went through
+    assert graphed == eager
+    assert sorted(type(m).__name__ for m, _ in captured) == ["GlobalTerms", "GridHeads", "Sequential"]
+    terms, inputs = next((m, x) for m, x in captured if isinstance(m, GlobalTerms))
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):  # why allow_unused_input
+        make_graphed_callables_warm_up(terms, inputs)
 
 
 @pytest.mark.parametrize("model", ["tiny-A", "tiny-D"])

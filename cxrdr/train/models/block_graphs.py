@@ -51,16 +51,20 @@ MAX_GRAPHS = 4  # per tower: the default A, D and E need one, an E dropping afte
 # token bucket (packed_text.pack_bucket), two or three at batch 256
 
 
-def capture_cuda_graphs(module: nn.Module, *inputs: torch.Tensor) -> nn.Module:
-    """``module`` (in training mode) with its forward and backward on inputs shaped like ``inputs`` as CUDA graphs.
-    The capture is thread-local, so the loader's pin-memory thread may go on allocating page-locked memory (in the
-    default "global" mode such a call from another thread would fail the capture, or that thread)."""
+def capture_cuda_graphs(module: nn.Module, *inputs: torch.Tensor, make: Callable | None = None) -> nn.Module:
+    """``module`` (in training mode) with its forward and backward on inputs shaped like ``inputs`` as CUDA graphs
+    (``make``: torch.cuda.make_graphed_callables, or a stand-in). The capture is thread-local, so the loader's
+    pin-memory thread may go on allocating page-locked memory (in the default "global" mode such a call from another
+    thread would fail the capture, or that thread). An input that reaches the outputs without a gradient path gets no
+    gradient, as eagerly: the loss terms read the full image's embedding detached (Patch-IB's consistency), which
+    make_graphed_callables' warm-up backward refuses by default."""
+    make = make or torch.cuda.make_graphed_callables
     sample = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
     with quiet_side_stream_gradients():
-        if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
-            return torch.cuda.make_graphed_callables(module, sample, capture_error_mode="thread_local")
+        if "capture_error_mode" in inspect.signature(make).parameters:
+            return make(module, sample, allow_unused_input=True, capture_error_mode="thread_local")
         with thread_local_capture():  # an older torch: make_graphed_callables has no such argument
-            return torch.cuda.make_graphed_callables(module, sample)
+            return make(module, sample, allow_unused_input=True)
 
 
 @contextlib.contextmanager
