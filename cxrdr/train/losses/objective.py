@@ -178,7 +178,9 @@ class Objective(nn.Module):
         layout = tuple(k for k, v in named.items() if v is not None)
         absent = tuple(k for k, v in named.items() if v is None and isinstance(k, tuple))
         key = (layout, absent, lam, beta)
-        module = self._global_modules.setdefault(key, GlobalTerms(self, lam, beta, layout, absent))
+        module = self._global_modules.get(key)
+        if module is None:  # built once a layout (setdefault would build one every step, on the host's hot path)
+            module = self._global_modules[key] = GlobalTerms(self, lam, beta, layout, absent)
         outputs = self.graphs.run_module("losses", ("global terms", f"{len(layout)} inputs"), lambda: module,
                                          tuple(named[k] for k in layout), module)
         return dict(zip(module.keys, outputs))

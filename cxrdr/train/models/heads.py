@@ -169,9 +169,10 @@ def grid_heads(head_conv: nn.Module | None, mask_head: nn.Module | None, patches
     module = head_conv if head_conv is not None else mask_head  # whose training mode decides
     if module is not None and graphs is not None and (kept is None or kept(n, step) == kept(n)) \
             and graphs.applies(module, patches, tag="heads"):
-        heads = GridHeads(head_conv, mask_head)
-        outputs = list(graphs.run_module("heads", ("grid", f"K {kept(n)}" if kept else "no Top-K"), lambda: heads,
-                                         (patches,), heads))
+        # the module is built only to capture it, or where a step must run eagerly: not at every replay
+        outputs = list(graphs.run_module("heads", ("grid", f"K {kept(n)}" if kept else "no Top-K"),
+                                         lambda: GridHeads(head_conv, mask_head), (patches,),
+                                         lambda x: GridHeads(head_conv, mask_head)(x)))
         if head_conv is not None:
             patches = outputs.pop(0)
         if mask_head is None:
