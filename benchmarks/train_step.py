@@ -15,6 +15,7 @@ storing the teacher's embeddings saves per step (MobileCLIP's argument).
         --batch-size 256 --block 5 [--compile]
     python benchmarks/train_step.py --size full --only A,E --padded-texts   # texts packed vs padded
     python benchmarks/train_step.py --size full --only A,D,E --former-heads --count-flops   # heads: default vs former
+    python benchmarks/train_step.py --size full --only A,E --parts --teachers ""   # what each part of E's step costs
     python benchmarks/train_step.py --shards demo/shards --only D --batch-size 32 --threads 2 --without-memo \
         --teachers "" --warmup 200 --steps 200 --block 10   # the demo's student with and without its stem's memo
 
@@ -38,6 +39,18 @@ from pathlib import Path
 # the final tokens, words from the last text layer, no head convs); E keeps head_layer 0, where its mask picks tokens
 FORMER_HEADS = {"local_attention": "mha", "head_layer": None, "head_conv_depth": 0, "local_text_layer": None}
 FORMER_HEADS_E = {**FORMER_HEADS, "head_layer": 0}
+# The parts of a step that a setting switches off (--parts), each alone: a variant's step less its step without the
+# part is what the part costs, forward, backward and AdamW together (E / A misses 1.5 by its kernels, docs/gpu.md: which
+# of E's parts they are). The token-region term draws the words that the mask-follows-words term reads, so without it
+# both are left out. A has the captions alone.
+PARTS_OFF = {
+    "B_syn captions": {"loss.use_syn": False},  # the captions' text tower pass and their CLIP + distillation terms
+    "Patch-IB global terms": {"loss.w_mask_nce": 0.0, "loss.mu_consistency": 0.0, "loss.lambda_sparse": 0.0},
+    "mask follows words": {"loss.w_mask_words": 0.0},
+    "token-region term": {"loss.w_local": 0.0},  # the all-pairs pooled cosines (models/gram_cosine.py) and its loss
+    "head convs": {"model_overrides": {"head_conv_depth": 0}},  # the ConvNeXt blocks on the whole patch grid
+}
+PARTS_OF_A = ("B_syn captions",)
 
 
 def build_phantom(out: Path, n: int, store_size: int, workers: int = 0) -> Path:
@@ -229,6 +242,18 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
     return out
 
 
+def part_costs(results: list[dict]) -> list[dict]:
+    """Per "V stored, without PART" row of ``results`` (``--parts``): PART's cost in V's step, ms and % of it."""
+    steps = {r["name"]: r["step_ms"] for r in results}
+    costs = []
+    for name, ms in steps.items():
+        variant, _, part = name.partition(" stored, without ")
+        if part and f"{variant} stored" in steps:
+            full = steps[f"{variant} stored"]
+            costs.append({"variant": variant, "part": part, "ms": full - ms, "share_pct": 100.0 * (full - ms) / full})
+    return costs
+
+
 def main(argv=None) -> int:
     from cxrdr.train.compiling import SCOPES as COMPILE_SCOPES
 
@@ -258,6 +283,10 @@ def main(argv=None) -> int:
                         help="also time A, E and D with their texts padded (--no-pack-text): what packing buys")
     parser.add_argument("--former-heads", action="store_true",
                         help="also time D and E with default.yaml's former local-alignment heads (FORMER_HEADS)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time A, E and D each without one part (PARTS_OFF: the captions, Patch-IB's global "
+                             "terms, the mask following the words, the token-region term, the head convs) and print "
+                             "what each part costs")
     parser.add_argument("--without-memo", action="store_true",
                         help="also time D stored with its frozen stem's memo off (--frozen-memo-mb 0; CPU "
                              "students with a frozen stem: cpu-*). The memo's hits grow with the epochs a run has "
@@ -305,6 +334,9 @@ def main(argv=None) -> int:
                  for v, heads in (("D", FORMER_HEADS), ("E", FORMER_HEADS_E))]
     if args.without_memo:
         plan.append(("D stored, no frozen memo", dict(model=f"{prefix}D", frozen_memo_mb=0)))
+    if args.parts:
+        plan += [(f"{v} stored, without {part}", dict(model=f"{prefix}{v}", **off)) for v in "AED"
+                 for part, off in PARTS_OFF.items() if v != "A" or part in PARTS_OF_A]
     if args.only:
         plan = [(name, overrides) for name, overrides in plan if name.split()[0] in args.only.split(",")]
     trainers = {}
@@ -337,6 +369,11 @@ def main(argv=None) -> int:
               f"{fmt(r.get('gflops_per_img'), '7.2f')} {r['peak_memory_mb']:8.0f} "
               f"{fmt(r.get('host_syncs_per_step'), '6.1f')} {fmt(ratio, '10.2f')} "
               f"{fmt(r.get('frozen_memo_hit_pct'), '10.1f')}")
+    costs = part_costs(results)
+    if costs:
+        print("\nwhat each part costs: its configuration's step less the step without it (negative: within noise)")
+        for c in costs:
+            print(f"{c['variant']:<3} {c['part']:<24} {c['ms']:8.1f} ms/step {c['share_pct']:6.1f} % of the step")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     tmp.cleanup()

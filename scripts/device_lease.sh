@@ -20,7 +20,9 @@
 #                                              # heads on the patch grid and the global loss terms graphed
 #                                              # (--cuda-graphs-heads, --cuda-graphs-losses) beside the blocks' and
 #                                              # text layers' graphs and eager, and their checks on the card; its
-#                                              # JSON and MD come back as heads-<device>.json/.md
+#                                              # JSON and MD come back as heads-<device>.json/.md; then A and E
+#                                              # each without one part of the step (train_step.py --parts, ~60 s):
+#                                              # heads-parts.json
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
 #   MODE=layout bash scripts/device_lease.sh   # benchmarks/cnn_layout.py: the recipe's Lite2 teacher tower
 #                                              # channels_last against the default layout, bf16 (~30 s)
@@ -45,7 +47,8 @@
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, SUITE_PREFIX (default 1; 0: the suite alone, without
 #        the pair similarity, text attention and compiled blocks' checks first, ~65 s on an H200), GRAPHS_DEVICE
 #        (default cuda), GRAPHS_ARGS (MODE=graphs), HEADS_DEVICE (default cuda; MODE=heads rehearsed on the CPU:
-#        HEADS_DEVICE=cpu SUITE_ARGS=--tiny), INSTALL (default 1; 0: no install, this environment's cxrdr runs),
+#        HEADS_DEVICE=cpu SUITE_ARGS=--tiny PARTS_ARGS="--size tiny --batch-size 4 --steps 1 --warmup 0"),
+#        INSTALL (default 1; 0: no install, this environment's cxrdr runs),
 #        ARCHIVE_MAX_KB (default 15360: recipe.tar.gz stays under a returned file's 16 MiB),
 #        CARRY (default, for gpu-efficiency.yaml only, docs/results/gpu-recipe-carry.tar.gz: an earlier lease's
 #        carry.tar.gz, committed; a fresh machine's recipe call unpacks its runs first, so they are not trained again:
@@ -265,6 +268,11 @@ case "$MODE" in
       --skip build,students,loop,peer,loop_compiled,train_step,table ${SUITE_ARGS:-}
     for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
     echo "[lease] heads done after $(elapsed) s"
+    # then where E's kernels go: A and E with the default graphs, each without one part of its step (~60 s)
+    parts_args="--size full --batch-size 256 --block 5 --steps 20 --warmup 10 --workers 8 --cuda-graphs"
+    python3 benchmarks/train_step.py --device "${HEADS_DEVICE:-cuda}" --only A,E --parts --teachers "" \
+      ${PARTS_ARGS:-$parts_args --cuda-graphs-text} --json-out "$OUT/heads-parts.json"
+    echo "[lease] parts done after $(elapsed) s"
     ;;
   collect) collect ;;  # what an earlier recipe call left, again
   pair) pair ;;

@@ -351,6 +351,62 @@ def test_train_step_benchmark_times_the_former_heads_and_counts_flops_on_request
         **ADDED_FIELDS, **OLD_CONFIGS["E"], **CHANGED["E"]}  # token_dropping.py's E-former-heads
 
 
+def test_train_step_benchmark_times_each_part_switched_off_and_prints_what_it_costs(phantom_shards, tmp_path, capsys):
+    """benchmarks/train_step.py --parts: E beside E without each part (A without its captions), every such trainer
+    built without that part, and each part's cost read as its variant's step less the step without it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_step
+
+    out = tmp_path / "rows.json"
+    assert train_step.main(["--shards", str(phantom_shards), "--size", "tiny", "--only", "A,E", "--parts",
+                            "--teachers", "", "--steps", "1", "--warmup", "0", "--batch-size", "4",
+                            "--json-out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == sorted(["A stored", "E stored", "A stored, without B_syn captions",
+                                   *(f"E stored, without {part}" for part in train_step.PARTS_OFF)])
+    printed = capsys.readouterr().out
+    for cost in train_step.part_costs(list(rows.values())):
+        full = rows[f"{cost['variant']} stored"]["step_ms"]
+        without = rows[f"{cost['variant']} stored, without {cost['part']}"]["step_ms"]
+        assert cost["ms"] == pytest.approx(full - without)
+        assert cost["share_pct"] == pytest.approx(100 * cost["ms"] / full)
+        assert f"{cost['variant']:<3} {cost['part']:<24} {cost['ms']:8.1f} ms/step" in printed
+    assert len(train_step.part_costs(list(rows.values()))) == 1 + len(train_step.PARTS_OFF)
+    assert train_step.part_costs([{"name": "E stored, without head convs", "step_ms": 1.0}]) == []  # no full step
+
+
+@pytest.mark.parametrize("part", ["B_syn captions", "Patch-IB global terms", "mask follows words",
+                                  "token-region term", "head convs"])
+def test_each_part_switched_off_is_left_out_of_the_step(phantom_shards, tmp_path, part):
+    """What a PARTS_OFF setting leaves out of tiny-E's step: the loss terms it names are gone (and only they, but
+    the mask-follows-words term without the words the token-region term draws), the head convs are not built."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_step
+
+    base = {**train_step.bench_config(phantom_shards, 4, 0, "cpu"), "out": str(tmp_path / "full")}
+    terms = {}
+    for name, off in (("full", {}), ("off", train_step.PARTS_OFF[part])):
+        trainer, batches = train_step.make_trainer({**base, "out": str(tmp_path / name)}, model="tiny-E", **off)
+        try:
+            losses = trainer.task.forward(next(batches), trainer.step)
+        finally:
+            batches.close()
+        terms[name] = set(losses)
+        if name == "off" and part == "head convs":
+            assert trainer.student.head_conv is None
+    left_out = {"B_syn captions": {"clip_syn", "distill_syn"}, "Patch-IB global terms": {"mask_nce", "consistency",
+                "sparsity"}, "mask follows words": {"mask_words"}, "token-region term": {"local", "mask_words"},
+                "head convs": set()}[part]
+    assert left_out <= terms["full"] and terms["full"] - terms["off"] == left_out
+
+
 def test_the_step_marks_its_phases_for_the_profiler(phantom_shards, tmp_path):
     """Trainer.train_step runs its phases inside record_function ranges (cxrdr.train.loop.PHASES): the profile
     of a GPU step (benchmarks/profile_step.py) says in which of them the host was while the GPU waited."""
