@@ -86,10 +86,21 @@ def time_form(form, words, patches, temperature: float, rounds: int, sync, amp: 
     return statistics.median(times[1:]), out.detach().float()
 
 
+def grouped_gram(group: int):
+    """The Gram form over each text's group of ``group`` images only (``loss.local_group_size``)."""
+    from cxrdr.train.models.heads import grouped_pair_similarity, pooled_cosine_by_gram
+
+    def form(words, patches, values, temperature: float):
+        return grouped_pair_similarity(lambda w, p: pooled_cosine_by_gram(w, p, values, temperature), words, patches,
+                                       group)
+    return form
+
+
 def measure(batch: int, words_per_text: int, shapes: list[tuple[int, int]], rounds: int = 5, device: str = "cpu",
-            amp: bool = False) -> list[dict]:
+            amp: bool = False, group: int = 0) -> list[dict]:
     """One row per (patches, dims) shape: each form's median ms and GFLOPs (forward + backward) and the largest
-    difference of their outputs."""
+    difference of their outputs; ``group``: also the Gram form in groups of that many images ("grouped", its
+    difference taken with the whole batch's cosines of the same pairs)."""
     import torch
     import torch.nn.functional as F
 
@@ -97,6 +108,8 @@ def measure(batch: int, words_per_text: int, shapes: list[tuple[int, int]], roun
     from cxrdr.train.models.heads import gram_form_is_cheaper, pooled_cosine_by_gram, pooled_cosine_by_sdpa
 
     forms = dict(zip(FORMS, (pooled_cosine_by_sdpa, pooled_cosine_by_gram, gram_by_autograd)))
+    if group:
+        forms["grouped"] = grouped_gram(group)
 
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -116,6 +129,12 @@ def measure(batch: int, words_per_text: int, shapes: list[tuple[int, int]], roun
             w, p = words.detach().requires_grad_(), patches.detach().requires_grad_()
             row[f"{name}_mb"] = traffic_mb(lambda: form(w, p, None, 0.1).sum().backward())
             outs.append(out)
+        if group:  # the grouped cosines against the whole batch's of the same (text, image) pairs
+            grouped, whole = outs.pop(), outs[1]
+            columns = (torch.arange(batch) // group * group).unsqueeze(1) + torch.arange(group)
+            real = columns < batch
+            picked = whole.gather(1, columns.clamp(max=batch - 1).unsqueeze(-1).expand(-1, -1, whole.shape[-1]))
+            row["grouped_max_diff"] = (grouped - picked)[real].abs().max().item()
         row["max_diff"] = max((o - outs[0]).abs().max().item() for o in outs[1:])
         rows.append(row)
     return rows
@@ -130,6 +149,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--amp", action="store_true", help="bf16 autocast, as the GPU loop runs")
+    parser.add_argument("--group", type=int, default=0,
+                        help="also the Gram form over each text's group of this many images (loss.local_group_size)")
     args = parser.parse_args()
 
     import torch
@@ -140,12 +161,15 @@ def main() -> None:
           f"{', bf16 autocast' if args.amp else ''}; forward + backward, median of {args.rounds}")
     print("| patches x dims | form | ms | GFLOPs | MB moved | the head takes |")
     print("|---|---|---|---|---|---|")
-    names = {"fused": "fused attention", "gram": "Gram", "gram_autograd": "Gram, autograd's backward (before)"}
-    for r in measure(args.batch, args.words, shapes, args.rounds, args.device, args.amp):
-        for form in FORMS:
+    names = {"fused": "fused attention", "gram": "Gram", "gram_autograd": "Gram, autograd's backward (before)",
+             "grouped": f"Gram, groups of {args.group} images"}
+    for r in measure(args.batch, args.words, shapes, args.rounds, args.device, args.amp, args.group):
+        for form in (*FORMS, "grouped") if args.group else FORMS:
             print(f"| {r['patches']} x {r['dims']} | {names[form]} | {r[f'{form}_ms']:.1f} | "
                   f"{r[f'{form}_gflops']:.2f} | {r[f'{form}_mb']:,.0f} | {r['head_takes']} |")
-        print(f"(largest difference of the forms' outputs {r['max_diff']:.1e})")
+        print(f"(largest difference of the forms' outputs {r['max_diff']:.1e}"
+              + (f"; the groups' against the whole batch's same pairs {r['grouped_max_diff']:.1e})" if args.group
+                 else ")"))
 
 
 if __name__ == "__main__":

@@ -243,15 +243,28 @@ def time_round_robin(trainers: dict, steps: int, warmup: int, block: int = 1, fi
 
 
 def part_costs(results: list[dict]) -> list[dict]:
-    """Per "V stored, without PART" row of ``results`` (``--parts``): PART's cost in V's step, ms and % of it."""
+    """Per "V stored, without PART" row of ``results`` (``--parts``): PART's cost in V's step, ms and % of it; per
+    "V stored, with KEY=VALUE" row (``--with``): what the setting saves of V's step ("part" the setting)."""
     steps = {r["name"]: r["step_ms"] for r in results}
     costs = []
     for name, ms in steps.items():
-        variant, _, part = name.partition(" stored, without ")
+        variant, _, rest = name.partition(" stored, with")
+        part = rest[len("out "):] if rest.startswith("out ") else rest[1:]
         if part and f"{variant} stored" in steps:
             full = steps[f"{variant} stored"]
-            costs.append({"variant": variant, "part": part, "ms": full - ms, "share_pct": 100.0 * (full - ms) / full})
+            costs.append({"variant": variant, "part": part if rest.startswith("out ") else f"with {part}",
+                          "ms": full - ms, "share_pct": 100.0 * (full - ms) / full})
     return costs
+
+
+def setting(text: str) -> tuple[str, object]:
+    """``--with KEY=VALUE``: a TrainConfig field or dotted path and its YAML-read value."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--with takes KEY=VALUE (e.g. loss.local_group_size=64), got {text!r}")
+    return key, yaml.safe_load(value)
 
 
 def main(argv=None) -> int:
@@ -287,6 +300,9 @@ def main(argv=None) -> int:
                         help="also time A, E and D each without one part (PARTS_OFF: the captions, Patch-IB's global "
                              "terms, the mask following the words, the token-region term, the head convs) and print "
                              "what each part costs")
+    parser.add_argument("--with", dest="settings", type=setting, action="append", default=[], metavar="KEY=VALUE",
+                        help="also time A, E and D with this setting (a TrainConfig field or dotted path, e.g. "
+                             "loss.local_group_size=64; repeatable) and print what it saves of each step")
     parser.add_argument("--without-memo", action="store_true",
                         help="also time D stored with its frozen stem's memo off (--frozen-memo-mb 0; CPU "
                              "students with a frozen stem: cpu-*). The memo's hits grow with the epochs a run has "
@@ -337,6 +353,8 @@ def main(argv=None) -> int:
     if args.parts:
         plan += [(f"{v} stored, without {part}", dict(model=f"{prefix}{v}", **off)) for v in "AED"
                  for part, off in PARTS_OFF.items() if v != "A" or part in PARTS_OF_A]
+    plan += [(f"{v} stored, with {key}={value}", {"model": f"{prefix}{v}", key: value}) for v in "AED"
+             for key, value in args.settings]
     if args.only:
         plan = [(name, overrides) for name, overrides in plan if name.split()[0] in args.only.split(",")]
     trainers = {}
@@ -371,9 +389,10 @@ def main(argv=None) -> int:
               f"{fmt(r.get('frozen_memo_hit_pct'), '10.1f')}")
     costs = part_costs(results)
     if costs:
-        print("\nwhat each part costs: its configuration's step less the step without it (negative: within noise)")
+        print("\nwhat each part costs (what a setting saves): its configuration's step less the step without it (with "
+              "it); negative: within noise")
         for c in costs:
-            print(f"{c['variant']:<3} {c['part']:<24} {c['ms']:8.1f} ms/step {c['share_pct']:6.1f} % of the step")
+            print(f"{c['variant']:<3} {c['part']:<32} {c['ms']:8.1f} ms/step {c['share_pct']:6.1f} % of the step")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     tmp.cleanup()

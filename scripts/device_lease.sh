@@ -21,7 +21,8 @@
 #                                              # (--cuda-graphs-heads, --cuda-graphs-losses) beside the blocks' and
 #                                              # text layers' graphs and eager, and their checks on the card; its
 #                                              # JSON and MD come back as heads-<device>.json/.md; then A and E
-#                                              # each without one part of the step (train_step.py --parts, ~60 s):
+#                                              # each without one part of the step, and with the token-region term
+#                                              # in groups of 64 (train_step.py --parts --with, ~80 s):
 #                                              # heads-parts.json
 #   MODE=pair   bash scripts/device_lease.sh   # benchmarks/pair_similarity.py at the GPU step's shape only
 #   MODE=layout bash scripts/device_lease.sh   # benchmarks/cnn_layout.py: the recipe's Lite2 teacher tower
@@ -268,10 +269,11 @@ case "$MODE" in
       --skip build,students,loop,peer,loop_compiled,train_step,table ${SUITE_ARGS:-}
     for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
     echo "[lease] heads done after $(elapsed) s"
-    # then where E's kernels go: A and E with the default graphs, each without one part of its step (~60 s)
+    # then where E's kernels go: A and E with the default graphs, each without one part of its step, and with the
+    # token-region term in groups of 64 (A's row: the noise floor) (~80 s)
     parts_args="--size full --batch-size 256 --block 5 --steps 20 --warmup 10 --workers 8 --cuda-graphs"
     python3 benchmarks/train_step.py --device "${HEADS_DEVICE:-cuda}" --only A,E --parts --teachers "" \
-      ${PARTS_ARGS:-$parts_args --cuda-graphs-text} --json-out "$OUT/heads-parts.json"
+      --with loss.local_group_size=64 ${PARTS_ARGS:-$parts_args --cuda-graphs-text} --json-out "$OUT/heads-parts.json"
     echo "[lease] parts done after $(elapsed) s"
     ;;
   collect) collect ;;  # what an earlier recipe call left, again

@@ -564,6 +564,10 @@ def test_pair_similarity_benchmark_agrees_with_the_heads_choice_of_form():
     for r in rows:
         assert (r["gram_gflops"] < r["fused_gflops"]) == (r["head_takes"] == "gram"), r
         assert r["max_diff"] < 1e-5 and r["gram_ms"] > 0 and r["fused_ms"] > 0
+    # --group: the Gram form in groups gives the whole batch's cosines of the same pairs, with fewer FLOPs and bytes
+    (grouped,) = pair_similarity.measure(batch=10, words_per_text=4, shapes=[(6, 32)], rounds=1, group=4)
+    assert grouped["grouped_max_diff"] < 1e-6 and grouped["grouped_ms"] > 0
+    assert grouped["grouped_gflops"] < grouped["gram_gflops"] and grouped["grouped_mb"] < grouped["gram_mb"]
 
 
 def test_negated_tokens_cover_a_cue_to_the_end_of_its_sentence():
@@ -684,6 +688,79 @@ def test_local_loss_masks_shared_words_only_when_asked():
     assert masked.item() == pytest.approx(local_contrastive_loss(sim, None, 0.1, shared).item(), rel=1e-6)
     assert plain.item() == pytest.approx(local_contrastive_loss(sim, None, 0.1).item(), rel=1e-6)
     assert masked.item() != pytest.approx(plain.item())
+
+
+def _outside_groups(full: torch.Tensor, group: int) -> torch.Tensor:
+    """The whole batch's (B, B, L) pair similarity with every image outside its text's group of ``group`` rows at
+    -inf: what the grouped token-region term must equal (numpy-free, but no code under test)."""
+    b = full.shape[0]
+    same = torch.tensor([[i // group == j // group for j in range(b)] for i in range(b)])
+    return full.masked_fill(~same.unsqueeze(-1), float("-inf"))
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_grouped_token_region_term_is_the_whole_batch_one_with_other_groups_left_out(group):
+    """loss.local_group_size: the pooled cosines of each text over its group's images are the whole batch's, cut
+    to the group (a last, smaller group padded with -inf), and the loss on them is the whole batch's loss with the
+    other groups' images taken out of each word's negatives, shared-word masking included; a group as large as the
+    batch (or 0) is the whole batch."""
+    from cxrdr.train.losses.local import shared_words
+    from cxrdr.train.models.heads import CosineLocalAlign, grouped_pair_similarity
+
+    torch.manual_seed(3)
+    align = CosineLocalAlign(text_dim=6, patch_dim=5, embed_dim=8, temperature=0.2)
+    tokens, patches = torch.randn(5, 4, 6), torch.randn(5, 9, 5)  # 5 texts x 4 words, 5 images x 9 patches
+    full = align.pair_similarity(tokens, patches)
+    grouped = grouped_pair_similarity(align.pair_similarity, tokens, patches, group)
+    assert grouped.shape == (5, group, 4)
+    for i in range(5):
+        for j in range(group):
+            image = i // group * group + j
+            if image < 5:
+                assert torch.allclose(grouped[i, j], full[i, image], atol=1e-6)
+            else:
+                assert torch.isinf(grouped[i, j]).all() and (grouped[i, j] < 0).all()
+    for whole in (0, 5, 8):
+        assert torch.equal(grouped_pair_similarity(align.pair_similarity, tokens, patches, whole), full)
+    values = torch.randn(5, 9, 5)  # the pooled values (local_pool_embedded) are cut by row as the images are
+    pooled = grouped_pair_similarity(align.pair_similarity, tokens, patches, group, values=values)
+    whole_pooled = align.pair_similarity(tokens, patches, values=values)[group, group:2 * group]  # row `group`'s
+    assert torch.allclose(pooled[group, :len(whole_pooled)], whole_pooled, atol=1e-6)  # group: images group, ...
+
+    mask = torch.rand(5, 4) > 0.3
+    mask[:, 0] = True
+    expected = local_contrastive_loss(_outside_groups(full, group), mask, 0.1)
+    got = local_contrastive_loss(grouped, mask, 0.1)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert got.item() != pytest.approx(local_contrastive_loss(full, mask, 0.1).item(), rel=1e-3)
+    pair_ids = torch.tensor([[7, 8, 9, 1], [7, 2, 3, 4], [8, 5, 6, 1], [9, 9, 7, 2], [1, 2, 3, 4]])
+    shared = shared_words(pair_ids, pair_ids)  # (B, L, B): image j's report holds word k of text i
+    assert local_contrastive_loss(grouped, mask, 0.1, shared).item() == pytest.approx(
+        local_contrastive_loss(_outside_groups(full, group), mask, 0.1, shared).item(), rel=1e-5)
+    got.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in align.parameters())
+
+
+def test_a_group_size_runs_through_the_step_and_changes_only_the_token_region_term(phantom_shards, tmp_path):
+    """tiny-D at batch 4: groups of 2 change the local term alone (every other term equal), a group of the whole
+    batch changes nothing; a negative size is refused naming the option."""
+    from cxrdr.train.config import TrainConfig
+    from cxrdr.train.loop import Trainer
+
+    terms = {}
+    for size in (0, 2, 4):
+        cfg = TrainConfig.load(None, shards=str(phantom_shards), model="tiny-D", batch_size=4, workers=0,
+                               device="cpu", steps=2, seed=0, progress=False, eval_every=0,
+                               out=str(tmp_path / f"g{size}"), **{"loss.local_group_size": size})
+        trainer = Trainer(cfg)
+        torch.manual_seed(0)
+        terms[size] = {k: v.item() for k, v in trainer.task.forward(next(trainer._batches()), 0).items()}
+    assert terms[4] == terms[0]
+    assert terms[2]["local"] != pytest.approx(terms[0]["local"], rel=1e-4)
+    assert {k: v for k, v in terms[2].items() if k not in ("local", "total")} == pytest.approx(
+        {k: v for k, v in terms[0].items() if k not in ("local", "total")})
+    with pytest.raises(ValueError, match="local_group_size"):
+        LossConfig(local_group_size=-1)
 
 
 def test_affinity_loss_matches_the_teachers_similarities_and_is_a_weighted_term():

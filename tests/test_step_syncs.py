@@ -374,9 +374,35 @@ def test_train_step_benchmark_times_each_part_switched_off_and_prints_what_it_co
         without = rows[f"{cost['variant']} stored, without {cost['part']}"]["step_ms"]
         assert cost["ms"] == pytest.approx(full - without)
         assert cost["share_pct"] == pytest.approx(100 * cost["ms"] / full)
-        assert f"{cost['variant']:<3} {cost['part']:<24} {cost['ms']:8.1f} ms/step" in printed
+        assert f"{cost['variant']:<3} {cost['part']:<32} {cost['ms']:8.1f} ms/step" in printed
     assert len(train_step.part_costs(list(rows.values()))) == 1 + len(train_step.PARTS_OFF)
     assert train_step.part_costs([{"name": "E stored, without head convs", "step_ms": 1.0}]) == []  # no full step
+
+
+def test_train_step_benchmark_times_a_setting_beside_its_variant_and_prints_what_it_saves(phantom_shards, tmp_path,
+                                                                                          capsys):
+    """benchmarks/train_step.py --with KEY=VALUE: each variant beside itself with the setting (a TrainConfig path,
+    its value read as YAML), the saving printed; a malformed setting is refused naming the form."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_step
+
+    out = tmp_path / "rows.json"
+    assert train_step.main(["--shards", str(phantom_shards), "--size", "tiny", "--only", "D",
+                            "--with", "loss.local_group_size=2", "--teachers", "", "--steps", "1", "--warmup", "0",
+                            "--batch-size", "4", "--json-out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert "D stored, with loss.local_group_size=2" in rows
+    (cost,) = train_step.part_costs(list(rows.values()))
+    assert cost["part"] == "with loss.local_group_size=2" and cost["ms"] == pytest.approx(
+        rows["D stored"]["step_ms"] - rows["D stored, with loss.local_group_size=2"]["step_ms"])
+    assert "with loss.local_group_size=2" in capsys.readouterr().out
+    assert train_step.setting("loss.local_group_size=64") == ("loss.local_group_size", 64)
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        train_step.setting("loss.local_group_size")
 
 
 @pytest.mark.parametrize("part", ["B_syn captions", "Patch-IB global terms", "mask follows words",

@@ -33,9 +33,9 @@ class StudentStep(nn.Module):
 
     def forward(self, images, report_ids, report_mask, caption_ids=None, caption_mask=None, step=None,
                 local_pairs=0, local_words=False, local_affirmed=False, local_skip_normal=False,
-                report_token_index=None, caption_token_index=None):
+                report_token_index=None, caption_token_index=None, local_group=0):
         out = self.student(images, report_ids, report_mask, step=step, local_pairs=local_pairs,
-                           local_words=local_words, local_affirmed=local_affirmed,
+                           local_group=local_group, local_words=local_words, local_affirmed=local_affirmed,
                            local_skip_normal=local_skip_normal, token_index=report_token_index,
                            caption_ids=caption_ids, caption_mask=caption_mask, caption_token_index=caption_token_index)
         syn = out.caption_emb
@@ -88,7 +88,8 @@ class Task:
             args += [batch["caption_ids"], batch["caption_mask"]]
         model, model_step = (self.model, step) if compiled is None else (compiled, None)
         packing = self._packing(batch, compiled is not None)
-        out, syn_txt = model(*args, step=model_step, local_pairs=self.local_pairs, local_words=self.local_words,
+        out, syn_txt = model(*args, step=model_step, local_pairs=self.local_pairs,
+                             local_group=self.loss_cfg.local_group_size, local_words=self.local_words,
                              local_affirmed=self.loss_cfg.local_affirmed_only,
                              local_skip_normal=self.loss_cfg.local_skip_normal, **packing)
         self.keep_ratio = float(out.keep_ratio)  # a Python number (k / n), no device read

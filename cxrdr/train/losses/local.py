@@ -39,23 +39,31 @@ def shared_words(pair_ids: torch.Tensor, drawable_ids: torch.Tensor) -> torch.Te
 def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tensor | None = None,
                            temperature: float = 0.1, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Token-region InfoNCE: each text token's region pooled from its own image must beat the same
-    token pooled over every other image of the batch.
+    token pooled over every other image of the batch, or of its group.
 
     pair_similarity (B_text, B_image, L): cos(v~_{j<-i,k}, t_{i,k}) (``LocalAlign.pair_similarity``);
-    the target of text i is image i. Mean cross-entropy over valid tokens (text_mask (B, L)).
+    the target of text i is image i. (B, G, L) with G < B: over the images of text i's group of G consecutive
+    rows only (``heads.grouped_pair_similarity``), its own image at column i % G, -inf where a last group has no
+    image. Mean cross-entropy over valid tokens (text_mask (B, L)).
     Negatives are this rank's images only (the attention needs the other images' patches).
     ``shared`` (B_text, L, B_image) bool: image j's own report has word k of text i too, so its region
     for that word is no negative (false-negative masking per word; the own image always stays).
     """
-    b, b_img, length = pair_similarity.shape
-    if b != b_img:
-        raise ValueError(f"pair_similarity must be (B, B, L), got {tuple(pair_similarity.shape)}")
-    logits = pair_similarity.float().permute(0, 2, 1) / temperature  # (B_text, L, B_image)
+    b, columns, length = pair_similarity.shape
+    if columns > b:
+        raise ValueError(f"pair_similarity must be (B, B, L) or (B, G, L) with G < B, "
+                         f"got {tuple(pair_similarity.shape)}")
+    logits = pair_similarity.float().permute(0, 2, 1) / temperature  # (B_text, L, columns)
+    rows = torch.arange(b, device=logits.device)
+    target = rows % columns  # the own image's column (all of them: rows)
     if shared is not None:
-        own = torch.eye(b, dtype=torch.bool, device=logits.device).unsqueeze(1)  # (B_text, 1, B_image)
+        if columns < b:  # each text's group of images: columns (i // G) * G + j of the whole batch's mask
+            index = (rows // columns * columns).unsqueeze(1) + torch.arange(columns, device=logits.device)
+            shared = shared.bool().gather(2, index.clamp(max=b - 1).unsqueeze(1).expand(-1, length, -1))
+        own = F.one_hot(target, columns).bool().unsqueeze(1)  # (B_text, 1, columns)
         logits = logits.masked_fill(shared.bool() & ~own, float("-inf"))
-    target = torch.arange(b, device=logits.device).unsqueeze(1).expand(b, length)
-    ce = F.cross_entropy(logits.reshape(b * length, b), target.reshape(-1), reduction="none").view(b, length)
+    ce = F.cross_entropy(logits.reshape(b * length, columns), target.repeat_interleave(length),
+                         reduction="none").view(b, length)
     valid = torch.ones_like(ce) if text_mask is None else text_mask.to(ce.dtype)
     return (ce * valid).sum() / valid.sum().clamp_min(1.0)
 

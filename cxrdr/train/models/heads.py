@@ -324,6 +324,26 @@ class CosineLocalAlign(nn.Module):
         return F.normalize(v, dim=-1) @ t.transpose(1, 2)
 
 
+def grouped_pair_similarity(pair_similarity, tokens: torch.Tensor, patches: torch.Tensor, group: int,
+                            **kw) -> torch.Tensor:
+    """``pair_similarity(tokens, patches, **kw)`` (B_text, B_image, L) of every text over every image (``group`` 0,
+    or a group as large as the batch), or, with ``group`` G, of each text over the images of its own group of G
+    consecutive rows only: (B, G, L), column j of row i the image (i // G) * G + j, the own image at column i % G; a
+    last group with fewer rows gets -inf in the columns it lacks (no image, no negative). The cost of the pairs
+    grows with B x G instead of B^2 (``loss.local_group_size``); tensors in ``kw`` (the values pooled) are cut by row
+    as the images are. Why groups of consecutive rows: the batch's order is the loader's shuffle, so they are random
+    groups, and each is one call of the all-pairs form (the Gram form's single matrix products stay)."""
+    if not group or group >= tokens.shape[0]:
+        return pair_similarity(tokens, patches, **kw)
+    # split, not slices: each slice's backward would write a zero gradient of the whole batch
+    cut = {k: v.split(group) for k, v in kw.items() if torch.is_tensor(v)}
+    parts = []
+    for i, (words, images) in enumerate(zip(tokens.split(group), patches.split(group))):
+        part = pair_similarity(words, images, **{**kw, **{k: v[i] for k, v in cut.items()}})
+        parts.append(F.pad(part, (0, 0, 0, group - part.shape[1]), value=float("-inf")))
+    return torch.cat(parts)
+
+
 def _patch_bias(patch_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     """(B_image, 1, 1, N) additive attention bias: -inf on padded patches (patch_mask False), else None."""
     if patch_mask is None:

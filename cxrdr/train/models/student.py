@@ -14,8 +14,8 @@ from timm.models._manipulate import group_with_matcher
 
 from cxrdr.train.models.config import StudentConfig
 from cxrdr.train.models.heads import (Projection, TeacherSpaceHeads, batch_idf, build_local_align, build_patch_heads,
-                                      cued_sentence_tokens, grid_heads, init_logit_scale, negated_tokens,
-                                      sample_token_positions)
+                                      cued_sentence_tokens, grid_heads, grouped_pair_similarity, init_logit_scale,
+                                      negated_tokens, sample_token_positions)
 from cxrdr.train.models.image_towers import ImageTower
 from cxrdr.train.models.packed_text import stack_token_batches
 from cxrdr.train.models.text_towers import HFTextTower, TextTokenizer
@@ -186,7 +186,7 @@ class PatchIBStudent(nn.Module):
         return self.logit_scale.exp().clamp(max=self.config.logit_scale_max)
 
     def forward(self, images: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                step: int | None = None, local_pairs: int = 0, local_words: bool = False,
+                step: int | None = None, local_pairs: int = 0, local_group: int = 0, local_words: bool = False,
                 local_affirmed: bool = False, local_skip_normal: bool = False,
                 token_index: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None,
                 caption_mask: torch.Tensor | None = None,
@@ -194,7 +194,9 @@ class PatchIBStudent(nn.Module):
         """``local_pairs`` > 0: also pool up to that many tokens of every text over every image of the
         batch (``local_pair_similarity``, for the token-region contrastive loss). Its cost grows with
         B^2 x tokens, so tokens are drawn, in proportion to their in-batch IDF: the words that tell
-        reports apart, where the grounding signal is. ``local_words``: also those tokens' own-image
+        reports apart, where the grounding signal is. ``local_group`` > 0: pool them over the images of
+        their own group of that many consecutive rows only (``heads.grouped_pair_similarity``: the cost
+        grows with B x local_group). ``local_words``: also those tokens' own-image
         regions against each other (``local_word_similarity``, for ``loss.local_word_contrast``).
         ``local_affirmed``: draw those tokens only outside negations ("no pleural effusion");
         ``local_skip_normal``: nor from sentences that state normal anatomy ("The lungs are clear.").
@@ -234,7 +236,8 @@ class PatchIBStudent(nn.Module):
                 idf = batch_idf(ids, drawable, self.text_tower.model.config.vocab_size)
                 index = sample_token_positions(drawable, local_pairs, idf)
                 tokens = text_tokens.gather(1, index.unsqueeze(-1).expand(-1, -1, text_tokens.shape[-1]))
-                out.local_pair_similarity = self.local_align.pair_similarity(tokens, patches, **kw)
+                out.local_pair_similarity = grouped_pair_similarity(self.local_align.pair_similarity, tokens,
+                                                                    patches, local_group, **kw)
                 if local_words:
                     out.local_word_similarity = self.local_align.word_similarity(tokens, patches, **kw)
                 out.local_pair_mask = drawable.gather(1, index)
