@@ -269,11 +269,13 @@ case "$MODE" in
       --skip build,students,loop,peer,loop_compiled,train_step,table ${SUITE_ARGS:-}
     for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
     echo "[lease] heads done after $(elapsed) s"
-    # then where E's kernels go: A and E with the default graphs, each without one part of its step, and with the
-    # token-region term in groups of 64 (A's row: the noise floor) (~80 s)
+    # then where E's kernels go: A and E with every graph (so that the host hides least of the kernels; each row's
+    # GPU busy % says how far), each without one part of its step, and with the token-region term in groups of 64
+    # (A's row: the noise floor) (~80 s)
     parts_args="--size full --batch-size 256 --block 5 --steps 20 --warmup 10 --workers 8 --cuda-graphs"
+    parts_args="$parts_args --cuda-graphs-text --cuda-graphs-heads --cuda-graphs-losses"
     python3 benchmarks/train_step.py --device "${HEADS_DEVICE:-cuda}" --only A,E --parts --teachers "" \
-      --with loss.local_group_size=64 ${PARTS_ARGS:-$parts_args --cuda-graphs-text} --json-out "$OUT/heads-parts.json"
+      --with loss.local_group_size=64 ${PARTS_ARGS:-$parts_args} --json-out "$OUT/heads-parts.json"
     echo "[lease] parts done after $(elapsed) s"
     ;;
   collect) collect ;;  # what an earlier recipe call left, again
