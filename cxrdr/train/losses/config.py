@@ -59,7 +59,7 @@ class LossConfig:
     local_tokens: int = 8
     # the images a word's region contrasts with: its own and the others of its group of this many consecutive batch
     # rows (0: every image of the batch). The term's cost grows with B x this, not B^2: a GPU step's largest Patch-IB
-    # kernel (the all-pairs pooled cosines, 12.7 ms of an H200's batch-256 step) shrinks B / this times
+    # kernel (the all-pairs pooled cosines, 12.8 ms of an H200's batch-256 step) shrinks B / this times
     local_group_size: int = 0
     # draw those words outside negations only: grounding "effusion" of "no pleural effusion" in its image
     # teaches the word to avoid effusions (README, Localisation)
