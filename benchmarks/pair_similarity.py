@@ -105,6 +105,7 @@ def measure(batch: int, words_per_text: int, shapes: list[tuple[int, int]], roun
     import torch.nn.functional as F
 
     from cxrdr.train.evaluation.efficiency import gflops
+    from cxrdr.train.losses.local import group_images
     from cxrdr.train.models.heads import gram_form_is_cheaper, pooled_cosine_by_gram, pooled_cosine_by_sdpa
 
     forms = dict(zip(FORMS, (pooled_cosine_by_sdpa, pooled_cosine_by_gram, gram_by_autograd)))
@@ -131,7 +132,7 @@ def measure(batch: int, words_per_text: int, shapes: list[tuple[int, int]], roun
             outs.append(out)
         if group:  # the grouped cosines against the whole batch's of the same (text, image) pairs
             grouped, whole = outs.pop(), outs[1]
-            columns = (torch.arange(batch) // group * group).unsqueeze(1) + torch.arange(group)
+            columns = group_images(batch, group)
             real = columns < batch
             picked = whole.gather(1, columns.clamp(max=batch - 1).unsqueeze(-1).expand(-1, -1, whole.shape[-1]))
             row["grouped_max_diff"] = (grouped - picked)[real].abs().max().item()

@@ -248,12 +248,12 @@ def part_costs(results: list[dict]) -> list[dict]:
     steps = {r["name"]: r["step_ms"] for r in results}
     costs = []
     for name, ms in steps.items():
-        variant, _, rest = name.partition(" stored, with")
-        part = rest[len("out "):] if rest.startswith("out ") else rest[1:]
-        if part and f"{variant} stored" in steps:
-            full = steps[f"{variant} stored"]
-            costs.append({"variant": variant, "part": part if rest.startswith("out ") else f"with {part}",
-                          "ms": full - ms, "share_pct": 100.0 * (full - ms) / full})
+        for mark, label in ((" stored, without ", "{}"), (" stored, with ", "with {}")):
+            variant, found, part = name.partition(mark)
+            if found and f"{variant} stored" in steps:
+                full = steps[f"{variant} stored"]
+                costs.append({"variant": variant, "part": label.format(part), "ms": full - ms,
+                              "share_pct": 100.0 * (full - ms) / full})
     return costs
 
 

@@ -36,6 +36,13 @@ def shared_words(pair_ids: torch.Tensor, drawable_ids: torch.Tensor) -> torch.Te
     return (pair_ids[:, :, None, None] == drawable_ids[None, None]).any(-1)
 
 
+def group_images(batch: int, group: int, device=None) -> torch.Tensor:
+    """(B, G): the batch index of the image in each column of a grouped pair similarity
+    (``heads.grouped_pair_similarity``): column j of row i is image (i // G) * G + j. A last, smaller group's
+    padded columns get indices of B or more."""
+    return (torch.arange(batch, device=device) // group * group).unsqueeze(1) + torch.arange(group, device=device)
+
+
 def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tensor | None = None,
                            temperature: float = 0.1, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Token-region InfoNCE: each text token's region pooled from its own image must beat the same
@@ -54,14 +61,14 @@ def local_contrastive_loss(pair_similarity: torch.Tensor, text_mask: torch.Tenso
         raise ValueError(f"pair_similarity must be (B, B, L) or (B, G, L) with G < B, "
                          f"got {tuple(pair_similarity.shape)}")
     logits = pair_similarity.float().permute(0, 2, 1) / temperature  # (B_text, L, columns)
-    rows = torch.arange(b, device=logits.device)
-    target = rows % columns  # the own image's column (all of them: rows)
+    target = torch.arange(b, device=logits.device) % columns  # the own image's column (all of them: i)
     if shared is not None:
-        if columns < b:  # each text's group of images: columns (i // G) * G + j of the whole batch's mask
-            index = (rows // columns * columns).unsqueeze(1) + torch.arange(columns, device=logits.device)
-            shared = shared.bool().gather(2, index.clamp(max=b - 1).unsqueeze(1).expand(-1, length, -1))
+        shared = shared.bool()
+        if columns < b:  # each text's group of images, gathered from the whole batch's mask
+            index = group_images(b, columns, logits.device).clamp(max=b - 1)
+            shared = shared.gather(2, index.unsqueeze(1).expand(-1, length, -1))
         own = F.one_hot(target, columns).bool().unsqueeze(1)  # (B_text, 1, columns)
-        logits = logits.masked_fill(shared.bool() & ~own, float("-inf"))
+        logits = logits.masked_fill(shared & ~own, float("-inf"))
     ce = F.cross_entropy(logits.reshape(b * length, columns), target.repeat_interleave(length),
                          reduction="none").view(b, length)
     valid = torch.ones_like(ce) if text_mask is None else text_mask.to(ce.dtype)
