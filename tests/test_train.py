@@ -49,6 +49,14 @@ def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_p
                 "grad_norm/distill", "lr", "logit_scale", "step_time_ms", "samples_per_s"):
         assert key in first, key
     assert "i2t_R@1" in evals[-1] and "score" in evals[-1]
+    # what `train curves` draws of it: the keys it looks for are the ones the loop writes
+    from cxrdr.train.curves import curve_panels, load_run
+
+    panels = {p.key: p for p in curve_panels([load_run(run, "run")])}
+    assert {"loss", "val mean_recall", "lr", "logit_scale", "loss/clip", "loss/distill",
+            "grad_norm/distill"} <= set(panels)
+    batch = first["samples_seen"] / first["step"]
+    assert panels["val mean_recall"].lines["run"][0].tolist() == [25 * batch, 50 * batch]  # the passes' samples
 
     from cxrdr.train.checkpoint import load_training_state
     state = load_training_state(run / "last.pt")

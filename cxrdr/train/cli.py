@@ -1,4 +1,4 @@
-"""`train` command line: `run` (its flags derived from TrainConfig), `eval`, `export`."""
+"""`train` command line: `run` (its flags derived from TrainConfig), `eval`, `export`, `curves`."""
 from __future__ import annotations
 
 import inspect
@@ -152,6 +152,27 @@ def cli_export(
                  f"or as a teacher: --teachers openclip:local-dir:{out.resolve()}")
 
 
+def cli_curves(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders written by `train run` (each holds metrics.jsonl).")],
+    out: Annotated[Optional[Path], typer.Option(help="PNG to write (default: RUN/curves.png for one run; "
+                                                     "required for several).")] = None,
+    label: Annotated[Optional[list[str]], typer.Option(help="A legend name per run, in order (default: the "
+                                                             "shortest trailing paths that tell them apart).")] = None,
+    x: Annotated[str, typer.Option(help="Across: samples (samples seen) or step.")] = "samples",
+) -> None:
+    """Plot runs' training curves side by side: loss terms, val mean recall, lr, logit scale, gradient norms."""
+    from cxrdr.train.curves import load_run, plot_curves, run_labels
+
+    if out is None and len(runs) > 1:
+        raise UserError(f"{len(runs)} runs: give --out FILE.png for their figure")
+    if label and len(label) != len(runs):
+        raise UserError(f"--label given {len(label)} time(s) for {len(runs)} run(s): one a run, in order")
+    curves = [load_run(run, name, x) for run, name in zip(runs, label or run_labels(runs))]
+    out = out or runs[0] / "curves.png"
+    panels = plot_curves(curves, out, x)
+    typer.echo(f"wrote {out}: {len(panels)} panels, {len(curves)} run(s)")
+
+
 def _register() -> None:
     # lazy: `train --help` should not import torch through every command's module
     from cxrdr.train.evaluation import cli as eval_cli
@@ -159,6 +180,7 @@ def _register() -> None:
     app.command("run")(cli_run)
     app.command("eval")(eval_cli.cli_eval)
     app.command("export")(cli_export)
+    app.command("curves")(cli_curves)
 
 
 _register()
