@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from cxrdr.common.errors import UserError
 from cxrdr.train.cli import app
-from cxrdr.train.curves import curve_panels, load_run, run_labels
+from cxrdr.train.curves import curve_panels, load_run, run_labels, smoothed
 
 BATCH = 8
 
@@ -84,6 +84,16 @@ def test_labels_are_the_shortest_trailing_paths_that_tell_runs_apart(tmp_path):
     assert run_labels([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]
 
 
+def test_smoothing_is_a_debiased_moving_average_that_steps_over_gaps():
+    ys = np.array([1.0, 3.0, np.nan, 2.0])
+    assert smoothed(ys, 0.0)[[0, 1, 3]].tolist() == [1.0, 3.0, 2.0]
+    # w 0.5: running values 0.5, 1.75, (gap), 1.875; debiased by 1 - 0.5^n for the n points seen
+    assert smoothed(ys, 0.5).tolist() == pytest.approx([1.0, 1.75 / 0.75, 1.75 / 0.75, 1.875 / 0.875])
+    assert np.isnan(smoothed(np.array([np.nan, 1.0]), 0.5)[0])
+    with pytest.raises(UserError, match=r"--smooth must be in \[0, 1\)"):
+        smoothed(ys, 1.0)
+
+
 def test_bad_run_folders_are_named(tmp_path):
     with pytest.raises(UserError, match=r"missing[/\\]metrics.jsonl: no such file"):
         load_run(tmp_path / "missing", "m")
@@ -118,7 +128,8 @@ def test_the_command_draws_one_run_beside_itself_and_several_into_the_file_given
     refused = CliRunner().invoke(app, ["curves", str(one), str(two), "--label", "only-one", "--out", "x.png"])
     assert isinstance(refused.exception, UserError)
     assert "--label given 1 time(s) for 2 run(s)" in str(refused.exception) and not Path("x.png").exists()
-    out = tmp_path / "both.png"
-    result = CliRunner().invoke(app, ["curves", str(one), str(two), "--out", str(out), "--x", "step"])
+    out = tmp_path / "figures" / "both.png"  # a folder not there yet is made
+    result = CliRunner().invoke(app, ["curves", str(one), str(two), "--out", str(out), "--x", "step",
+                                      "--smooth", "0.6"])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "10 panels, 2 run(s)" in result.output

@@ -159,6 +159,8 @@ def cli_curves(
     label: Annotated[Optional[list[str]], typer.Option(help="A legend name per run, in order (default: the "
                                                              "shortest trailing paths that tell them apart).")] = None,
     x: Annotated[str, typer.Option(help="Across: samples (samples seen) or step.")] = "samples",
+    smooth: Annotated[float, typer.Option(help="Moving average of the training curves, 0 to <1 (TensorBoard's; "
+                                               "each record is one step's values). 0: as logged.")] = 0.0,
 ) -> None:
     """Plot runs' training curves side by side: loss terms, val mean recall, lr, logit scale, gradient norms."""
     from cxrdr.train.curves import load_run, plot_curves, run_labels
@@ -169,7 +171,8 @@ def cli_curves(
         raise UserError(f"--label given {len(label)} time(s) for {len(runs)} run(s): one a run, in order")
     curves = [load_run(run, name, x) for run, name in zip(runs, label or run_labels(runs))]
     out = out or runs[0] / "curves.png"
-    panels = plot_curves(curves, out, x)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    panels = plot_curves(curves, out, x, smooth=smooth)
     typer.echo(f"wrote {out}: {len(panels)} panels, {len(curves)} run(s)")
 
 

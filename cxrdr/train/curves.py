@@ -22,6 +22,8 @@ from cxrdr.train.runfolder import complete_lines
 # gets no panel.
 LEADING = ("loss", "val mean_recall", "lr", "logit_scale", "keep_ratio", "samples_per_s")
 EVAL_KEY = "mean_recall"  # the validation passes' figure (retrieval over the val split), beside chance_mean_recall
+# Parameters and schedules, not one step's measurement: drawn as logged whatever --smooth says.
+NOT_SMOOTHED = ("val mean_recall", "lr", "logit_scale", "keep_ratio")
 TITLES = {"loss": "total loss", "val mean_recall": "val mean recall (dashed: chance)", "lr": "learning rate",
           "logit_scale": "logit scale", "keep_ratio": "kept-token ratio", "samples_per_s": "samples/s"}
 
@@ -144,8 +146,25 @@ def curve_panels(runs: list[RunCurves]) -> list[Panel]:
     return [p for p in panels if p is not None]
 
 
-def plot_curves(runs: list[RunCurves], path: Path, x_axis: str = "samples", columns: int = 4) -> list[Panel]:
-    """Draw ``curve_panels(runs)`` into one PNG at ``path``; returns the panels drawn."""
+def smoothed(ys: np.ndarray, weight: float) -> np.ndarray:
+    """TensorBoard's debiased exponential moving average: ``weight`` of the running value, ``1 - weight`` of each
+    new point (0: the points as they are); a NaN point is skipped (the average carries on over it)."""
+    if not 0 <= weight < 1:
+        raise UserError(f"--smooth must be in [0, 1) (got {weight})")
+    out, value, seen = np.full(len(ys), np.nan), 0.0, 0
+    for i, y in enumerate(ys):
+        if np.isfinite(y):
+            value, seen = weight * value + (1 - weight) * y, seen + 1
+        if seen:
+            out[i] = value / (1 - weight ** seen)
+    return out
+
+
+def plot_curves(runs: list[RunCurves], path: Path, x_axis: str = "samples", columns: int = 4,
+                smooth: float = 0.0) -> list[Panel]:
+    """Draw ``curve_panels(runs)`` into one PNG at ``path``; returns the panels drawn. ``smooth`` > 0: the training
+    records' series (single steps' values, so noisy) drawn as their moving average (``smoothed``) over the points
+    themselves, faint; ``NOT_SMOOTHED`` as they are."""
     panels = curve_panels(runs)
     plt = pyplot()
     from matplotlib.ticker import EngFormatter, MaxNLocator
@@ -155,7 +174,11 @@ def plot_curves(runs: list[RunCurves], path: Path, x_axis: str = "samples", colu
     colours = {run.label: f"C{i % 10}" for i, run in enumerate(runs)}
     for ax, p in zip(axes.flat, panels):
         for label, (xs, ys) in p.lines.items():
-            ax.plot(xs, ys, "-", lw=1.2, color=colours[label], marker="o" if len(xs) < 30 else None, ms=2.5)
+            marker = "o" if len(xs) < 30 else None
+            if smooth and p.key not in NOT_SMOOTHED:
+                ax.plot(xs, ys, "-", lw=0.8, color=colours[label], alpha=0.25)
+                ys, marker = smoothed(ys, smooth), None
+            ax.plot(xs, ys, "-", lw=1.2, color=colours[label], marker=marker, ms=2.5)
         for label, (xs, ys) in p.chance.items():
             ax.plot(xs, ys, "--", lw=0.9, color=colours[label], alpha=0.6)
         if p.log_y and all(np.nanmin(ys) > 0 for _, ys in p.lines.values() if np.isfinite(ys).any()):
