@@ -61,6 +61,7 @@ def test_panels_cover_every_runs_quantities_each_with_the_runs_that_log_it(tmp_p
     assert set(by_key["loss/clip"].lines) == {"plain"} and set(by_key["loss/feature"].lines) == {"reinforced"}
     assert by_key["lr"].lines["reinforced"][1].tolist() == [5e-4] * 3
     assert set(by_key["val mean_recall"].chance) == {"plain", "reinforced"}
+    assert by_key["val mean_recall"].title == "val mean recall (dashed: chance)"  # the split the passes read
     assert all(p.log_y == p.key.startswith("grad_norm") for p in panels)
 
 
@@ -99,9 +100,9 @@ def test_bad_run_folders_are_named(tmp_path):
         load_run(tmp_path / "missing", "m")
     folder = write_run(tmp_path / "damaged", half_line=False)
     lines = (folder / "metrics.jsonl").read_text().splitlines()
-    lines[1] = "{not json"
+    lines[1:3] = ["", "{not json"]  # the file's own line number, blank lines counted
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(UserError, match=r"damaged[/\\]metrics.jsonl, line 2: not a JSON record"):
+    with pytest.raises(UserError, match=r"damaged[/\\]metrics.jsonl, line 3: not a JSON record"):
         load_run(folder, "d")
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "mean_recall": 0.1}\n')

@@ -16,7 +16,6 @@ import numpy as np
 
 from cxrdr.common.errors import UserError
 from cxrdr.train.evaluation.report import pyplot, save_figure
-from cxrdr.train.runfolder import complete_lines
 
 # Panels in this order, then the loss terms (loss/*), then their gradient norms (grad_norm/*). A key no run logs
 # gets no panel.
@@ -35,6 +34,7 @@ class RunCurves:
     path: Path
     train: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     val: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    val_splits: tuple[str, ...] = ()  # the splits the validation passes read (`--eval-split`: val by default)
 
 
 @dataclass
@@ -52,7 +52,9 @@ def read_records(path: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"{path}: no such file (a run folder written by `train run` holds one)")
     records = []
-    for number, line in enumerate(complete_lines(path.read_text(errors="replace")), 1):
+    for number, line in enumerate(path.read_text(errors="replace").split("\n")[:-1], 1):  # the last: unfinished
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -107,6 +109,7 @@ def load_run(run_dir: Path, label: str, x_axis: str = "samples") -> RunCurves:
     train_keys = dict.fromkeys(k for r in train for k in r if k in LEADING or k.startswith(("loss/", "grad_norm")))
     run = RunCurves(label, Path(run_dir), _series(train, train_keys, x_of))
     run.val = _series(val, (EVAL_KEY, "chance_" + EVAL_KEY), x_of)
+    run.val_splits = tuple(dict.fromkeys(str(r["split"]) for r in val if "split" in r))
     return run
 
 
@@ -131,7 +134,8 @@ def curve_panels(runs: list[RunCurves]) -> list[Panel]:
     panels = []
     for key in LEADING:
         if key == "val mean_recall":
-            found = panel(EVAL_KEY, TITLES[key], False, lambda run: run.val, name=key)
+            splits = "/".join(dict.fromkeys(split for run in runs for split in run.val_splits)) or "val"
+            found = panel(EVAL_KEY, TITLES[key].replace("val", splits, 1), False, lambda run: run.val, name=key)
             if found:
                 found.chance = {run.label: run.val["chance_" + EVAL_KEY] for run in runs
                                 if "chance_" + EVAL_KEY in run.val}
