@@ -150,11 +150,15 @@ def curve_panels(runs: list[RunCurves]) -> list[Panel]:
     return [p for p in panels if p is not None]
 
 
+def _check_smoothing(weight: float) -> None:
+    if not 0 <= weight < 1:
+        raise UserError(f"--smooth must be in [0, 1) (got {weight})")
+
+
 def smoothed(ys: np.ndarray, weight: float) -> np.ndarray:
     """TensorBoard's debiased exponential moving average: ``weight`` of the running value, ``1 - weight`` of each
     new point (0: the points as they are); a NaN point is skipped (the average carries on over it)."""
-    if not 0 <= weight < 1:
-        raise UserError(f"--smooth must be in [0, 1) (got {weight})")
+    _check_smoothing(weight)
     out, value, seen = np.full(len(ys), np.nan), 0.0, 0
     for i, y in enumerate(ys):
         if np.isfinite(y):
@@ -169,6 +173,7 @@ def plot_curves(runs: list[RunCurves], path: Path, x_axis: str = "samples", colu
     """Draw ``curve_panels(runs)`` into one PNG at ``path``; returns the panels drawn. ``smooth`` > 0: the training
     records' series (single steps' values, so noisy) drawn as their moving average (``smoothed``) over the points
     themselves, faint; ``NOT_SMOOTHED`` as they are."""
+    _check_smoothing(smooth)  # before a figure is opened
     panels = curve_panels(runs)
     plt = pyplot()
     from matplotlib.ticker import EngFormatter, MaxNLocator
