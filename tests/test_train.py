@@ -36,8 +36,9 @@ FAST = ["--batch-size", "4", "--workers", "0", "--no-progress", "--device", "cpu
 
 def test_run_tiny_d_writes_metrics_checkpoints_and_resumes(phantom_shards, tmp_path):
     run = tmp_path / "run"
-    _invoke("--shards", str(phantom_shards), "--model", "tiny-D", "--steps", "50", "--out", str(run),
-            "--eval-every", "25", "--log-every", "10", *FAST)
+    result = _invoke("--shards", str(phantom_shards), "--model", "tiny-D", "--steps", "50", "--out", str(run),
+                     "--eval-every", "25", "--log-every", "10", *FAST)
+    assert f"its curves: train curves {run}" in result.output  # where to look next
     for name in ("metrics.jsonl", "last.pt", "best.pt", "config.yaml", "summary.json"):
         assert (run / name).is_file(), name
     records = _metrics(run)

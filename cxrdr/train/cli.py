@@ -119,6 +119,7 @@ def cli_run(**values) -> None:
         if final:
             typer.echo("validation: " + ", ".join(f"{k}={final[k]:.3f}" for k in FINAL_EVAL_KEYS
                                                   if isinstance(final.get(k), (int, float))))
+        typer.echo(f"its curves: train curves {cfg.out}")
     dist_utils.cleanup()
 
 
