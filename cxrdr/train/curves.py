@@ -16,6 +16,7 @@ import numpy as np
 
 from cxrdr.common.errors import UserError
 from cxrdr.train.evaluation.report import pyplot, save_figure
+from cxrdr.train.runfolder import numbered_complete_lines
 
 # Panels in this order, then the loss terms (loss/*), then their gradient norms (grad_norm/*). A key no run logs
 # gets no panel.
@@ -23,7 +24,7 @@ LEADING = ("loss", "val mean_recall", "lr", "logit_scale", "keep_ratio", "sample
 EVAL_KEY = "mean_recall"  # the validation passes' figure (retrieval over the val split), beside chance_mean_recall
 # Parameters and schedules, not one step's measurement: drawn as logged whatever --smooth says.
 NOT_SMOOTHED = ("val mean_recall", "lr", "logit_scale", "keep_ratio")
-TITLES = {"loss": "total loss", "val mean_recall": "val mean recall (dashed: chance)", "lr": "learning rate",
+TITLES = {"loss": "total loss", "val mean_recall": "{split} mean recall (dashed: chance)", "lr": "learning rate",
           "logit_scale": "logit scale", "keep_ratio": "kept-token ratio", "samples_per_s": "samples/s"}
 
 
@@ -31,7 +32,6 @@ TITLES = {"loss": "total loss", "val mean_recall": "val mean recall (dashed: cha
 class RunCurves:
     """One run's logged series: ``train[key]`` and ``val[key]`` as (x, y) arrays, x in samples seen or steps."""
     label: str
-    path: Path
     train: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     val: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     val_splits: tuple[str, ...] = ()  # the splits the validation passes read (`--eval-split`: val by default)
@@ -52,9 +52,7 @@ def read_records(path: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"{path}: no such file (a run folder written by `train run` holds one)")
     records = []
-    for number, line in enumerate(path.read_text(errors="replace").split("\n")[:-1], 1):  # the last: unfinished
-        if not line.strip():
-            continue
+    for number, line in numbered_complete_lines(path.read_text(errors="replace")):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -92,11 +90,11 @@ def load_run(run_dir: Path, label: str, x_axis: str = "samples") -> RunCurves:
     if not train:
         raise UserError(f"{path}: no training records yet (the first is written at the first logging step)")
     val = [r for r in records if r.get("kind") == "eval" and _numeric(r.get("step"))]
-    steps = np.asarray([r["step"] for r in train], dtype=float)
     if x_axis == "step":
         def x_of(r):
             return float(r["step"])
     elif all(_numeric(r.get("samples_seen")) for r in train):
+        steps = np.asarray([r["step"] for r in train], dtype=float)
         seen = np.asarray([r["samples_seen"] for r in train], dtype=float)
         per_step = seen[-1] / max(steps[-1], 1.0)  # for a pass before the first logging step or after the last
 
@@ -107,7 +105,7 @@ def load_run(run_dir: Path, label: str, x_axis: str = "samples") -> RunCurves:
     else:
         raise UserError(f"{path}: training records without samples_seen; plot them with --x step")
     train_keys = dict.fromkeys(k for r in train for k in r if k in LEADING or k.startswith(("loss/", "grad_norm")))
-    run = RunCurves(label, Path(run_dir), _series(train, train_keys, x_of))
+    run = RunCurves(label, _series(train, train_keys, x_of))
     run.val = _series(val, (EVAL_KEY, "chance_" + EVAL_KEY), x_of)
     run.val_splits = tuple(dict.fromkeys(str(r["split"]) for r in val if "split" in r))
     return run
@@ -135,7 +133,7 @@ def curve_panels(runs: list[RunCurves]) -> list[Panel]:
     for key in LEADING:
         if key == "val mean_recall":
             splits = "/".join(dict.fromkeys(split for run in runs for split in run.val_splits)) or "val"
-            found = panel(EVAL_KEY, TITLES[key].replace("val", splits, 1), False, lambda run: run.val, name=key)
+            found = panel(EVAL_KEY, TITLES[key].format(split=splits), False, lambda run: run.val, name=key)
             if found:
                 found.chance = {run.label: run.val["chance_" + EVAL_KEY] for run in runs
                                 if "chance_" + EVAL_KEY in run.val}

@@ -127,6 +127,12 @@ class MetricsLog:
                 os.close(fd)
 
 
+def numbered_complete_lines(text: str) -> list[tuple[int, str]]:
+    """(line number from 1, line) of the non-blank lines of a JSON-lines file's ``text`` that its writer finished
+    (newline-terminated): the numbers a reader names a damaged line by."""
+    return [(number, line) for number, line in enumerate(text.split("\n")[:-1], 1) if line.strip()]
+
+
 def complete_lines(text: str) -> list[str]:
     """The non-blank lines of a JSON-lines file's ``text`` that its writer finished (newline-terminated)."""
-    return [line for line in text.split("\n")[:-1] if line.strip()]
+    return [line for _, line in numbered_complete_lines(text)]
