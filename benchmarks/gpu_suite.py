@@ -27,10 +27,11 @@ Sections (each a function; each reuses the project's own measurement code):
                   (``--no-pack-text``), for what running the text tower on the real tokens buys.
 4. peer           open_clip's CLIP step: random-init ViT-S-16, ClipLoss, fused AdamW, bf16, batch 256,
                   eager and compiled.
-5. loop_compiled  as 3 with ``TrainConfig.compile`` for A, D, E (COMPILED_ORDER, as the budget allows): by blocks
-                  with the blocks replayed as CUDA graphs (beside the default graphs uncompiled), then whole,
-                  then by blocks alone (beside their eager twins); skipped with a note where TrainConfig has no
-                  ``compile`` option, and in --tiny (a CPU compile takes minutes).
+5. loop_compiled  as 3 with ``TrainConfig.compile`` for A, D, E (COMPILED_ORDER, as the budget allows; ``--compiled
+                  SCOPES`` keeps those scopes alone): by blocks with the blocks replayed as CUDA graphs (beside
+                  the default graphs uncompiled), by blocks with every graph (beside every graph uncompiled),
+                  then whole, then by blocks alone (beside their eager twins); skipped with a note where
+                  TrainConfig has no ``compile`` option, and in --tiny (a CPU compile takes minutes).
 6. train_step     D with stored embeddings vs the ViT-B/16 teacher online vs no teacher, batch 64
                   (``benchmarks/train_step.py --size full --teachers openclip:ViT-B-16 --only D``).
 7. table          the seeds' efficiency table (``train experiment ablation`` layout) for A-E from
@@ -85,24 +86,33 @@ FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 # 61 "blocks+graphs" compiles the image blocks only, the packed text layers staying eager in the default text graphs
 # (at 7067ab4 it compiled them too: A 1.30x, D 1.12x, E 1.09x the blocks graphed, below the text graphs' E), and
 # its twin is the default graphs, blocks and text layers.
-COMPILED_ORDER = (("A", "blocks+graphs"), ("D", "blocks+graphs"), ("E", "blocks+graphs"), ("A", "model"),
+# "blocks+all-graphs" (since stop 73) compiles the image blocks under every graph (the blocks, the text layers, the heads
+# on the patch grid and the global loss terms: --cuda-graphs-heads on --cuda-graphs-losses on), beside every graph
+# uncompiled: of the configurations the loop has, the one that leaves the host least and fuses most, so the one the
+# img/s bars are likeliest met by; none of its parts has been timed with the others yet.
+COMPILED_ORDER = (("A", "blocks+graphs"), ("D", "blocks+graphs"), ("E", "blocks+graphs"),
+                  ("A", "blocks+all-graphs"), ("D", "blocks+all-graphs"), ("E", "blocks+all-graphs"), ("A", "model"),
                   ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
 # the TrainConfig fields of each compile scope of COMPILED_ORDER
 COMPILE_SETTINGS = {"model": {"compile": True, "compile_scope": "model"},
                     "blocks": {"compile": True, "compile_scope": "blocks"},
-                    "blocks+graphs": {"compile": True, "compile_scope": "blocks", "cuda_graphs": "on"}}
+                    "blocks+graphs": {"compile": True, "compile_scope": "blocks", "cuda_graphs": "on"},
+                    "blocks+all-graphs": {"compile": True, "compile_scope": "blocks", "cuda_graphs": "on",
+                                          "cuda_graphs_text": "on", "cuda_graphs_heads": "on",
+                                          "cuda_graphs_losses": "on"}}
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3-0ef6026.json):
 # the section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
 # compiled code) and D, A whole (warm-ups 64.9 s and 43.9 s); with the former 75 / 150 s, and the skipped train_step's
 # 45 s held back (``reserve_after`` leaves skipped sections out now), it left E whole out with ~145 s of the budget
 # unspent. Kept above the measured ~20 s and ~65 s: a cold cache or another card.
-COMPILE_ESTIMATE_S = {"blocks+graphs": 45, "blocks": 40, "model": 100}  # blocks+graphs: blocks' + a capture
+COMPILE_ESTIMATE_S = {"blocks+graphs": 45, "blocks+all-graphs": 50, "blocks": 40,  # +graphs: blocks' + captures
+                      "model": 100}
 # The most one compiled loop configuration may take, compilation included, before its child process is killed
 # (``child_deadline``; on CUDA): on the H100 at 48c40d0 the whole-model E had not finished its warm-up after 149 s in
 # the full suite nor after 263 s alone (the section's own phantom build, ~60-100 s, included), and the compilation in
 # progress could not be stopped from the suite's process.
-COMPILE_LIMIT_S = {"blocks+graphs": 100, "blocks": 90, "model": 180}
+COMPILE_LIMIT_S = {"blocks+graphs": 100, "blocks+all-graphs": 110, "blocks": 90, "model": 180}
 # The compiled section first compiles a two-layer MLP's step in a child (``inductor_smoke``), cut at this limit: on
 # the H100 at 416dba0 neither the whole-model A (44 s of warm-up at 0ef6026) nor D by blocks (13 s) logged a first
 # step within 240 and 90 s. A smoke check that cannot compile says the host's inductor is stuck, not the student;
@@ -471,12 +481,7 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
     rows = _run_loop(cfg, trainers, lp["compiled_steps"])
     graphed_names = {n.format(v=v) for v in lp["graphed"] for n in (GRAPHED, GRAPHED_TEXT, GRAPHED_HEADS, GRAPHED_ALL)}
     for row in (r for r in rows if r["name"] in graphed_names):  # what the graphed trainers captured, or why not
-        graphs = trainers[row["name"]][0].block_graphs
-        row.update(graphs_captured=len(graphs) if graphs is not None else None,
-                   text_graphs_captured=graphs.captured("text") if graphs is not None else None,
-                   heads_graphs_captured=graphs.captured("heads") if graphs is not None else None,
-                   losses_graphs_captured=graphs.captured("losses") if graphs is not None else None,
-                   graphs_failed=graphs.failed if graphs is not None else "no graphs: not a CUDA device")
+        row.update(graphs_captured_fields(trainers[row["name"]][0].block_graphs))
     del trainers
     _free_device_memory()
     by = {r["name"]: r for r in rows}
@@ -513,6 +518,28 @@ def section_loop_graphs(cfg: dict, work: Path, shards: str) -> dict:
                     "graphed configuration beside its eager twin, interleaved; E at its target keep rate"}
 
 
+def graphs_captured_fields(graphs) -> dict:
+    """A graphed row's record of what its trainer's ``BlockGraphs`` captured (all of them, then the text tower's, the
+    heads' and the loss terms' among them), or why none (None: not a CUDA device)."""
+    if graphs is None:
+        return {"graphs_captured": None, "text_graphs_captured": None, "heads_graphs_captured": None,
+                "losses_graphs_captured": None, "graphs_failed": "no graphs: not a CUDA device"}
+    return {"graphs_captured": len(graphs), "text_graphs_captured": graphs.captured("text"),
+            "heads_graphs_captured": graphs.captured("heads"), "losses_graphs_captured": graphs.captured("losses"),
+            "graphs_failed": graphs.failed}
+
+
+def captured_text(row: dict) -> str:
+    """A graphed row's captures in words, for the Markdown."""
+    return (f"**{row['name']}**: {row['graphs_captured']} graph(s) captured"
+            + (f" ({row['text_graphs_captured']} of the text tower)" if row.get("text_graphs_captured") else "")
+            + (f" ({row['heads_graphs_captured']} of the heads)" if row.get("heads_graphs_captured") else "")
+            + (f" ({row['losses_graphs_captured']} of the loss terms)" if row.get("losses_graphs_captured") else "")
+            + (f", their memory pool {row['graph_pool_mb']:.0f} MB (in its peak MB)" if row.get("graph_pool_mb")
+               else "")
+            + (f"; capture failed or off: {row['graphs_failed']}" if row.get("graphs_failed") else ""))
+
+
 def _compiled_name(variant: str, scope: str) -> str:
     return f"{variant} compiled {scope}"
 
@@ -523,11 +550,12 @@ def _graphed(scope: str) -> bool:
 
 
 def _compiled_twin(variant: str, scope: str) -> tuple[str, dict]:
-    """The row a compiled configuration is timed beside, and its TrainConfig fields: eager, or for blocks+graphs the
-    default graphs uncompiled (what compiling the image blocks adds to them)."""
+    """The row a compiled configuration is timed beside, and its TrainConfig fields: eager, or for a graphed scope the
+    same graphs uncompiled (what compiling the image blocks adds to them): for blocks+graphs the default graphs (the
+    blocks and the packed text layers), for blocks+all-graphs every graph."""
+    if scope == "blocks+all-graphs":
+        return GRAPHED_ALL.format(v=variant), dict(ALL_GRAPHS)
     if _graphed(scope):
-        # the default graphs (the blocks and the packed text layers), as the compiled blocks+graphs have them:
-        # what compiling the image blocks adds
         return GRAPHED_TEXT.format(v=variant), {"cuda_graphs": "on", "cuda_graphs_text": "on"}
     return f"{variant} eager", {"cuda_graphs": "off"}
 
@@ -594,9 +622,7 @@ def compiled_configuration_rows(cfg: dict, work: str, shards: str, variant: str,
     graphs = {n: t.block_graphs for n, (t, _) in trainers.items()} if _graphed(scope) else {}
     rows = _run_loop(cfg, trainers, cfg["loop"]["compiled_steps"])  # beside its twin: fewer blocks do
     for row in (r for r in rows if r["name"] in graphs):  # what both graphed trainers captured, or why not
-        g = graphs[row["name"]]
-        row.update(graphs_captured=len(g) if g is not None else None,
-                   graphs_failed=g.failed if g is not None else "no graphs: not a CUDA device")
+        row.update(graphs_captured_fields(graphs[row["name"]]))
     return rows
 
 
@@ -629,17 +655,29 @@ def _log_first_steps(trainer, name: str, steps: int) -> None:
     trainer.train_step = logged
 
 
+def compiled_order(scopes) -> list[tuple[str, str]]:
+    """COMPILED_ORDER's configurations whose scope is one of ``scopes`` (all of them where it is empty), in its
+    order; an unknown scope is refused, naming the known ones."""
+    unknown = sorted(set(scopes) - set(COMPILE_SETTINGS))
+    if unknown:
+        raise ValueError(f"--compiled {','.join(unknown)}: no such compile scope (scopes: "
+                         f"{', '.join(COMPILE_SETTINGS)})")
+    return [(v, scope) for v, scope in COMPILED_ORDER if not scopes or scope in scopes]
+
+
 def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_after: float,
                           publish=lambda partial: None) -> dict:
-    """A, D, E with TrainConfig.compile in COMPILED_ORDER's scopes, each configuration timed interleaved with its
-    twin (``_compiled_twin``), one at a time while the budget allows; ``publish(partial)`` gets the section after
-    each, so a run cut short (a compilation slower than its COMPILE_ESTIMATE_S) keeps what it finished."""
+    """A, D, E with TrainConfig.compile in COMPILED_ORDER's scopes (those of ``cfg["compiled_scopes"]`` alone, where
+    it names some), each configuration timed interleaved with its twin (``_compiled_twin``), one at a time while the
+    budget allows; ``publish(partial)`` gets the section after each, so a run cut short (a compilation slower than
+    its COMPILE_ESTIMATE_S) keeps what it finished."""
     rows, done, failed = [], [], []
+    order = compiled_order(cfg.get("compiled_scopes") or ())
 
     def summary(note_left: str) -> dict:
         by = {r["name"]: r for r in rows}
         tried = {f["name"] for f in failed}
-        left_out = [_compiled_name(v, scope) for v, scope in COMPILED_ORDER
+        left_out = [_compiled_name(v, scope) for v, scope in order
                     if (v, scope) not in done and _compiled_name(v, scope) not in tried]
         ratios = {}
         for scope in COMPILE_ESTIMATE_S:
@@ -653,7 +691,8 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
                 "by_scope": {k: v for k, v in ratios.items() if v["compiled_over_twin_img_per_s"]},
                 "description": _loop_description(cfg),
                 "note": "each compiled configuration timed interleaved with its twin (eager; for blocks+graphs the "
-                        "default graphs, blocks and text layers, uncompiled), one at a time; "
+                        "default graphs, blocks and text layers, uncompiled; for blocks+all-graphs every graph "
+                        "uncompiled), one at a time; "
                         "warmup_s holds the compilation"
                         + (f"; {note_left}: {', '.join(left_out)}" if left_out else "")}
 
@@ -664,7 +703,7 @@ def section_loop_compiled(cfg: dict, work: Path, budget, shards: str, reserve_af
                 "note": f"not measured: torch.compile of a two-layer MLP did not finish within {SMOKE_LIMIT_S} s in a "
                         "child process, with inductor's defaults nor with one compile thread (smoke)"}
     env = dict(smoke["env"]) if cuda else {}
-    for v, scope in COMPILED_ORDER:
+    for v, scope in order:
         if budget.left() - reserve_after < COMPILE_ESTIMATE_S[scope]:
             continue  # a cheaper configuration further down may still fit
         if cuda:  # in a child process, killed at its limit (child_deadline)
@@ -927,13 +966,15 @@ def reserve_after(cfg: dict, name: str, skip_sections=()) -> float:
 
 
 def run_suite(tiny: bool, device: str, budget_s: float, work: Path, log=print, compile_: bool = True,
-              skip_sections: tuple[str, ...] = (), on_section=None) -> dict:
+              skip_sections: tuple[str, ...] = (), on_section=None, compiled_scopes: tuple[str, ...] = ()) -> dict:
     """Every section in order within the budget. ``on_section(result)`` runs after each section with the
-    result so far (targets included), so a run cut short still leaves what it measured."""
+    result so far (targets included), so a run cut short still leaves what it measured. ``compiled_scopes``: the
+    compiled loop's scopes to time (``compiled_order``; empty: every one)."""
     import torch
 
     cfg = settings(tiny, device)
     cfg["compile"] = cfg["compile"] and compile_
+    cfg["compiled_scopes"] = list(compiled_scopes)
     cfg["compiled_inference"] = cfg["compile"] and "inference_compiled" not in skip_sections
     cfg["loop_comparisons"] = "loop_comparisons" not in skip_sections
     if not cfg["loop_comparisons"]:  # A-E alone: 5 of the loop's 8 configurations
@@ -1182,13 +1223,7 @@ def markdown(result: dict) -> str:
         md += [f"- graphed vs eager tower, {v}: " + (a["error"] if "error" in a else
                f"output {a['max_rel_diff_output']:.1e}, gradients {a['max_rel_diff_grad']:.1e} (largest relative "
                f"difference; {a['graphs_captured']} graph(s))") for v, a in lg["agreement"].items()]
-        md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
-               + (f" ({r['text_graphs_captured']} of the text tower)" if r.get("text_graphs_captured") else "")
-               + (f" ({r['heads_graphs_captured']} of the heads)" if r.get("heads_graphs_captured") else "")
-               + (f" ({r['losses_graphs_captured']} of the loss terms)" if r.get("losses_graphs_captured") else "")
-               + (f", their memory pool {r['graph_pool_mb']:.0f} MB (in its peak MB)" if r.get("graph_pool_mb") else "")
-               + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
-               for r in lg["rows"] if "graphs_captured" in r] + [""]
+        md += [f"- {captured_text(r)}" for r in lg["rows"] if "graphs_captured" in r] + [""]
     if "peer" in s:
         pe = s["peer"]
         md += ["## 4. Peer: open_clip's own CLIP step on the same device", "", pe["description"] + ".", "",
@@ -1202,9 +1237,7 @@ def markdown(result: dict) -> str:
             md += [f"- compiled {scope} / {'graphed' if _graphed(scope) else 'eager'} img/s: " + ", ".join(
                 f"{k} {_fmt(v)}x" for k, v in r["compiled_over_twin_img_per_s"].items()) for scope, r in
                 lc["by_scope"].items()]
-            md += [f"- **{r['name']}**: {r['graphs_captured']} graph(s) captured"
-                   + (f"; capture failed or off: {r['graphs_failed']}" if r.get("graphs_failed") else "")
-                   for r in lc["rows"] if "graphs_captured" in r] + [""]
+            md += [f"- {captured_text(r)}" for r in lc["rows"] if "graphs_captured" in r] + [""]
         md += [f"- **{f['name']}** not measured: {f['error']}"
                + (f" (with {_env_text(f['env'])})" if f.get("env") else "")
                + (f"; {_processes_text(f['processes'])}" if f.get("processes") else "") for f in lc.get("failed", [])]
@@ -1252,6 +1285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled loop and peer steps")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out "
                                                     f"({', '.join(SECTIONS + SKIPPABLE_PARTS)})")
+    parser.add_argument("--compiled", default="", help="comma-separated compile scopes the compiled loop times, in "
+                                                        f"its order (default: all; {', '.join(COMPILE_SETTINGS)})")
     args = parser.parse_args(argv)
 
     import torch
@@ -1273,11 +1308,18 @@ def main(argv=None) -> int:
         print(f"gpu_suite: --skip {','.join(unknown)}: no such section (sections: {', '.join(SECTIONS)}; parts: "
               f"{', '.join(SKIPPABLE_PARTS)})", file=sys.stderr)
         return 2
+    compiled_scopes = tuple(x for x in args.compiled.split(",") if x)
+    try:
+        compiled_order(compiled_scopes)
+    except ValueError as exc:
+        print(f"gpu_suite: {exc}", file=sys.stderr)
+        return 2
     budget = args.budget or (120.0 if args.tiny else 480.0)
     out_dir = Path(args.out_dir)
     with tempfile.TemporaryDirectory(prefix="gpu-suite-") as tmp:
         result = run_suite(args.tiny, device, budget, Path(tmp), log=lambda m: print(m, file=sys.stderr, flush=True),
                            compile_=not args.no_compile, skip_sections=skip_sections,
+                           compiled_scopes=compiled_scopes,
                            on_section=lambda partial: write_results(partial, out_dir))
     json_path, md_path = write_results(result, out_dir)
     print(markdown(result))

@@ -16,11 +16,15 @@
 #   MODE=suite  bash scripts/device_lease.sh   # benchmarks/gpu_suite.py --device cuda --budget SUITE_S (default
 #                                              # 380), after the pair similarity and text attention benchmarks and
 #                                              # the compiled blocks' graphs checked against them ungraphed
-#   MODE=heads  bash scripts/device_lease.sh   # the suite's loop_graphs section alone (~2-3 min on an H200): the
+#   MODE=heads  bash scripts/device_lease.sh   # the suite's loop_graphs section (~2-3 min on an H200): the
 #                                              # heads on the patch grid and the global loss terms graphed
 #                                              # (--cuda-graphs-heads, --cuda-graphs-losses) beside the blocks' and
-#                                              # text layers' graphs and eager, and their checks on the card; its
-#                                              # JSON and MD come back as heads-<device>.json/.md; then A and E
+#                                              # text layers' graphs and eager, and their checks on the card; then
+#                                              # its loop_compiled section for the scopes COMPILED names (default
+#                                              # blocks+all-graphs: A, D, E with the image blocks compiled under
+#                                              # every graph, beside every graph uncompiled, ~50 s each as the
+#                                              # budget allows; COMPILED="" leaves it out); its JSON and MD come
+#                                              # back as heads-<device>.json/.md; then A and E
 #                                              # each without one part of the step, and with the token-region term
 #                                              # in groups of 64 (train_step.py --parts --with, ~80 s):
 #                                              # heads-parts.json
@@ -42,7 +46,7 @@
 # and evaluated so far, for the next lease: below) and, once it has finished,
 # results.json, table.md, metric_vs_samples.png and the reinforced arm's heatmaps.png beside it, or, cut short, the
 # finished runs' partial-results.json and partial-table.md (`train experiment efficiency --partial`); for the
-# suite, its JSON and Markdown.
+# suite, its JSON and Markdown. A heads call: timeout_s about 180 s above SUITE_S (default 400; 240 with COMPILED="").
 #   env: RECIPE (default configs/experiments/gpu-efficiency.yaml; its CPU twin rehearses this script on any machine:
 #        RECIPE=configs/experiments/gpu-efficiency-twin.yaml OUT=/tmp/lease-out bash scripts/device_lease.sh),
 #        COPIES (default 2), RECIPE_S, SUITE_S, SUITE_ARGS, SUITE_PREFIX (default 1; 0: the suite alone, without
@@ -264,9 +268,13 @@ case "$MODE" in
     ;;
   heads)
     rm -rf /tmp/heads-out
-    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" --budget "${SUITE_S:-240}" \
-      --out-dir /tmp/heads-out \
-      --skip build,students,loop,peer,loop_compiled,train_step,table ${SUITE_ARGS:-}
+    # the compiled loop for COMPILED's scopes after the graphs' section (skipped in a --tiny rehearsal: no CPU compile)
+    COMPILED="${COMPILED-blocks+all-graphs}"
+    heads_skip=build,students,loop,peer,train_step,table
+    [ -n "$COMPILED" ] && compiled_args=(--compiled "$COMPILED") || { compiled_args=(); heads_skip="$heads_skip,loop_compiled"; }
+    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" \
+      --budget "${SUITE_S:-$([ -n "$COMPILED" ] && echo 400 || echo 240)}" --out-dir /tmp/heads-out \
+      --skip "$heads_skip" "${compiled_args[@]}" ${SUITE_ARGS:-}
     for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
     echo "[lease] heads done after $(elapsed) s"
     # then where E's kernels go: A and E with every graph (so that the host hides least of the kernels; each row's

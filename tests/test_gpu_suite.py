@@ -311,6 +311,9 @@ def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_jud
         def __len__(self):
             return 2
 
+        def captured(self, tag):
+            return 0
+
     def fake_trainers(cfg, work, shards, plan):
         plans.append([(name, compiled, *fields) for name, _, compiled, *fields in plan])
         return {name: (SimpleNamespace(block_graphs=TwoGraphs(), train_step=None), None) for name, *_ in plan}
@@ -348,6 +351,68 @@ def test_blocks_compiled_and_graphed_are_timed_beside_the_graphed_blocks_and_jud
     md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
     assert "compiled blocks+graphs / graphed img/s: A 1.25x, D 1.25x" in md
     assert "**A compiled blocks+graphs**: 2 graph(s) captured" in md
+
+
+def test_blocks_compiled_under_every_graph_are_timed_beside_every_graph_uncompiled_and_can_be_timed_alone(
+        monkeypatch, tmp_path, capsys):
+    """blocks+all-graphs: the image blocks compiled with every graph (blocks, text layers, heads, loss terms), a
+    configuration TrainConfig accepts, beside every graph uncompiled; ``--compiled SCOPE`` (cfg["compiled_scopes"])
+    times that scope's configurations alone, in COMPILED_ORDER's order, with what each trainer's graphs captured;
+    an unknown scope is refused before anything runs."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_suite
+    from cxrdr.train.config import TrainConfig
+
+    settings = gpu_suite.COMPILE_SETTINGS["blocks+all-graphs"]
+    assert settings == {"compile": True, "compile_scope": "blocks", **gpu_suite.ALL_GRAPHS}
+    assert TrainConfig(shards="s", **settings).heads_graphs() and TrainConfig(shards="s", **settings).losses_graphs()
+    assert gpu_suite._compiled_twin("E", "blocks+all-graphs") == ("E all CUDA graphs", gpu_suite.ALL_GRAPHS)
+    assert gpu_suite.compiled_order(["blocks+all-graphs"]) == [("A", "blocks+all-graphs"), ("D", "blocks+all-graphs"),
+                                                               ("E", "blocks+all-graphs")]
+    assert gpu_suite.compiled_order([]) == list(gpu_suite.COMPILED_ORDER)
+    with pytest.raises(ValueError, match=r"--compiled blocks\+everything: no such compile scope \(scopes: model, "):
+        gpu_suite.compiled_order(["blocks+everything"])
+    proc = suite_main(capsys, "--tiny", "--device", "cpu", "--out-dir", str(tmp_path), "--compiled", "blocks+everything")
+    assert proc.returncode == 2 and "no such compile scope" in proc.stderr and not list(tmp_path.iterdir())
+
+    plans = []
+
+    class Captured:  # a fake trainer's graphs: 9 in all, 3 of the text tower, 1 of the heads, 1 of the loss terms
+        failed = None
+
+        def __len__(self):
+            return 9
+
+        def captured(self, tag):
+            return {"text": 3, "heads": 1, "losses": 1}[tag]
+
+    def fake_trainers(cfg, work, shards, plan):
+        plans.append([(name, compiled, *fields) for name, _, compiled, *fields in plan])
+        return {name: (SimpleNamespace(block_graphs=Captured(), train_step=None), None) for name, *_ in plan}
+
+    def fake_run(cfg, trainers, steps=None):
+        return [{"name": n, "img_per_s": {"A": 400.0, "D": 320.0, "E": 600.0}[n[0]] * (1.5 if "compiled" in n else 1),
+                 "step_ms": 10.0} for n in trainers]
+
+    monkeypatch.setattr(gpu_suite, "_loop_trainers", fake_trainers)
+    monkeypatch.setattr(gpu_suite, "_run_loop", fake_run)
+    monkeypatch.setattr(gpu_suite, "_loop_description", lambda cfg: "fake")
+    cfg = {**gpu_suite.settings(tiny=True, device="cpu"), "compiled_scopes": ["blocks+all-graphs"]}
+    clock = SimpleNamespace(left=lambda: 1000.0)
+    section = gpu_suite.section_loop_compiled(cfg, Path("/nonexistent"), clock, "shards", reserve_after=0)
+    assert plans == [[(f"{v} all CUDA graphs", None, gpu_suite.ALL_GRAPHS), (f"{v} compiled blocks+all-graphs",
+                                                                              "blocks+all-graphs")] for v in "ADE"]
+    assert section["by_scope"]["blocks+all-graphs"]["compiled_over_twin_img_per_s"] == {"A": 1.5, "D": 1.5, "E": 1.5}
+    assert "left out" not in section["note"] and "for blocks+all-graphs every graph uncompiled" in section["note"]
+    assert all(r["graphs_captured"] == 9 and r["text_graphs_captured"] == 3 and r["heads_graphs_captured"] == 1
+               and r["losses_graphs_captured"] == 1 for r in section["rows"])
+    labels = {t["name"]: t["value"] for t in gpu_suite.evaluate_targets({"loop_compiled": section}, cfg, tiny=True)}
+    assert labels["A training, real loop, img/s [compiled blocks+all-graphs]"] == 600.0
+    assert labels["E / A train img/s, real loop, E at its target keep rate [compiled blocks+all-graphs]"] == 1.5
+    md = gpu_suite.markdown({**_minimal_result(), "sections": {"loop_compiled": section}})
+    assert "compiled blocks+all-graphs / graphed img/s: A 1.5x, D 1.5x, E 1.5x" in md
+    assert ("**E compiled blocks+all-graphs**: 9 graph(s) captured (3 of the text tower) (1 of the heads) (1 of the "
+            "loss terms)") in md
 
 
 def test_a_compiled_configuration_past_its_limit_is_recorded_and_the_section_goes_on(monkeypatch):
