@@ -32,13 +32,15 @@ from scipy.stats import t as student_t
 from cxrdr.common.yamlio import safe_load
 from cxrdr.experiments.partial_note import partial_caveat, seeds_by_arm
 from cxrdr.experiments.recipe_file import load_recipe
-from cxrdr.experiments.stats import gap_interval, t_interval, welch_half_width
+from cxrdr.experiments.stats import crossing_ratio, gap_interval, t_interval, welch_half_width
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 EFFICIENCY = RESULTS / "cpu-demo-efficiency.json"
 CONTROLS = RESULTS / "cpu-demo-controls.json"
 CONTROLS_PROBE = RESULTS / "cpu-demo-controls-lr-probe.json"
+# the controls' missing cell (stop 73): reinforced with the pretrained MiniLM text tower, paired with plain-minilm-tuned
+CONTROLS_MINILM = RESULTS / "cpu-demo-controls-reinforced-minilm.json"
 LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
@@ -524,6 +526,80 @@ def _readme_tuned(f: dict) -> str:
             f"({_gap_reading(c)})")
 
 
+def _seed_finals(res: dict, arm: str) -> dict[int, float]:
+    """seed -> final mean R of one arm of an efficiency results file."""
+    return dict(zip((r["seed"] for r in res["runs"][arm]), res["arms"][arm]["final_mean_recall"]))
+
+
+def reinforced_minilm_facts(res: dict, ctl: dict) -> dict:
+    """The reinforced arm with the pretrained text tower (cpu-demo-controls-reinforced-minilm) against the controls'
+    arms: paired seed by seed with plain-minilm-tuned (the same seeds and report set), Welch against reinforced with
+    the tiny text tower, the one crossing rule against both plain arms' finals, and the set-up's check (the teacher
+    made again from the same seeds: its own-test mean R beside the controls')."""
+    arm, ref = _seed_finals(res, "reinforced-minilm"), _seed_finals(ctl, "plain-minilm-tuned")
+    seeds = [s for s in arm if s in ref]
+    diffs = [arm[s] - ref[s] for s in seeds]
+    mean, half = t_interval(diffs)
+    curves = lambda r, name: [run["curve"] for run in r["runs"][name]]  # noqa: E731
+    own = lambda r: next(iter(r["teachers"].values()))["own_test"]["mean_recall"]  # noqa: E731
+    steps = [run["train_summary"]["mean_step_ms"] for run in res["runs"]["reinforced-minilm"]]
+    return {"arm": arm, "ref": ref, "seeds": seeds, "diffs": diffs,
+            "paired": {"gap": mean, "gap_ci": None if half is None else [mean - half, mean + half]},
+            "vs_tiny": gap_interval(list(arm.values()), ctl["arms"]["reinforced"]["final_mean_recall"]),
+            "to_tuned": crossing_ratio(curves(res, "reinforced-minilm"), curves(ctl, "plain-minilm-tuned")),
+            "to_plain": crossing_ratio(curves(res, "reinforced-minilm"), curves(ctl, "plain")),
+            "teacher_own": own(res), "teacher_own_controls": own(ctl), "lr": res["recipe"]["efficiency"]["runs"][
+                "reinforced-minilm"]["optim"]["lr"], "step_ms": sum(steps) / len(steps),
+            "tuned_step_ms": sum(r["train_summary"]["mean_step_ms"] for r in ctl["runs"]["plain-minilm-tuned"])
+            / len(ctl["runs"]["plain-minilm-tuned"])}
+
+
+def _gap_text(gap: dict, how: str) -> str:
+    """A difference's interval and what it shows, or that one seed gives none."""
+    if not gap.get("gap_ci"):
+        return "(one seed: no interval)"
+    return f"{_bounds(gap['gap_ci'])} ({how}; {_gap_reading(gap)})"
+
+
+def controls_reinforced_minilm(res: dict, ctl: dict) -> list[str]:
+    """docs/experiments.md's paragraph on the controls' missing cell: distillation on top of a pretrained text tower."""
+    f = reinforced_minilm_facts(res, ctl)
+    per_seed = ", ".join(f"{s}: {f['arm'][s]:.3f} vs {f['ref'][s]:.3f}" for s in f["seeds"])
+    paired_how = f"t over {len(f['seeds'])} seeds"
+    same = ("the same teacher" if abs(f["teacher_own"] - f["teacher_own_controls"]) < 1e-9
+            else "**not the same teacher**: the pairing below is not exact")
+    return [
+        f"**Distillation on top of the pretrained text tower** (stop 73; `train experiment efficiency --config "
+        f"configs/experiments/cpu-demo-controls-reinforced-minilm.yaml`, [results](results/"
+        f"{CONTROLS_MINILM.name})). No arm above had both the stored teacher and the pretrained text tower, which is "
+        f"how the GPU recipe's students train. reinforced-minilm is the reinforced arm with the students' text tower "
+        f"started from the pretrained MiniLM, at plain-minilm-tuned's val-chosen lr {f['lr']:g} (not re-probed for "
+        f"this arm: an lr tuned for the plain arm, not for this one), on plain-minilm-tuned's seeds "
+        f"{f['seeds'][0]}–{f['seeds'][-1]} and the same report set; its set-up was made again from the same seeds "
+        f"(the teacher's own-test mean R {f['teacher_own']:.4f} against the controls' "
+        f"{f['teacher_own_controls']:.4f}: {same}). It ends at {_ci(list(f['arm'].values()))}; seed by seed "
+        f"against plain-minilm-tuned ({per_seed}) the paired difference is {_signed(f['paired']['gap'])} "
+        f"{_gap_text(f['paired'], paired_how)}; "
+        f"against reinforced with the tiny text tower ({f['vs_tiny']['n_ref']} seeds) "
+        f"{_signed(f['vs_tiny']['gap'])} {_gap_text(f['vs_tiny'], 'Welch')}. "
+        f"By the one crossing rule it reaches plain-minilm-tuned's final at {_ratio_cell(f['to_tuned'])} of "
+        f"plain-minilm-tuned's samples"
+        + ("" if f["to_tuned"]["ratio"] else " (its seed-mean curve never reaches it)")
+        + f", and plain's final at {_ratio_cell(f['to_plain'])} of plain's. Its runs' mean step "
+        f"{f['step_ms']:.0f} ms (two runs side by side on the 2-core box; plain-minilm-tuned's {f['tuned_step_ms']:.0f} "
+        f"ms)."]
+
+
+def _readme_minilm(ctl: dict) -> str:
+    """The README's clause on reinforced-minilm, once its results are committed ('' before)."""
+    if not CONTROLS_MINILM.is_file():
+        return ""
+    f = reinforced_minilm_facts(_load(CONTROLS_MINILM), ctl)
+    return (f"; reinforced with the pretrained text tower too ends at {_ci(list(f['arm'].values()))} "
+            f"({len(f['seeds'])} seeds), {_signed(f['paired']['gap'])} "
+            f"{_gap_text(f['paired'], 'against plain-minilm-tuned seed by seed')}")
+
+
 def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
     """The README's one line on the controls (replacing the efficiency figure's 'not controlled yet');
     ``root`` / ``docs``: the paths from the page to the checkout's root and to docs/."""
@@ -537,7 +613,8 @@ def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
             f"{fin['plain-minilm']['mean_recall']:.3f} ({len(minilm['seeds'])} seeds, {len(collapsed)} at chance; "
             f"lr not re-tuned), plain {fin['plain']['mean_recall']:.3f} ({len(f['arms']['plain']['seeds'])} "
             f"seeds), reinforced {fin['reinforced']['mean_recall']:.3f}: reinforced − plain-minilm "
-            f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} ({_gap_reading(c)}){_readme_tuned(f)}; reinforced reaches plain's final "
+            f"{_signed(c['gap'])} {_bounds(c['gap_ci'])} ({_gap_reading(c)}){_readme_tuned(f)}{_readme_minilm(res)}; "
+            f"reinforced reaches plain's final "
             f"at {_ratio_cell(rein['crossings'][0])} of plain's samples, 95 % of it at "
             f"{_ratio_cell(rein['crossings'][1])}; the teacher's compute is "
             f"{f['cost']['teacher_compute_s']:.0f} s, {f['cost']['teacher_compute_s'] / f['plain_run_s']:.1f} "
@@ -1244,6 +1321,7 @@ BLOCKS = {
     "limitations-controls": lambda: ["  " + readme_controls(_load(CONTROLS), root="../", docs="")],
     "limitations-ladder": lambda: limitations_ladder(_load(LADDER)),
     "controls-reading": lambda: controls_reading(_load(CONTROLS)),
+    "controls-reinforced-minilm": lambda: controls_reinforced_minilm(_load(CONTROLS_MINILM), _load(CONTROLS)),
     "readme-efficiency": lambda: readme_efficiency(_load(EFFICIENCY)),
     "ladder": lambda: ladder(_load(LADDER)),
     "ladder-margins": lambda: ladder_margins(_load(LADDER)),

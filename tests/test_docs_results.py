@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -227,3 +228,33 @@ def test_partial_results_of_the_recipe_as_it_stands_come_before_whole_results_of
     monkeypatch.setattr(headline, "GPU_EFFICIENCY_PARTIAL", tmp_path / "older-partial.json")  # (read once a path)
     text = "\n".join(headline.gpu_efficiency())
     assert "Partial results" not in text and text.startswith("*Run at an earlier version of the recipe:*")
+
+
+def _efficiency_results(arms: dict[str, dict[int, float]], teacher_own: float, lr: float = 0.001) -> dict:
+    """A minimal efficiency results file: per arm its seeds' finals, a two-point curve ending there, a step time."""
+    runs = {name: [{"seed": s, "train_summary": {"mean_step_ms": 100.0},
+                    "curve": [{"samples_seen": 320, "mean_recall": v / 2}, {"samples_seen": 640, "mean_recall": v}]}
+                   for s, v in seeds.items()] for name, seeds in arms.items()}
+    return {"runs": runs, "arms": {name: {"final_mean_recall": list(seeds.values())} for name, seeds in arms.items()},
+            "teachers": {"t": {"own_test": {"mean_recall": teacher_own}}},
+            "recipe": {"efficiency": {"runs": {name: {"optim": {"lr": lr}} for name in arms}}}}
+
+
+def test_reinforced_minilm_is_paired_with_plain_minilm_tuned_seed_by_seed_and_checks_its_teacher(headline):
+    """The controls' missing cell: each seed against the same seed of plain-minilm-tuned (whatever the runs' order),
+    a t-interval over the paired differences, and a teacher made again that differs is said not to be the same."""
+    ctl = _efficiency_results({"plain-minilm-tuned": {20: 0.40, 21: 0.38, 22: 0.39},
+                               "reinforced": {20: 0.30, 21: 0.31, 22: 0.32, 23: 0.33, 24: 0.34},
+                               "plain": {20: 0.20, 21: 0.22}}, teacher_own=0.5)
+    res = _efficiency_results({"reinforced-minilm": {22: 0.40, 20: 0.42, 21: 0.39}}, teacher_own=0.5)
+    f = headline.reinforced_minilm_facts(res, ctl)
+    assert f["seeds"] == [22, 20, 21] and f["diffs"] == pytest.approx([0.01, 0.02, 0.01])
+    sd = float(np.std([0.01, 0.02, 0.01], ddof=1))  # the paired differences' sd; t(2) = 4.3027
+    assert f["paired"]["gap"] == pytest.approx(0.04 / 3)
+    assert f["paired"]["gap_ci"] == pytest.approx([0.04 / 3 - 4.302652729911275 * sd / 3 ** 0.5,
+                                                   0.04 / 3 + 4.302652729911275 * sd / 3 ** 0.5])
+    assert f["vs_tiny"]["n_ref"] == 5
+    text = headline.controls_reinforced_minilm(res, ctl)[0]
+    assert "the same teacher" in text and "22: 0.400 vs 0.390" in text and "seeds 20–21" not in text
+    other = headline.controls_reinforced_minilm(_efficiency_results({"reinforced-minilm": {20: 0.4}}, 0.6), ctl)[0]
+    assert "**not the same teacher**" in other and "(one seed: no interval)" in other
