@@ -531,27 +531,38 @@ def _seed_finals(res: dict, arm: str) -> dict[int, float]:
     return dict(zip((r["seed"] for r in res["runs"][arm]), res["arms"][arm]["final_mean_recall"]))
 
 
+def _seed_mean_at(res: dict, arm: str, samples: int) -> float | None:
+    """An arm's seed-mean curve value at an evaluation point (None where a seed has no evaluation there)."""
+    values = [next((p["mean_recall"] for p in run["curve"] if p["samples_seen"] == samples), None)
+              for run in res["runs"][arm]]
+    return None if None in values else sum(values) / len(values)
+
+
 def reinforced_minilm_facts(res: dict, ctl: dict) -> dict:
-    """The reinforced arm with the pretrained text tower (cpu-demo-controls-reinforced-minilm) against the controls'
-    arms: paired seed by seed with plain-minilm-tuned (the same seeds and report set), Welch against reinforced with
-    the tiny text tower, the one crossing rule against both plain arms' finals, and the set-up's check (the teacher
-    made again from the same seeds: its own-test mean R beside the controls')."""
-    arm, ref = _seed_finals(res, "reinforced-minilm"), _seed_finals(ctl, "plain-minilm-tuned")
+    """The reinforced arm with the pretrained text tower against plain-minilm-tuned trained again beside it
+    (cpu-demo-controls-reinforced-minilm): paired seed by seed (the same seeds, shards and report set), the one
+    crossing rule of its results' comparison, and beside them the controls' own plain-minilm-tuned and the set-up's
+    check (the teacher made again from the same seeds: its own-test mean R beside the controls')."""
+    arm, ref = _seed_finals(res, "reinforced-minilm"), _seed_finals(res, "plain-minilm-tuned")
+    budget = max(point["samples_seen"] for run in res["runs"]["plain-minilm-tuned"] for point in run["curve"])
     seeds = [s for s in arm if s in ref]
     diffs = [arm[s] - ref[s] for s in seeds]
     mean, half = t_interval(diffs)
-    curves = lambda r, name: [run["curve"] for run in r["runs"][name]]  # noqa: E731
     own = lambda r: next(iter(r["teachers"].values()))["own_test"]["mean_recall"]  # noqa: E731
-    steps = [run["train_summary"]["mean_step_ms"] for run in res["runs"]["reinforced-minilm"]]
+    step = lambda name: sum(r["train_summary"]["mean_step_ms"] for r in res["runs"][name]) / len(res["runs"][name])  # noqa: E731
+    comparison = next((c for c in res.get("comparisons") or []
+                       if (c["arm"], c["against"]) == ("reinforced-minilm", "plain-minilm-tuned")), None)
     return {"arm": arm, "ref": ref, "seeds": seeds, "diffs": diffs,
             "paired": {"gap": mean, "gap_ci": None if half is None else [mean - half, mean + half]},
-            "vs_tiny": gap_interval(list(arm.values()), ctl["arms"]["reinforced"]["final_mean_recall"]),
-            "to_tuned": crossing_ratio(curves(res, "reinforced-minilm"), curves(ctl, "plain-minilm-tuned")),
-            "to_plain": crossing_ratio(curves(res, "reinforced-minilm"), curves(ctl, "plain")),
-            "teacher_own": own(res), "teacher_own_controls": own(ctl), "lr": res["recipe"]["efficiency"]["runs"][
-                "reinforced-minilm"]["optim"]["lr"], "step_ms": sum(steps) / len(steps),
-            "tuned_step_ms": sum(r["train_summary"]["mean_step_ms"] for r in ctl["runs"]["plain-minilm-tuned"])
-            / len(ctl["runs"]["plain-minilm-tuned"])}
+            "crossings": (comparison or {}).get("crossings") or [],
+            "welch": {k: (comparison or {}).get(k) for k in ("gap", "gap_ci")},
+            "controls_tuned": ctl["arms"]["plain-minilm-tuned"]["final_mean_recall"],
+            "teacher_own": own(res), "teacher_own_controls": own(ctl), "controls_commit": next(iter(
+                ctl["teachers"].values()))["code"]["commit"][:7],
+            "lr": res["recipe"]["efficiency"]["runs"]["reinforced-minilm"]["optim"]["lr"],
+            "step_ms": step("reinforced-minilm"), "tuned_step_ms": step("plain-minilm-tuned"),
+            "early": {x: {name: _seed_mean_at(res, name, x) for name in ("reinforced-minilm", "plain-minilm-tuned")}
+                      for x in (budget // 4, budget // 2)}}
 
 
 def _gap_text(gap: dict, how: str) -> str:
@@ -565,29 +576,43 @@ def controls_reinforced_minilm(res: dict, ctl: dict) -> list[str]:
     """docs/experiments.md's paragraph on the controls' missing cell: distillation on top of a pretrained text tower."""
     f = reinforced_minilm_facts(res, ctl)
     per_seed = ", ".join(f"{s}: {f['arm'][s]:.3f} vs {f['ref'][s]:.3f}" for s in f["seeds"])
-    paired_how = f"t over {len(f['seeds'])} seeds"
-    same = ("the same teacher" if abs(f["teacher_own"] - f["teacher_own_controls"]) < 1e-9
-            else "**not the same teacher**: the pairing below is not exact")
+    paired = _gap_text(f["paired"], f"t over {len(f['seeds'])} seeds")
+    same = ("the same teacher" if abs(f["teacher_own"] - f["teacher_own_controls"]) < 1e-9 else
+            f"another teacher than the controls' (code {f['controls_commit']}), so plain-minilm-tuned was trained "
+            "again beside it rather than read from the controls")
+    below = sum(d < 0 for d in f["diffs"])
+    early = ""  # the curves early on, where each arm has an evaluation at a quarter and half of the budget
+    if all(None not in v.values() for v in f["early"].values()):
+        quarter = next(iter(f["early"].values()))
+        shape = (("leads" if quarter["reinforced-minilm"] > quarter["plain-minilm-tuned"] else "trails")
+                 + " at a quarter of the budget and ends " + ("lower" if f["paired"]["gap"] < 0 else "higher")
+                 + " on every seed" * (below in (0, len(f["seeds"]))))
+        early = (" Read from the curves after seeing them (not a comparison set beforehand), the seed means at "
+                 + "; ".join(f"{x:,} samples: reinforced-minilm {_num(v['reinforced-minilm'])}, plain-minilm-tuned "
+                             f"{_num(v['plain-minilm-tuned'])}" for x, v in f["early"].items())
+                 + f": the distilled student {shape}.")
+    reach = ("its crossing of plain-minilm-tuned's final: not computed" if not f["crossings"] else
+             "reinforced-minilm's samples to reach " + ", ".join(
+                 f"{round(100 * c.get('fraction', 1.0))} %" for c in f["crossings"])
+             + " of plain-minilm-tuned's final, over plain-minilm-tuned's own: " + ", ".join(
+                 _ratio_cell(c) + ("" if c.get("ratio") else " (never)") for c in f["crossings"]))
+    welch = ("" if not f["welch"].get("gap_ci") else
+             f" (the experiment's own table, Welch over the two arms' seeds: {_signed(f['welch']['gap'])} "
+             f"{_bounds(f['welch']['gap_ci'])})")
     return [
         f"**Distillation on top of the pretrained text tower** (stop 73; `train experiment efficiency --config "
-        f"configs/experiments/cpu-demo-controls-reinforced-minilm.yaml`, [results](results/"
-        f"{CONTROLS_MINILM.name})). No arm above had both the stored teacher and the pretrained text tower, which is "
-        f"how the GPU recipe's students train. reinforced-minilm is the reinforced arm with the students' text tower "
-        f"started from the pretrained MiniLM, at plain-minilm-tuned's val-chosen lr {f['lr']:g} (not re-probed for "
-        f"this arm: an lr tuned for the plain arm, not for this one), on plain-minilm-tuned's seeds "
-        f"{f['seeds'][0]}–{f['seeds'][-1]} and the same report set; its set-up was made again from the same seeds "
-        f"(the teacher's own-test mean R {f['teacher_own']:.4f} against the controls' "
-        f"{f['teacher_own_controls']:.4f}: {same}). It ends at {_ci(list(f['arm'].values()))}; seed by seed "
-        f"against plain-minilm-tuned ({per_seed}) the paired difference is {_signed(f['paired']['gap'])} "
-        f"{_gap_text(f['paired'], paired_how)}; "
-        f"against reinforced with the tiny text tower ({f['vs_tiny']['n_ref']} seeds) "
-        f"{_signed(f['vs_tiny']['gap'])} {_gap_text(f['vs_tiny'], 'Welch')}. "
-        f"By the one crossing rule it reaches plain-minilm-tuned's final at {_ratio_cell(f['to_tuned'])} of "
-        f"plain-minilm-tuned's samples"
-        + ("" if f["to_tuned"]["ratio"] else " (its seed-mean curve never reaches it)")
-        + f", and plain's final at {_ratio_cell(f['to_plain'])} of plain's. Its runs' mean step "
-        f"{f['step_ms']:.0f} ms (two runs side by side on the 2-core box; plain-minilm-tuned's {f['tuned_step_ms']:.0f} "
-        f"ms)."]
+        f"configs/experiments/cpu-demo-controls-reinforced-minilm.yaml`, [results](results/{CONTROLS_MINILM.name})). "
+        f"No arm above had both the stored teacher and the pretrained text tower, which is how the GPU recipe's "
+        f"students train. reinforced-minilm is the reinforced arm with the students' text tower started from the "
+        f"pretrained MiniLM, at plain-minilm-tuned's val-chosen lr {f['lr']:g} (not re-probed for this arm: an lr "
+        f"tuned for the plain arm, not for this one); plain-minilm-tuned is trained beside it on the same seeds "
+        f"{f['seeds'][0]}–{f['seeds'][-1]}, shards and report set. The set-up made again from the controls' seeds "
+        f"with this code gave {same} (the teacher's own-test mean R {f['teacher_own']:.3f} against the controls' "
+        f"{f['teacher_own_controls']:.3f}). reinforced-minilm ends at {_ci(list(f['arm'].values()))}, "
+        f"plain-minilm-tuned at {_ci(list(f['ref'].values()))} (the controls' run of it: {_ci(f['controls_tuned'])}); "
+        f"seed by seed ({per_seed}: {below} of {len(f['seeds'])} below) the paired difference is "
+        f"{_signed(f['paired']['gap'])} {paired}{welch}. By the one crossing rule, {reach}.{early} The runs' mean "
+        f"steps, two side by side on the 2-core box: {f['step_ms']:.0f} ms and {f['tuned_step_ms']:.0f} ms."]
 
 
 def _readme_minilm(ctl: dict) -> str:
@@ -595,9 +620,9 @@ def _readme_minilm(ctl: dict) -> str:
     if not CONTROLS_MINILM.is_file():
         return ""
     f = reinforced_minilm_facts(_load(CONTROLS_MINILM), ctl)
-    return (f"; reinforced with the pretrained text tower too ends at {_ci(list(f['arm'].values()))} "
-            f"({len(f['seeds'])} seeds), {_signed(f['paired']['gap'])} "
-            f"{_gap_text(f['paired'], 'against plain-minilm-tuned seed by seed')}")
+    return (f"; with the pretrained text tower too, reinforced − plain-minilm-tuned (both trained again, seeds "
+            f"{f['seeds'][0]}–{f['seeds'][-1]}) is {_signed(f['paired']['gap'])} "
+            f"{_gap_text(f['paired'], 'paired by seed')}")
 
 
 def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
