@@ -93,13 +93,13 @@ FORMER_HEADS_D, FORMER_HEADS_E = "D former heads", "E former heads"
 COMPILED_ORDER = (("A", "blocks+graphs"), ("D", "blocks+graphs"), ("E", "blocks+graphs"),
                   ("A", "blocks+all-graphs"), ("D", "blocks+all-graphs"), ("E", "blocks+all-graphs"), ("A", "model"),
                   ("E", "model"), ("D", "model"), ("D", "blocks"), ("A", "blocks"), ("E", "blocks"))
+# every CUDA graph the loop has: the blocks, the text layers, the heads on the patch grid, the global loss terms
+ALL_GRAPHS = {"cuda_graphs": "on", "cuda_graphs_text": "on", "cuda_graphs_heads": "on", "cuda_graphs_losses": "on"}
 # the TrainConfig fields of each compile scope of COMPILED_ORDER
 COMPILE_SETTINGS = {"model": {"compile": True, "compile_scope": "model"},
                     "blocks": {"compile": True, "compile_scope": "blocks"},
                     "blocks+graphs": {"compile": True, "compile_scope": "blocks", "cuda_graphs": "on"},
-                    "blocks+all-graphs": {"compile": True, "compile_scope": "blocks", "cuda_graphs": "on",
-                                          "cuda_graphs_text": "on", "cuda_graphs_heads": "on",
-                                          "cuda_graphs_losses": "on"}}
+                    "blocks+all-graphs": {"compile": True, "compile_scope": "blocks", **ALL_GRAPHS}}
 # Seconds one compiled loop configuration is assumed to add (inductor's compilation of forward and backward + its
 # timed steps, beside its eager twin), from the H100 at 0ef6026 (benchmarks/results/nvidia-h100-80gb-hbm3-0ef6026.json):
 # the section took 190 s for D, A, E by blocks (warm-ups 12.9 s for D, ~3 s for A and E, whose blocks reuse D's
@@ -133,7 +133,6 @@ GRAPHED = "{v} CUDA graphs"  # the loop_graphs section's rows: TrainConfig.cuda_
 GRAPHED_TEXT = "{v} CUDA graphs + text"  # and with TrainConfig.cuda_graphs_text (the packed text tower's layers too)
 GRAPHED_HEADS = "{v} CUDA graphs + text + heads"  # and TrainConfig.cuda_graphs_heads (the heads on the patch grid; B-E)
 GRAPHED_ALL = "{v} all CUDA graphs"  # and TrainConfig.cuda_graphs_losses (the global loss terms) too
-ALL_GRAPHS = {"cuda_graphs": "on", "cuda_graphs_text": "on", "cuda_graphs_heads": "on", "cuda_graphs_losses": "on"}
 # parts of a section --skip may also leave out: the students' compiled inference took ~160 s of the H100's 200 s
 # students section at 48c40d0, time a 15-minute lease may want for the compiled loop; the loop's comparisons (A with
 # padded texts, D and E with the former heads: 3 of its 8 configurations, ~35 s) answered the same on three leases

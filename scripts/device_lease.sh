@@ -271,10 +271,13 @@ case "$MODE" in
     # the compiled loop for COMPILED's scopes after the graphs' section (skipped in a --tiny rehearsal: no CPU compile)
     COMPILED="${COMPILED-blocks+all-graphs}"
     heads_skip=build,students,loop,peer,train_step,table
-    [ -n "$COMPILED" ] && compiled_args=(--compiled "$COMPILED") || { compiled_args=(); heads_skip="$heads_skip,loop_compiled"; }
-    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" \
-      --budget "${SUITE_S:-$([ -n "$COMPILED" ] && echo 400 || echo 240)}" --out-dir /tmp/heads-out \
-      --skip "$heads_skip" "${compiled_args[@]}" ${SUITE_ARGS:-}
+    if [ -n "$COMPILED" ]; then
+      compiled_args=(--compiled "$COMPILED"); heads_budget=400
+    else
+      compiled_args=(); heads_skip="$heads_skip,loop_compiled"; heads_budget=240
+    fi
+    python3 benchmarks/gpu_suite.py --device "${HEADS_DEVICE:-cuda}" --budget "${SUITE_S:-$heads_budget}" \
+      --out-dir /tmp/heads-out --skip "$heads_skip" "${compiled_args[@]}" ${SUITE_ARGS:-}
     for f in /tmp/heads-out/*.json /tmp/heads-out/*.md; do cp "$f" "$OUT/heads-$(basename "$f")"; done
     echo "[lease] heads done after $(elapsed) s"
     # then where E's kernels go: A and E with every graph (so that the host hides least of the kernels; each row's

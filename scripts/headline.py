@@ -32,7 +32,7 @@ from scipy.stats import t as student_t
 from cxrdr.common.yamlio import safe_load
 from cxrdr.experiments.partial_note import partial_caveat, seeds_by_arm
 from cxrdr.experiments.recipe_file import load_recipe
-from cxrdr.experiments.stats import crossing_ratio, gap_interval, t_interval, welch_half_width
+from cxrdr.experiments.stats import gap_interval, t_interval, welch_half_width
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
