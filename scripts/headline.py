@@ -41,6 +41,8 @@ CONTROLS = RESULTS / "cpu-demo-controls.json"
 CONTROLS_PROBE = RESULTS / "cpu-demo-controls-lr-probe.json"
 # the controls' missing cell (stop 73): reinforced with the pretrained MiniLM text tower, paired with plain-minilm-tuned
 CONTROLS_MINILM = RESULTS / "cpu-demo-controls-reinforced-minilm.json"
+DISTILL_PROBE = RESULTS / "cpu-demo-controls-distill-probe.json"
+PROBE_MARGIN = 0.010  # the probes' rule: a setting replaces the current one only if ahead by more than this
 LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
@@ -538,20 +540,24 @@ def _seed_mean_at(res: dict, arm: str, samples: int) -> float | None:
     return None if None in values else sum(values) / len(values)
 
 
-def reinforced_minilm_facts(res: dict, ctl: dict) -> dict:
+def reinforced_minilm_facts(res: dict, ctl: dict, name: str = "reinforced-minilm") -> dict:
     """The reinforced arm with the pretrained text tower against plain-minilm-tuned trained again beside it
     (cpu-demo-controls-reinforced-minilm): paired seed by seed (the same seeds, shards and report set), the one
     crossing rule of its results' comparison, and beside them the controls' own plain-minilm-tuned and the set-up's
-    check (the teacher made again from the same seeds: its own-test mean R beside the controls')."""
-    arm, ref = _seed_finals(res, "reinforced-minilm"), _seed_finals(res, "plain-minilm-tuned")
+    check (the teacher made again from the same seeds: its own-test mean R beside the controls'). ``name``: the
+    distilled arm (another distillation setting of the same recipe, e.g. the val probe's choice)."""
+    arm, ref = _seed_finals(res, name), _seed_finals(res, "plain-minilm-tuned")
     budget = max(point["samples_seen"] for run in res["runs"]["plain-minilm-tuned"] for point in run["curve"])
     seeds = [s for s in arm if s in ref]
     diffs = [arm[s] - ref[s] for s in seeds]
     mean, half = t_interval(diffs)
     own = lambda r: next(iter(r["teachers"].values()))["own_test"]["mean_recall"]  # noqa: E731
-    step = lambda name: sum(r["train_summary"]["mean_step_ms"] for r in res["runs"][name]) / len(res["runs"][name])  # noqa: E731
+    def step(arm_name: str) -> float:
+        runs = res["runs"][arm_name]
+        return sum(r["train_summary"]["mean_step_ms"] for r in runs) / len(runs)
+
     comparison = next((c for c in res.get("comparisons") or []
-                       if (c["arm"], c["against"]) == ("reinforced-minilm", "plain-minilm-tuned")), None)
+                       if (c["arm"], c["against"]) == (name, "plain-minilm-tuned")), None)
     return {"arm": arm, "ref": ref, "seeds": seeds, "diffs": diffs,
             "paired": {"gap": mean, "gap_ci": None if half is None else [mean - half, mean + half]},
             "crossings": (comparison or {}).get("crossings") or [],
@@ -559,9 +565,9 @@ def reinforced_minilm_facts(res: dict, ctl: dict) -> dict:
             "controls_tuned": ctl["arms"]["plain-minilm-tuned"]["final_mean_recall"],
             "teacher_own": own(res), "teacher_own_controls": own(ctl), "controls_commit": next(iter(
                 ctl["teachers"].values()))["code"]["commit"][:7],
-            "lr": res["recipe"]["efficiency"]["runs"]["reinforced-minilm"]["optim"]["lr"],
-            "step_ms": step("reinforced-minilm"), "tuned_step_ms": step("plain-minilm-tuned"),
-            "early": {x: {name: _seed_mean_at(res, name, x) for name in ("reinforced-minilm", "plain-minilm-tuned")}
+            "lr": res["recipe"]["efficiency"]["runs"][name]["optim"]["lr"],
+            "step_ms": step(name), "tuned_step_ms": step("plain-minilm-tuned"),
+            "early": {x: {arm_name: _seed_mean_at(res, arm_name, x) for arm_name in (name, "plain-minilm-tuned")}
                       for x in (budget // 4, budget // 2)}}
 
 
@@ -613,6 +619,46 @@ def controls_reinforced_minilm(res: dict, ctl: dict) -> list[str]:
         f"seed by seed ({per_seed}: {below} of {len(f['seeds'])} below) the paired difference is "
         f"{_signed(f['paired']['gap'])} {paired}{welch}. By the one crossing rule, {reach}.{early} The runs' mean "
         f"steps, two side by side on the 2-core box: {f['step_ms']:.0f} ms and {f['tuned_step_ms']:.0f} ms."]
+
+
+def controls_distill_probe(probe: dict, res: dict, ctl: dict) -> list[str]:
+    """docs/experiments.md's paragraph on the val probe of reinforced-minilm's distillation terms, and (once the
+    recipe holds it) the chosen setting's report-set runs against plain-minilm-tuned, paired by seed."""
+    finals = "; ".join(f"{label} {run['final_mean_recall']:.3f}" if "final_mean_recall" in run else
+                       f"{label} {run['last_mean_recall']:.3f} when stopped at step {run['stopped_at']}"
+                       for label, run in probe["runs"].items())
+    chosen, best = probe["chosen"], probe.get("best")
+    ahead = _signed(probe["best_ahead_of_current"]) if best else ""
+    if best == "current":
+        verdict = "the current setting ends highest and stays"
+    elif chosen == best:
+        verdict = f"{best} ends highest, ahead of the current setting by {ahead}, and replaces it"
+    else:
+        verdict = (f"{best} ends highest, ahead of the current setting by {ahead}, not more than the margin: the "
+                   f"current setting stays")
+    finished = {k: r["final_mean_recall"] for k, r in probe["runs"].items() if "final_mean_recall" in r}
+    runner_up = max((k for k in finished if k != best), key=finished.get, default=None)
+    if best and runner_up not in (None, "current") and finished[best] - finished[runner_up] <= PROBE_MARGIN:
+        verdict += (f" ({runner_up} ends {finished[best] - finished[runner_up]:.3f} below it, within the margin: one "
+                    f"seed on 95 studies does not tell those two apart, and the rule takes the highest)")
+    lines = [
+        f"**The distillation terms chosen on val** (stop 74; `python scripts/controls_probe.py configs distill`, the "
+        f"four `train run`s, `... summary distill`: [results](results/{DISTILL_PROBE.name})). reinforced-minilm's "
+        f"run config with the GPU probe's first four reinforced settings (the current λ 1 with affinity and feature "
+        f"at 50; KL only; both terms at 5; λ 0.5), seed 0, final mean R on the training shards' val split (95 "
+        f"studies): {finals}. The rule, the GPU probe's, written before any run: {probe['rule']}. Here {verdict}."]
+    arm = f"reinforced-minilm-{chosen}"
+    if chosen != "current" and arm in res["runs"]:
+        f = reinforced_minilm_facts(res, ctl, arm)
+        per_seed = ", ".join(f"{s}: {f['arm'][s]:.3f} vs {f['ref'][s]:.3f}" for s in f["seeds"])
+        how = f"t over {len(f['seeds'])} seeds"
+        lines[0] += (f" On the report set, trained on seeds {f['seeds'][0]}–{f['seeds'][-1]} (no choice read them) "
+                     f"beside the plain-minilm-tuned runs above, {arm} ends at {_ci(list(f['arm'].values()))}; seed "
+                     f"by seed ({per_seed}) the paired difference is {_signed(f['paired']['gap'])} "
+                     f"{_gap_text(f['paired'], how)}.")
+    elif chosen != "current":
+        lines[0] += f" Its report-set runs ({arm}) are not made yet."
+    return lines
 
 
 def _readme_minilm(ctl: dict) -> str:
@@ -1347,6 +1393,8 @@ BLOCKS = {
     "limitations-ladder": lambda: limitations_ladder(_load(LADDER)),
     "controls-reading": lambda: controls_reading(_load(CONTROLS)),
     "controls-reinforced-minilm": lambda: controls_reinforced_minilm(_load(CONTROLS_MINILM), _load(CONTROLS)),
+    "controls-distill-probe": lambda: controls_distill_probe(_load(DISTILL_PROBE), _load(CONTROLS_MINILM),
+                                                             _load(CONTROLS)),
     "readme-efficiency": lambda: readme_efficiency(_load(EFFICIENCY)),
     "ladder": lambda: ladder(_load(LADDER)),
     "ladder-margins": lambda: ladder_margins(_load(LADDER)),

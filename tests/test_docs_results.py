@@ -56,7 +56,7 @@ def test_the_headline_pages_hold_their_blocks(headline):
             "provenance"} <= names["protocol.md"]
     assert {"nih-table", "nih-findings", "nih-bars", "nih-efficiency", "nih-reading", "nih-iobb"} <= names[
         "real-radiographs.md"]
-    assert {"controls-table", "controls-reading", "controls-reinforced-minilm"} <= names["experiments.md"]
+    assert {"controls-table", "controls-reading", "controls-reinforced-minilm", "controls-distill-probe"} <= names["experiments.md"]
     assert {"limitations-ladder", "limitations-controls"} <= names["limitations.md"]
 
 
@@ -268,3 +268,33 @@ def test_reinforced_minilm_is_paired_with_plain_minilm_tuned_seed_by_seed_and_ch
     other = headline.controls_reinforced_minilm(
         _efficiency_results({"reinforced-minilm": {20: 0.4}, "plain-minilm-tuned": {20: 0.4}}, 0.6), ctl)[0]
     assert "another teacher than the controls' (code a423c2d)" in other and "(one seed: no interval)" in other
+
+
+def _distill_probe(finals: dict[str, float], chosen: str) -> dict:
+    best = max(finals, key=finals.get)
+    return {"rule": "r", "chosen": chosen, "best": best, "best_ahead_of_current": finals[best] - finals["current"],
+            "runs": {label: {"final_mean_recall": v} for label, v in finals.items()}}
+
+
+def test_distill_probe_block_says_what_the_rule_kept_and_pairs_the_choice_once_it_ran(headline):
+    """The val probe of reinforced-minilm's distillation terms: every candidate's final, the rule's verdict in
+    words, and the chosen setting's report-set runs paired seed by seed with plain-minilm-tuned once the recipe
+    holds them (before: said not made)."""
+    ctl = _efficiency_results({"plain-minilm-tuned": {20: 0.40, 21: 0.38, 22: 0.39}}, teacher_own=0.5)
+    ctl["teachers"]["t"]["code"] = {"commit": "a423c2d67d9ae05889c71af34442f3d473c966fd"}
+    res = _efficiency_results({"reinforced-minilm": {20: 0.35, 21: 0.36, 22: 0.37},
+                               "plain-minilm-tuned": {20: 0.40, 21: 0.38, 22: 0.39}}, teacher_own=0.5)
+    kept = headline.controls_distill_probe(_distill_probe({"current": 0.512, "kl-only": 0.50}, "current"), res, ctl)[0]
+    assert "current 0.512; kl-only 0.500" in kept and "the current setting ends highest and stays" in kept
+    close = headline.controls_distill_probe(_distill_probe({"current": 0.512, "kl-only": 0.52}, "current"), res, ctl)[0]
+    assert "kl-only ends highest, ahead of the current setting by +0.008, not more than the margin" in close
+    probe = _distill_probe({"current": 0.512, "lambda-0.5": 0.54}, "lambda-0.5")
+    waiting = headline.controls_distill_probe(probe, res, ctl)[0]
+    assert "lambda-0.5 ends highest, ahead of the current setting by +0.028, and replaces it" in waiting
+    assert "Its report-set runs (reinforced-minilm-lambda-0.5) are not made yet." in waiting
+    res = _efficiency_results({"reinforced-minilm": {20: 0.35, 21: 0.36, 22: 0.37},
+                               "reinforced-minilm-lambda-0.5": {20: 0.41, 21: 0.37, 22: 0.40},
+                               "plain-minilm-tuned": {20: 0.40, 21: 0.38, 22: 0.39}}, teacher_own=0.5)
+    done = headline.controls_distill_probe(probe, res, ctl)[0]
+    assert "reinforced-minilm-lambda-0.5 ends at" in done and "20: 0.410 vs 0.400, 21: 0.370 vs 0.380" in done
+    assert "the paired difference is +0.003 [" in done and "(t over 3 seeds; not shown" in done
