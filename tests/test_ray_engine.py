@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 
 from cxrdr.reinforce.build import BuildOptions, build
 from cxrdr.common.errors import UserError
-from cxrdr.reinforce.ray_engine import FAULTS_ENV, error_path
+from cxrdr.reinforce.ray_engine import FAULTS_ENV, error_path, init_ray
 from cxrdr.reinforce.verify import verify
 from cxrdr.reinforce.writer import is_shard_complete, stats_path
 
@@ -53,7 +54,7 @@ def dataset_header(out: Path) -> dict:
 
 
 def start_local_ray() -> None:
-    ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False,
+    init_ray(ray, num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
 
 
@@ -158,6 +159,23 @@ def test_failing_shards_are_named_the_others_complete_and_resume_retries_only_th
     assert rank["skipped"]["records"] == info["skipped"]["build"]["records"]
     assert info["total_samples"] == N - 1
     assert_same_build(out, reference)  # the resumed folder is the single-process build, byte for byte
+
+
+def test_a_local_ray_runs_its_workers_at_the_builds_priority(local_ray):
+    """Ray nices its workers (15) unless told otherwise; the build's local Ray does not, so its actors keep their
+    share of the cores beside other work."""
+    assert local_ray.get(local_ray.remote(lambda: os.nice(0)).remote()) == 0
+
+
+def test_a_cluster_at_ray_address_keeps_its_own_settings(monkeypatch):
+    calls = []
+    fake = type("FakeRay", (), {"init": staticmethod(lambda **kw: calls.append(kw))})
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    init_ray(fake, include_dashboard=False)
+    monkeypatch.delenv("RAY_ADDRESS")
+    init_ray(fake, include_dashboard=False)
+    assert calls == [{"include_dashboard": False},
+                     {"include_dashboard": False, "_system_config": {"worker_niceness": 0}}]
 
 
 def test_engine_ray_flags_are_checked_before_any_work(tmp_path):
