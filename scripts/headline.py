@@ -578,6 +578,16 @@ def _gap_text(gap: dict, how: str) -> str:
     return f"{_bounds(gap['gap_ci'])} ({how}; {_gap_reading(gap)})"
 
 
+def _reach_text(f: dict, name: str) -> str:
+    """An arm's samples to reach fractions of plain-minilm-tuned's final, over plain-minilm-tuned's own (the one
+    crossing rule of the results' comparison)."""
+    if not f["crossings"]:
+        return "its crossing of plain-minilm-tuned's final: not computed"
+    return (f"{name}'s samples to reach " + ", ".join(f"{round(100 * c.get('fraction', 1.0))} %" for c in f["crossings"])
+            + " of plain-minilm-tuned's final, over plain-minilm-tuned's own: "
+            + ", ".join(_ratio_cell(c) + ("" if c.get("ratio") else " (never)") for c in f["crossings"]))
+
+
 def controls_reinforced_minilm(res: dict, ctl: dict) -> list[str]:
     """docs/experiments.md's paragraph on the controls' missing cell: distillation on top of a pretrained text tower."""
     f = reinforced_minilm_facts(res, ctl)
@@ -597,11 +607,7 @@ def controls_reinforced_minilm(res: dict, ctl: dict) -> list[str]:
                  + "; ".join(f"{x:,} samples: reinforced-minilm {_num(v['reinforced-minilm'])}, plain-minilm-tuned "
                              f"{_num(v['plain-minilm-tuned'])}" for x, v in f["early"].items())
                  + f": the distilled student {shape}.")
-    reach = ("its crossing of plain-minilm-tuned's final: not computed" if not f["crossings"] else
-             "reinforced-minilm's samples to reach " + ", ".join(
-                 f"{round(100 * c.get('fraction', 1.0))} %" for c in f["crossings"])
-             + " of plain-minilm-tuned's final, over plain-minilm-tuned's own: " + ", ".join(
-                 _ratio_cell(c) + ("" if c.get("ratio") else " (never)") for c in f["crossings"]))
+    reach = _reach_text(f, "reinforced-minilm")
     welch = ("" if not f["welch"].get("gap_ci") else
              f" (the experiment's own table, Welch over the two arms' seeds: {_signed(f['welch']['gap'])} "
              f"{_bounds(f['welch']['gap_ci'])})")
@@ -655,7 +661,9 @@ def controls_distill_probe(probe: dict, res: dict, ctl: dict) -> list[str]:
         lines[0] += (f" On the report set, trained on seeds {f['seeds'][0]}–{f['seeds'][-1]} (no choice read them) "
                      f"beside the plain-minilm-tuned runs above, {arm} ends at {_ci(list(f['arm'].values()))}; seed "
                      f"by seed ({per_seed}) the paired difference is {_signed(f['paired']['gap'])} "
-                     f"{_gap_text(f['paired'], how)}.")
+                     f"{_gap_text(f['paired'], how)}. By the same crossing rule, {_reach_text(f, arm)}. Its runs "
+                     f"trained three side by side on the 2-core box (the two arms above: two), so their mean step, "
+                     f"{f['step_ms']:.0f} ms, is no cost figure.")
     elif chosen != "current":
         lines[0] += f" Its report-set runs ({arm}) are not made yet."
     return lines
@@ -665,10 +673,17 @@ def _readme_minilm(ctl: dict) -> str:
     """The README's clause on reinforced-minilm, once its results are committed ('' before)."""
     if not CONTROLS_MINILM.is_file():
         return ""
-    f = reinforced_minilm_facts(_load(CONTROLS_MINILM), ctl)
-    return (f"; with the pretrained text tower too, reinforced − plain-minilm-tuned (both trained again, seeds "
+    res = _load(CONTROLS_MINILM)
+    f = reinforced_minilm_facts(res, ctl)
+    text = (f"; with the pretrained text tower too, reinforced − plain-minilm-tuned (both trained again, seeds "
             f"{f['seeds'][0]}–{f['seeds'][-1]}) is {_signed(f['paired']['gap'])} "
             f"{_gap_text(f['paired'], 'paired by seed')}")
+    chosen = _load(DISTILL_PROBE)["chosen"] if DISTILL_PROBE.is_file() else "current"
+    if f"reinforced-minilm-{chosen}" in res["runs"]:  # the val probe's distillation setting, on the same seeds
+        g = reinforced_minilm_facts(res, ctl, f"reinforced-minilm-{chosen}")
+        text += (f", and at the distillation setting chosen on val ({chosen}) {_signed(g['paired']['gap'])} "
+                 f"{_gap_text(g['paired'], 'paired by seed')}")
+    return text
 
 
 def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
