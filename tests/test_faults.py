@@ -146,6 +146,40 @@ def tiny_teacher():
     return load_teachers("random:tiny", device="cpu")
 
 
+def test_a_rank_that_joins_at_once_keeps_its_temp_files_and_a_killed_runs_are_removed(tmp_path, tiny_teacher,
+                                                                                       monkeypatch):
+    """The first rank removes a killed run's temp files while it holds the folder alone, before any rank can
+    join: a rank that joined the moment it downgraded was writing its plan through a temp file when the first
+    rank's start removed it (CI: both ranks of a two-rank build failed with FileNotFoundError on
+    plan.json.tmpPID)."""
+    import cxrdr.reinforce.build as build_module
+    from cxrdr.common.errors import UserError
+    from cxrdr.common.locking import lock_build_rank
+
+    out = tmp_path / "shards"
+    stale = out / "stats" / "plan.json.tmp999999"  # a killed run's
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{")
+    joined = out / "stats" / "plan.json.tmp424242"  # rank 1's, written as soon as it joined
+
+    def lock_then_a_rank_joins(folder, rank, world):
+        lock = lock_build_rank(folder, rank, world)
+        assert lock.alone and not stale.exists()
+        with lock_build_rank(folder, 1, 2) as other:
+            assert not other.alone
+            joined.write_text("{")
+        return lock
+
+    seen = []
+    write_plan = build_module.manifest.write_plan
+    monkeypatch.setattr(build_module, "lock_build_rank", lock_then_a_rank_joins)
+    monkeypatch.setattr(build_module.manifest, "write_plan",
+                        lambda *a, **k: (seen.append(joined.exists()), write_plan(*a, **k)))
+    with pytest.raises(UserError, match="not complete"):  # rank 0 built its shards; rank 1 never builds its own
+        build_module.build(tiny_build_options(out, world_size=2, rank=0, merge_timeout=0.1), teachers=tiny_teacher)
+    assert seen == [True] and joined.exists()
+
+
 def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, phantom_shards):
     from cxrdr.reinforce.add_teacher import add_teachers
     from cxrdr.reinforce.build import build

@@ -87,9 +87,9 @@ def _try_flock(fh, mode: int) -> bool:
         return False
 
 
-def _retry_flock(fh, mode: int, seconds: float = 2.0) -> bool:
-    """Retry briefly: a rank that started first holds the lock exclusively for the moment it takes
-    to record its world size, before it downgrades to shared."""
+def _retry_flock(fh, mode: int, seconds: float = 30.0) -> bool:
+    """Retry for a while: a rank that started first holds the lock exclusively while it records its world
+    size and removes a killed run's temp files (a walk of the folder), before it downgrades to shared."""
     deadline = time.monotonic() + seconds
     while not _try_flock(fh, mode):
         if time.monotonic() >= deadline:
@@ -155,7 +155,13 @@ def lock_build_rank(folder: str | os.PathLike, rank: int, world_size: int, what:
     alone = _try_flock(fh, fcntl.LOCK_EX)
     if alone:
         _record(fh, f"`{what}` with world size {world_size} (pid {os.getpid()})")
-        fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # downgrade: other ranks may join
+        # A killed run's temp files are stale only while no rank can have joined: removed before the downgrade
+        # (after it, a rank that joined at once was writing its plan's temp file as this one removed it).
+        remove_stale_temp_files(folder)
+        # downgrade: other ranks may join (flock converts by unlocking first: a joiner may slip in, so wait)
+        if not _retry_flock(fh, fcntl.LOCK_SH):
+            fh.close()
+            raise FolderBusyError(f"{folder}: another writer took the folder as this rank started; rerun it")
     elif not _retry_flock(fh, fcntl.LOCK_SH):
         holder = _holder(fh)
         fh.close()

@@ -42,7 +42,7 @@ import typer
 
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
-from cxrdr.common.locking import lock_build_rank, plan_lock, remove_stale_temp_files
+from cxrdr.common.locking import lock_build_rank, plan_lock
 from cxrdr.common.shards import SCHEMA_VERSION, assign_keys
 from cxrdr.reinforce import manifest
 from cxrdr.reinforce.captioners import load_captioner
@@ -95,10 +95,8 @@ def build(opts: BuildOptions, fail_after_shards: int | None = None, teachers: li
 
     plan = _plan(opts, source, images, teachers, aug, records, shards, captioner)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_build_rank(out_dir, rank, world)
+    lock = lock_build_rank(out_dir, rank, world)  # the first rank removes a killed run's temp files
     try:
-        if lock.alone:  # no other rank or writer is running: temp files of a killed run are stale
-            remove_stale_temp_files(out_dir)
         with plan_lock(out_dir):
             manifest.write_plan(out_dir, plan, opts.resume)
         if captioner is not None:  # every rank writes the same bank (each file renamed into place)
