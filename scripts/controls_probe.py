@@ -56,8 +56,7 @@ PROBES = {
          "kl-only": {"loss": {"w_affinity": 0.0, "w_feature": 0.0}},
          "weights-5": {"loss": {"w_affinity": 5.0, "w_feature": 5.0}},
          "lambda-0.5": {"loss": {"lambda_distill": 0.5}}},
-        keep="current", margin=0.010,
-        rule="highest final val mean R; it replaces the current setting only if ahead of it by more than 0.010"),
+        keep="current", margin=0.010),
 }
 
 
@@ -105,7 +104,11 @@ def summary(probe: Probe, steps: int = 400) -> dict:
     """Per candidate: the val curve (step, samples, mean R) and its final; the choice follows the probe's
     rule among the runs that finished. A run stopped early is kept with ``stopped_at`` and its last value,
     and named: it is the choice's reader's to judge whether it could have overtaken."""
-    out = {"probe": probe.describe, "rule": probe.rule, "steps": steps, "runs": {}}
+    rule = probe.rule if probe.keep is None else (f"{probe.rule}; it replaces the {probe.keep} setting only if "
+                                                  f"ahead of it by more than {probe.margin:.3f}")
+    out = {"probe": probe.describe, "rule": rule, "steps": steps, "runs": {}}
+    if probe.keep is not None:
+        out["margin"] = probe.margin
     for label in probe.candidates:
         curve = val_curve(run_dir(probe, label))
         run = {**_setting(probe, label), "curve": curve}

@@ -42,7 +42,6 @@ CONTROLS_PROBE = RESULTS / "cpu-demo-controls-lr-probe.json"
 # the controls' missing cell (stop 73): reinforced with the pretrained MiniLM text tower, paired with plain-minilm-tuned
 CONTROLS_MINILM = RESULTS / "cpu-demo-controls-reinforced-minilm.json"
 DISTILL_PROBE = RESULTS / "cpu-demo-controls-distill-probe.json"
-PROBE_MARGIN = 0.010  # the probes' rule: a setting replaces the current one only if ahead by more than this
 LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
@@ -644,7 +643,7 @@ def controls_distill_probe(probe: dict, res: dict, ctl: dict) -> list[str]:
                    f"current setting stays")
     finished = {k: r["final_mean_recall"] for k, r in probe["runs"].items() if "final_mean_recall" in r}
     runner_up = max((k for k in finished if k != best), key=finished.get, default=None)
-    if best and runner_up not in (None, "current") and finished[best] - finished[runner_up] <= PROBE_MARGIN:
+    if best and runner_up not in (None, "current") and finished[best] - finished[runner_up] <= probe["margin"]:
         verdict += (f" ({runner_up} ends {finished[best] - finished[runner_up]:.3f} below it, within the margin: one "
                     f"seed on 95 studies does not tell those two apart, and the rule takes the highest)")
     lines = [

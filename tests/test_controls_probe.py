@@ -57,6 +57,8 @@ def test_distill_probe_keeps_the_current_setting_unless_ahead_by_more_than_the_m
         _write_curve(probe_script.run_dir(probe, label), [(40, 0.1), (400, final)])
     out = probe_script.summary(probe)
     assert out["best"] == "kl-only" and out["best_ahead_of_current"] == pytest.approx(kl_only_final - 0.515)
+    assert out["margin"] == 0.010 and out["rule"] == ("highest final val mean R; it replaces the current setting only "
+                                                      "if ahead of it by more than 0.010")
     assert out["chosen"] == chosen
     assert out["runs"]["weights-5"]["w_affinity"] == 5.0 and out["runs"]["kl-only"]["final_mean_recall"] == kl_only_final
 
@@ -67,6 +69,7 @@ def test_lr_probe_names_its_choice_by_lr_and_keeps_a_stopped_run_apart(probe_scr
         _write_curve(probe_script.run_dir(probe, f"lr{lr}"), curve)
     out = probe_script.summary(probe)
     assert out["chosen_lr"] == 0.001 and set(out["runs"]) == {"0.0005", "0.001", "0.002"}
+    assert out["rule"] == "highest final val mean R" and "margin" not in out
     assert out["runs"]["0.002"]["stopped_at"] == 200 and "final_mean_recall" not in out["runs"]["0.002"]
 
 

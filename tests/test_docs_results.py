@@ -272,7 +272,8 @@ def test_reinforced_minilm_is_paired_with_plain_minilm_tuned_seed_by_seed_and_ch
 
 def _distill_probe(finals: dict[str, float], chosen: str) -> dict:
     best = max(finals, key=finals.get)
-    return {"rule": "r", "chosen": chosen, "best": best, "best_ahead_of_current": finals[best] - finals["current"],
+    return {"rule": "r", "margin": 0.010, "chosen": chosen, "best": best,
+            "best_ahead_of_current": finals[best] - finals["current"],
             "runs": {label: {"final_mean_recall": v} for label, v in finals.items()}}
 
 
