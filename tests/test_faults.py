@@ -180,6 +180,21 @@ def test_a_rank_that_joins_at_once_keeps_its_temp_files_and_a_killed_runs_are_re
     assert seen == [True] and joined.exists()
 
 
+def test_a_rank_waits_long_only_for_a_starting_rank_of_its_own_build(tmp_path):
+    """The first rank holds the folder alone while it removes a killed run's temp files, so a rank of the same
+    build waits for it; a build that finds another writer (add-teacher, merge) still says so within seconds."""
+    from cxrdr.common.locking import (BRIEF_WAIT_S, FOLDER_LOCK, RANK_START_WAIT_S, join_wait, lock_build_rank,
+                                      lock_folder)
+
+    out = tmp_path / "shards"
+    with lock_build_rank(out, 0, 2):
+        with open(out / FOLDER_LOCK) as fh:
+            assert join_wait(fh, 2) == RANK_START_WAIT_S and join_wait(fh, 1) == BRIEF_WAIT_S
+    with lock_folder(out, "reinforce add-teacher"):
+        with open(out / FOLDER_LOCK) as fh:
+            assert join_wait(fh, 2) == BRIEF_WAIT_S
+
+
 def test_second_writer_of_a_folder_gets_one_clear_line(tmp_path, tiny_teacher, phantom_shards):
     from cxrdr.reinforce.add_teacher import add_teachers
     from cxrdr.reinforce.build import build

@@ -87,15 +87,29 @@ def _try_flock(fh, mode: int) -> bool:
         return False
 
 
-def _retry_flock(fh, mode: int, seconds: float = 30.0) -> bool:
-    """Retry for a while: a rank that started first holds the lock exclusively while it records its world
-    size and removes a killed run's temp files (a walk of the folder), before it downgrades to shared."""
+BRIEF_WAIT_S = 2.0
+
+
+def _retry_flock(fh, mode: int, seconds: float = BRIEF_WAIT_S) -> bool:
+    """Retry briefly: a rank that started first holds the lock exclusively for the moment it takes
+    to record its world size, before it downgrades to shared (``join_wait``: longer where it is a rank)."""
     deadline = time.monotonic() + seconds
     while not _try_flock(fh, mode):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
     return True
+
+
+# How long a rank waits for another rank of its build that is still starting: it holds the folder lock alone while
+# it records its world size and removes a killed run's temp files (a walk of the folder, seconds on a shared one).
+RANK_START_WAIT_S = 30.0
+
+
+def join_wait(fh, world_size: int) -> float:
+    """Seconds to wait for the folder lock: long where its holder is a rank of a build of this world size (still
+    starting), the default's brief retry where it is any other writer (whose error should come at once)."""
+    return RANK_START_WAIT_S if f"world size {world_size} " in _holder(fh) else BRIEF_WAIT_S
 
 
 def _holder(fh) -> str:
@@ -159,10 +173,10 @@ def lock_build_rank(folder: str | os.PathLike, rank: int, world_size: int, what:
         # (after it, a rank that joined at once was writing its plan's temp file as this one removed it).
         remove_stale_temp_files(folder)
         # downgrade: other ranks may join (flock converts by unlocking first: a joiner may slip in, so wait)
-        if not _retry_flock(fh, fcntl.LOCK_SH):
+        if not _retry_flock(fh, fcntl.LOCK_SH, join_wait(fh, world_size)):
             fh.close()
             raise FolderBusyError(f"{folder}: another writer took the folder as this rank started; rerun it")
-    elif not _retry_flock(fh, fcntl.LOCK_SH):
+    elif not _retry_flock(fh, fcntl.LOCK_SH, join_wait(fh, world_size)):
         holder = _holder(fh)
         fh.close()
         raise FolderBusyError(busy.format(holder=holder))
