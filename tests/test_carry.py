@@ -76,6 +76,36 @@ def test_pack_keeps_the_runs_trained_and_evaluated_and_only_their_text_files(tmp
     assert not (own / RUN / CARRIED).exists() and (own / RUN / "summary.json").read_bytes() == b"{}"
 
 
+class Killed(BaseException):
+    """Stands for the process dying at that instant (no ``except Exception`` catches it)."""
+
+
+def test_an_unpack_killed_midway_leaves_the_run_as_it_was_and_the_next_unpack_carries_it_whole(tmp_path,
+                                                                                              monkeypatch):
+    files = _finished(tmp_path / "lease1", RUN)
+    archive = tmp_path / "carry.tar.gz"
+    pack_runs(tmp_path / "lease1", archive, "lease one")
+    there = tmp_path / "lease2"
+    _write(there, {f"{RUN}/stale.txt": b"an interrupted try of the same run, without weights"})
+    real_write, written = Path.write_bytes, []
+
+    def dies_at_the_third_file(path, data):
+        written.append(path)
+        if len(written) == 3:
+            raise Killed()
+        return real_write(path, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_bytes", dies_at_the_third_file)
+        with pytest.raises(Killed):
+            unpack_runs(archive, there)
+    # a summary.json without its evaluation would read as a finished run whose evaluation cannot be made
+    assert [p.name for p in (there / RUN).iterdir()] == ["stale.txt"]
+    assert unpack_runs(archive, there) == [RUN]
+    assert {p.relative_to(there).as_posix() for p in there.rglob("*") if p.is_file()} == {*files, f"{RUN}/{CARRIED}"}
+    assert finished_run(there / RUN)
+
+
 def _archive(path: Path, runs_named: list[str], members: dict[str, bytes], link: str | None = None) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         for name, data in {MANIFEST: json.dumps({"label": "x", "runs": runs_named}).encode(), **members}.items():

@@ -259,6 +259,63 @@ def test_existing_run_is_not_replaced_without_overwrite(phantom_shards, tmp_path
     assert_one_line_error(result, str(run), "--overwrite")
 
 
+class Killed(BaseException):
+    """Stands for the process dying at that instant (no ``except Exception`` catches it)."""
+
+
+@pytest.mark.parametrize("dies_at, nth", [("best.pt", 1), ("last.pt", 2), ("summary.json", 1)])
+def test_a_run_killed_while_writing_its_last_files_resumes_to_a_finished_run_with_its_best_checkpoint(
+        phantom_shards, tmp_path, monkeypatch, dies_at, nth):
+    """The final evaluation saves best.pt, then last.pt, then summary.json (the run's "done" mark), each whole or not
+    at all. Killed before any of them is in place, the run is unfinished and its resume writes all three, best.pt
+    the final step's (in the former order a kill between last.pt and best.pt left best.pt behind for good: last.pt
+    already held the best score)."""
+    from cxrdr.experiments.runs import unfinished_alike
+    from cxrdr.train.checkpoint import read_checkpoint
+    from cxrdr.train.config import TrainConfig
+
+    run, real_replace, renames = tmp_path / "run", os.replace, []
+    settings = dict(steps=2, save_every=1, eval_every=0)  # last.pt at step 1; validation at the end (step 2)
+
+    def replace(src, dst):  # the process dies with the file written under its temp name, before the rename
+        renames.append(Path(dst).name)
+        if renames.count(dies_at) == nth:  # the final evaluation's
+            raise Killed()
+        return real_replace(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", replace)
+        with pytest.raises(Killed):
+            _train(phantom_shards, run, **settings)
+    assert not (run / "summary.json").exists()
+    cfg = TrainConfig(shards=str(phantom_shards), model="tiny-A", out=str(run), batch_size=4, workers=0,
+                      progress=False, device="cpu", log_every=1, **settings)
+    assert unfinished_alike(run, cfg)  # what `train experiment` resumes
+    summary = _train(phantom_shards, run, resume=True, **settings)
+    assert json.loads((run / "summary.json").read_text())["steps"] == summary["steps"] == 2
+    best, last = read_checkpoint(run / "best.pt"), read_checkpoint(run / "last.pt")
+    assert best["step"] == last["step"] == 2 and summary["best_step"] == 2
+    assert all(torch.equal(best["model"][k], last["model"][k]) for k in last["model"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]  # one run's log
+
+
+def test_a_resume_killed_while_trimming_the_metrics_log_keeps_the_log(tmp_path, monkeypatch):
+    from cxrdr.train.runfolder import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": step}) for step in (1, 2, 3, 4)]
+    path.write_text("\n".join(lines) + "\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(Killed()))
+        with pytest.raises(Killed):
+            MetricsLog(path, True, resume_step=2)
+    assert path.read_text().splitlines() == lines  # the whole log, not an emptied file
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    MetricsLog(path, True, resume_step=2)
+    assert path.read_text().splitlines() == lines[:2]
+
+
 def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_path):
     from cxrdr.train.checkpoint import read_checkpoint
     from cxrdr.train.config import TrainConfig

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import typer
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.experiments.margins import eval_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, evaluate_run, report_set, result_row,
@@ -96,7 +97,7 @@ def ablation_experiment(recipe: dict, out_dir: Path, progress: bool = True) -> d
     md += ["## Bars", ""] + [f"- {b['bar']}: {_fmt(b['value'])} (limit {_fmt(b['limit'])}): "
                              f"{'MET' if b['met'] else 'MISSED' if b['met'] is False else 'n/a'}" for b in bars]
     md += [""] + margins_markdown(result["margins_over_train_prior"])
-    (out_dir / "table.md").write_text("\n".join(md))
+    write_text_atomic(out_dir / "table.md", "\n".join(md))
     typer.echo("\n".join(md))
     return result
 

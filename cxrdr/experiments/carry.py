@@ -13,13 +13,15 @@ distilled from the earlier lease's teacher, trained alike but not bit for bit (t
 
 Only run folders (``<experiment>/runs/<arm>/seed-<n>/``) travel, each complete or not at all; an archive member
 anywhere else, or not a plain file, is refused by name, and members are read and written as bytes, never extracted
-(no link, device or mode from an archive reaches the disk). A run this machine holds weights for stays as it is.
+(no link, device or mode from an archive reaches the disk), into a folder beside the run's that is renamed into
+place whole. A run this machine holds weights for stays as it is.
 """
 from __future__ import annotations
 
 import argparse
 import io
 import json
+import os
 import re
 import shutil
 import sys
@@ -142,16 +144,20 @@ def unpack_runs(archive: Path, recipe_out: Path) -> list[str]:
             target = recipe_out / run
             if (target / "last.pt").is_file():
                 continue  # this machine's own run
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir(parents=True)
+            # unpacked beside its place and renamed into it whole: a command killed meanwhile leaves the run
+            # absent (trained again) or complete, never a summary.json without the evaluations it came with
+            staging = target.with_name(f".{target.name}.unpacking")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
             for member in members[run]:
-                extract = tar.extractfile(member)
-                path = recipe_out / member.name
+                path = staging / Path(member.name).relative_to(run)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(extract.read())
-            if not (target / CARRIED).is_file():  # a run carried more than once keeps the lease that trained it
-                (target / CARRIED).write_text(json.dumps({"from": manifest.get("label"),
-                                                          "packed": manifest.get("packed")}, indent=1))
+                path.write_bytes(tar.extractfile(member).read())
+            if not (staging / CARRIED).is_file():  # a run carried more than once keeps the lease that trained it
+                (staging / CARRIED).write_text(json.dumps({"from": manifest.get("label"),
+                                                           "packed": manifest.get("packed")}, indent=1))
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(staging, target)
             carried.append(run)
     return carried
 

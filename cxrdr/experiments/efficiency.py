@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import typer
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.experiments.carry import carried_from, carried_note
 from cxrdr.experiments.chunks import begin
 from cxrdr.experiments.efficiency_report import (BENCHMARK_COLS, QUALITY, efficiency_markdown, plot_efficiency,
@@ -413,7 +414,7 @@ def _results(recipe: dict, out_dir: Path, shards: Path, teachers: dict, spec: di
     md = ([carried, ""] if carried else []) + md
     md += image_only_markdown(image_only) if image_only else []
     md += margins_markdown(result["margins_over_train_prior"])
-    (out_dir / "table.md").write_text("\n".join(md))
+    write_text_atomic(out_dir / "table.md", "\n".join(md))
     typer.echo("\n".join(md))
     return result
 

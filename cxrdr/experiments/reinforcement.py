@@ -23,6 +23,7 @@ from pathlib import Path
 
 import typer
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import claimed_in_turn, evaluate_run, result_row, run_training
 from cxrdr.experiments.stats import t_interval
@@ -101,7 +102,7 @@ def reinforcement_experiment(recipe: dict, out_dir: Path, progress: bool = True)
               "base": base, "teachers": teachers, "studies": tables}
     write_json(result, out_dir / "results.json")
     md = reinforcement_markdown(recipe, shards, seeds, base, studies, tables)
-    (out_dir / "table.md").write_text("\n".join(md))
+    write_text_atomic(out_dir / "table.md", "\n".join(md))
     typer.echo("\n".join(md))
     return result
 

@@ -21,6 +21,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import typer
 
+from cxrdr.common.atomic import write_json_atomic
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import FOLDER_LOCK, FolderBusyError, FolderLock, lock_folder
@@ -194,7 +195,7 @@ def run_training(cfg: TrainConfig, reuse: bool = True, lock: FolderLock | None =
         summary["code"] = code  # which code trained it: reuse does not check it, results show it
         # CPU intra-op threads change reductions' rounding (recipe `threads`; reuse does not check it either)
         summary["torch_threads"] = torch.get_num_threads()
-        summary_path.write_text(json.dumps(summary, indent=1, default=str))
+        write_json_atomic(summary_path, summary, default=str)
         return summary
     finally:
         if own is not None:

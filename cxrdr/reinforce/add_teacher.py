@@ -30,6 +30,7 @@ import torch
 import typer
 from tqdm import tqdm
 
+from cxrdr.common.atomic import write_json_atomic
 from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.errors import UserError
 from cxrdr.common.heap import frozen_heap
@@ -45,7 +46,7 @@ from cxrdr.reinforce.ordered_tasks import OrderedTasks
 from cxrdr.reinforce.options import BuildOptions, load_build_teachers, resolve_device, resolve_replay, resolve_workers
 from cxrdr.reinforce.prepare import (collate_prepared, decode_stored_image, json_safe, replay_on_device,
                                      views_or_pixels)
-from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_path, write_json_atomic
+from cxrdr.reinforce.writer import TMP_SUFFIX, TarOut, read_shard_stats, stats_path
 
 
 class ShardBatches(torch.utils.data.IterableDataset):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import typer
 
+from cxrdr.common.atomic import write_json_atomic
 from cxrdr.common.augment import AugConfig
 from cxrdr.common.errors import UserError
 from cxrdr.common.locking import lock_build_rank, plan_lock
@@ -54,7 +55,7 @@ from cxrdr.reinforce.plan import cut_shards
 from cxrdr.reinforce.prepare import PrepareSpec, json_safe
 from cxrdr.reinforce.ray_engine import import_ray, run_shards_ray
 from cxrdr.reinforce.records import SkipLog
-from cxrdr.reinforce.writer import is_shard_complete, write_json_atomic
+from cxrdr.reinforce.writer import is_shard_complete
 
 __all__ = ["BuildOptions", "build"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from cxrdr.common.shards import LABEL_NOT_MENTIONED, hf_features
-from cxrdr.reinforce.writer import write_text_atomic
+from cxrdr.common.atomic import write_text_atomic
 
 CARD_NAME = "README.md"
 # license of the data each built-in source reads (Hugging Face license identifiers)

@@ -20,12 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import typer
 
+from cxrdr.common.atomic import write_json_atomic
 from cxrdr.common.errors import UserError
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
 from cxrdr.common.shards import DATASET_JSON, MANIFEST, SIZES_JSON, STATS_DIR
 from cxrdr.reinforce.card import write_card
-from cxrdr.reinforce.writer import is_shard_complete, read_shard_stats, write_json_atomic
+from cxrdr.reinforce.writer import is_shard_complete, read_shard_stats
 
 PLAN_JSON = "plan.json"
 # Plan fields that may differ between runs of one build without changing any shard's content.

@@ -47,12 +47,13 @@ import numpy as np
 import typer
 from tqdm import tqdm
 
+from cxrdr.common.atomic import write_json_atomic
 from cxrdr.common.errors import UserError
 from cxrdr.reinforce.options import load_build_teachers
 from cxrdr.reinforce.pipeline import TIMING_KEYS, run_shards
 from cxrdr.reinforce.prepare import json_safe
 from cxrdr.reinforce.records import SkipLog
-from cxrdr.reinforce.writer import is_shard_complete, stats_path, write_json_atomic
+from cxrdr.reinforce.writer import is_shard_complete, stats_path
 
 INSTALL_HINT = 'pip install "cxrdr[ray]" (or pip install "ray[data]")'
 # Test hook: "INDEX:N[,INDEX:N]" makes the first N attempts at shard INDEX raise (retry tests).

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from cxrdr.common.atomic import write_json_atomic
 from cxrdr.common.checksums import checksum_record, member_checksums
 from cxrdr.common.shards import part_of, shard_name, shard_stats_path
 from cxrdr.reinforce.gzip_stream import ParallelGzipWriter
@@ -46,26 +47,6 @@ def is_shard_complete(out_dir: Path, index: int) -> bool:
         return tar.is_file() and stats.get("tar_bytes") == tar.stat().st_size
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def write_json_atomic(path: Path, data, indent: int | None = 1) -> None:
-    """Write JSON to ``path`` through a temp file + fsync + rename (readers never see half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f"{TMP_SUFFIX}{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=indent, sort_keys=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text to ``path`` through a temp file + rename (readers never see half a file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f"{TMP_SUFFIX}{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class TarOut:

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.common.configs import find_config
 from cxrdr.common.yamlio import check_known_fields, read_yaml_mapping, validate_fields
 from cxrdr.train.compiling import SCOPES as COMPILE_SCOPES
@@ -298,7 +299,7 @@ class TrainConfig:
         return cls.from_dict(data, where=str(path) if path is not None else "")
 
     def save_yaml(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def resolve(self, dataset_info: dict, steps_per_epoch: int,
                 online_teacher_scales: dict[str, float] | None = None) -> tuple[OptimConfig, LossConfig]:

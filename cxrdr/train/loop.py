@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import shutil
 import sys
 import time
 import warnings
@@ -35,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
+from cxrdr.common.atomic import copy_atomic, write_json_atomic
 from cxrdr.common.augment import stable_seed
 from cxrdr.common.heap import frozen_heap
 from cxrdr.common.host_threads import host_threads, threads_beside
@@ -156,7 +155,8 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             self.cfg.save_yaml(self.out / "config.yaml")
-        self.log = MetricsLog(self.out / "metrics.jsonl", self.main, self.step if resumed else None)
+        self.log = MetricsLog(self.out / "metrics.jsonl", self.main, self.step if resumed else None,
+                              redo_final_eval=resumed and self.step >= cfg.steps)
         self._setup_eval()
         self._stage = None  # 'frozen' or 'full': the stage self.task.model was wrapped for
         self._compiled = None  # torch.compile of self.task.model for this stage (--compile-scope model)
@@ -482,10 +482,12 @@ class Trainer:
             self.log.write({"kind": "eval", "step": self.step, "split": self.cfg.eval_split,
                             "best_score": self.best_score, **metrics})
         improved, stop = dist_utils.all_gather_object((improved, stop))[0]
-        if save or stop:
-            self.save("last.pt")
+        # best.pt first: last.pt records the best score, so a run killed between the two saves resumes from the
+        # last.pt before, evaluates this step again and saves its best.pt (the other order lost it for good)
         if improved and self.cfg.save_at_eval:
             self.save("best.pt")
+        if save or stop:
+            self.save("last.pt")
         return stop
 
     # ---- the run ------------------------------------------------------------------------------
@@ -604,10 +606,10 @@ class Trainer:
         if not stopped_early:
             self.evaluate()
         if self.main and not self.has_eval:
-            shutil.copyfile(self.out / "last.pt", self.out / "best.pt")
+            copy_atomic(self.out / "last.pt", self.out / "best.pt")
         summary = self._summary(start_step, stopped_early, losses, timing)
         if self.main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=json_default))
+            write_json_atomic(self.out / "summary.json", summary, default=json_default)  # the run's "done" mark
         return summary
 
 

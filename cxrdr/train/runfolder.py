@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
 from cxrdr.common.shards import dataset_identity, read_dataset_info
 from cxrdr.train.config import TrainConfig
@@ -103,16 +104,19 @@ def json_default(obj):
 class MetricsLog:
     """RUN/metrics.jsonl, one JSON object per line (rank 0 only); on resume, lines after the
     resumed step are dropped so the file reads as one consistent run, and so is a last line that a
-    process killed while writing it left unfinished."""
+    process killed while writing it left unfinished. ``redo_final_eval``: the run resumes at its last step, whose
+    evaluation it makes again (a run killed after its last save, before its summary), so that step's evaluation
+    records go too."""
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None):
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None = None, redo_final_eval: bool = False):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
         if resume_step is not None and path.is_file():
-            kept = [line for line in complete_lines(path.read_text())
-                    if json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            records = [(line, json.loads(line)) for line in complete_lines(path.read_text())]
+            kept = [line for line, record in records if record.get("step", 0) <= resume_step
+                    and not (redo_final_eval and record.get("kind") == "eval" and record.get("step") == resume_step)]
+            write_text_atomic(path, "".join(line + "\n" for line in kept))  # killed here: the run's log stays
         elif path.exists():
             path.unlink()
 

@@ -5,11 +5,12 @@ recalls, AUCs and similar fractions with three decimals, costs with one.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
+
+from cxrdr.common.atomic import write_json_atomic, write_text_atomic
 
 # column -> header used in every table; the summary keys of runner.summary_row
 HEADERS = {
@@ -67,8 +68,8 @@ def jsonable(obj):
 
 
 def write_json(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(jsonable(obj), indent=2) + "\n")
+    """``obj`` as JSON (``jsonable``) to ``path``, whole: an eval.json marks an evaluation as made."""
+    write_json_atomic(path, jsonable(obj), indent=2, fsync=False, trailing_newline=True)
 
 
 def fmt(value, column: str = "") -> str:
@@ -252,7 +253,7 @@ def write_eval_outputs(results: dict, ids: dict, plots: dict, out_dir: Path, qui
     results["files"] = files
     write_json(results, out_dir / "eval.json")
     write_json(ids, out_dir / "eval_ids.json")
-    (out_dir / "eval.md").write_text(eval_markdown(results))
+    write_text_atomic(out_dir / "eval.md", eval_markdown(results))
     if not quiet:
         print_summary(results)
         print(f"wrote {out_dir}/eval.json, eval.md, eval_ids.json and {len(files) - 3} PNG(s)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.common.nih import BOX_FINDINGS
 from cxrdr.train.evaluation.report import fmt, fmt_interval, plot_heatmap_grid, write_json
 
@@ -64,6 +65,6 @@ def benchmark_markdown(results: dict) -> str:
 def write_outputs(results: dict, plots: list, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(results, out_dir / "benchmark.json")
-    (out_dir / "benchmark.md").write_text(benchmark_markdown(results))
+    write_text_atomic(out_dir / "benchmark.md", benchmark_markdown(results))
     if plots:
         plot_heatmap_grid(plots, out_dir / "heatmaps.png")
