@@ -178,6 +178,28 @@ def test_an_early_stop_writes_last_pt_even_where_passes_do_not_save(phantom_shar
     assert saves == [(6, "last.pt")]
 
 
+def test_an_early_stop_killed_before_its_summary_resumes_to_the_same_stop(phantom_shards, tmp_path, monkeypatch):
+    """The stop's last.pt holds the evaluations since the best; a resume from it stops again at once instead of
+    training on past the stop (to the next pass, which stopped it again some steps later)."""
+    from cxrdr.train import loop
+
+    scores = iter([0.5, 0.4, 0.3])  # patience 2 stops at step 6
+    monkeypatch.setattr(loop, "quick_evaluate", lambda *a, **k: {"score": next(scores)})
+    real_summary = loop.Trainer._summary
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.Trainer, "_summary", lambda *a: (_ for _ in ()).throw(Killed()))
+        with pytest.raises(Killed):
+            _train_recording_saves(phantom_shards, tmp_path / "run", monkeypatch, steps=20, save_every=0,
+                                   early_stop_patience=2)
+    monkeypatch.setattr(loop.Trainer, "_summary", real_summary)
+    assert not (tmp_path / "run" / "summary.json").exists()
+    summary, saves = _train_recording_saves(phantom_shards, tmp_path / "run", monkeypatch, steps=20, save_every=0,
+                                            early_stop_patience=2, resume=True)
+    assert summary["stopped_early"] and summary["steps"] == 6 and saves == []
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 6 and [r["step"] for r in records if r["kind"] == "eval"] == [2, 4, 6]
+
+
 def test_on_the_cpu_the_loop_limits_only_the_probe_and_only_beside_loader_workers(phantom_shards, tmp_path,
                                                                                   monkeypatch):
     """On the CPU the pass's threads do the model's work: the loop asks for no limit on the pass, and one thread

@@ -540,6 +540,8 @@ class Trainer:
         cfg, batches = self.cfg, self._batches()
         losses: list[float] = []
         timing = self.timer = StepTimer(self.device, self.step, self.timed_before)
+        if cfg.early_stop_patience and self.evals_since_best >= cfg.early_stop_patience:
+            return True, losses, timing  # resumed from an early stop's save (killed before its summary): stopped
         while self.step < cfg.steps:
             balance_now = self._balance_now()
             log_now = (balance_now or self.step == 0 or (self.step + 1) % cfg.log_every == 0
