@@ -81,6 +81,33 @@ def test_written_rows_match_records(tmp_path):
             assert np.array_equal(np.asarray(img), np.asarray(rec.image()))
 
 
+def test_a_phantom_set_killed_midway_leaves_no_records_and_a_rerun_writes_the_whole_set(tmp_path, monkeypatch):
+    """records.jsonl appears once every image is written: the first rows of a killed command's would read as a
+    whole, smaller set. An earlier set's records go before its images are written over."""
+    from cxrdr.reinforce.phantom import source
+
+    class Killed(BaseException):
+        pass
+
+    write_phantom_dataset(4, tmp_path, seed=5, size=64, progress=False)  # an earlier set in the folder
+    real_png, made = source._png, []
+
+    def dies_at_the_fourth(record):
+        made.append(record.id)
+        if len(made) == 4:
+            raise Killed()
+        return real_png(record)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(source, "_png", dies_at_the_fourth)
+        with pytest.raises(Killed):
+            write_phantom_dataset(6, tmp_path, seed=2, size=64, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["images"]  # no records, no temp file
+    jsonl = write_phantom_dataset(6, tmp_path, seed=2, size=64, progress=False)
+    assert jsonl.read_bytes() == write_phantom_dataset(6, tmp_path / "whole", seed=2, size=64,
+                                                       progress=False).read_bytes()
+
+
 def test_evaluation_phantom_and_several_seeds():
     one, other = list(PhantomSource(30, seed=0)), list(PhantomSource(30, seed=1))
     both = list(PhantomSource(30, seed=[0, 1]))

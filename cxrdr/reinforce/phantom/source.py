@@ -15,6 +15,7 @@ import typer
 from PIL import Image
 from tqdm import tqdm
 
+from cxrdr.common.atomic import temp_path
 from cxrdr.reinforce.phantom.cases import DEVICE, NORMAL_P, Case, sample_case
 from cxrdr.reinforce.phantom.render import finding_boxes, render_case
 from cxrdr.reinforce.phantom.report import make_report, make_triples
@@ -122,17 +123,24 @@ def write_phantom_dataset(n: int, out_dir: str | Path, seed: int = 0, size: int 
     """Write ``out_dir/images/<id>.png`` and ``out_dir/records.jsonl``; returns the jsonl path.
 
     Byte-identical for the same (n, seed, size): PNGs are encoded with fixed settings and
-    jsonl rows are dumped with sorted keys.
+    jsonl rows are dumped with sorted keys. The jsonl is renamed into place once every image is written: a command
+    killed midway leaves none (not the first rows of one, which a build would read as the whole set).
     """
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     source = PhantomSource(n, seed=seed, size=size)
     jsonl = out / "records.jsonl"
-    with open(jsonl, "w", encoding="utf-8") as fh:
-        for record, png in tqdm(_rendered(source), total=n, desc="phantom", unit="img", disable=not progress):
-            rel = f"images/{record.id}.png"
-            (out / rel).write_bytes(png)
-            fh.write(json.dumps(record_row(record, rel), sort_keys=True, ensure_ascii=False) + "\n")
+    jsonl.unlink(missing_ok=True)  # an earlier set's rows must not outlive the images written over theirs
+    partial = temp_path(jsonl)
+    try:
+        with open(partial, "w", encoding="utf-8") as fh:
+            for record, png in tqdm(_rendered(source), total=n, desc="phantom", unit="img", disable=not progress):
+                rel = f"images/{record.id}.png"
+                (out / rel).write_bytes(png)
+                fh.write(json.dumps(record_row(record, rel), sort_keys=True, ensure_ascii=False) + "\n")
+        os.replace(partial, jsonl)
+    finally:
+        partial.unlink(missing_ok=True)
     return jsonl
 
 
