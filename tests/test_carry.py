@@ -106,6 +106,30 @@ def test_an_unpack_killed_midway_leaves_the_run_as_it_was_and_the_next_unpack_ca
     assert finished_run(there / RUN)
 
 
+def test_a_pack_killed_midway_leaves_the_archive_before(tmp_path, monkeypatch):
+    """A lease's call packs its runs last, where its time limit kills: what it leaves is the archive as it was."""
+    root = tmp_path / "lease"
+    _finished(root, RUN)
+    archive = tmp_path / "out" / "carry.tar.gz"
+    pack_runs(root, archive, "call one")
+    before = archive.read_bytes()
+    _finished(root, "efficiency/runs/plain/seed-11")
+    real_add, added = tarfile.TarFile.add, []
+
+    def dies_at_the_third_file(self, *args, **kwargs):
+        added.append(args)
+        if len(added) == 3:
+            raise Killed()
+        return real_add(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tarfile.TarFile, "add", dies_at_the_third_file)
+        with pytest.raises(Killed):
+            pack_runs(root, archive, "call two")
+    assert archive.read_bytes() == before and [p.name for p in archive.parent.iterdir()] == ["carry.tar.gz"]
+    assert pack_runs(root, archive, "call two") == [RUN, "efficiency/runs/plain/seed-11"]
+
+
 def _archive(path: Path, runs_named: list[str], members: dict[str, bytes], link: str | None = None) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         for name, data in {MANIFEST: json.dumps({"label": "x", "runs": runs_named}).encode(), **members}.items():

@@ -7,10 +7,12 @@ summary.json, an evaluation's eval.json), so a torn one would read as done and t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 
 def temp_path(path: str | os.PathLike) -> Path:
@@ -19,27 +21,27 @@ def temp_path(path: str | os.PathLike) -> Path:
     return path.with_name(f"{path.name}.tmp{os.getpid()}")
 
 
-def _replace_with(path: Path, write) -> None:
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """A temp path beside ``path`` to write; renamed over ``path`` when the block ends, removed if it raises."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        write(tmp)
+        yield tmp
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)  # an exception before the rename: no temp file stays behind
+        tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = False) -> None:
     """Write ``text`` (UTF-8) to ``path`` whole. ``fsync``: also on the disk before the rename (what a machine's
     crash, not only the process's, must not tear: the build's records)."""
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
-
-    _replace_with(Path(path), write)
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def write_json_atomic(path: str | os.PathLike, data, indent: int | None = 1, default=None, fsync: bool = True,
@@ -51,4 +53,5 @@ def write_json_atomic(path: str | os.PathLike, data, indent: int | None = 1, def
 
 def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy ``src`` to ``dst`` whole (a checkpoint copied as another's name)."""
-    _replace_with(Path(dst), lambda tmp: shutil.copyfile(src, tmp))
+    with replacing(dst) as tmp:
+        shutil.copyfile(src, tmp)

@@ -29,6 +29,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from cxrdr.common.atomic import replacing
+
 CARRIED = "carried.json"       # in a carried run folder: where it came from
 MANIFEST = "carried-runs.json"  # at the archive's root: its runs and label
 KEPT_SUFFIXES = (".json", ".jsonl", ".yaml", ".md")
@@ -101,8 +103,8 @@ def pack_runs(recipe_out: Path, archive: Path, label: str) -> list[str]:
     if not names:
         return names
     manifest = {"label": label, "packed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": names}
-    Path(archive).parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive, "w:gz") as tar:
+    # renamed into place whole: a lease's limit that kills the packing leaves the archive of its call before
+    with replacing(archive) as partial, tarfile.open(partial, "w:gz") as tar:
         data = json.dumps(manifest, indent=1).encode()
         info = tarfile.TarInfo(MANIFEST)
         info.size, info.mtime = len(data), int(time.time())

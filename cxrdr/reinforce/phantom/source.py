@@ -15,7 +15,7 @@ import typer
 from PIL import Image
 from tqdm import tqdm
 
-from cxrdr.common.atomic import temp_path
+from cxrdr.common.atomic import replacing
 from cxrdr.reinforce.phantom.cases import DEVICE, NORMAL_P, Case, sample_case
 from cxrdr.reinforce.phantom.render import finding_boxes, render_case
 from cxrdr.reinforce.phantom.report import make_report, make_triples
@@ -131,16 +131,11 @@ def write_phantom_dataset(n: int, out_dir: str | Path, seed: int = 0, size: int 
     source = PhantomSource(n, seed=seed, size=size)
     jsonl = out / "records.jsonl"
     jsonl.unlink(missing_ok=True)  # an earlier set's rows must not outlive the images written over theirs
-    partial = temp_path(jsonl)
-    try:
-        with open(partial, "w", encoding="utf-8") as fh:
-            for record, png in tqdm(_rendered(source), total=n, desc="phantom", unit="img", disable=not progress):
-                rel = f"images/{record.id}.png"
-                (out / rel).write_bytes(png)
-                fh.write(json.dumps(record_row(record, rel), sort_keys=True, ensure_ascii=False) + "\n")
-        os.replace(partial, jsonl)
-    finally:
-        partial.unlink(missing_ok=True)
+    with replacing(jsonl) as partial, open(partial, "w", encoding="utf-8") as fh:
+        for record, png in tqdm(_rendered(source), total=n, desc="phantom", unit="img", disable=not progress):
+            rel = f"images/{record.id}.png"
+            (out / rel).write_bytes(png)
+            fh.write(json.dumps(record_row(record, rel), sort_keys=True, ensure_ascii=False) + "\n")
     return jsonl
 
 
