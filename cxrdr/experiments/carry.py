@@ -103,7 +103,7 @@ def pack_runs(recipe_out: Path, archive: Path, label: str) -> list[str]:
     if not names:
         return names
     manifest = {"label": label, "packed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": names}
-    # renamed into place whole: a lease's limit that kills the packing leaves the archive of its call before
+    # renamed into place whole: a lease's limit that kills the packing leaves no truncated archive under its name
     with replacing(archive) as partial, tarfile.open(partial, "w:gz") as tar:
         data = json.dumps(manifest, indent=1).encode()
         info = tarfile.TarInfo(MANIFEST)
