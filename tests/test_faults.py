@@ -316,6 +316,22 @@ def test_a_resume_killed_while_trimming_the_metrics_log_keeps_the_log(tmp_path, 
     assert path.read_text().splitlines() == lines[:2]
 
 
+def test_an_overwrite_killed_while_clearing_the_old_run_leaves_no_finished_run(phantom_shards, tmp_path,
+                                                                               monkeypatch):
+    """--overwrite deletes the old run's summary.json (what marks a run finished) before its checkpoints."""
+    from cxrdr.train.runfolder import check_run_folder
+
+    run = tmp_path / "run"
+    _train(phantom_shards, run)
+    real_unlink = Path.unlink
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "unlink", lambda self, *a, **k: (_ for _ in ()).throw(Killed())
+                      if self.name != "summary.json" else real_unlink(self, *a, **k))
+        with pytest.raises(Killed):
+            check_run_folder(run, resume=False, overwrite=True)
+    assert not (run / "summary.json").exists() and (run / "last.pt").exists()
+
+
 def test_resume_refuses_changed_settings_and_other_models(phantom_shards, tmp_path):
     from cxrdr.train.checkpoint import read_checkpoint
     from cxrdr.train.config import TrainConfig

@@ -79,8 +79,8 @@ def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
     if not overwrite:
         raise ValueError(f"--out {out} already holds a run ({', '.join(existing)}); pass --resume to "
                          f"continue it, --overwrite to replace it, or choose another --out")
-    for name in existing:
-        (out / name).unlink()
+    for name in sorted(existing, key=lambda name: name != "summary.json"):  # the "done" mark first: killed
+        (out / name).unlink()  # midway, what is left is an unfinished run, never a finished one without last.pt
 
 
 def lock_run_folder(cfg: TrainConfig):
