@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import typer
 
+from cxrdr.common.atomic import copy_atomic
 from cxrdr.common.checksums import recorded_checksums
 from cxrdr.common.shards.info import read_dataset_info
 from cxrdr.common.shards.members import DATASET_JSON, IMAGE_EXTS
@@ -149,9 +148,7 @@ def _prepare_one(recipe: dict, name: str, plan: dict, students: Callable[[], Pat
         _refuse_stale(Path(recipe["shards"]["dir"]), name)
         # through a temporary name: a command killed while copying must not leave a truncated checkpoint
         # newer than last.pt, which the next command would take for the finished copy
-        partial = ckpt.with_name(ckpt.name + ".partial")
-        shutil.copyfile(last, partial)
-        os.replace(partial, ckpt)
+        copy_atomic(last, ckpt)
     sets = {"own": lambda: (shards, "test"), "students": lambda: (students(), "test"),
             "report": lambda: report_set(recipe, progress)}
     quality = {QUALITY_KEYS[tag]: _quality(recipe, Path(cfg.out), *sets[tag](), tag) for tag in plan["evaluate"]}

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import typer
 
-from cxrdr.common.atomic import write_json_atomic
+from cxrdr.common.atomic import replacing, write_json_atomic
 from cxrdr.common.errors import UserError
 from cxrdr.common.labels import CHEXPERT14
 from cxrdr.common.locking import lock_folder, remove_stale_temp_files
@@ -161,9 +161,8 @@ def merge(out_dir: Path, wait_timeout: float = 0.0) -> dict:
             seen[row["key"]] = s["name"]
             rows.append(row)
     table = manifest_table(rows)
-    tmp = out_dir / (MANIFEST + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(out_dir / MANIFEST)
+    with replacing(out_dir / MANIFEST) as tmp:
+        pq.write_table(table, tmp)
     write_json_atomic(out_dir / SIZES_JSON, {s["name"]: s["samples"] for s in stats})
 
     total = sum(s["samples"] for s in stats)

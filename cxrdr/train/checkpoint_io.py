@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cxrdr.common.atomic import replacing
+
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The student inside DDP / torch.compile wrappers."""
@@ -51,19 +53,12 @@ def plain_state(value):
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, **state) -> Path:
     """Write {"model_config", "model", **state} to ``path`` atomically (temp file + rename)."""
     model = _unwrap(model)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     # The state_dict stays as torch made it (an OrderedDict with _metadata, which weights_only reads).
     payload = {"model_config": plain_state(model.config.to_dict()), "model": model.state_dict(),
                **plain_state(state)}
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with replacing(path) as tmp:
         torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return Path(path)
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from cxrdr.common.atomic import replacing, write_json_atomic
 from cxrdr.common.errors import UserError
 from cxrdr.reinforce.captions.from_labels import TEXT_SOURCE_REPORT
 from cxrdr.reinforce.captions.report import split_sentences, usable_sentence
@@ -106,17 +106,13 @@ class SentenceBank:
         folder.mkdir(parents=True, exist_ok=True)
         _save_npy(folder / SENTENCES_FILE, np.array(self.sentences, dtype=str))
         _save_npy(folder / EMBEDDINGS_FILE, self.embeddings.astype(np.float32))
-        tmp = folder / f"{BANK_JSON}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(self.describe(), indent=1), encoding="utf-8")
-        os.replace(tmp, folder / BANK_JSON)
+        write_json_atomic(folder / BANK_JSON, self.describe(), fsync=False)
         return folder
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
+    with replacing(path) as tmp, open(tmp, "wb") as fh:
         np.save(fh, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def embed_sentences(teacher, sentences: list[str]) -> np.ndarray:

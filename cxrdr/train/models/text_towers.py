@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import os
 import string
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch.nn as nn
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, BertTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from cxrdr.common.atomic import write_text_atomic
 from cxrdr.common.pretrained import cache_root, minilm_path
 from cxrdr.train.models.packed_text import encode_packed, packed_layer, packing_index, supports_packing
 from cxrdr.train.models.init import create_open_clip
@@ -106,10 +106,7 @@ def tiny_vocab_file() -> Path:
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     path = cache_root() / f"tiny-vocab-{digest}.txt"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     return path
 
 
