@@ -75,7 +75,7 @@ def report(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    from cxrdr.train.evaluation.report import pyplot
+    from cxrdr.common.plots import pyplot
 
     plt = pyplot()
     fit = demo_fit(rows)

@@ -386,6 +386,38 @@ def test_inspect_and_verify_commands(fresh):
     assert "OK" in result.output
 
 
+def test_inspect_draws_a_samples_views_and_ranks_its_report_by_each_image_teacher(fresh, tmp_path):
+    """--views: a PNG of the stored image and its K views; under each view the rank of the sample's own report
+    among its shard's by each teacher with image embeddings (the text-only MiniLM has none)."""
+    from cxrdr.common.shards import decode_sample
+    from cxrdr.reinforce.views_sheet import report_ranks
+
+    info = read_dataset_info(fresh)
+    shard = fresh / info["shards"][0]["name"]
+    samples = [decode_sample({"__key__": k, "__url__": str(shard), **m}) for k, m in iter_tar_samples(shard)]
+    sample = next(s for s in samples if s.meta["boxes"])
+    png = tmp_path / "views.png"
+    result = CliRunner().invoke(app(), ["inspect", str(fresh), "--key", sample.key, "--views", str(png),
+                                        "--view-size", "48"])
+    assert result.exit_code == 0, result.output
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.width > 400
+    ranks = report_ranks(shard, sample, ["random-tiny", "minilm"])
+    assert list(ranks) == ["random-tiny"] and ranks["random-tiny"]["n"] == len(samples)
+    # the rank, counted here one report at a time: 1 + the reports the view is closer to than to its own
+    unit = [s.embeddings("random-tiny")["txt"] / np.linalg.norm(s.embeddings("random-tiny")["txt"]) for s in samples]
+    own = next(i for i, s in enumerate(samples) if s.key == sample.key)
+    for k, view in enumerate(sample.embeddings("random-tiny")["img"]):
+        cosines = [float(view @ u) / float(np.linalg.norm(view)) for u in unit]
+        assert ranks["random-tiny"]["cosines"][k] == pytest.approx(cosines[own], abs=1e-6)
+        assert ranks["random-tiny"]["ranks"][k] == 1 + sum(c > cosines[own] + 1e-9 for c in cosines)
+    listed = "/".join(str(r) for r in ranks["random-tiny"]["ranks"])
+    assert (f"wrote {png}: 2 views of {sample.key} at 48 px; random-tiny: report #{listed} of {len(samples)}"
+            in result.output)
+    default = CliRunner().invoke(app(), ["inspect", str(fresh), "--views", str(tmp_path / "first.png")])
+    assert default.exit_code == 0 and f"at {info['teachers'][0]['image_size']} px" in default.output
+
+
 def _last_member_end(path: Path) -> int:
     with tarfile.open(path) as tf:
         last = tf.getmembers()[-1]
@@ -733,6 +765,9 @@ def test_text_only_source_builds_shards_without_images(tmp_path, teachers, monke
         assert set(sample) == {"txt", "json", "random-tiny.npy", "minilm.npy"}
         assert json.loads(sample["json"])["aug"] == []
     assert verify(tmp_path / "text")[0] == []
+    drawn = CliRunner().invoke(app(), ["inspect", str(tmp_path / "text"), "--views", str(tmp_path / "views.png")])
+    assert isinstance(drawn.exception, UserError) and "no stored image or augmentations to draw" in str(drawn.exception)
+    assert not (tmp_path / "views.png").exists()
 
 
 def test_rank_from_torchrun_env_and_merge_after_a_timeout(tmp_path, teachers, monkeypatch):

@@ -12,13 +12,14 @@ import torch
 import typer
 
 from cxrdr.common.atomic import write_text_atomic
+from cxrdr.common.plots import pyplot, save_figure
 from cxrdr.experiments.margins import eval_hit_blocks, margins_markdown, pooled_margins
 from cxrdr.experiments.recipe import recipe_seeds, set_threads, train_config
 from cxrdr.experiments.runs import (claimed_in_turn, ensure_shards, evaluate_run, report_set, result_row,
                                    run_training)
 from cxrdr.experiments.stats import t_interval
-from cxrdr.train.evaluation.report import (COST_COLUMNS, markdown_table, markdown_table_sd, plot_bars, pyplot,
-                                           save_figure, seed_summary, write_json)
+from cxrdr.train.evaluation.report import (COST_COLUMNS, markdown_table, markdown_table_sd, plot_bars, seed_summary,
+                                           write_json)
 
 DEFAULT_VARIANTS = {"A": "cpu-A", "B": "cpu-B", "C": "cpu-C", "D": "cpu-D", "E": "cpu-E"}
 ABLATION_QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall",

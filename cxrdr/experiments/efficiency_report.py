@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cxrdr.common.plots import pyplot, save_figure
 from cxrdr.experiments.stats import mean_curve
-from cxrdr.train.evaluation.report import markdown_table, markdown_table_sd, plot_bars, pyplot, save_figure
+from cxrdr.train.evaluation.report import markdown_table, markdown_table_sd, plot_bars
 
 QUALITY = ["i2t_R@1", "t2i_R@1", "mean_recall", "chance_mean_recall", "oracle_mean_recall", "mean_recall_findings",
            "probe_auc", "zeroshot_auc"]

@@ -1,4 +1,5 @@
-"""`reinforce inspect DIR`: what a shard folder holds, and one sample's captions and aug params."""
+"""`reinforce inspect DIR`: what a shard folder holds, and one sample's captions and aug params (``--views``: drawn,
+``views_sheet``)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from cxrdr.common.errors import UserError
 from cxrdr.common.shards import (iter_tar_samples, load_meta, npy_load, read_dataset_info, sample_embeddings,
                                  teacher_ext)
 from cxrdr.reinforce.card import replay_text
+from cxrdr.reinforce.views_sheet import draw_views
 
 
 def first_sample(shards_dir: Path, info: dict, key: str | None = None) -> tuple[str, dict] | None:
@@ -120,6 +122,13 @@ def cli_inspect(
     shards_dir: Annotated[Path, typer.Argument(help="Shard folder written by `reinforce build`.")],
     key: Annotated[Optional[str], typer.Option(help="Show this sample key instead of the first one.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print dataset.json instead of the summary.")] = False,
+    views: Annotated[Optional[Path], typer.Option(
+        help="Also draw the sample's stored image and its K augmented views, as the student replays them, with "
+             "the finding boxes carried into each view and where each image teacher ranks the sample's report "
+             "among its shard's (PNG).")] = None,
+    view_size: Annotated[Optional[int], typer.Option(
+        help="Side of the drawn views in pixels (default: the first image teacher's input size, else the stored "
+             "size).")] = None,
 ) -> None:
     """Summarise a shard folder: counts, splits, teachers, bytes/sample, one sample's captions and aug params."""
     info = read_dataset_info(shards_dir)
@@ -130,3 +139,10 @@ def cli_inspect(
     if key is not None and sample is None:
         raise UserError(f"no sample with key {key!r} in {shards_dir}")
     typer.echo(describe_text(shards_dir, info, sample))
+    if views is not None:
+        if sample is None:
+            raise UserError(f"{shards_dir} holds no sample to draw")
+        drawn = draw_views(shards_dir, info, sample[0], sample[1], views, view_size)
+        ranks = "; ".join(f"{t}: report #{'/'.join(map(str, r['ranks']))} of {r['n']}"
+                          for t, r in drawn["ranks"].items()) or "no teacher with image embeddings"
+        typer.echo(f"wrote {views}: {drawn['views']} views of {drawn['key']} at {drawn['size']} px; {ranks}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from cxrdr.common.errors import UserError
-from cxrdr.train.evaluation.report import pyplot, save_figure
+from cxrdr.common.plots import pyplot, save_figure
 from cxrdr.train.runfolder import numbered_complete_lines
 
 # Panels in this order, then the loss terms (loss/*), then their gradient norms (grad_norm/*). A key no run logs
