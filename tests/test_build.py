@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import re
 import tarfile
 from pathlib import Path
 
@@ -372,8 +373,6 @@ def test_inspect_and_verify_commands(fresh):
     assert result.exit_code == 0, result.output
     for text in ("random-tiny", "minilm", "bytes/sample", "captions:", "aug params", "TEST ONLY"):
         assert text in result.output
-    import re
-
     info = read_dataset_info(fresh)
     disk = sum((fresh / s["name"]).stat().st_size for s in info["shards"]) / info["total_samples"]
     found = re.search(r"on disk: (\d+) bytes/sample for (\d+) bytes/sample of payload \(x([\d.]+); 5 members",
@@ -416,6 +415,41 @@ def test_inspect_draws_a_samples_views_and_ranks_its_report_by_each_image_teache
             in result.output)
     default = CliRunner().invoke(app(), ["inspect", str(fresh), "--views", str(tmp_path / "first.png")])
     assert default.exit_code == 0 and f"at {info['teachers'][0]['image_size']} px" in default.output
+
+
+def test_inspect_teacher_check_ranks_every_view_and_caption_against_the_splits_reports(fresh):
+    """--teacher-check: each stored view (image teachers) and caption (every teacher) ranks its own report among
+    the split's reports by the teacher's stored embeddings; counted here one query at a time."""
+    from cxrdr.common.shards import decode_sample
+    from cxrdr.reinforce.teacher_check import teacher_check
+
+    info = read_dataset_info(fresh)
+    samples = [decode_sample({"__key__": k, **m}) for shard in info["shards"] if shard["split"] == "train"
+               for k, m in iter_tar_samples(fresh / shard["name"])]
+    result = teacher_check(fresh, info, "train", limit=None)
+    assert set(result["teachers"]) == {"random-tiny", "minilm"} and "views" not in result["teachers"]["minilm"]
+    for name, part, label in (("random-tiny", "img", "views"), ("random-tiny", "syn", "captions"),
+                              ("minilm", "syn", "captions")):
+        reports = np.stack([s.embeddings(name)["txt"] for s in samples])
+        reports /= np.linalg.norm(reports, axis=1, keepdims=True)
+        ranks = []
+        for own, sample in enumerate(samples):
+            for query in sample.embeddings(name)[part]:
+                scores = reports @ (query / np.linalg.norm(query))
+                ranks.append(1 + int((scores > scores[own] + 1e-9).sum()))
+        got = result["teachers"][name][label]
+        assert got["queries"] == len(ranks) == len(samples) * info["n_aug" if part == "img" else "n_captions"]
+        assert got["R@1"] == pytest.approx(np.mean(np.array(ranks) <= 1))
+        assert got["R@5"] == pytest.approx(np.mean(np.array(ranks) <= 5))
+        assert got["median_rank"] == np.median(ranks) and got["chance_median_rank"] == (len(samples) + 1) / 2
+    assert teacher_check(fresh, info, "train", limit=5)["teachers"]["minilm"]["reports"] == 5
+    result = CliRunner().invoke(app(), ["inspect", str(fresh), "--teacher-check", "--split", "train"])
+    assert result.exit_code == 0, result.output
+    assert "minilm           views     (a text-only teacher: no image embeddings)" in result.output
+    assert re.search(r"random-tiny +views +R@1 [\d.]+ \[0\.083\].*median rank \d+ of 12 \[6\]  \(24 queries\)",
+                     result.output), result.output
+    missing = CliRunner().invoke(app(), ["inspect", str(fresh), "--teacher-check", "--split", "nope"])
+    assert isinstance(missing.exception, UserError) and "split 'nope' holds no sample" in str(missing.exception)
 
 
 def _last_member_end(path: Path) -> int:

@@ -49,3 +49,18 @@ def test_a_views_caption_names_its_crop_rotation_flip_and_photometry():
     params = {"crop": [0.0, 0.0, 50.0, 40.0], "angle": -3.25, "hflip": True, "brightness": 1.1, "contrast": 0.9,
               "gamma": 1.2, "ops": [["sharpness", 4.0]], "noise_seed": 1}
     assert view_caption(params, [100, 80]) == "25 % crop, -3.2°, flip, b 1.10 c 0.90 g 1.20, sharpness"
+
+
+def test_own_ranks_count_the_candidates_scoring_strictly_higher():
+    from cxrdr.reinforce.teacher_check import own_ranks, rank_summary
+
+    candidates = np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.6, 0.8]])
+    queries = np.array([[2.0, 0.0],    # its own candidate 0 exactly: first
+                        [0.0, 1.0],    # own candidate 1; candidate 2 is the same text: a tie, still first
+                        [1.0, 0.0],    # own candidate 1, orthogonal: candidates 0 and 3 score higher
+                        [0.0, 3.0]])   # own candidate 3 (cos 0.8) behind candidates 1 and 2 (cos 1)
+    ranks = own_ranks(queries, candidates, np.array([0, 1, 1, 3]))
+    assert ranks.tolist() == [1, 1, 3, 3]
+    summary = rank_summary(ranks, n=4)
+    assert summary["R@1"] == 0.5 and summary["R@5"] == 1.0 and summary["median_rank"] == 2.0
+    assert summary["chance_R@1"] == 0.25 and summary["chance_R@10"] == 1.0 and summary["chance_median_rank"] == 2.5

@@ -1,5 +1,5 @@
 """`reinforce inspect DIR`: what a shard folder holds, and one sample's captions and aug params (``--views``: drawn,
-``views_sheet``)."""
+``views_sheet``; ``--teacher-check``: what each teacher's stored embeddings know, ``teacher_check``)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,8 @@ from cxrdr.common.errors import UserError
 from cxrdr.common.shards import (iter_tar_samples, load_meta, npy_load, read_dataset_info, sample_embeddings,
                                  teacher_ext)
 from cxrdr.reinforce.card import replay_text
+from cxrdr.reinforce.teacher_check import check_text
+from cxrdr.reinforce.teacher_check import teacher_check as run_teacher_check
 from cxrdr.reinforce.views_sheet import draw_views
 
 
@@ -129,6 +131,13 @@ def cli_inspect(
     view_size: Annotated[Optional[int], typer.Option(
         help="Side of the drawn views in pixels (default: the first image teacher's input size, else the stored "
              "size).")] = None,
+    teacher_check: Annotated[bool, typer.Option(
+        "--teacher-check", help="Also rank, by each teacher's stored embeddings, every view's and caption's own "
+                                "report among the split's reports: recall@1/5/10 and median rank beside chance "
+                                "(what a teacher knows of this data, with no model loaded).")] = False,
+    split: Annotated[str, typer.Option(help="Split of --teacher-check.")] = "test",
+    limit: Annotated[int, typer.Option(help="--teacher-check reads at most this many samples of the split "
+                                            "(0: all).")] = 2000,
 ) -> None:
     """Summarise a shard folder: counts, splits, teachers, bytes/sample, one sample's captions and aug params."""
     info = read_dataset_info(shards_dir)
@@ -146,3 +155,5 @@ def cli_inspect(
         ranks = "; ".join(f"{t}: report #{'/'.join(map(str, r['ranks']))} of {r['n']}"
                           for t, r in drawn["ranks"].items()) or "no teacher with image embeddings"
         typer.echo(f"wrote {views}: {drawn['views']} views of {drawn['key']} at {drawn['size']} px; {ranks}")
+    if teacher_check:
+        typer.echo(check_text(run_teacher_check(shards_dir, info, split, limit or None)))

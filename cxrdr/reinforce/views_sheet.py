@@ -18,6 +18,7 @@ from cxrdr.common.augment import image_to_view, replay_many
 from cxrdr.common.errors import UserError
 from cxrdr.common.plots import pyplot, save_figure
 from cxrdr.common.shards import Sample, decode_sample, iter_tar_samples
+from cxrdr.reinforce.teacher_check import own_ranks, unit
 
 MAX_COLUMNS = 6
 COLOURS = ("lime", "orange", "deepskyblue", "magenta", "yellow", "red", "cyan", "white")
@@ -51,16 +52,12 @@ def report_ranks(shard: Path, sample: Sample, teachers: list[str]) -> dict[str, 
         parts = sample.embeddings(t) or {}
         if parts.get("img") is None or t not in own:
             continue
-        reports = _unit(np.stack(texts[t]))
-        scores = _unit(parts["img"]) @ reports.T  # (K, N)
-        mine = scores[:, own[t]]
-        out[t] = {"ranks": 1 + (scores > mine[:, None]).sum(axis=1), "cosines": mine, "n": len(reports)}
+        reports = np.stack(texts[t])
+        views = parts["img"]
+        cosines = unit(views) @ unit(reports[own[t]])
+        out[t] = {"ranks": own_ranks(views, reports, np.full(len(views), own[t])), "cosines": cosines,
+                  "n": len(reports)}
     return out
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def view_caption(params: dict, image_size) -> str:
