@@ -56,7 +56,8 @@ def test_the_headline_pages_hold_their_blocks(headline):
             "provenance"} <= names["protocol.md"]
     assert {"nih-table", "nih-findings", "nih-bars", "nih-efficiency", "nih-reading", "nih-iobb"} <= names[
         "real-radiographs.md"]
-    assert {"controls-table", "controls-reading", "controls-reinforced-minilm", "controls-distill-probe"} <= names["experiments.md"]
+    assert {"controls-table", "controls-reading", "controls-reinforced-minilm", "controls-distill-probe",
+            "controls-strong-teacher"} <= names["experiments.md"]
     assert {"limitations-ladder", "limitations-controls"} <= names["limitations.md"]
 
 
@@ -299,3 +300,24 @@ def test_distill_probe_block_says_what_the_rule_kept_and_pairs_the_choice_once_i
     done = headline.controls_distill_probe(probe, res, ctl)[0]
     assert "reinforced-minilm-lambda-0.5 ends at" in done and "20: 0.410 vs 0.400, 21: 0.370 vs 0.380" in done
     assert "the paired difference is +0.003 [" in done and "(t over 3 seeds; not shown" in done
+
+
+def test_the_stronger_teacher_is_paired_seed_by_seed_with_the_controls_runs(headline):
+    """cpu-demo-controls-strong-teacher: reinforced against the controls' reinforced (the weaker teacher), against
+    plain-minilm-tuned and against its own plain, each seed with the same seed whatever the runs' order; both
+    teachers' report-set figures from the one `train eval` file; the README and limitations quote them."""
+    pairs = headline._paired_seeds({22: 0.5, 20: 0.4, 21: 0.45}, {20: 0.3, 21: 0.3, 22: 0.3, 23: 0.9})
+    assert pairs["seeds"] == [22, 20, 21] and pairs["gap"] == pytest.approx(0.15)
+    res, ctl = headline._load(headline.CONTROLS_STRONG), headline._load(headline.CONTROLS)
+    f = headline.strong_teacher_facts(res, ctl, headline._load(headline.TEACHER_REPORT))
+    final = lambda r, arm: {run["seed"]: run["final"]["mean_recall"] for run in r["runs"][arm]}  # noqa: E731
+    for key, mine, theirs in (("vs_weak", final(res, "reinforced"), final(ctl, "reinforced")),
+                              ("vs_tuned", final(res, "reinforced"), final(ctl, "plain-minilm-tuned")),
+                              ("vs_plain", final(res, "reinforced"), final(res, "plain"))):
+        seeds = sorted(set(mine) & set(theirs))
+        assert sorted(f[key]["seeds"]) == seeds
+        assert f[key]["gap"] == pytest.approx(np.mean([mine[s] - theirs[s] for s in seeds]))
+        assert f[key]["gap_ci"][0] < f[key]["gap"] < f[key]["gap_ci"][1]
+    assert f["weak"] < f["strong"] and f["strong"] == res["teachers"]["lite2-s1-3k"]["report"]["mean_recall"]
+    clause = headline._readme_strong(ctl)
+    assert clause and clause in (ROOT / "README.md").read_text() and clause in (ROOT / "docs" / "limitations.md").read_text()
