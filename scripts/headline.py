@@ -541,6 +541,14 @@ def _seed_mean_at(res: dict, arm: str, samples: int) -> float | None:
     return None if None in values else sum(values) / len(values)
 
 
+def _paired_seeds(a: dict[int, float], b: dict[int, float]) -> dict:
+    """Seed-by-seed differences a - b over the seeds both hold, with their t interval."""
+    seeds = [s for s in a if s in b]
+    diffs = [a[s] - b[s] for s in seeds]
+    mean, half = t_interval(diffs)
+    return {"seeds": seeds, "diffs": diffs, "gap": mean, "gap_ci": None if half is None else [mean - half, mean + half]}
+
+
 def reinforced_minilm_facts(res: dict, ctl: dict, name: str = "reinforced-minilm") -> dict:
     """The reinforced arm with the pretrained text tower against plain-minilm-tuned trained again beside it
     (cpu-demo-controls-reinforced-minilm): paired seed by seed (the same seeds, shards and report set), the one
@@ -549,9 +557,7 @@ def reinforced_minilm_facts(res: dict, ctl: dict, name: str = "reinforced-minilm
     distilled arm (another distillation setting of the same recipe, e.g. the val probe's choice)."""
     arm, ref = _seed_finals(res, name), _seed_finals(res, "plain-minilm-tuned")
     budget = max(point["samples_seen"] for run in res["runs"]["plain-minilm-tuned"] for point in run["curve"])
-    seeds = [s for s in arm if s in ref]
-    diffs = [arm[s] - ref[s] for s in seeds]
-    mean, half = t_interval(diffs)
+    paired = _paired_seeds(arm, ref)
     own = lambda r: next(iter(r["teachers"].values()))["own_test"]["mean_recall"]  # noqa: E731
     def step(arm_name: str) -> float:
         runs = res["runs"][arm_name]
@@ -559,8 +565,8 @@ def reinforced_minilm_facts(res: dict, ctl: dict, name: str = "reinforced-minilm
 
     comparison = next((c for c in res.get("comparisons") or []
                        if (c["arm"], c["against"]) == (name, "plain-minilm-tuned")), None)
-    return {"arm": arm, "ref": ref, "seeds": seeds, "diffs": diffs,
-            "paired": {"gap": mean, "gap_ci": None if half is None else [mean - half, mean + half]},
+    return {"arm": arm, "ref": ref, "seeds": paired["seeds"], "diffs": paired["diffs"],
+            "paired": {"gap": paired["gap"], "gap_ci": paired["gap_ci"]},
             "crossings": (comparison or {}).get("crossings") or [],
             "welch": {k: (comparison or {}).get(k) for k in ("gap", "gap_ci")},
             "controls_tuned": ctl["arms"]["plain-minilm-tuned"]["final_mean_recall"],
@@ -685,13 +691,6 @@ def _readme_minilm(ctl: dict) -> str:
         text += (f", and at the distillation setting chosen on val ({chosen}) {_signed(g['paired']['gap'])} "
                  f"{_gap_text(g['paired'], 'paired by seed')}")
     return text
-
-
-def _paired_seeds(a: dict[int, float], b: dict[int, float]) -> dict:
-    """Seed-by-seed differences a - b over the seeds both hold, with their t interval."""
-    seeds = [s for s in a if s in b]
-    mean, half = t_interval([a[s] - b[s] for s in seeds])
-    return {"seeds": seeds, "gap": mean, "gap_ci": None if half is None else [mean - half, mean + half]}
 
 
 def strong_teacher_facts(res: dict, ctl: dict, teachers: dict) -> dict:

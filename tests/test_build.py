@@ -8,8 +8,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import re
+import shutil
 import tarfile
 from pathlib import Path
 

@@ -41,6 +41,15 @@ def rank_summary(ranks: np.ndarray, n: int) -> dict:
     return out
 
 
+def stored_embeddings(path: Path, names: list[str]):
+    """(sample, {teacher: its decoded parts}) of every sample of one shard, in order; a teacher whose embeddings
+    lack the report's row ('txt') is left out of that sample's dict."""
+    for key, members in iter_tar_samples(path):
+        sample = decode_sample({"__key__": key, "__url__": str(path), **members})
+        parts = {t: sample.embeddings(t) or {} for t in names}
+        yield sample, {t: p for t, p in parts.items() if "txt" in p}
+
+
 def split_embeddings(shards_dir: Path, info: dict, split: str, limit: int | None = None) -> dict[str, dict]:
     """{teacher: {"txt": [(D,)], "img": [((K, D), sample index)], "syn": [((S, D), sample index)]}} of the first
     ``limit`` samples of ``split`` (all when None), in shard order."""
@@ -50,17 +59,12 @@ def split_embeddings(shards_dir: Path, info: dict, split: str, limit: int | None
     for shard in info["shards"]:
         if shard.get("split") != split or not shard["samples"]:
             continue
-        path = Path(shards_dir) / shard["name"]
-        for key, members in iter_tar_samples(path):
+        for sample, by_teacher in stored_embeddings(Path(shards_dir) / shard["name"], names):
             if limit is not None and n >= limit:
                 return out
-            sample = decode_sample({"__key__": key, "__url__": str(path), **members})
             if sample.split != split:
                 continue
-            for t in names:
-                parts = sample.embeddings(t) or {}
-                if "txt" not in parts:
-                    continue
+            for t, parts in by_teacher.items():
                 index = len(out[t]["txt"])
                 out[t]["txt"].append(parts["txt"])
                 for part in ("img", "syn"):

@@ -17,8 +17,8 @@ import numpy as np
 from cxrdr.common.augment import image_to_view, replay_many
 from cxrdr.common.errors import UserError
 from cxrdr.common.plots import pyplot, save_figure
-from cxrdr.common.shards import Sample, decode_sample, iter_tar_samples
-from cxrdr.reinforce.teacher_check import own_ranks, unit
+from cxrdr.common.shards import Sample, decode_sample
+from cxrdr.reinforce.teacher_check import own_ranks, stored_embeddings, unit
 
 MAX_COLUMNS = 6
 COLOURS = ("lime", "orange", "deepskyblue", "magenta", "yellow", "red", "cyan", "white")
@@ -39,14 +39,11 @@ def report_ranks(shard: Path, sample: Sample, teachers: list[str]) -> dict[str, 
     "cosines": (K,) the view's cosine to its own report, "n": reports ranked}."""
     texts: dict[str, list[np.ndarray]] = {t: [] for t in teachers}
     own: dict[str, int] = {}
-    for key, members in iter_tar_samples(shard):
-        other = sample if key == sample.key else decode_sample({"__key__": key, "__url__": str(shard), **members})
-        for t in teachers:
-            parts = other.embeddings(t)
-            if parts is not None and "txt" in parts:
-                if key == sample.key:
-                    own[t] = len(texts[t])
-                texts[t].append(parts["txt"])
+    for other, by_teacher in stored_embeddings(shard, teachers):
+        for t, parts in by_teacher.items():
+            if other.key == sample.key:
+                own[t] = len(texts[t])
+            texts[t].append(parts["txt"])
     out = {}
     for t in teachers:
         parts = sample.embeddings(t) or {}
