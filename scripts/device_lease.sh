@@ -130,6 +130,7 @@ collect() {
   # at <= 16 MiB, so the runs' heatmaps (~1 MB each at 224 px) stay behind if they would pass that
   local folders
   mapfile -t folders < <(echo "$recipe_out"; setup_folders)
+  teacher_check
   small() { find "${folders[@]}" -type f -size -4194304c \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
             -o -name '*.yaml' -o -name '*.png' \) | sort; }
   too_big() { [ "$(stat -c %s "$OUT/recipe.tar.gz")" -gt $(( ${ARCHIVE_MAX_KB:-15360} * 1024 )) ]; }
@@ -149,6 +150,23 @@ collect() {
   heatmap=$(find "$results/runs/reinforced" -path '*/eval-report/heatmaps.png' 2>/dev/null | sort -V | head -1)
   [ -n "$heatmap" ] && cp "$heatmap" "$OUT/heatmaps.png"
   return 0
+}
+
+# What the students' stored teacher embeddings know (reinforce inspect --teacher-check: recall of each view's own
+# report among the test split's, from the stored embeddings alone; seconds), again whenever a teacher was added
+# since; into the recipe's folder, so recipe.tar.gz brings it back (no ninth returned file)
+teacher_check() {
+  local shards out="$recipe_out/teacher-check.md"
+  shards=$(python3 -c "import sys; from cxrdr.experiments.recipe_file import load_recipe
+print((load_recipe(sys.argv[1]).get('shards') or {}).get('dir') or '')" "$RECIPE") || return 0
+  [ -n "$shards" ] && [ -f "$shards/dataset.json" ] || return 0
+  [ "$out" -nt "$shards/dataset.json" ] && return 0  # checked since the last teacher was added
+  if timeout 120 reinforce inspect "$shards" --teacher-check --split test > "$out.tmp" 2>&1; then
+    { echo '```'; cat "$out.tmp"; echo '```'; } > "$out"
+  else
+    echo "[lease] no teacher check of $shards:"; tail -3 "$out.tmp"
+  fi
+  rm -f "$out.tmp"
 }
 
 case "$MODE" in recipe|collect) recipe_out=$(recipe_folder) || exit 1 ;; esac

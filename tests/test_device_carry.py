@@ -107,6 +107,38 @@ def test_a_probes_lease_brings_back_the_records_of_the_set_up_it_shares_with_its
                     "runs/base/teachers/t/shards/dataset.json"}  # not the probed recipe's own runs
 
 
+def test_a_lease_brings_back_what_the_students_stored_teachers_know_checked_again_after_a_teacher_is_added(
+        tmp_path, phantom_shards):
+    """Beside the recipe's files, recipe.tar.gz holds teacher-check.md: `reinforce inspect --teacher-check` on the
+    students' shards (no ninth returned file). It is checked once, and again when the shards' dataset.json is newer
+    (add-teacher writes it); shards that cannot be checked leave no file and say why."""
+    recipe_out = tmp_path / "runs" / "x"
+    recipe_out.mkdir(parents=True)
+    text = yaml.safe_dump({"name": "x", "out": str(recipe_out), "shards": {"dir": str(phantom_shards)}})
+    done = _collect(recipe_out, tmp_path / "out", tmp_path, text)
+    assert done.returncode == 0, done.stdout + done.stderr
+    check = recipe_out / "teacher-check.md"
+    assert str(check.relative_to("/")) in _members(tmp_path / "out" / "recipe.tar.gz", Path("/"))
+    body = check.read_text()
+    assert body.startswith("```\n") and body.endswith("```\n") and "R@1" in body and "random-tiny" in body
+
+    check.write_text("kept")  # newer than dataset.json: not checked again ...
+    _collect(recipe_out, tmp_path / "out2", tmp_path, text)
+    assert check.read_text() == "kept"
+    os.utime(check, (1, 1))  # ... older (a teacher added since): checked again
+    _collect(recipe_out, tmp_path / "out3", tmp_path, text)
+    assert "R@1" in check.read_text()
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "dataset.json").write_text("{}")
+    other = tmp_path / "runs" / "y"
+    done = _collect(other, tmp_path / "out4", tmp_path,
+                    yaml.safe_dump({"name": "y", "out": str(other), "shards": {"dir": str(broken)}}))
+    assert done.returncode == 0 and f"no teacher check of {broken}" in done.stdout
+    assert not (other / "teacher-check.md").exists()
+
+
 def test_lease_brings_back_the_recipes_small_files_and_the_reinforced_arms_heatmaps(tmp_path):
     """A lease returns at most 8 files of <= 16 MiB: the recipe's small files go back as one archive (finished or
     not), its headline files and the reinforced arm's first heatmaps beside it; shards, checkpoints and files of 4
