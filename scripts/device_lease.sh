@@ -157,9 +157,12 @@ collect() {
 # since; into the recipe's folder, so recipe.tar.gz brings it back (no ninth returned file)
 teacher_check() {
   local shards out="$recipe_out/teacher-check.md"
-  shards=$(python3 -c "import sys; from cxrdr.experiments.recipe_file import load_recipe
-print((load_recipe(sys.argv[1]).get('shards') or {}).get('dir') or '')" "$RECIPE") || return 0
-  [ -n "$shards" ] && [ -f "$shards/dataset.json" ] || return 0
+  # the students' shard folder, once built with a teacher (a folder without one has nothing to check)
+  shards=$(python3 -c "import json, sys; from pathlib import Path; from cxrdr.experiments.recipe_file import load_recipe
+shards = Path((load_recipe(sys.argv[1]).get('shards') or {}).get('dir') or '/nonexistent')
+info = json.loads((shards / 'dataset.json').read_text()) if (shards / 'dataset.json').is_file() else {}
+print(shards if info.get('teachers') else '')" "$RECIPE") || return 0
+  [ -n "$shards" ] || return 0
   [ "$out" -nt "$shards/dataset.json" ] && return 0  # checked since the last teacher was added
   if timeout 120 reinforce inspect "$shards" --teacher-check --split test > "$out.tmp" 2>&1; then
     { echo '```'; cat "$out.tmp"; echo '```'; } > "$out"

@@ -44,6 +44,8 @@ CONTROLS_MINILM = RESULTS / "cpu-demo-controls-reinforced-minilm.json"
 DISTILL_PROBE = RESULTS / "cpu-demo-controls-distill-probe.json"
 CONTROLS_STRONG = RESULTS / "cpu-demo-controls-strong-teacher.json"
 TEACHER_REPORT = RESULTS / "cpu-demo-controls-teacher-report.json"
+# the stronger teacher with MiniLM students (stop 77): the cell closest to the GPU recipe's students
+CONTROLS_STRONG_MINILM = RESULTS / "cpu-demo-controls-strong-teacher-minilm.json"
 LADDER = RESULTS / "cpu-ladder.json"
 IMAGE_ONLY = RESULTS / "image-only.json"
 NIH_RETRIEVED = RESULTS / "nih-retrieved.json"
@@ -770,6 +772,74 @@ def _readme_strong(ctl: dict) -> str:
             f"{_ratio_cell(f['crossings'][0])} of plain's samples")
 
 
+STRONG_MINILM_ARMS = ("reinforced-minilm-lambda-0.5", "reinforced-minilm")  # the val probe's setting first
+
+
+def _bridge_text(g: dict, how: str) -> str:
+    """A bridge's paired difference; runs equal on every seed say so rather than print a zero-width interval."""
+    if g["diffs"] and all(d == 0 for d in g["diffs"]):
+        return f"equal on all {len(g['diffs'])} seeds: the same runs"
+    return f"{_signed(g['gap'])} {_gap_text(g, how)}"
+
+
+def strong_minilm_facts(res: dict, weak: dict) -> dict:
+    """cpu-demo-controls-strong-teacher-minilm: each distilled MiniLM arm against plain-minilm-tuned trained beside
+    it (``reinforced_minilm_facts``), and against the same arm with the weaker teacher
+    (cpu-demo-controls-reinforced-minilm, ``weak``), paired seed by seed; the bridge: plain-minilm-tuned here
+    minus its run there, on the same seeds."""
+    arms = {name: reinforced_minilm_facts(res, weak, name) for name in STRONG_MINILM_ARMS if name in res["runs"]}
+    for name, f in arms.items():
+        f["vs_weak"] = _paired_seeds(f["arm"], _seed_finals(weak, name))
+    ref = _seed_finals(res, "plain-minilm-tuned")
+    return {"arms": arms, "ref": ref, "bridge": _paired_seeds(ref, _seed_finals(weak, "plain-minilm-tuned"))}
+
+
+def controls_strong_minilm(res: dict, weak: dict, teachers: dict) -> list[str]:
+    """docs/experiments.md's paragraph on the stronger teacher distilled into students with the pretrained text
+    tower (the GPU recipe's students' set-up); ``teachers``: both teachers' report-set `train eval`."""
+    f = strong_minilm_facts(res, weak)
+    report = teachers["teachers"][next(iter(res["teachers"]))]["summary"]["mean_recall"]
+    def gap(g: dict, n: int | None = None) -> str:
+        how = f"paired by seed, t over {n or len(g['seeds'])} seeds"
+        return f"{_signed(g['gap'])} {_gap_text(g, how)}"
+    first = next(iter(f["arms"].values()))
+    seeds = first["seeds"]
+    lines = [
+        f"**The stronger teacher with MiniLM students** (stop 77; `train experiment efficiency --config "
+        f"configs/experiments/cpu-demo-controls-strong-teacher-minilm.yaml`, "
+        f"[results](results/{CONTROLS_STRONG_MINILM.name})). The cell closest to the GPU recipe's students: a "
+        f"teacher well above them (the stronger teacher above: report-set mean R {report:.3f}) and "
+        f"a text tower started from the pretrained MiniLM. The arms are the two above's, unchanged (lr "
+        f"{first['lr']:g}; no setting re-chosen for this teacher), on its shards, seeds {seeds[0]}–{seeds[-1]}. "
+        f"plain-minilm-tuned, trained again beside them, ends at {_ci(list(f['ref'].values()))} (its run on the "
+        f"weaker teacher's shards, same seeds: "
+        f"{_bridge_text(f['bridge'], 'paired by seed, t over ' + str(len(f['bridge']['seeds'])) + ' seeds')})."]
+    for name, a in f["arms"].items():
+        per_seed = ", ".join(f"{s}: {a['arm'][s]:.3f} vs {a['ref'][s]:.3f}" for s in a["seeds"])
+        setting = "λ 0.5, the val probe's choice" if name.endswith("lambda-0.5") else (
+            "λ 1, the GPU recipe's weights; added after seed 20 of the other arms had been read")
+        lines[0] += (f" {name} ({setting}) ends at {_ci(list(a['arm'].values()))}; against plain-minilm-tuned, "
+                     f"seed by seed ({per_seed}), {gap(a['paired'], len(a['seeds']))}; against the same arm with the weaker teacher "
+                     f"{gap(a['vs_weak'])}. By the one crossing rule, {_reach_text(a, name)}.")
+    margins = "; ".join(f"{arm} PG z {_pooled_cell(res, arm, 'pointing_z')}, attention "
+                        f"{_pooled_cell(res, arm, 'pointing_attn')}"
+                        for arm in (*f["arms"], "plain-minilm-tuned"))
+    lines[0] += (f" What the teacher buys is retrieval again, not pointing: each minus the train-box prior (report "
+                 f"set, over images and seeds): {margins}.")
+    return lines
+
+
+def _readme_strong_minilm() -> str:
+    """The README's clause on the stronger teacher with MiniLM students, once its results are committed."""
+    if not (CONTROLS_STRONG_MINILM.is_file() and CONTROLS_MINILM.is_file()):
+        return ""
+    f = strong_minilm_facts(_load(CONTROLS_STRONG_MINILM), _load(CONTROLS_MINILM))
+    return "; and with that teacher and the pretrained text tower, " + ", ".join(
+        f"{name} − plain-minilm-tuned is {_signed(a['paired']['gap'])} {_gap_text(a['paired'], 'paired by seed')}"
+        + (f", reaching its final at {_ratio_cell(a['crossings'][0])} of its samples" if a["crossings"] else "")
+        for name, a in f["arms"].items())
+
+
 def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
     """The README's one line on the controls (replacing the efficiency figure's 'not controlled yet');
     ``root`` / ``docs``: the paths from the page to the checkout's root and to docs/."""
@@ -788,7 +858,7 @@ def readme_controls(res: dict, root: str = "", docs: str = "docs/") -> str:
             f"at {_ratio_cell(rein['crossings'][0])} of plain's samples, 95 % of it at "
             f"{_ratio_cell(rein['crossings'][1])}; the teacher's compute is "
             f"{f['cost']['teacher_compute_s']:.0f} s, {f['cost']['teacher_compute_s'] / f['plain_run_s']:.1f} "
-            f"plain runs{_readme_strong(res)}.")
+            f"plain runs{_readme_strong(res)}{_readme_strong_minilm()}.")
 
 
 # --------------------------------------------------------------------------- phantom ladder
@@ -1496,6 +1566,8 @@ BLOCKS = {
                                                              _load(CONTROLS)),
     "controls-strong-teacher": lambda: controls_strong_teacher(_load(CONTROLS_STRONG), _load(CONTROLS),
                                                                _load(TEACHER_REPORT)),
+    "controls-strong-minilm": lambda: controls_strong_minilm(_load(CONTROLS_STRONG_MINILM), _load(CONTROLS_MINILM),
+                                                             _load(TEACHER_REPORT)),
     "readme-efficiency": lambda: readme_efficiency(_load(EFFICIENCY)),
     "ladder": lambda: ladder(_load(LADDER)),
     "ladder-margins": lambda: ladder_margins(_load(LADDER)),

@@ -111,7 +111,8 @@ def test_a_lease_brings_back_what_the_students_stored_teachers_know_checked_agai
         tmp_path, phantom_shards):
     """Beside the recipe's files, recipe.tar.gz holds teacher-check.md: `reinforce inspect --teacher-check` on the
     students' shards (no ninth returned file). It is checked once, and again when the shards' dataset.json is newer
-    (add-teacher writes it); shards that cannot be checked leave no file and say why."""
+    (add-teacher writes it); shards with no teacher are not checked, and shards that cannot be checked leave no
+    file and say why."""
     recipe_out = tmp_path / "runs" / "x"
     recipe_out.mkdir(parents=True)
     text = yaml.safe_dump({"name": "x", "out": str(recipe_out), "shards": {"dir": str(phantom_shards)}})
@@ -131,7 +132,7 @@ def test_a_lease_brings_back_what_the_students_stored_teachers_know_checked_agai
 
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "dataset.json").write_text("{}")
+    (broken / "dataset.json").write_text('{"teachers": [{"name": "t"}]}')  # a teacher named, no shard to read
     other = tmp_path / "runs" / "y"
     done = _collect(other, tmp_path / "out4", tmp_path,
                     yaml.safe_dump({"name": "y", "out": str(other), "shards": {"dir": str(broken)}}))

@@ -302,6 +302,27 @@ def test_distill_probe_block_says_what_the_rule_kept_and_pairs_the_choice_once_i
     assert "the paired difference is +0.003 [" in done and "(t over 3 seeds; not shown" in done
 
 
+def test_the_stronger_teacher_with_minilm_students_is_paired_with_plain_minilm_tuned_and_the_weaker_teacher(headline):
+    """cpu-demo-controls-strong-teacher-minilm: each distilled MiniLM arm against plain-minilm-tuned trained beside it
+    and against the same arm with the weaker teacher, seed by seed; a bridge whose runs are equal on every seed says
+    so instead of printing a zero-width interval; the README and limitations quote the clause."""
+    res, weak = headline._load(headline.CONTROLS_STRONG_MINILM), headline._load(headline.CONTROLS_MINILM)
+    f = headline.strong_minilm_facts(res, weak)
+    final = lambda r, arm: {run["seed"]: run["final"]["mean_recall"] for run in r["runs"][arm]}  # noqa: E731
+    assert set(f["arms"]) == set(headline.STRONG_MINILM_ARMS) & set(res["runs"]) and f["arms"]
+    for name, a in f["arms"].items():
+        mine, ref, before = final(res, name), final(res, "plain-minilm-tuned"), final(weak, name)
+        assert a["paired"]["gap"] == pytest.approx(np.mean([mine[s] - ref[s] for s in a["seeds"]]))
+        assert a["vs_weak"]["gap"] == pytest.approx(np.mean([mine[s] - before[s] for s in a["vs_weak"]["seeds"]]))
+        assert sorted(a["vs_weak"]["seeds"]) == sorted(set(mine) & set(before))
+    same = headline._paired_seeds({20: 0.4, 21: 0.5}, {21: 0.5, 20: 0.4})
+    assert headline._bridge_text(same, "t") == "equal on all 2 seeds: the same runs"
+    moved = headline._paired_seeds({20: 0.4, 21: 0.5, 22: 0.45}, {20: 0.3, 21: 0.52, 22: 0.41})
+    assert headline._bridge_text(moved, "t").startswith("+0.040 [")
+    clause = headline._readme_strong_minilm()
+    assert clause and clause in (ROOT / "README.md").read_text() and clause in (ROOT / "docs" / "limitations.md").read_text()
+
+
 def test_the_stronger_teacher_is_paired_seed_by_seed_with_the_controls_runs(headline):
     """cpu-demo-controls-strong-teacher: reinforced against the controls' reinforced (the weaker teacher), against
     plain-minilm-tuned and against its own plain, each seed with the same seed whatever the runs' order; both
