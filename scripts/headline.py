@@ -568,7 +568,7 @@ def reinforced_minilm_facts(res: dict, ctl: dict, name: str = "reinforced-minilm
     comparison = next((c for c in res.get("comparisons") or []
                        if (c["arm"], c["against"]) == (name, "plain-minilm-tuned")), None)
     return {"arm": arm, "ref": ref, "seeds": paired["seeds"], "diffs": paired["diffs"],
-            "paired": {"gap": paired["gap"], "gap_ci": paired["gap_ci"]},
+            "paired": paired,
             "crossings": (comparison or {}).get("crossings") or [],
             "welch": {k: (comparison or {}).get(k) for k in ("gap", "gap_ci")},
             "controls_tuned": ctl["arms"]["plain-minilm-tuned"]["final_mean_recall"],
@@ -578,6 +578,12 @@ def reinforced_minilm_facts(res: dict, ctl: dict, name: str = "reinforced-minilm
             "step_ms": step(name), "tuned_step_ms": step("plain-minilm-tuned"),
             "early": {x: {arm_name: _seed_mean_at(res, arm_name, x) for arm_name in (name, "plain-minilm-tuned")}
                       for x in (budget // 4, budget // 2)}}
+
+
+def _paired_text(g: dict) -> str:
+    """A seed-by-seed difference (``_paired_seeds``) with its interval and what it shows."""
+    how = f"paired by seed, t over {len(g['seeds'])} seeds"
+    return f"{_signed(g['gap'])} {_gap_text(g, how)}"
 
 
 def _gap_text(gap: dict, how: str) -> str:
@@ -695,6 +701,11 @@ def _readme_minilm(ctl: dict) -> str:
     return text
 
 
+def _report_mean_r(res: dict, teachers: dict) -> float:
+    """The report-set mean R of a results file's (first) stored teacher, from both teachers' `train eval` file."""
+    return teachers["teachers"][next(iter(res["teachers"]))]["summary"]["mean_recall"]
+
+
 def strong_teacher_facts(res: dict, ctl: dict, teachers: dict) -> dict:
     """cpu-demo-controls-strong-teacher against the controls: both teachers on the report set (the same `train eval`
     of each checkpoint), the arms' finals, reinforced paired seed by seed with the controls' reinforced (the weaker
@@ -704,7 +715,7 @@ def strong_teacher_facts(res: dict, ctl: dict, teachers: dict) -> dict:
     strong = finals["reinforced"]
     report = {name: t["summary"]["mean_recall"] for name, t in teachers["teachers"].items()}
     return {"finals": finals, "report": report, "weak": report["lite2-s1"],
-            "strong": report[next(iter(res["teachers"]))],
+            "strong": _report_mean_r(res, teachers),
             "vs_weak": _paired_seeds(strong, _seed_finals(ctl, "reinforced")),
             "vs_tuned": _paired_seeds(strong, _seed_finals(ctl, "plain-minilm-tuned")),
             "vs_plain": _paired_seeds(strong, finals["plain"]),
@@ -720,10 +731,6 @@ def controls_strong_teacher(res: dict, ctl: dict, teachers: dict) -> list[str]:
     f = strong_teacher_facts(res, ctl, teachers)
     t, cost, fin = f["teacher"], f["cost"], f["finals"]
     seeds = f["vs_weak"]["seeds"]
-
-    def gap(g: dict) -> str:
-        how = f"paired by seed, t over {len(g['seeds'])} seeds"
-        return f"{_signed(g['gap'])} {_gap_text(g, how)}"
 
     def studies(recipe: dict) -> int:
         return int(recipe["teachers"]["build"]["source"].split(":")[1])
@@ -745,10 +752,10 @@ def controls_strong_teacher(res: dict, ctl: dict, teachers: dict) -> list[str]:
         f"report-set mean R {f['strong']:.3f}; the students' shards the controls' own samples (a build of their "
         f"own, checked member by member), the same report set and seeds {seeds[0]}–{seeds[-1]}. Plain, trained "
         f"again on this code, ends at {_ci(list(fin['plain'].values()))} (against the controls' plain on the same "
-        f"seeds {gap(f['bridge'])}{bridge}); reinforced ends at "
-        f"{_ci(list(fin['reinforced'].values()))}, above its teacher-weak twin of the controls by {gap(f['vs_weak'])}, "
+        f"seeds {_paired_text(f['bridge'])}{bridge}); reinforced ends at "
+        f"{_ci(list(fin['reinforced'].values()))}, above its teacher-weak twin of the controls by {_paired_text(f['vs_weak'])}, "
         f"above plain-minilm-tuned (the controls' best arm, seeds {f['vs_tuned']['seeds'][0]}–"
-        f"{f['vs_tuned']['seeds'][-1]}, trained on the controls' code) by {gap(f['vs_tuned'])}, and above this plain by {gap(f['vs_plain'])}. By "
+        f"{f['vs_tuned']['seeds'][-1]}, trained on the controls' code) by {_paired_text(f['vs_tuned'])}, and above this plain by {_paired_text(f['vs_plain'])}. By "
         f"the one crossing rule it reaches plain's final at {_ratio_cell(f['crossings'][0])} of plain's samples, "
         f"95 % of it at {_ratio_cell(f['crossings'][1])} (the CPU bar: at most 1/3, upper 95 % at most 0.40)."
         f"{total_text} What it buys is retrieval, not pointing: PG z − train-box prior (report set, over images and "
@@ -775,11 +782,11 @@ def _readme_strong(ctl: dict) -> str:
 STRONG_MINILM_ARMS = ("reinforced-minilm-lambda-0.5", "reinforced-minilm")  # the val probe's setting first
 
 
-def _bridge_text(g: dict, how: str) -> str:
+def _bridge_text(g: dict) -> str:
     """A bridge's paired difference; runs equal on every seed say so rather than print a zero-width interval."""
     if g["diffs"] and all(d == 0 for d in g["diffs"]):
         return f"equal on all {len(g['diffs'])} seeds: the same runs"
-    return f"{_signed(g['gap'])} {_gap_text(g, how)}"
+    return _paired_text(g)
 
 
 def strong_minilm_facts(res: dict, weak: dict) -> dict:
@@ -798,10 +805,7 @@ def controls_strong_minilm(res: dict, weak: dict, teachers: dict) -> list[str]:
     """docs/experiments.md's paragraph on the stronger teacher distilled into students with the pretrained text
     tower (the GPU recipe's students' set-up); ``teachers``: both teachers' report-set `train eval`."""
     f = strong_minilm_facts(res, weak)
-    report = teachers["teachers"][next(iter(res["teachers"]))]["summary"]["mean_recall"]
-    def gap(g: dict, n: int | None = None) -> str:
-        how = f"paired by seed, t over {n or len(g['seeds'])} seeds"
-        return f"{_signed(g['gap'])} {_gap_text(g, how)}"
+    report = _report_mean_r(res, teachers)
     first = next(iter(f["arms"].values()))
     seeds = first["seeds"]
     lines = [
@@ -812,15 +816,14 @@ def controls_strong_minilm(res: dict, weak: dict, teachers: dict) -> list[str]:
         f"a text tower started from the pretrained MiniLM. The arms are the two above's, unchanged (lr "
         f"{first['lr']:g}; no setting re-chosen for this teacher), on its shards, seeds {seeds[0]}–{seeds[-1]}. "
         f"plain-minilm-tuned, trained again beside them, ends at {_ci(list(f['ref'].values()))} (its run on the "
-        f"weaker teacher's shards, same seeds: "
-        f"{_bridge_text(f['bridge'], 'paired by seed, t over ' + str(len(f['bridge']['seeds'])) + ' seeds')})."]
+        f"weaker teacher's shards, same seeds: {_bridge_text(f['bridge'])})."]
     for name, a in f["arms"].items():
         per_seed = ", ".join(f"{s}: {a['arm'][s]:.3f} vs {a['ref'][s]:.3f}" for s in a["seeds"])
         setting = "λ 0.5, the val probe's choice" if name.endswith("lambda-0.5") else (
             "λ 1, the GPU recipe's weights; added after seed 20 of the other arms had been read")
         lines[0] += (f" {name} ({setting}) ends at {_ci(list(a['arm'].values()))}; against plain-minilm-tuned, "
-                     f"seed by seed ({per_seed}), {gap(a['paired'], len(a['seeds']))}; against the same arm with the weaker teacher "
-                     f"{gap(a['vs_weak'])}. By the one crossing rule, {_reach_text(a, name)}.")
+                     f"seed by seed ({per_seed}), {_paired_text(a['paired'])}; against the same arm with the weaker "
+                     f"teacher {_paired_text(a['vs_weak'])}. By the one crossing rule, {_reach_text(a, name)}.")
     margins = "; ".join(f"{arm} PG z {_pooled_cell(res, arm, 'pointing_z')}, attention "
                         f"{_pooled_cell(res, arm, 'pointing_attn')}"
                         for arm in (*f["arms"], "plain-minilm-tuned"))

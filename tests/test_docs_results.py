@@ -316,9 +316,9 @@ def test_the_stronger_teacher_with_minilm_students_is_paired_with_plain_minilm_t
         assert a["vs_weak"]["gap"] == pytest.approx(np.mean([mine[s] - before[s] for s in a["vs_weak"]["seeds"]]))
         assert sorted(a["vs_weak"]["seeds"]) == sorted(set(mine) & set(before))
     same = headline._paired_seeds({20: 0.4, 21: 0.5}, {21: 0.5, 20: 0.4})
-    assert headline._bridge_text(same, "t") == "equal on all 2 seeds: the same runs"
+    assert headline._bridge_text(same) == "equal on all 2 seeds: the same runs"
     moved = headline._paired_seeds({20: 0.4, 21: 0.5, 22: 0.45}, {20: 0.3, 21: 0.52, 22: 0.41})
-    assert headline._bridge_text(moved, "t").startswith("+0.040 [")
+    assert headline._bridge_text(moved).startswith("+0.040 [")
     clause = headline._readme_strong_minilm()
     assert clause and clause in (ROOT / "README.md").read_text() and clause in (ROOT / "docs" / "limitations.md").read_text()
 
