@@ -164,6 +164,7 @@ info = json.loads((shards / 'dataset.json').read_text()) if (shards / 'dataset.j
 print(shards if info.get('teachers') else '')" "$RECIPE") || return 0
   [ -n "$shards" ] || return 0
   [ "$out" -nt "$shards/dataset.json" ] && return 0  # checked since the last teacher was added
+  mkdir -p "$recipe_out"  # a probe's folder before its first run: the shards are its probed recipe's
   if timeout 120 reinforce inspect "$shards" --teacher-check --split test > "$out.tmp" 2>&1; then
     { echo '```'; cat "$out.tmp"; echo '```'; } > "$out"
   else

@@ -112,9 +112,8 @@ def test_a_lease_brings_back_what_the_students_stored_teachers_know_checked_agai
     """Beside the recipe's files, recipe.tar.gz holds teacher-check.md: `reinforce inspect --teacher-check` on the
     students' shards (no ninth returned file). It is checked once, and again when the shards' dataset.json is newer
     (add-teacher writes it); shards with no teacher are not checked, and shards that cannot be checked leave no
-    file and say why."""
-    recipe_out = tmp_path / "runs" / "x"
-    recipe_out.mkdir(parents=True)
+    file and say why. The recipe's folder need not exist yet."""
+    recipe_out = tmp_path / "runs" / "x"  # not made yet (a probe's folder before its first run): the check makes it
     text = yaml.safe_dump({"name": "x", "out": str(recipe_out), "shards": {"dir": str(phantom_shards)}})
     done = _collect(recipe_out, tmp_path / "out", tmp_path, text)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -134,6 +133,7 @@ def test_a_lease_brings_back_what_the_students_stored_teachers_know_checked_agai
     broken.mkdir()
     (broken / "dataset.json").write_text('{"teachers": [{"name": "t"}]}')  # a teacher named, no shard to read
     other = tmp_path / "runs" / "y"
+    other.mkdir()  # the recipe's folder is there: what fails is the check itself
     done = _collect(other, tmp_path / "out4", tmp_path,
                     yaml.safe_dump({"name": "y", "out": str(other), "shards": {"dir": str(broken)}}))
     assert done.returncode == 0 and f"no teacher check of {broken}" in done.stdout
